@@ -86,3 +86,20 @@ def min_bytes(shape):
     """Fewest bytes one forward must move: the input read once, the output written once (fp32)."""
     B, N, c = shape["B"], shape["N"], shape["pair_dim"]
     return 4 * (B * N * N * c + B * N * N)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hints the harness reads (optional in any reference module; defaults in harness.py).
+# ---------------------------------------------------------------------------------------------
+INPUT_ROLES = ("x",)
+"""What each forward input is, in call order: "x" = activations (drawn from several distributions)."""
+
+
+def peak_bytes(shape):
+    """Rough peak device bytes of one fp32 reference forward beyond its inputs (for fit checks).
+
+    LayerNorm output, the symmetrised copy and its halving are live together (3 * input size),
+    then two hidden activations (B, N, N, hidden_dim) and the output.
+    """
+    B, N, c, h = shape["B"], shape["N"], shape["pair_dim"], shape["hidden_dim"]
+    return 4 * (3 * B * N * N * c + 2 * B * N * N * h + 2 * B * N * N)

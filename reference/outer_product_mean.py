@@ -123,3 +123,23 @@ def min_bytes(shape):
     """Fewest bytes one forward must move: msa and mask read once, the output written once (fp32)."""
     B, S, N = shape["B"], shape["S"], shape["N"]
     return 4 * (B * S * N * shape["msa_dim"] + B * S * N + B * N * N * shape["pair_dim"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Hints the harness reads (optional in any reference module; defaults in harness.py).
+# ---------------------------------------------------------------------------------------------
+INPUT_ROLES = ("x", "mask")
+"""What each forward input is, in call order: "x" = activations (drawn from several distributions),
+"mask" = a (B, S, N) mask (all ones, random 0/1, fractional, bool, positions masked in every sequence)."""
+
+
+def peak_bytes(shape):
+    """Rough peak device bytes of one fp32 reference forward beyond its inputs (for fit checks).
+
+    Dominated by the (B, N, N, c, c) outer product: the einsum result, its division by the
+    denominator and the reshape copy can be live together (3 copies), plus the LayerNorm output,
+    the two projections and the output.
+    """
+    B, S, N = shape["B"], shape["S"], shape["N"]
+    cm, c, cz = shape["msa_dim"], shape["hidden_dim"], shape["pair_dim"]
+    return 4 * (3 * B * N * N * c * c + B * S * N * (cm + 4 * c) + B * N * N * cz)
