@@ -1,0 +1,268 @@
+"""Tests of contact_map.py's ModelNew against an fp64 evaluation of reference/contact_map.py.
+
+CPU tests (run in CI): the CUDA source builds with nvcc, and bad inputs raise clear errors.
+GPU tests (marker `gpu`, skipped without CUDA): every kernel variant on the harness's named shapes
+and on awkward sizes, distributions, strides and parameter values, at atol = rtol = 1e-4.
+"""
+import importlib.util
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def cm():
+    """The kernel module (importing it builds the CUDA extension, about a minute the first time)."""
+    if not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
+        pytest.skip("no CUDA toolkit (set CUDA_HOME): cannot build the kernel")
+    return _load(os.path.join(ROOT, "contact_map.py"), "contact_map_under_test")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return _load(os.path.join(ROOT, "reference", "contact_map.py"), "contact_map_reference")
+
+
+def _randomise(model, gen):
+    """Non-trivial values for every parameter, LayerNorm affine included."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + 0.1)
+
+
+def _pair(models, ref, C, H, seed, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    m_ref = ref.Model(C, H)
+    _randomise(m_ref, gen)
+    new = models.ModelNew(C, H)
+    new.load_state_dict(m_ref.state_dict(), strict=True)
+    return m_ref.to(device), new.to(device)
+
+
+def _draw(shape, dist, gen):
+    if dist == "normal":
+        return torch.randn(shape, generator=gen)
+    if dist == "uniform":
+        return torch.rand(shape, generator=gen) * 4 - 2
+    if dist == "offset":  # large mean: a naive one-pass variance loses all digits here
+        return torch.randn(shape, generator=gen) + 100.0
+    if dist == "heavy":  # student-t with 2 degrees of freedom
+        n = torch.randn(shape, generator=gen)
+        chi = torch.randn(shape + (2,), generator=gen).pow(2).sum(-1)
+        return n / torch.sqrt(chi / 2)
+    raise ValueError(dist)
+
+
+def _check(cm_mod, m_ref, new, x, variant=None):
+    """new(x) against the fp64 reference; also checks the input is unchanged and out is symmetric."""
+    x_before = x.clone()
+    for v in ([variant] if variant else new.VARIANTS):
+        new.variant = v
+        with torch.inference_mode():
+            got = new(x)
+        torch.cuda.synchronize()
+        assert torch.equal(x, x_before), "input changed by the call"
+        m64 = _copy64(m_ref)
+        with torch.inference_mode():
+            want = m64(x.double()).float()
+        assert got.shape == want.shape and got.dtype == torch.float32 and got.device == x.device
+        assert torch.isfinite(got).all()
+        bad = ~torch.isclose(got, want, atol=1e-4, rtol=1e-4)
+        assert not bad.any(), (
+            f"variant {v}: {int(bad.sum())} mismatches, first at {bad.nonzero()[:3].tolist()}: "
+            f"got {got[bad][:3].tolist()} want {want[bad][:3].tolist()}")
+        assert torch.equal(got, got.transpose(1, 2)), "output not exactly symmetric"
+
+
+def _copy64(m_ref):
+    import copy
+    return copy.deepcopy(m_ref).double()
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: build and input checks
+# ------------------------------------------------------------------------------------------------
+def test_builds_and_has_variants(cm):
+    assert hasattr(cm, "ModelNew") and cm.ModelNew.VARIANTS[0] == "v1"
+
+
+def test_same_parameters_as_reference_under_same_seed(cm, ref):
+    torch.manual_seed(42)
+    a = ref.Model(64, 32)
+    torch.manual_seed(42)
+    b = cm.ModelNew(64, 32)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("shape,dtype,match", [
+    ((2, 5, 5, 16), torch.float64, "must be float32, got Double"),
+    ((2, 5, 5, 16), torch.float16, "must be float32, got Half"),
+    ((5, 5, 16), torch.float32, r"must be \(B, N, N, pair_dim\), got shape \[5, 5, 16\]"),
+    ((2, 5, 6, 16), torch.float32, r"pair_dim=16\), got shape \[2, 5, 6, 16\]"),
+    ((2, 5, 5, 8), torch.float32, r"pair_dim=16\), got shape \[2, 5, 5, 8\]"),
+    ((2, 5, 5, 16), torch.float32, "must be a CUDA tensor, got a tensor on cpu"),
+])
+def test_bad_input_raises(cm, shape, dtype, match):
+    model = cm.ModelNew(16, 8)
+    with pytest.raises(RuntimeError, match=match):
+        model(torch.randn(shape).to(dtype))
+
+
+@gpu
+@needs_cuda
+def test_input_on_other_device_than_parameters(cm):
+    model = cm.ModelNew(16, 8)  # parameters on the CPU
+    with pytest.raises(RuntimeError, match=r"pair_repr is on cuda:0 but parameter layer_norm.weight is on cpu"):
+        model(torch.randn(1, 3, 3, 16, device="cuda"))
+
+
+def test_unknown_variant(cm):
+    model = cm.ModelNew(16, 8)
+    model.variant = "v9"
+    with pytest.raises(ValueError, match="unknown variant"):
+        model(torch.randn(1, 3, 3, 16))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: correctness
+# ------------------------------------------------------------------------------------------------
+NAMED = ["seed", "crop", "batch", "long", "awkward_37", "awkward_1", "awkward_129"]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", NAMED)
+def test_named_shapes(cm, ref, name):
+    s = ref.SHAPES[name]
+    m_ref, new = _pair(cm, ref, s["pair_dim"], s["hidden_dim"], seed=NAMED.index(name))
+    gen = torch.Generator().manual_seed(7)
+    x = _draw((s["B"], s["N"], s["N"], s["pair_dim"]), "normal", gen).cuda()
+    _check(cm, m_ref, new, x)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("B,N,C,H", [
+    (1, 1, 64, 32), (2, 2, 64, 32), (1, 127, 64, 32), (1, 129, 128, 64), (3, 9, 33, 17),
+    (2, 17, 7, 5), (1, 40, 1, 1), (1, 31, 256, 128), (1, 23, 256, 64), (1, 19, 96, 200),
+    (1, 70, 130, 100), (2, 24, 16, 16), (1, 50, 256, 256),
+])
+@pytest.mark.parametrize("dist", ["normal", "offset"])
+def test_awkward_sizes(cm, ref, B, N, C, H, dist):
+    m_ref, new = _pair(cm, ref, C, H, seed=B * 1000 + N + C + H)
+    gen = torch.Generator().manual_seed(N * 31 + C)
+    _check(cm, m_ref, new, _draw((B, N, N, C), dist, gen).cuda())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dist", ["uniform", "heavy", "offset"])
+def test_distributions(cm, ref, dist):
+    m_ref, new = _pair(cm, ref, 128, 64, seed=3)
+    gen = torch.Generator().manual_seed(11)
+    _check(cm, m_ref, new, _draw((2, 67, 67, 128), dist, gen).cuda())
+
+
+@gpu
+@needs_cuda
+def test_non_contiguous_and_misaligned(cm, ref):
+    m_ref, new = _pair(cm, ref, 64, 32, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    base = _draw((2, 64, 33, 33), "normal", gen).cuda()
+    _check(cm, m_ref, new, base.permute(0, 2, 3, 1))               # permuted
+    wide = _draw((2, 33, 33, 80), "normal", gen).cuda()
+    _check(cm, m_ref, new, wide[..., 3:67])                         # sliced last dim
+    flat = _draw((1 + 2 * 33 * 33 * 64,), "normal", gen).cuda()
+    _check(cm, m_ref, new, flat[1:].view(2, 33, 33, 64))            # 4-byte but not 16-byte aligned
+
+
+@gpu
+@needs_cuda
+def test_empty(cm):
+    new = cm.ModelNew(64, 32).cuda()
+    with torch.inference_mode():
+        assert new(torch.randn(0, 5, 5, 64, device="cuda")).shape == (0, 5, 5)
+        assert new(torch.randn(2, 0, 0, 64, device="cuda")).shape == (2, 0, 0)
+
+
+@gpu
+@needs_cuda
+def test_parameters_read_at_each_call(cm, ref):
+    m_ref, new = _pair(cm, ref, 64, 32, seed=8)
+    x = torch.randn(1, 20, 20, 64, device="cuda")
+    with torch.inference_mode():
+        first = new(x)
+    _randomise(m_ref, torch.Generator().manual_seed(99))
+    new.load_state_dict(m_ref.state_dict())
+    new.layer_norm.eps = 1e-3
+    m_ref.layer_norm.eps = 1e-3
+    with torch.inference_mode():
+        second = new(x)
+    assert not torch.allclose(first, second)
+    _check(cm, m_ref, new, x)
+
+
+@gpu
+@needs_cuda
+def test_grad_enabled_forward_then_backward_raises(cm, ref):
+    m_ref, new = _pair(cm, ref, 64, 32, seed=9)
+    x = torch.randn(1, 12, 12, 64, device="cuda")
+    out = new(x)  # grad enabled, parameters require grad: as KernelBench times it
+    with torch.no_grad():
+        want = m_ref(x)
+    assert torch.allclose(out.detach(), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.sum().backward()
+
+
+@gpu
+@needs_cuda
+def test_output_poisoned_buffers_and_repeat_calls_agree(cm, ref):
+    """Fill the caching allocator's blocks with NaN first: every output element must be written."""
+    m_ref, new = _pair(cm, ref, 64, 32, seed=10)
+    x = torch.randn(3, 45, 45, 64, device="cuda")
+    for _ in range(3):
+        junk = torch.full((3 * 45 * 45 * 4,), float("nan"), device="cuda")
+        del junk
+        with torch.inference_mode():
+            got = new(x)
+        assert torch.isfinite(got).all()
+    _check(cm, m_ref, new, x)
+
+
+@gpu
+@needs_cuda
+def test_more_than_2_31_elements(cm, ref):
+    """(1, 4100, 4100, 128): 2.15e9 elements, 8.6 GB. Checked on a sampled sub-grid of positions:
+    out[R, R] depends only on x[R][:, R] and its mirror, so the reference runs on that block."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 12e9:
+        pytest.skip("needs 12 GB of free device memory")
+    m_ref, new = _pair(cm, ref, 128, 64, seed=12)
+    x = torch.empty(1, 4100, 4100, 128, device="cuda")
+    x.normal_(generator=torch.Generator(device="cuda").manual_seed(12))
+    with torch.inference_mode():
+        got = new(x)
+    rows = torch.tensor([0, 1, 2047, 2048, 4095, 4096, 4097, 4099], device="cuda")
+    sub = x[:, rows][:, :, rows]
+    del x
+    with torch.inference_mode():
+        want = _copy64(m_ref)(sub.double()).float()
+    assert torch.allclose(got[:, rows][:, :, rows], want, atol=1e-4, rtol=1e-4)
