@@ -1,0 +1,1114 @@
+"""Fused outer product mean (AlphaFold-style MSA -> pair update), FP32 CUDA kernels, KernelBench format.
+
+The op, in index notation (b batch, s sequence of the MSA, i/j residue, m msa channel, h/k hidden
+channel, z pair channel):
+
+    x[b,s,n,:]   = LayerNorm(msa[b,s,n,:])                                  (gamma, beta, eps of the module)
+    a[b,s,n,h]   = (sum_m Wa[h,m] x[b,s,n,m] + ba[h]) * mask[b,s,n]
+    b[b,s,n,k]   = (sum_m Wb[k,m] x[b,s,n,m] + bb[k]) * mask[b,s,n]
+    denom[b,i]   = max(sum_s mask[b,s,i], 1)                                depends on the row i only
+    out[b,i,j,z] = bo[z] + (1 / denom[b,i]) * sum_{h,k} Wo[z, h*c+k] * sum_s a[b,s,i,h] b[b,s,j,k]
+
+Tensors (all float32 unless said):
+    msa_repr  (B, S, N, c_m)              c_m = msa_dim
+    msa_mask  (B, S, N)                   float32 (any values), bool, uint8, int8, int16, int32, int64
+    Wa, Wb    (c, c_m), ba, bb (c)        c = hidden_dim;   gamma, beta (c_m)
+    Wo        (c_z, c*c), bo (c_z)        c_z = pair_dim
+    out       (B, N, N, c_z)
+  Internal (allocated per call, freed after): aT (B, S, CP, ceil4(N)) = a transposed so that i is
+  contiguous, bq (B, S, N, CP), inv_denom (B, N), a packed copy of Wo (<= CP*CP*ceil64(c_z) floats),
+  where CP = hidden_dim rounded up to 16, 32, 64 or 128 (zero padding: padded channels contribute 0).
+  The (B, N, N, c, c) outer product of the reference is never stored in global memory.
+
+Two contraction orders (FLOPs of the second stage; the LayerNorm + projections add 4 B S N c_m c):
+    outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile, then out = Wo . O on chip
+                 2 B N^2 c^2 (S + c_z)
+    w_first      P[s,j,h,z] = sum_k Wo[z,h*c+k] b[s,j,k]   (stored in j-chunks of <= 32 MB)
+                 out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z]
+                 2 B S N c^2 c_z + 2 B N^2 S c c_z
+  variant "auto" (default) runs the one with fewer FLOPs; w_first only when one j column of P
+  (B S CP ceil4(c_z) floats) fits the 32 MB chunk cap. Deep MSAs (crop, long, huge) take outer_first,
+  shallow ones (seed, shallow) w_first. After each call `model.last_variant` names the order that ran.
+
+Kernels (all FP32 FMA, no tensor cores):
+  opm_prep_kernel        one launch, three block roles: (1) 64 rows of msa per block: x staged in
+                         shared memory once, two-pass LayerNorm statistics from shared memory, both
+                         projections as one [64 x c_m] x [c_m x 2CP] register-tiled GEMM (4 x 2CP/16
+                         outputs per thread), bias, mask, writes aT and bq; (2) inv_denom from the mask
+                         (exact: integer masks summed in int64, float masks in fp64); (3) packs Wo.
+  opm_outer_kernel<CP>   outer_first: per block a 128 x 128 tile O[(h,il),(jl,k)] (TI = TJ = 128/CP
+                         residues), 8 x 8 register micro-tile per thread, S streamed in chunks of 16
+                         through double-buffered cp.async stages; epilogue stages O transposed in
+                         shared memory and runs the c*c -> c_z GEMM (4 pairs x 4 z per thread, K split
+                         over thread groups, Wo streamed through shared memory by cp.async), then
+                         bias + inv_denom and coalesced stores.
+  opm_wfirst_proj_kernel<CP>  w_first stage 1: P for one j-chunk (b tile transposed in shared memory).
+  opm_wfirst_gemm_kernel w_first stage 2: the same 128 x 128 / 8 x 8 / cp.async main loop over
+                         K = S*CP, epilogue bias + inv_denom.
+
+Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
+launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (fast paths 16/32/64; others zero-padded to the
+next of 16/32/64/128), any pair_dim >= 1, 64-bit offsets (outputs over 2^31 elements), non-contiguous
+inputs (copied to contiguous first). One CUDA device; parameters on the same device as the inputs.
+
+Limits: forward only (backward raises); FP32 only for msa_repr and the parameters; msa_dim <= 768
+(a block keeps 64 rows of msa in shared memory); hidden_dim <= 128; hidden_dim 64 and 128 run the
+same code with smaller residue tiles and are slower per FLOP.
+
+Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first"); set `model.variant`.
+Run:   python harness.py outer_product_mean
+Build: about a minute the first time (cached afterwards; rebuilds when this source changes).
+       OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
+"""
+import hashlib
+import os
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+# =============================================================================================
+# CUDA source
+# =============================================================================================
+_CUDA_SRC = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <tuple>
+#include <sstream>
+#include <algorithm>
+
+namespace opm {
+
+// ---------------------------------------------------------------------------------------------
+// Constants and helpers
+// ---------------------------------------------------------------------------------------------
+constexpr int kThreads = 256;      // every kernel: 256 threads (8 warps)
+constexpr int kTile = 128;         // GEMM block tile: 128 x 128 outputs, 8 x 8 per thread
+constexpr int kKC = 16;            // GEMM K chunk per cp.async stage (two stages)
+constexpr int kRows1 = 64;         // prep kernel: msa rows per block
+constexpr int kKC1 = 32;           // prep kernel: K (c_m) chunk of the projection weights
+constexpr int kZC = 64;            // outer epilogue: pair channels per pass
+constexpr int kR2 = 32;            // outer epilogue: rows of packed Wo per cp.async stage
+constexpr int kMaxHidden = 128;
+constexpr int kMaxMsaDim = 768;
+constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
+
+__host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
+__host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// Asynchronous global -> shared copy of BYTES (4, 8 or 16); bytes past src_bytes are zero-filled,
+// so partial tiles and out-of-range rows cost no branches in the inner loops.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(gmem), "n"(BYTES),
+                 "r"(src_bytes));
+  }
+#else
+  float* d = reinterpret_cast<float*>(smem);
+  const float* g = reinterpret_cast<const float*>(gmem);
+  for (int e = 0; e < BYTES / 4; ++e) d[e] = (4 * e < src_bytes) ? g[e] : 0.f;
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// Mask element -> the float the reference multiplies by (bool 0/1, integers by value).
+enum MaskKind { kF32 = 0, kBool = 1, kU8 = 2, kI8 = 3, kI16 = 4, kI32 = 5, kI64 = 6 };
+
+__device__ __forceinline__ float mask_value(const void* m, int64_t idx, int kind) {
+  switch (kind) {
+    case kF32: return static_cast<const float*>(m)[idx];
+    case kBool: return static_cast<const uint8_t*>(m)[idx] ? 1.f : 0.f;
+    case kU8: return static_cast<float>(static_cast<const uint8_t*>(m)[idx]);
+    case kI8: return static_cast<float>(static_cast<const int8_t*>(m)[idx]);
+    case kI16: return static_cast<float>(static_cast<const int16_t*>(m)[idx]);
+    case kI32: return static_cast<float>(static_cast<const int32_t*>(m)[idx]);
+    default: return static_cast<float>(static_cast<const long long*>(m)[idx]);
+  }
+}
+// Integer view of a mask element (for the exact int64 sum the reference does on bool/int masks).
+__device__ __forceinline__ long long mask_int(const void* m, int64_t idx, int kind) {
+  switch (kind) {
+    case kBool: return static_cast<const uint8_t*>(m)[idx] ? 1 : 0;
+    case kU8: return static_cast<const uint8_t*>(m)[idx];
+    case kI8: return static_cast<const int8_t*>(m)[idx];
+    case kI16: return static_cast<const int16_t*>(m)[idx];
+    case kI32: return static_cast<const int32_t*>(m)[idx];
+    default: return static_cast<const long long*>(m)[idx];
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM main loop shared by opm_outer_kernel and opm_wfirst_gemm_kernel.
+//   acc[r][q] += sum_k A[k][m(r)] * Bm[k][n(q)],  A/B stages in shared memory [2][kKC][128],
+//   m(r) = r<4 ? ty*4+r : 64+ty*4+r-4,  n(q) likewise with tx;  tx = tid%16, ty = tid/16.
+//   load_stage(buf, chunk) issues the cp.async copies of K chunk `chunk` into stage `buf`.
+// Assumptions: 256 threads; load_stage issues only cp.async (no shared stores of its own).
+// ---------------------------------------------------------------------------------------------
+template <class LoadStage>
+__device__ __forceinline__ void gemm_mainloop(float (&acc)[8][8], const float* As, const float* Bs,
+                                              int64_t nchunks, LoadStage&& load_stage, int tx, int ty) {
+  if (nchunks > 0) {
+    load_stage(0, 0);
+    cp_async_commit();
+  }
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    const int buf = static_cast<int>(ch & 1);
+    if (ch + 1 < nchunks) {
+      load_stage(buf ^ 1, ch + 1);   // prefetch the next chunk while this one is multiplied
+      cp_async_commit();
+      cp_async_wait<1>();            // this thread's copies of chunk ch have landed
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies of chunk ch are visible to all threads
+    const float* a = As + buf * kKC * kTile;
+    const float* b = Bs + buf * kKC * kTile;
+#pragma unroll
+    for (int k = 0; k < kKC; ++k) {
+      const float4 a0 = *reinterpret_cast<const float4*>(a + k * kTile + ty * 4);
+      const float4 a1 = *reinterpret_cast<const float4*>(a + k * kTile + 64 + ty * 4);
+      const float4 b0 = *reinterpret_cast<const float4*>(b + k * kTile + tx * 4);
+      const float4 b1 = *reinterpret_cast<const float4*>(b + k * kTile + 64 + tx * 4);
+      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+      for (int r = 0; r < 8; ++r)
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[r][q] = fmaf(av[r], bv[q], acc[r][q]);
+    }
+    __syncthreads();  // stage buf fully read before iteration ch+1 prefetches chunk ch+2 into it
+  }
+}
+
+// =============================================================================================
+// Kernels
+// =============================================================================================
+
+// ---------------------------------------------------------------------------------------------
+// opm_prep_kernel<CP>: LayerNorm + both projections + mask (role 1), inv_denom (role 2), packed Wo
+// (role 3), in one launch.  Blocks [0, n_den) role 2, [n_den, n_den+n_pack) role 3, the rest role 1.
+//   x      (R, c_m) rows r = (b*S + s)*N + n, contiguous          mask (B, S, N) contiguous
+//   aT     (B, S, CP, Npad):  aT[(b*S+s)*CP + h][n] = a[b,s,n,h]  (h >= c written as 0)
+//   bq     (B, S, N, CP):     bq[r][k] = b[b,s,n,k]               (k >= c written as 0)
+//   inv_denom (B, N) = 1 / max(sum_s mask[b,s,i], 1)
+//   wpack: mode 0 (outer_first): wpack[(h*CP + k)*zp + z] = Wo[z, h*c+k];
+//          mode 1 (w_first):     wpack[(k*CP + h)*zp + z] = Wo[z, h*c+k]; 0 where h,k >= c or z >= c_z.
+// Role 1 shared memory: xs [64][LDX] (reused as ys [CP][65] for the transposed a store),
+//   ws [kKC1][2CP+4] (projection weights, transposed, one K chunk).
+// Thread (tr = tid/16, to = tid%16) owns rows tr + 16*u (u < 4) and outputs o = to*RO + v (v < RO),
+// RO = 2CP/16; o < CP are a-channels, o >= CP b-channels (RO divides CP, so never both).
+// LayerNorm is two-pass over the row held in shared memory: mean, then sum (x-mean)^2: stable for
+// large offsets (no E[x^2] - E[x]^2 cancellation).
+// Assumptions: 256 threads; c_m <= kMaxMsaDim; dynamic smem as computed by prep_smem_bytes.
+// ---------------------------------------------------------------------------------------------
+template <int CP>
+__global__ void __launch_bounds__(kThreads) opm_prep_kernel(
+    const float* __restrict__ x, const void* __restrict__ mask, int mask_kind,
+    const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+    const float* __restrict__ wa, const float* __restrict__ ba,
+    const float* __restrict__ wb, const float* __restrict__ bb,
+    const float* __restrict__ wo,
+    float* __restrict__ aT, float* __restrict__ bq, float* __restrict__ inv_denom, float* __restrict__ wpack,
+    int64_t B, int64_t S, int64_t N, int64_t Npad, int cm, int c, int cz, float eps,
+    int64_t n_row_blocks, int n_den, int n_pack, int pack_mode, int pack_zp) {
+  constexpr int RO = 2 * CP / 16;
+  constexpr int LDW = 2 * CP + 4;
+  const int tid = threadIdx.x;
+  const int64_t blk = blockIdx.x;
+
+  // ---- role 2: inv_denom[b,i] = 1 / max(sum_s mask[b,s,i], 1), coalesced over i ----
+  if (blk < n_den) {
+    for (int64_t p = blk * kThreads + tid; p < B * N; p += static_cast<int64_t>(n_den) * kThreads) {
+      const int64_t b = p / N, i = p - b * N;
+      float d;
+      if (mask_kind == kF32) {
+        double acc = 0.0;  // fp64 accumulation: closest to the exact sum the fp64 oracle sees
+        for (int64_t s = 0; s < S; ++s) acc += static_cast<const float*>(mask)[(b * S + s) * N + i];
+        d = static_cast<float>(acc);
+        d = (d < 1.f) ? 1.f : d;  // clamp(min=1); NaN stays NaN like torch.clamp
+      } else {
+        long long acc = 0;         // the reference sums bool/int masks in int64
+        for (int64_t s = 0; s < S; ++s) acc += mask_int(mask, (b * S + s) * N + i, mask_kind);
+        d = static_cast<float>(acc < 1 ? 1 : acc);
+      }
+      inv_denom[p] = 1.f / d;
+    }
+    return;
+  }
+  // ---- role 3: pack Wo ----
+  if (blk < n_den + n_pack) {
+    const int64_t total = static_cast<int64_t>(CP) * CP * pack_zp;
+    for (int64_t e = (blk - n_den) * kThreads + tid; e < total; e += static_cast<int64_t>(n_pack) * kThreads) {
+      const int64_t z = e % pack_zp, xy = e / pack_zp;
+      const int xx = static_cast<int>(xy / CP), yy = static_cast<int>(xy % CP);
+      const int h = pack_mode == 0 ? xx : yy, k = pack_mode == 0 ? yy : xx;
+      wpack[e] = (h < c && k < c && z < cz) ? wo[z * c * c + h * c + k] : 0.f;
+    }
+    return;
+  }
+
+  // ---- role 1: LayerNorm + projections + mask for 64 rows per block iteration ----
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  const int LDX = static_cast<int>(round_up(cm, 4));
+  const int xs_floats = static_cast<int>(round_up(max(kRows1 * LDX, CP * 65), 4));
+  float* xs = smem;              // [64][LDX]
+  float* ys = smem;              // [CP][65], aliases xs after the GEMM
+  float* ws = smem + xs_floats;  // [kKC1][LDW]
+  __shared__ float s_mask[kRows1];
+
+  const int64_t R = B * S * N;
+  const int tr = tid / 16, to = tid % 16;
+  const int warp = tid / 32, lane = tid % 32;
+  const int64_t first_row_block = blk - n_den - n_pack;
+  const int64_t row_block_stride = gridDim.x - n_den - n_pack;
+
+  for (int64_t rb = first_row_block; rb < n_row_blocks; rb += row_block_stride) {
+    const int64_t r0 = rb * kRows1;
+    const int nrows = static_cast<int>(min64(kRows1, R - r0));
+    const float* src = x + r0 * cm;  // the block's rows are contiguous: nrows * c_m floats
+    // x -> xs (rows >= nrows zero); 16-byte loads when c_m % 4 == 0 (row starts stay 16-byte aligned)
+    if ((cm & 3) == 0) {
+      const int q4 = cm / 4;
+      for (int q = tid; q < kRows1 * q4; q += kThreads) {
+        const int r = q / q4, col = (q - r * q4) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < nrows) v = __ldg(reinterpret_cast<const float4*>(src + static_cast<int64_t>(r) * cm + col));
+        *reinterpret_cast<float4*>(xs + r * LDX + col) = v;
+      }
+    } else {
+      for (int q = tid; q < kRows1 * cm; q += kThreads) {
+        const int r = q / cm, col = q - r * cm;
+        xs[r * LDX + col] = (r < nrows) ? __ldg(src + static_cast<int64_t>(r) * cm + col) : 0.f;
+      }
+    }
+    if (tid < kRows1) s_mask[tid] = (tid < nrows) ? mask_value(mask, r0 + tid, mask_kind) : 0.f;
+    __syncthreads();  // xs and s_mask complete before the per-row statistics read them
+
+    // LayerNorm, one warp per row: mean, then centred variance (two passes over shared memory)
+    for (int r = warp; r < kRows1; r += kThreads / 32) {
+      float* row = xs + r * LDX;
+      float s1 = 0.f;
+      for (int k = lane; k < cm; k += 32) s1 += row[k];
+      const float mean = warp_sum(s1) / cm;
+      float s2 = 0.f;
+      for (int k = lane; k < cm; k += 32) {
+        const float d = row[k] - mean;
+        s2 = fmaf(d, d, s2);
+      }
+      const float rstd = 1.f / sqrtf(warp_sum(s2) / cm + eps);
+      for (int k = lane; k < cm; k += 32) row[k] = (row[k] - mean) * rstd * __ldg(ln_w + k) + __ldg(ln_b + k);
+    }
+
+    // y[r][o] = sum_m xs[r][m] * Wcat[o][m],  Wcat = [Wa (padded to CP rows); Wb (padded)]
+    float acc[4][RO];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int v = 0; v < RO; ++v) acc[u][v] = 0.f;
+    for (int k0 = 0; k0 < cm; k0 += kKC1) {
+      __syncthreads();  // normalised rows visible (first chunk) / previous ws chunk fully read
+      for (int q = tid; q < 2 * CP * kKC1; q += kThreads) {
+        const int o = q / kKC1, kk = q % kKC1, k = k0 + kk;  // lanes along k: coalesced reads
+        const int h = o < CP ? o : o - CP;
+        const float* W = o < CP ? wa : wb;
+        ws[kk * LDW + o] = (h < c && k < cm) ? __ldg(W + static_cast<int64_t>(h) * cm + k) : 0.f;
+      }
+      __syncthreads();  // ws chunk complete
+      const int kmax = min(kKC1, cm - k0);
+      for (int kk = 0; kk < kmax; ++kk) {
+        float xv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) xv[u] = xs[(tr + 16 * u) * LDX + k0 + kk];
+        float wv[RO];
+        if constexpr (RO % 4 == 0) {
+#pragma unroll
+          for (int v = 0; v < RO; v += 4) {
+            const float4 w4 = *reinterpret_cast<const float4*>(ws + kk * LDW + to * RO + v);
+            wv[v] = w4.x; wv[v + 1] = w4.y; wv[v + 2] = w4.z; wv[v + 3] = w4.w;
+          }
+        } else {
+#pragma unroll
+          for (int v = 0; v < RO; v += 2) {
+            const float2 w2 = *reinterpret_cast<const float2*>(ws + kk * LDW + to * RO + v);
+            wv[v] = w2.x; wv[v + 1] = w2.y;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int v = 0; v < RO; ++v) acc[u][v] = fmaf(xv[u], wv[v], acc[u][v]);
+      }
+    }
+
+    // epilogue: (y + bias) * mask; b-channels straight to bq, a-channels via ys to aT (transposed)
+    __syncthreads();  // every thread finished reading xs before it is overwritten as ys
+    const int o0 = to * RO;
+    const bool is_a = o0 < CP;
+    const int h0 = is_a ? o0 : o0 - CP;
+    float bias[RO];
+#pragma unroll
+    for (int v = 0; v < RO; ++v) {
+      const int h = h0 + v;
+      bias[v] = h < c ? __ldg((is_a ? ba : bb) + h) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int r = tr + 16 * u;
+      const float m = s_mask[r];
+      float y[RO];
+#pragma unroll
+      for (int v = 0; v < RO; ++v) y[v] = (acc[u][v] + bias[v]) * m;
+      if (is_a) {
+#pragma unroll
+        for (int v = 0; v < RO; ++v) ys[(h0 + v) * 65 + r] = y[v];
+      } else if (r < nrows) {
+        float* dst = bq + (r0 + r) * CP + h0;
+        if constexpr (RO % 4 == 0) {
+#pragma unroll
+          for (int v = 0; v < RO; v += 4)
+            *reinterpret_cast<float4*>(dst + v) = make_float4(y[v], y[v + 1], y[v + 2], y[v + 3]);
+        } else {
+#pragma unroll
+          for (int v = 0; v < RO; v += 2) *reinterpret_cast<float2*>(dst + v) = make_float2(y[v], y[v + 1]);
+        }
+      }
+    }
+    __syncthreads();  // ys complete before the transposed store reads it
+    for (int q = tid; q < CP * kRows1; q += kThreads) {
+      const int h = q / kRows1, r = q % kRows1;  // lanes along rows: consecutive n, coalesced
+      if (r < nrows) {
+        const int64_t rg = r0 + r, bs = rg / N, n = rg - bs * N;
+        aT[(bs * CP + h) * Npad + n] = ys[h * 65 + r];
+      }
+    }
+    __syncthreads();  // ys read completely before the next row block overwrites xs
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_outer_kernel<CP>: outer_first.  One block per tile (b, i0 = TI*ti, j0 = TJ*tj), TI = TJ = 128/CP.
+//   GEMM 1 (main loop, K = S):  O[m][n] = sum_s A[s][m] Bm[s][n],
+//     m = h*TI + il:  A[s][m]  = aT[b,s,h,i0+il]   (TI consecutive i per h: one cp.async of 4*min(TI,4) B)
+//     n = jl*CP + k:  Bm[s][n] = bq[b,s,j0+jl,k]   (128 contiguous floats per s)
+//   O -> Os[kk][p] in shared memory, kk = h*CP + k, p = jl*TI + il (pairs), row stride LDO.
+//   GEMM 2 (epilogue, K = CP*CP): out[b,i0+il,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_kk Os[kk][p] Wt[kk][z]
+//     per z chunk of 64; thread (zg = tid%16, pg, sl) owns PT pairs x 4 z over the K slice sl
+//     (KSPLIT slices of L = KK/KSPLIT); slices summed through shared memory (red).
+//   Wt = wpack mode 0: (CP*CP, CZP), CZP = ceil64(c_z), zero padded.
+// Shared memory: main loop As, Bs [2][16][128] each (32 KB), aliased in the epilogue by
+//   Os [KK][LDO] and Ws [2][kR2][64] (red [KSPLIT][NP][64] aliases Ws).
+// Assumptions: 256 threads; CP in {16,32,64,128}; N, S >= 1 handled with any remainder (zero-filled
+//   copies); wpack covers CZP columns.
+// ---------------------------------------------------------------------------------------------
+template <int CP>
+struct OuterCfg {
+  static constexpr int TI = kTile / CP;                // residues i (and j) per tile
+  static constexpr int NP = TI * TI;                   // pairs (i, j) per tile
+  static constexpr int KK = CP * CP;                   // K of GEMM 2
+  static constexpr int LDO = NP >= 16 ? NP + 4 : NP;   // Os row stride: +4 spreads the transposed stores
+  static constexpr int PT = NP >= 4 ? 4 : 1;           // pairs per thread in GEMM 2
+  static constexpr int PG = NP / PT;                   // pair groups
+  static constexpr int KSPLIT = kThreads / (16 * PG);  // K slices of GEMM 2
+  static constexpr int L = KK / KSPLIT;                // K per slice
+  static constexpr int KCS = kR2 / KSPLIT;             // K per slice per Ws stage
+  static constexpr int NST = KK / kR2;                 // Ws stages per z chunk
+  static constexpr int VA = TI >= 4 ? 4 : TI;          // floats per A copy
+  static constexpr size_t smem_floats_main = 2 * 2 * kKC * kTile;
+  static constexpr size_t smem_floats_epi = static_cast<size_t>(KK) * LDO + 2 * kR2 * kZC;
+  static constexpr size_t smem_bytes =
+      4 * (smem_floats_main > smem_floats_epi ? smem_floats_main : smem_floats_epi);
+  static_assert(KSPLIT >= 1 && kR2 % KSPLIT == 0 && L % KCS == 0, "GEMM 2 split");
+  static_assert(KSPLIT * NP * kZC <= 2 * kR2 * kZC, "red fits in Ws");
+};
+
+template <int CP>
+__global__ void __launch_bounds__(kThreads, 2) opm_outer_kernel(
+    const float* __restrict__ aT, const float* __restrict__ bq, const float* __restrict__ inv_denom,
+    const float* __restrict__ wt, const float* __restrict__ bo, float* __restrict__ out,
+    int64_t B, int64_t S, int64_t N, int64_t Npad, int cz, int CZP) {
+  using C = OuterCfg<CP>;
+  constexpr int TI = C::TI, NP = C::NP, KK = C::KK, LDO = C::LDO, PT = C::PT, PG = C::PG;
+  constexpr int KSPLIT = C::KSPLIT, L = C::L, KCS = C::KCS, NST = C::NST, VA = C::VA;
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* As = smem;                                  // [2][kKC][128]
+  float* Bs = smem + 2 * kKC * kTile;                // [2][kKC][128]
+  float* Os = smem;                                  // [KK][LDO]      (epilogue)
+  float* Ws = smem + static_cast<size_t>(KK) * LDO;  // [2][kR2][64]   (epilogue)
+  float* red = Ws;                                   // [KSPLIT][NP][64]
+  __shared__ float s_inv[TI];
+
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  const int64_t ntile = cdiv(N, TI);
+  const int64_t total = B * ntile * ntile;
+  const int64_t nchunks = cdiv(S, kKC);
+  const int nzc = static_cast<int>(cdiv(cz, kZC));
+  const int zg = tid % 16, pg = (tid / 16) % PG, sl = tid / (16 * PG);
+
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int64_t tj = t % ntile, ti = (t / ntile) % ntile, b = t / (ntile * ntile);
+    const int64_t i0 = ti * TI, j0 = tj * TI;
+
+    // Per-thread copy assignment, fixed for the tile (256 is a multiple of the copies per row, so
+    // every copy u of a thread has the same column and rows kl0 + u * KLU):
+    //   A: column m = h*TI + il, rows s = ch*16 + kla + u*KLA;  B: column n = jl*CP + k, rows klb + u*8.
+    constexpr int CPR_A = kTile / VA, KLA = kThreads / CPR_A;
+    static_assert(kKC % KLA == 0 && kKC % 8 == 0, "copies per thread");
+    const int ma = (tid % CPR_A) * VA, kla = tid / CPR_A;
+    const int ha = ma / TI, ila = ma % TI;
+    const int nva = static_cast<int>(max64(0, min64(VA, N - (i0 + ila))));  // valid floats of the A copy
+    const float* a_src = aT + ((b * S + kla) * CP + ha) * Npad + i0 + ila;   // row s = kla
+    const int64_t a_row = static_cast<int64_t>(CP) * Npad;                  // one s step
+    const int nb = (tid % 32) * 4, klb = tid / 32;
+    const int jlb = nb / CP, kb = nb % CP;
+    const bool okj = j0 + jlb < N;
+    const float* b_src = bq + ((b * S + klb) * N + j0 + jlb) * CP + kb;     // row s = klb
+    const int64_t b_row = N * CP;
+
+    auto load_stage = [&](int buf, int64_t ch) {
+      float* as = As + buf * kKC * kTile;
+      float* bs = Bs + buf * kKC * kTile;
+      const int64_t s0 = ch * kKC;
+#pragma unroll
+      for (int u = 0; u < kKC / KLA; ++u) {
+        const int64_t ds = s0 + u * KLA;  // s - kla
+        const bool ok = kla + ds < S && nva > 0;
+        cp_async<VA * 4>(as + (kla + u * KLA) * kTile + ma, ok ? a_src + ds * a_row : aT, ok ? nva * 4 : 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kKC / 8; ++u) {
+        const int64_t ds = s0 + u * 8;
+        const bool ok = klb + ds < S && okj;
+        cp_async<16>(bs + (klb + u * 8) * kTile + nb, ok ? b_src + ds * b_row : bq, ok ? 16 : 0);
+      }
+    };
+
+    float acc[8][8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[r][q] = 0.f;
+    gemm_mainloop(acc, As, Bs, nchunks, load_stage, tx, ty);
+    // (the main loop ends with a barrier, or issued nothing: Os may overwrite As/Bs now; the
+    //  previous tile ended with a barrier after its last read of Os/red)
+
+    // O -> Os[(h*CP + k)][jl*TI + il]
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      const int m0 = g * 64 + ty * 4;
+#pragma unroll
+      for (int hb = 0; hb < 2; ++hb)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int n = hb * 64 + tx * 4 + q, jl = n / CP, k = n % CP;
+          if constexpr (TI >= 4) {  // the 4 rows m0..m0+3 share h and are 4 consecutive il
+            const int h = m0 / TI, il = m0 % TI;
+            *reinterpret_cast<float4*>(Os + (h * CP + k) * LDO + jl * TI + il) =
+                make_float4(acc[g * 4][hb * 4 + q], acc[g * 4 + 1][hb * 4 + q], acc[g * 4 + 2][hb * 4 + q],
+                            acc[g * 4 + 3][hb * 4 + q]);
+          } else {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int m = m0 + r, h = m / TI, il = m % TI;
+              Os[(h * CP + k) * LDO + jl * TI + il] = acc[g * 4 + r][hb * 4 + q];
+            }
+          }
+        }
+    }
+    if (tid < TI) s_inv[tid] = (i0 + tid < N) ? inv_denom[b * N + i0 + tid] : 0.f;
+    __syncthreads();  // Os and s_inv complete before GEMM 2 reads them
+
+    auto load_w = [&](int buf, int zc, int st) {
+#pragma unroll
+      for (int u = 0; u < kR2 * kZC / 4 / kThreads; ++u) {
+        const int q = tid + u * kThreads;
+        const int r = q / (kZC / 4), c4 = (q % (kZC / 4)) * 4;
+        const int kk = (r / KCS) * L + st * KCS + (r % KCS);  // row r of the stage serves slice r/KCS
+        cp_async<16>(Ws + (buf * kR2 + r) * kZC + c4, wt + static_cast<int64_t>(kk) * CZP + zc * kZC + c4, 16);
+      }
+    };
+    for (int zc = 0; zc < nzc; ++zc) {
+      float acc2[PT][4];
+#pragma unroll
+      for (int p = 0; p < PT; ++p)
+#pragma unroll
+        for (int z = 0; z < 4; ++z) acc2[p][z] = 0.f;
+      load_w(0, zc, 0);
+      cp_async_commit();
+      for (int st = 0; st < NST; ++st) {
+        const int buf = st & 1;
+        if (st + 1 < NST) {
+          load_w(buf ^ 1, zc, st + 1);
+          cp_async_commit();
+          cp_async_wait<1>();
+        } else {
+          cp_async_wait<0>();
+        }
+        __syncthreads();  // every thread's copies of Ws stage st are visible
+        const float* w = Ws + buf * kR2 * kZC;
+#pragma unroll
+        for (int kl = 0; kl < KCS; ++kl) {
+          const int kk = sl * L + st * KCS + kl;
+          float o[PT];
+          if constexpr (PT == 4) {
+            const float4 o4 = *reinterpret_cast<const float4*>(Os + kk * LDO + pg * 4);
+            o[0] = o4.x; o[1] = o4.y; o[2] = o4.z; o[3] = o4.w;
+          } else {
+            o[0] = Os[kk * LDO + pg];
+          }
+          const float4 w4 = *reinterpret_cast<const float4*>(w + (sl * KCS + kl) * kZC + zg * 4);
+#pragma unroll
+          for (int p = 0; p < PT; ++p) {
+            acc2[p][0] = fmaf(o[p], w4.x, acc2[p][0]);
+            acc2[p][1] = fmaf(o[p], w4.y, acc2[p][1]);
+            acc2[p][2] = fmaf(o[p], w4.z, acc2[p][2]);
+            acc2[p][3] = fmaf(o[p], w4.w, acc2[p][3]);
+          }
+        }
+        __syncthreads();  // Ws stage buf read by all before it is refilled (st+2) or reused as red
+      }
+      // slice partials -> red[sl][p][z]
+#pragma unroll
+      for (int p = 0; p < PT; ++p)
+        *reinterpret_cast<float4*>(red + ((sl * NP) + pg * PT + p) * kZC + zg * 4) =
+            make_float4(acc2[p][0], acc2[p][1], acc2[p][2], acc2[p][3]);
+      __syncthreads();  // all partials written before the slice sum reads them
+      for (int oi = tid; oi < NP * kZC; oi += kThreads) {
+        const int p = oi / kZC, z = oi % kZC;  // lanes along z: coalesced stores
+        float sum = 0.f;
+#pragma unroll
+        for (int q = 0; q < KSPLIT; ++q) sum += red[(q * NP + p) * kZC + z];
+        const int jl = p / TI, il = p % TI;
+        const int64_t i = i0 + il, j = j0 + jl;
+        const int zz = zc * kZC + z;
+        if (i < N && j < N && zz < cz) out[((b * N + i) * N + j) * cz + zz] = __ldg(bo + zz) + s_inv[il] * sum;
+      }
+      __syncthreads();  // red (= Ws) and s_inv read by all before the next z chunk / next tile reuse them
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_wfirst_proj_kernel<CP>: w_first stage 1 for the j-chunk [j0, j0 + JCv):
+//   P[b,s,h,jl,z] = sum_k bq[b,s,j0+jl,k] * Wk[k][h][z]   (Wk = wpack mode 1, (CP, CP, CZP4))
+//   P layout ((b*S + s)*CP + h, jl, z) with row stride ldp = JC*CZP4.
+// One block per (b, s, 64-row j tile): the b tile transposed in shared memory Bt[k][jl] (stride 68),
+// thread (tj = tid/16, tz = tid%16) computes 4 j x 4 z per (h, 64-wide z chunk), Wk from L1/L2.
+// Assumptions: 256 threads; CZP4 % 4 == 0.
+// ---------------------------------------------------------------------------------------------
+template <int CP>
+__global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
+    const float* __restrict__ bq, const float* __restrict__ wk, float* __restrict__ P,
+    int64_t B, int64_t S, int64_t N, int64_t j0, int64_t JCv, int64_t ldp, int CZP4) {
+  constexpr int LDB = 64 + 4;
+  __shared__ __align__(16) float Bt[CP * LDB];
+  const int tid = threadIdx.x, tj = tid / 16, tz = tid % 16;
+  const int64_t njt = cdiv(JCv, 64);
+  const int64_t total = B * S * njt;
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int64_t jt = t % njt, bs = t / njt;  // bs = b*S + s
+    for (int q = tid; q < 64 * CP / 4; q += kThreads) {
+      const int jl = q / (CP / 4), k4 = (q % (CP / 4)) * 4;
+      const int64_t jc = jt * 64 + jl;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (jc < JCv) v = __ldg(reinterpret_cast<const float4*>(bq + (bs * N + j0 + jc) * CP + k4));
+      Bt[(k4 + 0) * LDB + jl] = v.x;
+      Bt[(k4 + 1) * LDB + jl] = v.y;
+      Bt[(k4 + 2) * LDB + jl] = v.z;
+      Bt[(k4 + 3) * LDB + jl] = v.w;
+    }
+    __syncthreads();  // Bt complete before the products read it
+    for (int h = 0; h < CP; ++h) {
+      for (int z = tz * 4; z < CZP4; z += 64) {
+        float acc[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[r][e] = 0.f;
+        const float* wcol = wk + static_cast<int64_t>(h) * CZP4 + z;
+#pragma unroll 8
+        for (int k = 0; k < CP; ++k) {
+          const float4 bv = *reinterpret_cast<const float4*>(Bt + k * LDB + tj * 4);
+          const float4 wv = __ldg(reinterpret_cast<const float4*>(wcol + static_cast<int64_t>(k) * CP * CZP4));
+          const float bb4[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            acc[r][0] = fmaf(bb4[r], wv.x, acc[r][0]);
+            acc[r][1] = fmaf(bb4[r], wv.y, acc[r][1]);
+            acc[r][2] = fmaf(bb4[r], wv.z, acc[r][2]);
+            acc[r][3] = fmaf(bb4[r], wv.w, acc[r][3]);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int64_t jc = jt * 64 + tj * 4 + r;
+          if (jc < JCv)
+            *reinterpret_cast<float4*>(P + (bs * CP + h) * ldp + jc * CZP4 + z) =
+                make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+        }
+      }
+    }
+    __syncthreads();  // Bt read by all before the next tile overwrites it
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_wfirst_gemm_kernel: w_first stage 2 for the j-chunk [j0, j0 + JCv):
+//   out[b,i,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_{k=(s,h)} aT[b][k][i] * P[b][k][jl*CZP4 + z]
+//   GEMM with M = N (i), columns n = jl*CZP4 + z (< JCv*CZP4), K = S*CP; both operands k-major, so
+//   each stage row is 128 contiguous floats: 16-byte cp.async copies, zero-filled past the edges.
+// Assumptions: 256 threads; Npad % 4 == 0; ldp % 4 == 0; CZP4 = ceil4(c_z).
+// ---------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
+    const float* __restrict__ aT, const float* __restrict__ P, const float* __restrict__ inv_denom,
+    const float* __restrict__ bo, float* __restrict__ out,
+    int64_t B, int64_t S, int64_t N, int64_t Npad, int CP, int64_t j0, int64_t JCv, int64_t ldp, int cz, int CZP4) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* As = smem;
+  float* Bs = smem + 2 * kKC * kTile;
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  const int64_t K = S * CP;
+  const int64_t ncols = JCv * CZP4;
+  const int64_t tm = cdiv(N, kTile), tn = cdiv(ncols, kTile);
+  const int64_t total = B * tm * tn;
+  const int64_t nchunks = cdiv(K, kKC);
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int64_t tcol = t % tn, trow = (t / tn) % tm, b = t / (tn * tm);
+    const int64_t i0 = trow * kTile, n0 = tcol * kTile;
+    // Per-thread copy assignment: column c4 fixed, rows k = ch*16 + kl0 + u*8.
+    const int c4 = (tid % 32) * 4, kl0 = tid / 32;
+    const int nva = static_cast<int>(max64(0, min64(4, N - (i0 + c4))));
+    const bool okn = n0 + c4 < ncols;  // ncols % 4 == 0: whole 16-byte pieces
+    const float* a_src = aT + (b * K + kl0) * Npad + i0 + c4;
+    const float* p_src = P + (b * K + kl0) * ldp + n0 + c4;
+    auto load_stage = [&](int buf, int64_t ch) {
+      float* as = As + buf * kKC * kTile;
+      float* bs = Bs + buf * kKC * kTile;
+#pragma unroll
+      for (int u = 0; u < kKC / 8; ++u) {
+        const int64_t dk = ch * kKC + u * 8;  // k - kl0
+        const bool in_k = kl0 + dk < K;
+        const bool oka = in_k && nva > 0, okb = in_k && okn;
+        cp_async<16>(as + (kl0 + u * 8) * kTile + c4, oka ? a_src + dk * Npad : aT, oka ? nva * 4 : 0);
+        cp_async<16>(bs + (kl0 + u * 8) * kTile + c4, okb ? p_src + dk * ldp : P, okb ? 16 : 0);
+      }
+    };
+    float acc[8][8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[r][q] = 0.f;
+    gemm_mainloop(acc, As, Bs, nchunks, load_stage, tx, ty);
+    // (the main loop ends with a barrier, so the next tile's prefetch cannot race this one's reads)
+
+    const bool vec = (cz & 3) == 0;  // then CZP4 == c_z: 4 consecutive columns are 4 consecutive z of one j
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int64_t i = i0 + (r < 4 ? ty * 4 + r : 64 + ty * 4 + r - 4);
+      if (i >= N) continue;
+      const float inv = inv_denom[b * N + i];
+#pragma unroll
+      for (int hb = 0; hb < 2; ++hb) {
+        const int64_t nb = n0 + hb * 64 + tx * 4;
+        if (vec) {
+          if (nb < ncols) {
+            const int64_t jl = nb / CZP4;
+            const int z = static_cast<int>(nb - jl * CZP4);
+            const float4 bz = __ldg(reinterpret_cast<const float4*>(bo + z));
+            *reinterpret_cast<float4*>(out + ((b * N + i) * N + j0 + jl) * cz + z) =
+                make_float4(bz.x + inv * acc[r][hb * 4], bz.y + inv * acc[r][hb * 4 + 1],
+                            bz.z + inv * acc[r][hb * 4 + 2], bz.w + inv * acc[r][hb * 4 + 3]);
+          }
+        } else {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int64_t n = nb + q;
+            if (n >= ncols) continue;
+            const int64_t jl = n / CZP4;
+            const int z = static_cast<int>(n - jl * CZP4);
+            if (z < cz) out[((b * N + i) * N + j0 + jl) * cz + z] = __ldg(bo + z) + inv * acc[r][hb * 4 + q];
+          }
+        }
+      }
+    }
+  }
+}
+
+// =============================================================================================
+// Launchers
+// =============================================================================================
+struct DevInfo {
+  int sms = 0;
+  int smem_optin = 0;
+};
+static DevInfo dev_info(int dev) {
+  static DevInfo cache[64];
+  static bool have[64] = {false};
+  if (dev >= 0 && dev < 64 && have[dev]) return cache[dev];
+  DevInfo d;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (dev >= 0 && dev < 64) { cache[dev] = d; have[dev] = true; }
+  return d;
+}
+
+static int grid_for(int64_t work_items) {  // grid-stride kernels: cap the grid, loop the rest
+  return static_cast<int>(std::min<int64_t>(work_items, 1ll << 30));
+}
+
+static size_t prep_smem_bytes(int cm, int CP) {
+  const int64_t LDX = round_up(cm, 4);
+  const int64_t xs_floats = round_up(std::max<int64_t>(kRows1 * LDX, static_cast<int64_t>(CP) * 65), 4);
+  const int64_t ws_floats = static_cast<int64_t>(kKC1) * (2 * CP + 4);
+  return static_cast<size_t>(4 * (xs_floats + ws_floats));
+}
+
+template <class Kernel>
+static void set_smem(Kernel k, size_t bytes, const DevInfo& d, const char* what) {
+  TORCH_CHECK(bytes <= static_cast<size_t>(d.smem_optin), "outer_product_mean: ", what, " needs ", bytes,
+              " bytes of shared memory per block, the device allows ", d.smem_optin);
+  if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                            static_cast<int>(bytes)));
+}
+
+template <int CP>
+static void launch_prep(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
+                        const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
+                        const at::Tensor& bb, const at::Tensor& wo, at::Tensor& aT, at::Tensor& bq,
+                        at::Tensor& inv_denom, at::Tensor& wpack, int64_t B, int64_t S, int64_t N, int64_t Npad,
+                        int cm, int c, int cz, float eps, int pack_mode, int pack_zp, const DevInfo& d,
+                        cudaStream_t stream) {
+  const int64_t n_row_blocks = cdiv(B * S * N, kRows1);
+  const int n_den = static_cast<int>(std::min<int64_t>(cdiv(B * N, kThreads), 4 * d.sms));
+  const int n_pack = static_cast<int>(std::min<int64_t>(cdiv(static_cast<int64_t>(CP) * CP * pack_zp, kThreads), 2 * d.sms));
+  const int64_t row_grid = std::min<int64_t>(n_row_blocks, 64ll * d.sms);
+  const size_t smem = prep_smem_bytes(cm, CP);
+  set_smem(opm_prep_kernel<CP>, smem, d, "the LayerNorm/projection kernel (64 rows of msa_dim floats)");
+  const int grid = grid_for(n_den + n_pack + row_grid);
+  if (grid == 0) return;
+  opm_prep_kernel<CP><<<grid, kThreads, smem, stream>>>(
+      x.data_ptr<float>(), mask.data_ptr(), mask_kind, ln_w.data_ptr<float>(), ln_b.data_ptr<float>(),
+      wa.data_ptr<float>(), ba.data_ptr<float>(), wb.data_ptr<float>(), bb.data_ptr<float>(), wo.data_ptr<float>(),
+      aT.data_ptr<float>(), bq.data_ptr<float>(), inv_denom.data_ptr<float>(), wpack.data_ptr<float>(), B, S, N,
+      Npad, cm, c, cz, eps, n_row_blocks, n_den, n_pack, pack_mode, pack_zp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int CP>
+static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
+                         const at::Tensor& wt, const at::Tensor& bo, at::Tensor& out, int64_t B, int64_t S,
+                         int64_t N, int64_t Npad, int cz, int CZP, const DevInfo& d, cudaStream_t stream) {
+  using C = OuterCfg<CP>;
+  const int64_t ntile = cdiv(N, C::TI);
+  const int64_t total = B * ntile * ntile;
+  set_smem(opm_outer_kernel<CP>, C::smem_bytes, d, "the outer-first kernel");
+  const int grid = grid_for(total);
+  if (grid == 0) return;
+  opm_outer_kernel<CP><<<grid, kThreads, C::smem_bytes, stream>>>(
+      aT.data_ptr<float>(), bq.data_ptr<float>(), inv_denom.data_ptr<float>(), wt.data_ptr<float>(),
+      bo.data_ptr<float>(), out.data_ptr<float>(), B, S, N, Npad, cz, CZP);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int CP>
+static void launch_wfirst(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
+                          const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& P, int64_t JC,
+                          int64_t B, int64_t S, int64_t N, int64_t Npad, int cz, int CZP4, const DevInfo& d,
+                          cudaStream_t stream) {
+  const size_t smem2 = 4 * 2 * 2 * kKC * kTile;  // As + Bs, two stages each
+  set_smem(opm_wfirst_gemm_kernel, smem2, d, "the w-first GEMM kernel");
+  const int64_t ldp = JC * CZP4;
+  for (int64_t j0 = 0; j0 < N; j0 += JC) {
+    const int64_t JCv = std::min<int64_t>(JC, N - j0);
+    const int g1 = grid_for(B * S * cdiv(JCv, 64));
+    if (g1 > 0) {
+      opm_wfirst_proj_kernel<CP><<<g1, kThreads, 0, stream>>>(bq.data_ptr<float>(), wk.data_ptr<float>(),
+                                                             P.data_ptr<float>(), B, S, N, j0, JCv, ldp, CZP4);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const int g2 = grid_for(B * cdiv(N, kTile) * cdiv(JCv * CZP4, kTile));
+    opm_wfirst_gemm_kernel<<<g2, kThreads, smem2, stream>>>(
+        aT.data_ptr<float>(), P.numel() ? P.data_ptr<float>() : aT.data_ptr<float>(), inv_denom.data_ptr<float>(),
+        bo.data_ptr<float>(), out.data_ptr<float>(), B, S, N, Npad, CP, j0, JCv, ldp, cz, CZP4);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// =============================================================================================
+// Bound function
+// =============================================================================================
+static std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+static int mask_kind_of(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return kF32;
+    case at::kBool: return kBool;
+    case at::kByte: return kU8;
+    case at::kChar: return kI8;
+    case at::kShort: return kI16;
+    case at::kInt: return kI32;
+    case at::kLong: return kI64;
+    default: return -1;
+  }
+}
+
+// variant: 0 auto, 1 outer_first, 2 w_first.  Returns (out, variant that ran: 1 or 2).
+std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
+                                            at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
+  // ---- checks that need no device: rank, dtype, sizes, limits ----
+  TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
+              shape_str(msa));
+  TORCH_CHECK(msa.scalar_type() == at::kFloat, "outer_product_mean: msa_repr must be float32, got ",
+              msa.scalar_type());
+  const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), cm = msa.size(3);
+  TORCH_CHECK(ln_w.dim() == 1 && ln_b.dim() == 1 && ln_w.size(0) == cm && ln_b.size(0) == cm,
+              "outer_product_mean: msa_repr has msa_dim = ", cm, " (shape ", shape_str(msa),
+              ") but layer_norm weight/bias have shapes ", shape_str(ln_w), " / ", shape_str(ln_b));
+  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
+              "outer_product_mean: msa_mask must have shape (B, S, N) = (", B, ", ", S, ", ", N,
+              ") to match msa_repr ", shape_str(msa), ", got ", shape_str(mask));
+  const int mask_kind = mask_kind_of(mask.scalar_type());
+  TORCH_CHECK(mask_kind >= 0, "outer_product_mean: unsupported msa_mask dtype ", mask.scalar_type(),
+              "; use float32, bool, uint8, int8, int16, int32 or int64");
+  TORCH_CHECK(wa.dim() == 2 && wa.size(1) == cm && ba.dim() == 1 && ba.size(0) == wa.size(0),
+              "outer_product_mean: proj_a weight must be (hidden_dim, msa_dim = ", cm, ") with bias (hidden_dim), got ",
+              shape_str(wa), " and ", shape_str(ba));
+  const int64_t c = wa.size(0);
+  TORCH_CHECK(wb.dim() == 2 && wb.size(0) == c && wb.size(1) == cm && bb.dim() == 1 && bb.size(0) == c,
+              "outer_product_mean: proj_b weight must be (", c, ", ", cm, ") with bias (", c, "), got ",
+              shape_str(wb), " and ", shape_str(bb));
+  TORCH_CHECK(wo.dim() == 2 && wo.size(1) == c * c && bo.dim() == 1 && bo.size(0) == wo.size(0),
+              "outer_product_mean: out_proj weight must be (pair_dim, hidden_dim^2 = ", c * c,
+              ") with bias (pair_dim), got ", shape_str(wo), " and ", shape_str(bo));
+  const int64_t cz = wo.size(0);
+  TORCH_CHECK(c >= 1 && c <= kMaxHidden, "outer_product_mean: hidden_dim must be in [1, ", kMaxHidden, "], got ", c);
+  TORCH_CHECK(cm >= 1 && cm <= kMaxMsaDim, "outer_product_mean: msa_dim must be in [1, ", kMaxMsaDim,
+              "] (64 rows of msa are kept in shared memory), got ", cm);
+  TORCH_CHECK(cz >= 1, "outer_product_mean: pair_dim must be >= 1, got ", cz);
+  for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
+    TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
+                p->scalar_type());
+  TORCH_CHECK(variant >= 0 && variant <= 2, "outer_product_mean: variant code must be 0, 1 or 2, got ", variant);
+
+  // ---- device checks ----
+  TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", msa.device(),
+              " (move the model and inputs with .cuda())");
+  TORCH_CHECK(mask.device() == msa.device(), "outer_product_mean: msa_mask is on ", mask.device(),
+              " but msa_repr is on ", msa.device());
+  for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
+    TORCH_CHECK(p->device() == msa.device(), "outer_product_mean: the parameters are on ", p->device(),
+                " but msa_repr is on ", msa.device(), " (call model.to(msa_repr.device))");
+
+  const c10::cuda::CUDAGuard guard(msa.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(msa.get_device());
+  const int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
+  const int64_t Npad = round_up(N, 4);
+  const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
+
+  // contraction order: fewer FLOPs, w_first only if one j column of P fits the chunk cap
+  const double flops_outer = 2.0 * B * N * N * c * c * (S + cz);
+  const double flops_w = 2.0 * B * S * N * c * c * cz + 2.0 * B * N * N * S * c * cz;
+  const int64_t p_col_bytes = 4 * B * S * CP * CZP4;
+  int64_t used = variant;
+  if (variant == 0) used = (flops_w < flops_outer && p_col_bytes <= kPChunkBytes) ? 2 : 1;
+
+  auto f32 = msa.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({B, N, N, cz}, f32);
+  if (out.numel() == 0) return {out, used};
+
+  const at::Tensor x = msa.contiguous();
+  const at::Tensor m = mask.contiguous();
+  const at::Tensor lw = ln_w.contiguous(), lb = ln_b.contiguous();
+  const at::Tensor wa_c = wa.contiguous(), ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();
+  const at::Tensor wo_c = wo.contiguous(), bo_c = bo.contiguous();
+  at::Tensor aT = at::empty({B, S, CP, Npad}, f32);
+  at::Tensor bq = at::empty({B, S, N, CP}, f32);
+  at::Tensor inv_denom = at::empty({B, N}, f32);
+  const int pack_mode = used == 1 ? 0 : 1;
+  const int64_t pack_zp = used == 1 ? CZP : CZP4;
+  at::Tensor wpack = at::empty({static_cast<int64_t>(CP) * CP * pack_zp}, f32);
+
+#define OPM_DISPATCH(CPV, ...)                               \
+  switch (CPV) {                                             \
+    case 16: { constexpr int kCP = 16; __VA_ARGS__; break; } \
+    case 32: { constexpr int kCP = 32; __VA_ARGS__; break; } \
+    case 64: { constexpr int kCP = 64; __VA_ARGS__; break; } \
+    default: { constexpr int kCP = 128; __VA_ARGS__; break; } \
+  }
+
+  OPM_DISPATCH(CP, launch_prep<kCP>(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, aT, bq, inv_denom, wpack,
+                                    B, S, N, Npad, static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz),
+                                    static_cast<float>(eps), pack_mode, static_cast<int>(pack_zp), d, stream));
+  if (used == 1) {
+    OPM_DISPATCH(CP, launch_outer<kCP>(aT, bq, inv_denom, wpack, bo_c, out, B, S, N, Npad, static_cast<int>(cz),
+                                       static_cast<int>(CZP), d, stream));
+  } else {
+    const int64_t JC = std::max<int64_t>(1, std::min<int64_t>(N, kPChunkBytes / std::max<int64_t>(p_col_bytes, 1)));
+    at::Tensor P = at::empty({B * S * CP * JC * CZP4}, f32);
+    OPM_DISPATCH(CP, launch_wfirst<kCP>(aT, bq, inv_denom, wpack, bo_c, out, P, JC, B, S, N, Npad,
+                                        static_cast<int>(cz), static_cast<int>(CZP4), d, stream));
+  }
+#undef OPM_DISPATCH
+  return {out, used};
+}
+
+}  // namespace opm
+
+std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
+                                            at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
+  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant);
+}
+"""
+
+_CPP_SRC = r"""
+#include <torch/extension.h>
+#include <tuple>
+std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
+                                            at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant);
+"""
+
+# =============================================================================================
+# Build (load_inline at import; name carries a hash of the source and flags: edit -> rebuild)
+# =============================================================================================
+_VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
+_CUDA_FLAGS = ["-O3"] + (["-Xptxas", "-v"] if _VERBOSE else [])
+_CXX_FLAGS = ["-O3"]
+_HASH = hashlib.sha256(
+    (_CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS)).encode()).hexdigest()[:12]
+_EXT_NAME = f"outer_product_mean_{_HASH}"
+
+
+def _is_cached(name):
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        d = _get_build_directory(name, verbose=False)
+        return any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
+    except Exception:
+        return False
+
+
+def _build():
+    if not _is_cached(_EXT_NAME):
+        print(f"building outer_product_mean CUDA extension ({_EXT_NAME}), about a minute the first time",
+              file=sys.stderr, flush=True)
+    try:
+        return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
+                           functions=["opm_forward"], extra_cuda_cflags=_CUDA_FLAGS,
+                           extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
+    except Exception as e:  # show the compiler output (it is in the exception text), then re-raise
+        print(f"outer_product_mean: building the CUDA extension failed:\n{e}", file=sys.stderr, flush=True)
+        raise
+
+
+_ext = _build()
+
+
+# =============================================================================================
+# Module
+# =============================================================================================
+class _ForwardOnly(torch.autograd.Function):
+    """Runs the kernels under autograd; backward is not implemented (forward-only op)."""
+
+    @staticmethod
+    def forward(ctx, msa, mask, eps, variant, *params):
+        return _ext.opm_forward(msa, mask, *params, eps, variant)[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("outer_product_mean.ModelNew is forward-only: backward is not implemented "
+                           "(run it under torch.no_grad() / inference_mode, or use the reference Model to train)")
+
+
+class ModelNew(nn.Module):
+    """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
+
+    VARIANTS = ("auto", "outer_first", "w_first")
+
+    def __init__(self, msa_dim, pair_dim, hidden_dim=32):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(msa_dim)
+        self.proj_a = nn.Linear(msa_dim, hidden_dim)
+        self.proj_b = nn.Linear(msa_dim, hidden_dim)
+        self.out_proj = nn.Linear(hidden_dim * hidden_dim, pair_dim)
+        self.variant = "auto"
+        self.last_variant = None
+
+    def forward(self, msa_repr, msa_mask):
+        if self.variant not in self.VARIANTS:
+            raise ValueError(f"variant must be one of {self.VARIANTS}, got {self.variant!r}")
+        code = self.VARIANTS.index(self.variant)
+        eps = float(self.layer_norm.eps)
+        params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,
+                  self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
+        if torch.is_grad_enabled() and (msa_repr.requires_grad or any(p.requires_grad for p in params)):
+            # KernelBench times without no_grad: keep forward working, make backward fail loudly.
+            # last_variant: the same rule the kernel applies (the Function hides the second output).
+            out = _ForwardOnly.apply(msa_repr, msa_mask, eps, code, *params)
+            self.last_variant = self._predict_variant(msa_repr, code) if code == 0 else self.variant
+            return out
+        out, used = _ext.opm_forward(msa_repr, msa_mask, *params, eps, code)
+        self.last_variant = self.VARIANTS[used]
+        return out
+
+    def _predict_variant(self, msa_repr, code):
+        """The contraction order opm_forward picks for variant 'auto' (mirrors the C++ rule)."""
+        B, S, N, _ = msa_repr.shape
+        c, cz = self.proj_a.out_features, self.out_proj.out_features
+        cp = 16 if c <= 16 else 32 if c <= 32 else 64 if c <= 64 else 128
+        outer = 2.0 * B * N * N * c * c * (S + cz)
+        wf = 2.0 * B * S * N * c * c * cz + 2.0 * B * N * N * S * c * cz
+        fits = 4 * B * S * cp * ((cz + 3) // 4 * 4) <= (32 << 20)
+        return "w_first" if (wf < outer and fits) else "outer_first"
+
+
+batch_size = 2
+msa_depth = 8
+seq_len = 32
+msa_dim = 64
+hidden_dim = 32
+pair_dim = 64
+
+
+def get_inputs():
+    return [torch.randn(batch_size, msa_depth, seq_len, msa_dim), torch.ones(batch_size, msa_depth, seq_len)]
+
+
+def get_init_inputs():
+    return [msa_dim, pair_dim, hidden_dim]

@@ -1,0 +1,428 @@
+"""Tests of outer_product_mean.py's ModelNew against an fp64 evaluation of reference/outer_product_mean.py.
+
+CPU tests (run in CI): the CUDA source builds with nvcc for sm_90, ModelNew on CPU tensors raises the
+device error, and the boundary checks (dtype, rank, shapes, mask, limits) fire with their messages;
+these checks run before any CUDA call, so CPU tensors reach them.
+GPU tests (marker `gpu`, skipped without CUDA): both contraction orders against fp64 at
+atol = rtol = 1e-4 on the named shapes (except "huge"), awkward sizes, hidden_dim 8/16/24/64/128,
+pair_dim not a multiple of 4, float/bool/integer masks, fully masked positions, non-contiguous
+inputs, empty sizes, a > 2^31-element output, state_dict loading, and forward-only backward.
+"""
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def opm():
+    """The kernel module (importing it builds the CUDA extension, about a minute the first time)."""
+    if not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
+        pytest.skip("no CUDA toolkit (set CUDA_HOME): cannot build the kernel")
+    return _load(os.path.join(ROOT, "outer_product_mean.py"), "outer_product_mean_under_test")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return _load(os.path.join(ROOT, "reference", "outer_product_mean.py"), "outer_product_mean_reference")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _randomise(model, gen):
+    """Non-trivial values for every parameter (LayerNorm affine included, never zeros)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            scale = 1.0 / max(1.0, p.shape[-1] ** 0.5) if p.dim() == 2 else 0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + 0.05)
+
+
+def _pair(opm, ref, cm, cz, c, seed):
+    gen = torch.Generator().manual_seed(seed)
+    m_ref = ref.Model(cm, cz, c)
+    _randomise(m_ref, gen)
+    new = opm.ModelNew(cm, cz, c)
+    new.load_state_dict(m_ref.state_dict(), strict=True)
+    return m_ref.cuda().eval(), new.cuda().eval()
+
+
+def _msa(shape, dist, gen):
+    if dist == "normal":
+        x = torch.randn(shape, generator=gen)
+    elif dist == "uniform":
+        x = torch.rand(shape, generator=gen) * 2 - 1
+    elif dist == "heavy":  # Student-t like: normal / sqrt(chi2 / 3)
+        x = torch.randn(shape, generator=gen) / (torch.rand(shape, generator=gen) * 0.9 + 0.1)
+    elif dist == "offset":
+        x = torch.randn(shape, generator=gen) + 100.0
+    else:
+        raise ValueError(dist)
+    return x
+
+
+def _mask(B, S, N, kind, gen):
+    if kind == "ones":
+        return torch.ones(B, S, N)
+    if kind == "binary":
+        return (torch.rand(B, S, N, generator=gen) > 0.3).float()
+    if kind == "fraction":
+        return torch.rand(B, S, N, generator=gen) * 1.5 - 0.2  # any values, some negative
+    if kind == "bool":
+        return torch.rand(B, S, N, generator=gen) > 0.4
+    if kind in ("uint8", "int32", "int64", "int8", "int16"):
+        dt = getattr(torch, kind)
+        return torch.randint(0, 3, (B, S, N), generator=gen).to(dt)
+    raise ValueError(kind)
+
+
+def _mask_full_positions(mask, gen):
+    """Zero some positions i in every sequence (they must get the bias only)."""
+    N = mask.shape[2]
+    if N == 0:
+        return mask
+    cols = torch.randperm(N, generator=gen)[: max(1, N // 5)]
+    mask = mask.clone()
+    mask[:, :, cols] = 0
+    return mask
+
+
+def _ref64(m_ref, msa, mask):
+    """The reference Model evaluated in float64 (mask kept in its dtype unless float)."""
+    import copy
+    m64 = copy.deepcopy(m_ref).double()
+    msk = mask.double() if mask.is_floating_point() else mask
+    with torch.no_grad():
+        return m64(msa.double(), msk)
+
+
+def _check(out, expect, what=""):
+    assert out.dtype == torch.float32, what
+    assert out.shape == expect.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(expect.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: NaN/Inf in the output (unwritten or wrong elements)"
+    e = expect.float()
+    bad = ~torch.isclose(out, e, **TOL)
+    if bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        vals = [(i, out[tuple(i)].item(), e[tuple(i)].item()) for i in idx]
+        raise AssertionError(f"{what}: {int(bad.sum())} mismatches of {out.numel()}, "
+                             f"max abs err {(out.double() - expect).abs().max().item():.3e}; first {vals}")
+
+
+def _run(new, msa, mask, variant):
+    new.variant = variant
+    with torch.no_grad():
+        out = new(msa, mask)
+    if variant != "auto":
+        assert new.last_variant == variant
+    assert new.last_variant in ("outer_first", "w_first")
+    return out
+
+
+def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=0, variants=("outer_first", "w_first"),
+          full_mask=True):
+    gen = torch.Generator().manual_seed(seed)
+    m_ref, new = _pair(opm, ref, cm, cz, c, seed)
+    msa = _msa((B, S, N, cm), dist, gen)
+    mask = _mask(B, S, N, mask_kind, gen)
+    if full_mask:
+        mask = _mask_full_positions(mask, gen)
+    expect = _ref64(m_ref, msa, mask).cuda()
+    msa, mask = msa.cuda(), mask.cuda()
+    msa0, mask0 = msa.clone(), mask.clone()
+    outs = {}
+    for v in variants:
+        outs[v] = _run(new, msa, mask, v)
+        _check(outs[v], expect, f"{v} B={B} S={S} N={N} cm={cm} c={c} cz={cz} mask={mask_kind} dist={dist}")
+    assert torch.equal(msa, msa0) and torch.equal(mask, mask0), "inputs changed by the call"
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU tests (CI)
+# ---------------------------------------------------------------------------------------------
+def test_builds_for_sm90(opm):
+    assert hasattr(opm, "ModelNew") and hasattr(opm._ext, "opm_forward")
+    assert opm.ModelNew.VARIANTS == ("auto", "outer_first", "w_first")
+
+
+def test_same_submodules_and_init(opm, ref):
+    torch.manual_seed(3)
+    a = ref.Model(40, 24, 16)
+    torch.manual_seed(3)
+    b = opm.ModelNew(40, 24, 16)
+    assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
+    for (_, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q)
+    b.load_state_dict(a.state_dict(), strict=True)
+
+
+def _cpu_args(B=1, S=2, N=3, cm=8, c=4, cz=5):
+    m = torch.nn.Module()
+    return torch.randn(B, S, N, cm), torch.ones(B, S, N)
+
+
+def test_cpu_tensors_raise_device_error(opm):
+    model = opm.ModelNew(8, 5, 4)
+    msa, mask = _cpu_args()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="must be a CUDA tensor.*cpu"):
+        model(msa, mask)
+    with pytest.raises(RuntimeError, match="must be a CUDA tensor"):  # grad path too
+        model(msa, mask)
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    ("msa_dtype", r"msa_repr must be float32, got Double"),
+    ("msa_rank", r"msa_repr must be 4-D .*got shape \[2, 3, 8\]"),
+    ("msa_dim", r"msa_dim = 7 .*layer_norm weight/bias have shapes \[8\]"),
+    ("mask_shape", r"msa_mask must have shape \(B, S, N\) = \(1, 2, 3\).*got \[1, 3, 2\]"),
+    ("mask_rank", r"msa_mask must have shape .*got \[1, 2, 3, 1\]"),
+    ("mask_dtype", r"unsupported msa_mask dtype Double"),
+    ("mask_dtype_half", r"unsupported msa_mask dtype Half"),
+])
+def test_boundary_checks(opm, bad, pattern):
+    model = opm.ModelNew(8, 5, 4)
+    msa, mask = _cpu_args()
+    if bad == "msa_dtype":
+        msa = msa.double()
+    elif bad == "msa_rank":
+        msa = torch.randn(2, 3, 8)
+    elif bad == "msa_dim":
+        msa = torch.randn(1, 2, 3, 7)
+    elif bad == "mask_shape":
+        mask = torch.ones(1, 3, 2)
+    elif bad == "mask_rank":
+        mask = torch.ones(1, 2, 3, 1)
+    elif bad == "mask_dtype":
+        mask = mask.double()
+    elif bad == "mask_dtype_half":
+        mask = mask.half()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=pattern):
+        model(msa, mask)
+
+
+def test_limits(opm):
+    msa, mask = _cpu_args(cm=8)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"hidden_dim must be in \[1, 128\], got 129"):
+        opm.ModelNew(8, 5, 129)(msa, mask)
+    msa = torch.randn(1, 2, 3, 800)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"msa_dim must be in \[1, 768\].*got 800"):
+        opm.ModelNew(800, 5, 4)(msa, mask)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="parameters must be float32, got Double"):
+        opm.ModelNew(8, 5, 4).double()(torch.randn(1, 2, 3, 8), mask)
+    model = opm.ModelNew(8, 5, 4)
+    model.variant = "fastest"
+    with pytest.raises(ValueError, match="variant must be one of"):
+        model(torch.randn(1, 2, 3, 8), mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tests
+# ---------------------------------------------------------------------------------------------
+NAMED = ["seed", "crop", "shallow", "long", "awkward_33", "awkward_17"]
+
+
+@gpu
+@pytest.mark.parametrize("name", NAMED)
+def test_named_shapes_both_orders(opm, ref, name):
+    sh = ref.SHAPES[name]
+    outs = _case(opm, ref, sh["B"], sh["S"], sh["N"], sh["msa_dim"], sh["hidden_dim"], sh["pair_dim"],
+                 mask_kind="fraction", seed=11)
+    # the two orders agree with each other far inside the tolerance
+    torch.testing.assert_close(outs["outer_first"], outs["w_first"], **TOL)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["seed", "shallow", "crop"])
+def test_auto_picks_fewer_flops(opm, ref, name):
+    sh = ref.SHAPES[name]
+    B, S, N, c, cz = sh["B"], sh["S"], sh["N"], sh["hidden_dim"], sh["pair_dim"]
+    outer = 2 * B * N * N * c * c * (S + cz)
+    wf = 2 * B * S * N * c * c * cz + 2 * B * N * N * S * c * cz
+    outs = _case(opm, ref, B, S, N, sh["msa_dim"], c, cz, seed=5, variants=("auto",))
+    new = opm.ModelNew(sh["msa_dim"], cz, c).cuda()
+    _run(new, torch.randn(B, S, N, sh["msa_dim"], device="cuda"), torch.ones(B, S, N, device="cuda"), "auto")
+    assert new.last_variant == ("w_first" if wf < outer else "outer_first")
+    assert outs["auto"].shape == (B, N, N, cz)
+
+
+@gpu
+@pytest.mark.parametrize("B,S,N,cm,c,cz", [
+    (1, 1, 1, 8, 32, 8),        # S = 1, N = 1
+    (2, 1, 17, 64, 32, 64),
+    (1, 5, 1, 33, 16, 7),       # N = 1, odd c_m, odd c_z
+    (1, 7, 37, 37, 32, 13),     # odd c_m, c_z not a multiple of 4, N not a multiple of 4
+    (2, 9, 45, 40, 8, 30),      # hidden 8 -> padded to 16
+    (1, 6, 70, 64, 16, 65),     # hidden 16, c_z = 65 (two z chunks, last partial)
+    (1, 4, 29, 48, 24, 20),     # hidden 24 -> padded to 32
+    (1, 3, 19, 64, 64, 66),     # hidden 64
+    (1, 2, 9, 20, 100, 9),      # hidden 100 -> padded to 128
+    (1, 2, 6, 16, 128, 4),      # hidden 128
+    (1, 37, 131, 3, 32, 128),   # tiny c_m, S not a multiple of 16, N > one 128-row tile
+    (3, 17, 64, 1, 16, 1),      # c_m = 1 (LayerNorm gives beta), c_z = 1
+])
+def test_awkward_sizes(opm, ref, B, S, N, cm, c, cz):
+    _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", seed=B * 1000 + S * 10 + N)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["ones", "binary", "fraction", "bool", "uint8", "int8", "int16", "int32", "int64"])
+def test_mask_kinds(opm, ref, kind):
+    _case(opm, ref, 2, 11, 41, 24, 32, 20, mask_kind=kind, seed=7)
+
+
+@gpu
+@pytest.mark.parametrize("dist", ["uniform", "heavy", "offset"])
+def test_distributions(opm, ref, dist):
+    _case(opm, ref, 1, 24, 50, 64, 32, 32, mask_kind="fraction", dist=dist, seed=13)
+
+
+@gpu
+def test_fully_masked_positions_get_bias(opm, ref):
+    B, S, N, cm, c, cz = 1, 6, 20, 16, 16, 12
+    m_ref, new = _pair(opm, ref, cm, cz, c, 21)
+    msa = torch.randn(B, S, N, cm, device="cuda")
+    mask = torch.ones(B, S, N, device="cuda")
+    mask[:, :, 3] = 0
+    for v in ("outer_first", "w_first"):
+        out = _run(new, msa, mask, v)
+        bias = new.out_proj.bias.detach()
+        torch.testing.assert_close(out[0, 3], bias.expand(N, cz), atol=1e-6, rtol=0)
+        torch.testing.assert_close(out[0, :, 3], bias.expand(N, cz), atol=1e-6, rtol=0)
+        _check(out, _ref64(m_ref, msa.cpu(), mask.cpu()).cuda(), v)
+    mask.zero_()  # everything masked: bias everywhere
+    for v in ("outer_first", "w_first"):
+        out = _run(new, msa, mask, v)
+        torch.testing.assert_close(out, new.out_proj.bias.detach().expand(B, N, N, cz), atol=1e-6, rtol=0)
+
+
+@gpu
+def test_non_contiguous_inputs(opm, ref):
+    B, S, N, cm, c, cz = 2, 5, 23, 24, 32, 20
+    m_ref, new = _pair(opm, ref, cm, cz, c, 31)
+    gen = torch.Generator().manual_seed(31)
+    big = torch.randn(B, N, S, cm + 3, generator=gen)
+    msa = big[..., 1:cm + 1].transpose(1, 2)              # (B, S, N, cm), strided
+    maskt = (torch.rand(N, B, S, generator=gen) > 0.3).float()
+    mask = maskt.permute(1, 2, 0)                          # (B, S, N), strided
+    assert not msa.is_contiguous() and not mask.is_contiguous()
+    expect = _ref64(m_ref, msa, mask).cuda()
+    for v in ("outer_first", "w_first"):
+        _check(_run(new, msa.cuda(), mask.cuda(), v), expect, v)
+    # non-contiguous parameters too (a transposed view of a weight)
+    with torch.no_grad():
+        w = new.proj_a.weight.detach().t().contiguous().t()
+        new.proj_a.weight = torch.nn.Parameter(w)
+    for v in ("outer_first", "w_first"):
+        _check(_run(new, msa.cuda(), mask.cuda(), v), expect, v + " strided parameter")
+
+
+@gpu
+@pytest.mark.parametrize("B,S,N", [(0, 3, 5), (2, 3, 0), (2, 0, 7), (0, 0, 0)])
+def test_empty_sizes(opm, ref, B, S, N):
+    cm, c, cz = 16, 32, 12
+    m_ref, new = _pair(opm, ref, cm, cz, c, 41)
+    msa = torch.randn(B, S, N, cm, device="cuda")
+    mask = torch.ones(B, S, N, device="cuda")
+    with torch.no_grad():
+        expect = m_ref(msa, mask)
+    for v in ("outer_first", "w_first"):
+        out = _run(new, msa, mask, v)
+        assert out.shape == (B, N, N, cz)
+        if out.numel():
+            torch.testing.assert_close(out, expect, atol=1e-6, rtol=0)  # S = 0: the bias everywhere
+    torch.cuda.synchronize()
+
+
+@gpu
+def test_state_dict_after_construction(opm, ref):
+    B, S, N, cm, c, cz = 1, 4, 12, 16, 16, 8
+    m_ref, new = _pair(opm, ref, cm, cz, c, 51)
+    msa = torch.randn(B, S, N, cm, device="cuda")
+    mask = torch.ones(B, S, N, device="cuda")
+    before = _run(new, msa, mask, "auto").clone()
+    other = ref.Model(cm, cz, c)
+    _randomise(other, torch.Generator().manual_seed(52))
+    new.load_state_dict(other.state_dict(), strict=True)
+    after = _run(new, msa, mask, "auto")
+    assert not torch.allclose(before, after)
+    _check(after, _ref64(other, msa.cpu(), mask.cpu()).cuda(), "after load_state_dict")
+    with torch.no_grad():  # in-place parameter edits are seen (parameters read at each call)
+        new.layer_norm.weight.mul_(2.0)
+        other.layer_norm.weight.mul_(2.0)
+    _check(_run(new, msa, mask, "auto"), _ref64(other, msa.cpu(), mask.cpu()).cuda(), "after in-place edit")
+
+
+@gpu
+def test_layer_norm_eps_from_module(opm, ref):
+    B, S, N, cm, c, cz = 1, 3, 9, 16, 16, 8
+    m_ref, new = _pair(opm, ref, cm, cz, c, 61)
+    m_ref.layer_norm.eps = new.layer_norm.eps = 0.5
+    msa = torch.randn(B, S, N, cm) * 0.3
+    mask = torch.ones(B, S, N)
+    _check(_run(new, msa.cuda(), mask.cuda(), "auto"), _ref64(m_ref, msa, mask).cuda(), "eps = 0.5")
+
+
+@gpu
+def test_backward_raises_forward_only(opm, ref):
+    _, new = _pair(opm, ref, 16, 8, 16, 71)
+    msa = torch.randn(1, 3, 9, 16, device="cuda")
+    mask = torch.ones(1, 3, 9, device="cuda")
+    out = new(msa, mask)  # grad enabled, parameters require grad: forward still works
+    assert out.requires_grad and torch.isfinite(out).all()
+    with torch.no_grad():
+        torch.testing.assert_close(out, new(msa, mask), atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.sum().backward()
+
+
+@gpu
+def test_current_stream_and_device(opm, ref):
+    m_ref, new = _pair(opm, ref, 16, 8, 16, 81)
+    msa = torch.randn(1, 5, 40, 16)
+    mask = torch.ones(1, 5, 40)
+    expect = _ref64(m_ref, msa, mask).cuda()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = _run(new, msa.cuda(), mask.cuda(), "outer_first")
+    s.synchronize()
+    _check(out, expect, "side stream")
+
+
+@gpu
+def test_output_over_2_31_elements(opm, ref):
+    """Output of 4100^2 * 128 > 2^31 elements (8.6 GB): 64-bit offsets in both epilogues."""
+    B, S, N, cm, c, cz = 1, 2, 4100, 16, 32, 128
+    free, _ = torch.cuda.mem_get_info()
+    if free < 24 * 2**30:
+        pytest.skip("needs about 24 GB of free device memory")
+    m_ref, new = _pair(opm, ref, cm, cz, c, 91)
+    gen = torch.Generator().manual_seed(91)
+    msa = torch.randn(B, S, N, cm, generator=gen)
+    mask = (torch.rand(B, S, N, generator=gen) > 0.2).float()
+    rows = [0, 1, 2047, 2048, N // 2, N - 2, N - 1]
+    import copy
+    m64 = copy.deepcopy(m_ref).double()
+    with torch.no_grad():
+        expect = ref.forward_rows(m64, msa.double(), mask.double(), rows).cuda()
+    for v in ("w_first", "outer_first"):
+        out = _run(new, msa.cuda(), mask.cuda(), v)
+        assert out.numel() > 2**31
+        _check(out[:, rows], expect, f"{v} sampled rows")
+        assert torch.isfinite(out[:, -3:]).all()
+        del out
+        torch.cuda.empty_cache()
