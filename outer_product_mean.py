@@ -335,6 +335,7 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
       for (int v = 0; v < RO; ++v) acc[u][v] = 0.f;
     for (int k0 = 0; k0 < cm; k0 += kKC1) {
       __syncthreads();  // normalised rows visible (first chunk) / previous ws chunk fully read
+#pragma unroll 1
       for (int q = tid; q < 2 * CP * kKC1; q += kThreads) {
         const int o = q / kKC1, kk = q % kKC1, k = k0 + kk;  // lanes along k: coalesced reads
         const int h = o < CP ? o : o - CP;
@@ -574,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 2) opm_outer_kernel(
         }
         __syncthreads();  // every thread's copies of Ws stage st are visible
         const float* w = Ws + buf * kR2 * kZC;
-#pragma unroll
+#pragma unroll 8
         for (int kl = 0; kl < KCS; ++kl) {
           const int kk = sl * L + st * KCS + kl;
           float o[PT];
@@ -601,6 +602,7 @@ __global__ void __launch_bounds__(kThreads, 2) opm_outer_kernel(
         *reinterpret_cast<float4*>(red + ((sl * NP) + pg * PT + p) * kZC + zg * 4) =
             make_float4(acc2[p][0], acc2[p][1], acc2[p][2], acc2[p][3]);
       __syncthreads();  // all partials written before the slice sum reads them
+#pragma unroll 1
       for (int oi = tid; oi < NP * kZC; oi += kThreads) {
         const int p = oi / kZC, z = oi % kZC;  // lanes along z: coalesced stores
         float sum = 0.f;

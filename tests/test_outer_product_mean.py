@@ -172,7 +172,6 @@ def test_same_submodules_and_init(opm, ref):
 
 
 def _cpu_args(B=1, S=2, N=3, cm=8, c=4, cz=5):
-    m = torch.nn.Module()
     return torch.randn(B, S, N, cm), torch.ones(B, S, N)
 
 
