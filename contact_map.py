@@ -24,8 +24,12 @@ out[b,i,j] and out[b,j,i]. Each input element is read from device memory once, e
 Accumulation is fp32 throughout (no fast-math, no TF32); the max error against an fp64 evaluation is
 in NOTES.md.
 
-Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the best):
-    "v1"  the kernel above.
+Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first = the fastest):
+    "v2"  (default) v1 with the LayerNorm statistics computed by two threads per vector (v1's one
+          warp per vector ran 16 vectors in sequence, each ending in two dependent 5-step shuffle
+          reductions), coalesced weight staging, and per-row instead of per-copy index arithmetic
+          in the tile loader.
+    "v1"  the first version, kept as a second opinion for the tests and the harness.
 
 Limits: pair_dim up to 256 (the two raw tiles and s^T must fit in shared memory; larger raises a
 clear error), hidden_dim up to 256 (hidden_dim is zero-padded to 16/32/64/128/256 inside the
@@ -71,6 +75,17 @@ constexpr int MAX_HIDDEN = 256;
 
 __host__ __device__ inline int cdiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ inline int round_up(int a, int b) { return cdiv(a, b) * b; }
+
+// Error-message pieces as std::string. Streaming integers or shapes through c10::str from this
+// nvcc-compiled file crashed inside libstdc++ on the torch 2.11 GPU image (seen 2026-11-29), so
+// messages are built from std::to_string instead.
+template <typename T>
+inline std::string num(T v) { return std::to_string(v); }
+inline std::string shape_str(c10::IntArrayRef s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
 
 // Asynchronous global -> shared copies (sm_80+). src_bytes = 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool valid) {
@@ -167,31 +182,58 @@ __device__ __forceinline__ void decode_tile(long long t, long long tiles_per_b, 
 //   raw[p]         = x[b, 8I+ti, 8J+tj, :]   (p = 8 ti + tj, rows 0..63)
 //   raw[PAIRS + p] = x[b, 8J+tj, 8I+ti, :]   (the mirror, rows 64..127)
 // Rows whose i or j is past N are zero-filled. Each row of x is C contiguous floats, so a warp's
-// copies cover whole rows: coalesced.
+// copies cover whole rows: coalesced. v1 walks flat (row, chunk) indices (two integer divisions
+// per copy); v2 gives each warp whole rows, so the index arithmetic is per row, not per copy.
+template <int V>
 __device__ __forceinline__ void load_tile(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
                                           int J, int N, int C, bool vec) {
   const int per_row = vec ? C / 4 : C;
-  for (int e = threadIdx.x; e < 2 * PAIRS * per_row; e += THREADS) {
-    const int q = e % per_row, rr = e / per_row;
-    const int p = rr % PAIRS, mirror = rr / PAIRS;
-    const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
-    const bool valid = i < N && j < N;
-    const long long row = mirror ? (static_cast<long long>(b) * N + j) * N + i
-                                 : (static_cast<long long>(b) * N + i) * N + j;
-    if (vec) {
-      const float* src = valid ? x + row * C + 4 * q : x;
-      cp_async16(raw + rr * raw_ld + 4 * q, src, valid);
-    } else {
-      const float* src = valid ? x + row * C + q : x;
-      cp_async4(raw + rr * raw_ld + q, src, valid);
+  if constexpr (V == 1) {
+    for (int e = threadIdx.x; e < 2 * PAIRS * per_row; e += THREADS) {
+      const int q = e % per_row, rr = e / per_row;
+      const int p = rr % PAIRS, mirror = rr / PAIRS;
+      const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
+      const bool valid = i < N && j < N;
+      const long long row = mirror ? (static_cast<long long>(b) * N + j) * N + i
+                                   : (static_cast<long long>(b) * N + i) * N + j;
+      if (vec) cp_async16(raw + rr * raw_ld + 4 * q, valid ? x + row * C + 4 * q : x, valid);
+      else cp_async4(raw + rr * raw_ld + q, valid ? x + row * C + q : x, valid);
+    }
+  } else {
+    const int lane = threadIdx.x & 31;
+    for (int rr = threadIdx.x >> 5; rr < 2 * PAIRS; rr += THREADS / 32) {
+      const int p = rr & (PAIRS - 1);
+      const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
+      const bool valid = i < N && j < N;
+      const float* src = x + (rr < PAIRS ? (static_cast<long long>(b) * N + i) * N + j
+                                         : (static_cast<long long>(b) * N + j) * N + i) * C;
+      float* dst = raw + rr * raw_ld;
+      if (vec) {
+        for (int q = lane; q < per_row; q += 32) cp_async16(dst + 4 * q, valid ? src + 4 * q : x, valid);
+      } else {
+        for (int q = lane; q < per_row; q += 32) cp_async4(dst + q, valid ? src + q : x, valid);
+      }
     }
   }
 }
 
-// Shared-memory layout of the v1 kernel, in floats (every term a multiple of 4: 16-byte aligned).
-struct SmemV1 {
+// dst[k][h] = W[h][k] for k < n_in, h < n_out; 0 elsewhere in the (kp x hp) shared matrix.
+// W: (n_out, n_in) row-major in global memory. Reads coalesced along k, 4 loads in flight.
+__device__ __forceinline__ void stage_transposed(const float* __restrict__ W, int n_in, int n_out,
+                                                 float* dst, int kp, int hp) {
+  const int n = n_in * n_out;
+#pragma unroll 4
+  for (int e = threadIdx.x; e < n; e += THREADS) dst[(e % n_in) * hp + e / n_in] = __ldg(W + e);
+  for (int e = threadIdx.x; e < kp * hp; e += THREADS) {
+    const int k = e / hp, h = e % hp;
+    if (k >= n_in || h >= n_out) dst[e] = 0.f;
+  }
+}
+
+// Shared-memory layout of the kernel, in floats (every term a multiple of 4: 16-byte aligned).
+struct Smem {
   int raw, st, w1t, w2t, vec, stats, total;
-  __host__ __device__ SmemV1(int CP, int HP, bool w_smem) {
+  __host__ __device__ Smem(int CP, int HP, bool w_smem) {
     raw = 2 * PAIRS * (CP + 4);                   // x tile and its mirror, rows padded by 4 floats
     st = (CP > HP ? CP : HP) * LDP;               // s^T (CP x 64), later h1^T (HP x 64)
     w1t = w_smem ? CP * HP : 0;                   // W1^T zero-padded
@@ -205,13 +247,13 @@ struct SmemV1 {
 // =============================================================================================
 // Kernels
 // =============================================================================================
-// v1: persistent; one 256-thread block per resident slot walks tiles (b, I <= J) with a stride of
+// Persistent; one 256-thread block per resident slot walks tiles (b, I <= J) with a stride of
 // gridDim.x. Per tile: stats -> s^T -> prefetch next tile -> GEMM1 -> h1^T -> GEMM2 -> layer 3.
 // Assumptions: C = pair_dim <= 256, CP = round_up(C, 4); H = hidden_dim <= HP (padded hidden);
-// vec => C % 4 == 0 and x 16-byte aligned. Shared memory: SmemV1(CP, HP, W_SMEM).total floats.
-template <int HP, bool W_SMEM>
+// vec => C % 4 == 0 and x 16-byte aligned. Shared memory: Smem(CP, HP, W_SMEM).total floats.
+template <int V, int HP, bool W_SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
-contact_map_v1_kernel(const float* __restrict__ x,       // (B, N, N, C)
+contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
                       float* __restrict__ out,           // (B, N, N)
                       const float* __restrict__ ln_w,    // (C)
                       const float* __restrict__ ln_b,    // (C)
@@ -224,7 +266,7 @@ contact_map_v1_kernel(const float* __restrict__ x,       // (B, N, N, C)
                       float eps, int B, int N, int C, int H, int CP, bool vec) {
   constexpr int RH = HP / TH_H;
   extern __shared__ __align__(16) float smem[];
-  const SmemV1 L(CP, HP, W_SMEM);
+  const Smem L(CP, HP, W_SMEM);
   const int raw_ld = CP + 4;
   float* raw = smem;                      // 2*PAIRS x raw_ld
   float* st = raw + L.raw;                // max(CP, HP) x LDP
@@ -251,12 +293,13 @@ contact_map_v1_kernel(const float* __restrict__ x,       // (B, N, N, C)
   if (t < total) {
     int b, I, J;
     decode_tile(t, tiles_per_b, b, I, J);
-    load_tile(x, raw, raw_ld, b, I, J, N, C, vec);
+    load_tile<V>(x, raw, raw_ld, b, I, J, N, C, vec);
   }
   cp_async_commit();
 
   // Parameters, zero-padded, once per block (overlaps the first tile's copies).
-  if constexpr (W_SMEM) {
+  if constexpr (W_SMEM && V == 1) {
+    // v1: walk W^T in shared-memory order; the global reads are strided by C (uncoalesced).
     for (int e = tid; e < CP * HP; e += THREADS) {
       const int k = e / HP, h = e % HP;
       w1t[e] = (k < C && h < H) ? __ldg(w1 + static_cast<long long>(h) * C + k) : 0.f;
@@ -265,6 +308,12 @@ contact_map_v1_kernel(const float* __restrict__ x,       // (B, N, N, C)
       const int k = e / HP, h = e % HP;
       w2t[e] = (k < H && h < H) ? __ldg(w2 + static_cast<long long>(h) * H + k) : 0.f;
     }
+  } else if constexpr (W_SMEM) {
+    // v2: coalesced global reads in W's own order, unrolled so that many are in flight; the
+    // transposed shared-memory writes conflict, once per block. Padding written separately
+    // (disjoint addresses: no barrier needed between the two loops).
+    stage_transposed(w1, C, H, w1t, CP, HP);
+    stage_transposed(w2, H, H, w2t, HP, HP);
   }
   for (int c = tid; c < CP; c += THREADS) {
     gam[c] = c < C ? __ldg(ln_w + c) : 0.f;
@@ -284,21 +333,56 @@ contact_map_v1_kernel(const float* __restrict__ x,       // (B, N, N, C)
     cp_async_wait_all();
     __syncthreads();  // this tile's copies (all threads') and the parameters are in shared memory
 
-    // LayerNorm statistics of the 128 vectors, one warp per vector, two-pass over shared memory.
-    for (int r = warp; r < 2 * PAIRS; r += THREADS / 32) {
+    // LayerNorm statistics of the 128 vectors, two-pass over shared memory (exact mean, then the
+    // mean of squared deviations: no cancellation at large offsets).
+    if constexpr (V == 1) {
+      // v1: one warp per vector: 16 vectors per warp in sequence, each ending in two 5-step
+      // shuffle reductions (a long dependent chain: measured ~4 us per tile).
+      for (int r = warp; r < 2 * PAIRS; r += THREADS / 32) {
+        const float* row = raw + r * raw_ld;
+        float s = 0.f;
+        for (int c = lane; c < C; c += 32) s += row[c];
+        const float mean = warp_sum(s) * inv_c;
+        float v = 0.f;
+        for (int c = lane; c < C; c += 32) {
+          const float d = row[c] - mean;
+          v = fmaf(d, d, v);
+        }
+        const float var = warp_sum(v) * inv_c;
+        if (lane == 0) {
+          stats[r] = mean;
+          stats[2 * PAIRS + r] = rsqrtf(var + eps);
+        }
+      }
+    } else {
+      // v2: two threads per vector (lanes 2r, 2r+1), each summing every other float4 of the row,
+      // combined with one shuffle. Rows are raw_ld = 4 (mod 32) words apart, so the 16-byte
+      // reads of a quarter-warp (4 rows x 2 halves) hit distinct banks whenever CP % 32 == 0.
+      const int r = tid >> 1, half = tid & 1;
       const float* row = raw + r * raw_ld;
       float s = 0.f;
-      for (int c = lane; c < C; c += 32) s += row[c];
-      const float mean = warp_sum(s) * inv_c;
-      float v = 0.f;
-      for (int c = lane; c < C; c += 32) {
-        const float d = row[c] - mean;
-        v = fmaf(d, d, v);
+#pragma unroll 4
+      for (int q = half; q < CP / 4; q += 2) {
+        const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
+        s += (v.x + v.y) + (v.z + v.w);                 // padding columns are zero
       }
-      const float var = warp_sum(v) * inv_c;
-      if (lane == 0) {
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      const float mean = s * inv_c;
+      float m2 = 0.f;
+#pragma unroll 4
+      for (int q = half; q < CP / 4; q += 2) {
+        const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
+        const int c = 4 * q;                            // mask the padding: (0 - mean)^2 != 0
+        const float dx = v.x - mean;
+        const float dy = c + 1 < C ? v.y - mean : 0.f;
+        const float dz = c + 2 < C ? v.z - mean : 0.f;
+        const float dw = c + 3 < C ? v.w - mean : 0.f;
+        m2 += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+      }
+      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+      if (half == 0) {
         stats[r] = mean;
-        stats[2 * PAIRS + r] = rsqrtf(var + eps);
+        stats[2 * PAIRS + r] = rsqrtf(m2 * inv_c + eps);
       }
     }
     __syncthreads();  // statistics visible to all threads
@@ -329,7 +413,7 @@ contact_map_v1_kernel(const float* __restrict__ x,       // (B, N, N, C)
     if (t + gridDim.x < total) {
       int nb, nI, nJ;
       decode_tile(t + gridDim.x, tiles_per_b, nb, nI, nJ);
-      load_tile(x, raw, raw_ld, nb, nI, nJ, N, C, vec);
+      load_tile<V>(x, raw, raw_ld, nb, nI, nJ, N, C, vec);
     }
     cp_async_commit();
 
@@ -402,15 +486,15 @@ struct Args {
   bool vec;
 };
 
-template <int HP, bool W_SMEM>
-void launch_v1(const Args& a, cudaStream_t stream, int device, int num_sms) {
-  auto kernel = contact_map_v1_kernel<HP, W_SMEM>;
-  const size_t smem = sizeof(float) * SmemV1(a.CP, HP, W_SMEM).total;
+template <int V, int HP, bool W_SMEM>
+void launch(const Args& a, cudaStream_t stream, int num_sms) {
+  auto kernel = contact_map_kernel<V, HP, W_SMEM>;
+  const size_t smem = sizeof(float) * Smem(a.CP, HP, W_SMEM).total;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
-  TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", smem,
+  TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
               " bytes of shared memory)");
   const int nT = cdiv(a.N, TILE);
   const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
@@ -421,26 +505,32 @@ void launch_v1(const Args& a, cudaStream_t stream, int device, int num_sms) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <bool W_SMEM>
-void dispatch_v1(const Args& a, int HP, cudaStream_t s, int dev, int sms) {
+template <int V, bool W_SMEM>
+void dispatch_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
   switch (HP) {
-    case 16: launch_v1<16, W_SMEM>(a, s, dev, sms); break;
-    case 32: launch_v1<32, W_SMEM>(a, s, dev, sms); break;
-    case 64: launch_v1<64, W_SMEM>(a, s, dev, sms); break;
-    case 128: launch_v1<128, W_SMEM>(a, s, dev, sms); break;
-    case 256: launch_v1<256, W_SMEM>(a, s, dev, sms); break;
-    default: TORCH_CHECK(false, "contact_map: internal error, padded hidden size ", HP);
+    case 16: launch<V, 16, W_SMEM>(a, s, sms); break;
+    case 32: launch<V, 32, W_SMEM>(a, s, sms); break;
+    case 64: launch<V, 64, W_SMEM>(a, s, sms); break;
+    case 128: launch<V, 128, W_SMEM>(a, s, sms); break;
+    default: launch<V, 256, W_SMEM>(a, s, sms); break;  // HP <= MAX_HIDDEN checked by forward()
   }
+}
+
+template <int V>
+void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
+  if (w_smem) dispatch_hidden<V, true>(a, HP, s, sms);
+  else dispatch_hidden<V, false>(a, HP, s, sms);
 }
 
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
                  std::vector<int64_t> shape) {
-  TORCH_CHECK(p.device() == x.device(), "contact_map: pair_repr is on ", x.device(), " but parameter ",
-              name, " is on ", p.device(), "; move the module and the input to one device");
+  TORCH_CHECK(p.device() == x.device(), "contact_map: pair_repr is on ", x.device().str(),
+              " but parameter ", name, " is on ", p.device().str(),
+              "; move the module and the input to one device");
   TORCH_CHECK(p.scalar_type() == torch::kFloat32, "contact_map: parameter ", name,
-              " must be float32, got ", p.scalar_type());
+              " must be float32, got ", c10::toString(p.scalar_type()));
   TORCH_CHECK(p.sizes() == c10::IntArrayRef(shape), "contact_map: parameter ", name, " has shape ",
-              p.sizes(), ", expected ", c10::IntArrayRef(shape));
+              shape_str(p.sizes()), ", expected ", shape_str(shape));
 }
 
 // =============================================================================================
@@ -450,12 +540,13 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
                       torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
                       torch::Tensor w3, torch::Tensor b3, int64_t variant) {
   TORCH_CHECK(pair.scalar_type() == torch::kFloat32, "contact_map: pair_repr must be float32, got ",
-              pair.scalar_type());
+              c10::toString(pair.scalar_type()));
   TORCH_CHECK(pair.dim() == 4, "contact_map: pair_repr must be (B, N, N, pair_dim), got shape ",
-              pair.sizes());
+              shape_str(pair.sizes()));
   const int64_t C = ln_w.numel(), H = b1.numel();
   TORCH_CHECK(pair.size(1) == pair.size(2) && pair.size(3) == C,
-              "contact_map: pair_repr must be (B, N, N, pair_dim=", C, "), got shape ", pair.sizes());
+              "contact_map: pair_repr must be (B, N, N, pair_dim=", num(C), "), got shape ",
+              shape_str(pair.sizes()));
   check_param(ln_w, "layer_norm.weight", pair, {C});
   check_param(ln_b, "layer_norm.bias", pair, {C});
   check_param(w1, "mlp.0.weight", pair, {H, C});
@@ -465,14 +556,14 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   check_param(w3, "mlp.4.weight", pair, {1, H});
   check_param(b3, "mlp.4.bias", pair, {1});
   TORCH_CHECK(pair.is_cuda(), "contact_map: pair_repr must be a CUDA tensor, got a tensor on ",
-              pair.device());
-  TORCH_CHECK(C >= 1 && C <= MAX_PAIR_DIM, "contact_map: pair_dim must be in [1, ", MAX_PAIR_DIM,
-              "], got ", C);
-  TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", MAX_HIDDEN,
-              "], got ", H);
-  TORCH_CHECK(variant == 1, "contact_map: unknown kernel variant ", variant);
+              pair.device().str());
+  TORCH_CHECK(C >= 1 && C <= MAX_PAIR_DIM, "contact_map: pair_dim must be in [1, ", num(MAX_PAIR_DIM),
+              "], got ", num(C));
+  TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
+              "], got ", num(H));
+  TORCH_CHECK(variant == 1 || variant == 2, "contact_map: unknown kernel variant ", num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
-              "contact_map: B or N too large, got shape ", pair.sizes());
+              "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
 
   const int64_t B = pair.size(0), N = pair.size(1);
   auto out = torch::empty({B, N, N}, pair.options());
@@ -501,13 +592,15 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   int max_smem = 0, num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const size_t smem_w = sizeof(float) * SmemV1(a.CP, HP, true).total;
-  const size_t smem_g = sizeof(float) * SmemV1(a.CP, HP, false).total;
-  TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", C,
-              " needs ", smem_g, " bytes of shared memory per block; this device allows ", max_smem);
+  const size_t smem_w = sizeof(float) * Smem(a.CP, HP, true).total;
+  const size_t smem_g = sizeof(float) * Smem(a.CP, HP, false).total;
+  TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", num(C),
+              " needs ", num(smem_g), " bytes of shared memory per block; this device allows ",
+              num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  if (smem_w <= static_cast<size_t>(max_smem)) dispatch_v1<true>(a, HP, stream, device, num_sms);
-  else dispatch_v1<false>(a, HP, stream, device, num_sms);
+  const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
+  if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
+  else dispatch<2>(a, HP, w_smem, stream, num_sms);
   return out;
 }
 
@@ -540,7 +633,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v1": 1}
+_VARIANT_IDS = {"v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -577,7 +670,7 @@ class ModelNew(nn.Module):
             nn.ReLU(),
             nn.Linear(hidden_dim, 1),
         )
-        self.variant = "v1"
+        self.variant = next(iter(_VARIANT_IDS))
         self.last_variant = None
 
     def forward(self, pair_repr):
