@@ -531,8 +531,9 @@ def _e(x):
 
 
 def _free(device):
-    gc.collect()
+    """Return freed device memory to the driver between big steps (CUDA only: gc is slow on the CPU)."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -1121,6 +1122,15 @@ def main(argv=None):
     if timing and not args.no_compile and not args.compile_all:
         report["notes"].append("torch.compile ran only for non-awkward shapes (seed, crop, batch, long, shallow); "
                                "--compile-all for all")
+    failed_shapes = [s for s in report["shapes"] if not s.get("ok") and not s.get("skip_reason")]
+    if failed_shapes:
+        log("\nFailures:")
+        for s in failed_shapes:
+            fs = list((s.get("correctness") or {}).get("failures") or []) + list((s.get("timing") or {}).get("failures") or [])
+            for f in fs[:4]:
+                log(f"  {s['name']}: {f[:300]}")
+            if len(fs) > 4:
+                log(f"  {s['name']}: ... {len(fs) - 4} more (see above / --json)")
     log("\n" + format_table(table_rows(report)))
     log("err64 = max abs error vs the reference in float64 (ModelNew / fp32 reference); times are medians; "
         "x floor = ModelNew time / roofline floor; peak = one forward, inputs excluded")

@@ -1,0 +1,23 @@
+"""WRONG on purpose: computes in float16 and casts the result back to float32 (silent half precision)."""
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, pair_dim, hidden_dim):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(pair_dim)
+        self.mlp = nn.Sequential(nn.Linear(pair_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, hidden_dim),
+                                 nn.ReLU(), nn.Linear(hidden_dim, 1))
+
+    def forward(self, pair_repr):
+        h = lambda m: {k: v.half() for k, v in m.state_dict().items()}  # noqa: E731
+        ln = h(self.layer_norm)
+        x = torch.nn.functional.layer_norm(pair_repr.half(), pair_repr.shape[-1:], ln["weight"], ln["bias"],
+                                           self.layer_norm.eps)
+        x = (x + x.permute(0, 2, 1, 3)) / 2.0
+        m = h(self.mlp)
+        x = torch.relu(torch.nn.functional.linear(x, m["0.weight"], m["0.bias"]))
+        x = torch.relu(torch.nn.functional.linear(x, m["2.weight"], m["2.bias"]))
+        x = torch.nn.functional.linear(x, m["4.weight"], m["4.bias"])
+        return torch.sigmoid(x.squeeze(-1)).float()

@@ -1,0 +1,247 @@
+"""The harness on the CPU: known-wrong pure-PyTorch files are rejected with exit code 3, the good ones
+pass, build failures give 2, no CUDA gives 4, and the shared code paths (timing with perf_counter,
+table, JSON, variants, rows sampling, weak oracle) run. Small shapes only (CI: 2 cores, no GPU)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import harness
+
+ROOT = harness.ROOT
+SOL = os.path.join(ROOT, "tests", "solutions")
+CM_REF = os.path.join(ROOT, "reference", "contact_map.py")
+OPM_REF = os.path.join(ROOT, "reference", "outer_product_mean.py")
+CM_SHAPES = "seed,awkward_37"
+OPM_SHAPES = "seed,awkward_33,awkward_17"
+CPU = ["--device", "cpu", "--no-timing"]
+
+# file -> a phrase the harness must print for it
+CM_WRONG = {
+    "contact_map_zeros.py": "not allclose",
+    "contact_map_no_ln_affine.py": "not allclose",
+    "contact_map_fp16.py": "not allclose",
+    "contact_map_mutates_input.py": "changed its input(s) [0] in place",
+    "contact_map_param_order.py": "not a KernelBench drop-in",
+    "contact_map_wrong_shape.py": "shape (4, 64, 64, 1), expected (4, 64, 64)",
+    "contact_map_fp64_output.py": "dtype torch.float64, expected torch.float32",
+    "contact_map_stale_weights.py": "not allclose",
+    "contact_map_variants.py": "variant no_symmetrise",
+}
+OPM_WRONG = {
+    "outer_product_mean_zeros.py": "not allclose",
+    "outer_product_mean_no_ln_affine.py": "not allclose",
+    "outer_product_mean_fp16.py": "not allclose",
+    "outer_product_mean_mutates_input.py": "changed its input(s) [0] in place",
+    "outer_product_mean_param_order.py": "not a KernelBench drop-in",
+    "outer_product_mean_af2_denominator.py": "not allclose",
+    "outer_product_mean_no_clamp.py": "NaN/Inf values where the reference is finite",
+    "outer_product_mean_binarised_mask.py": "mask=fractional",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CM_WRONG))
+def test_rejects_wrong_contact_map(run_harness, name):
+    code, out = run_harness(os.path.join(SOL, name), "--ref", CM_REF, *CPU, "--shapes", CM_SHAPES)
+    assert code == harness.EXIT_WRONG, out[-3000:]
+    assert CM_WRONG[name] in out, out[-3000:]
+    assert "FAIL" in out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", sorted(OPM_WRONG))
+def test_rejects_wrong_outer_product_mean(run_harness, name):
+    code, out = run_harness(os.path.join(SOL, name), "--ref", OPM_REF, *CPU, "--shapes", OPM_SHAPES)
+    assert code == harness.EXIT_WRONG, out[-3000:]
+    assert OPM_WRONG[name] in out, out[-3000:]
+
+
+def test_accepts_good_contact_map(run_harness):
+    code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), *CPU,  # reference found from the name
+                            "--shapes", "seed,awkward_37,awkward_1,awkward_129")
+    assert code == harness.EXIT_OK, out[-3000:]
+    assert "drop-in (same seed -> same parameters): yes" in out
+    assert out.splitlines()[-1].startswith("PASS")
+
+
+def test_accepts_good_outer_product_mean_every_variant(run_harness, tmp_path):
+    js = tmp_path / "opm.json"
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shapes", OPM_SHAPES,
+                            "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    rep = json.loads(js.read_text())
+    for s in rep["shapes"]:
+        v = s["correctness"]["variants"]
+        assert set(v) == {"outer_first", "w_first"}
+        assert v["outer_first"]["last_variants"] == ["outer_first"] and v["w_first"]["last_variants"] == ["w_first"]
+        masks = {t["mask"] for t in s["correctness"]["trials"]}
+        assert masks == set(harness.MASK_KINDS)
+
+
+def test_variant_selection(run_harness):
+    f = os.path.join(SOL, "contact_map_variants.py")
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--variant", "good")
+    assert code == harness.EXIT_OK, out[-2000:]
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--variant", "no_symmetrise")
+    assert code == harness.EXIT_WRONG
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--variant", "nope")
+    assert code == harness.EXIT_USAGE
+    code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), *CPU, "--shapes", "awkward_37",
+                            "--variant", "x")
+    assert code == harness.EXIT_USAGE and "declares no VARIANTS" in out
+
+
+def test_build_failure_exit_code(run_harness, tmp_path):
+    code, out = run_harness(os.path.join(SOL, "broken_build.py"), "--ref", CM_REF, *CPU, "--shapes", "seed")
+    assert code == harness.EXIT_BUILD and "BUILD FAILED" in out
+    empty = tmp_path / "no_model_new.py"
+    empty.write_text("import torch\n")
+    code, out = run_harness(empty, "--ref", CM_REF, *CPU, "--shapes", "seed")
+    assert code == harness.EXIT_BUILD and "defines no class ModelNew" in out
+    code, out = run_harness(tmp_path / "missing.py", "--ref", CM_REF, *CPU)
+    assert code == harness.EXIT_BUILD
+
+
+def test_usage_errors(run_harness):
+    f = os.path.join(SOL, "contact_map_good.py")
+    assert run_harness(f, *CPU, "--shapes", "nope")[0] == harness.EXIT_USAGE
+    assert run_harness(f, *CPU, "--trials", "0")[0] == harness.EXIT_USAGE
+    assert run_harness(os.path.join(SOL, "broken_build.py"), *CPU)[0] == harness.EXIT_USAGE  # no --ref
+    with pytest.raises(SystemExit) as e:
+        harness.main(["--bogus-option"])
+    assert e.value.code == harness.EXIT_USAGE
+
+
+def test_extension_file_refuses_cpu(run_harness):
+    code, out = run_harness(os.path.join(SOL, "fake_extension.py"), "--ref", CM_REF, "--device", "cpu",
+                            "--shapes", "seed")
+    assert code == harness.EXIT_NO_CUDA and "need a CUDA device" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_no_cuda_message_and_exit_code_subprocess():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "harness.py"), os.path.join(SOL, "contact_map_good.py")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == harness.EXIT_NO_CUDA, r.stdout + r.stderr
+    assert "building" in r.stdout and "NO CUDA DEVICE" in r.stdout and "need" in r.stdout
+
+
+def test_wrong_file_exit_code_subprocess():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "harness.py"), os.path.join(SOL, "contact_map_zeros.py"),
+                        "--ref", CM_REF, "--device", "cpu", "--no-timing", "--shapes", "awkward_37", "--trials", "5"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == harness.EXIT_WRONG, r.stdout + r.stderr
+
+
+def test_cpu_timing_dry_run_and_json(run_harness, tmp_path):
+    """--cpu-timing runs the timing/roofline/table/JSON code with perf_counter (numbers meaningless)."""
+    js = tmp_path / "r.json"
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), "--device", "cpu", "--cpu-timing",
+                            "--no-compile", "--samples", "3", "--input-sets", "2", "--shapes", "awkward_33",
+                            "--time-variants", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    rep = json.loads(js.read_text())
+    assert rep["exit_code"] == 0 and rep["verdict"].startswith("PASS")
+    assert rep["settings"]["tf32"] is False and rep["build"]["ok"] and rep["build"]["extensions"] == []
+    s = rep["shapes"][0]
+    assert s["name"] == "awkward_33" and s["ok"] and s["correctness"]["dropin"]["ok"]
+    tm = s["timing"]
+    assert set(tm["new"]) == {"outer_first", "w_first"}
+    for r in tm["new"].values():
+        assert r["per_call"]["n"] == 3 and r["per_call"]["p10_ms"] <= r["per_call"]["median_ms"] <= r["per_call"]["p90_ms"]
+        assert r["floor_multiple"] > 0 and r["tflops"] > 0 and r["tbs"] > 0 and r["speedup_vs_eager"] > 0
+        assert r["graph"] is None and r["graph_error"]
+    assert tm["eager"]["per_call"]["median_ms"] > 0 and tm["compile_note"]
+    assert tm["floor_s"] == max(tm["flops"] / 50e12, tm["min_bytes"] / 4.0e12)
+    lines = out.splitlines()
+    hdr = next(i for i, ln in enumerate(lines) if ln.startswith("shape "))
+    assert "vs compile" in lines[hdr] and lines[hdr + 2].startswith("awkward_33")
+
+
+def test_rows_sampling_path_for_reference_may_oom(run_harness, tmp_path):
+    """A custom OPM shape flagged reference_may_oom is checked through forward_rows (fp32 and fp64)."""
+    shape = "B=2,S=3,N=23,msa_dim=16,hidden_dim=8,pair_dim=8,reference_may_oom=1"
+    js = tmp_path / "r.json"
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shape", shape, "--rows", "5",
+                            "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    assert json.loads(js.read_text())["shapes"][0]["correctness"]["rows_checked"] == 5
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_af2_denominator.py"), *CPU, "--shape", shape)
+    assert code == harness.EXIT_WRONG
+
+
+def test_weak_oracle_is_a_failure(run_harness, tmp_path):
+    ref = tmp_path / "flat_ref.py"
+    ref.write_text(textwrap.dedent('''
+        import torch, torch.nn as nn
+        class Model(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.lin = nn.Linear(d, 1)
+            def forward(self, x):
+                return torch.sigmoid(1e-7 * self.lin(x)).squeeze(-1)  # ~0.5 everywhere
+        SHAPES = {"tiny": dict(B=2, d=4)}
+        def init_inputs_for(s): return [s["d"]]
+        def input_shapes_for(s): return [(s["B"], s["d"])]
+        def flops(s): return 10
+        def min_bytes(s): return 4 * (s["B"] * s["d"] + s["B"])
+    '''))
+    sol = tmp_path / "flat_sol.py"
+    sol.write_text(ref.read_text().replace("class Model(", "class ModelNew("))
+    code, out = run_harness(sol, "--ref", ref, *CPU)
+    assert code == harness.EXIT_WRONG and "oracle too weak" in out
+
+
+def test_custom_shape_and_skips(run_harness):
+    f = os.path.join(SOL, "contact_map_good.py")
+    code, out = run_harness(f, *CPU, "--shape", "B=1,N=3,pair_dim=8,hidden_dim=4")
+    assert code == harness.EXIT_OK and "custom0" in out
+    # default selection on the CPU skips the heavy shapes with a note, runs the rest
+    names = [(n, r) for n, _d, r in harness.select_shapes(
+        harness.load_module(OPM_REF), harness.build_parser().parse_args(["x", "--device", "cpu"]),
+        torch.device("cpu"))]
+    assert dict(names)["seed"] is None and dict(names)["huge"] is not None
+
+
+def test_dropin_check_function():
+    ref = harness.load_module(CM_REF)
+    good = harness.load_module(os.path.join(SOL, "contact_map_good.py"))
+    bad = harness.load_module(os.path.join(SOL, "contact_map_param_order.py"))
+    assert harness.dropin_check(ref.Model, good.ModelNew, ref.get_init_inputs())[0]
+    ok, detail = harness.dropin_check(ref.Model, bad.ModelNew, ref.get_init_inputs())
+    assert not ok and "mlp." in detail
+
+
+def test_good_files_are_kernelbench_drop_ins():
+    """KernelBench's own flow: same seed, build both, no weight copy, compare outputs on get_inputs()."""
+    for stem in ("contact_map", "outer_product_mean"):
+        ref = harness.load_module(os.path.join(ROOT, "reference", stem + ".py"))
+        sol = harness.load_module(os.path.join(SOL, stem + "_good.py"))
+        torch.manual_seed(0)
+        m = ref.Model(*ref.get_init_inputs())
+        torch.manual_seed(0)
+        n = sol.ModelNew(*ref.get_init_inputs())
+        torch.manual_seed(1)
+        inputs = ref.get_inputs()
+        with torch.no_grad():
+            torch.testing.assert_close(n(*inputs), m(*inputs), atol=1e-4, rtol=1e-4)
+
+
+def test_input_generators():
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 5, 40)
+    assert harness.make_mask(shape, "bool", g, "cpu").dtype == torch.bool
+    frac = harness.make_mask(shape, "fractional", g, "cpu")
+    assert ((frac > 0) & (frac < 1)).any() and (frac == 0).any()
+    dead = harness.make_mask(shape, "dead_positions", g, "cpu")
+    assert (dead.sum(1) == 0).any(dim=-1).all()  # some position masked in every sequence, per batch
+    assert (harness.make_mask(shape, "ones", g, "cpu") == 1).all()
+    for dist in harness.DISTRIBUTIONS:
+        x = harness.make_activation((64, 64), dist, g, "cpu")
+        assert x.dtype == torch.float32 and torch.isfinite(x).all() and (x != 0).all() and x.std() > 0.1
+    assert harness.make_activation((1000,), "offset100", g, "cpu").mean() > 90
+    t = harness.make_activation((100000,), "student_t3", g, "cpu")
+    assert t.abs().max() > 8  # heavy tail
