@@ -145,12 +145,12 @@ def _record_extension_builds(calls):
 
 
 def _extension_modules(module):
-    """Names of compiled extension modules (loaded from a .so / .pyd) among a module's globals."""
+    """__name__ of compiled extension modules (loaded from a .so / .pyd) among a module's globals."""
     found = []
     for key, obj in vars(module).items():
         f = getattr(obj, "__file__", None) if isinstance(obj, types.ModuleType) else None
         if f and f.endswith((".so", ".pyd")) and not getattr(obj, "__name__", "").startswith("torch"):
-            found.append(key)
+            found.append(getattr(obj, "__name__", key))
     return found
 
 
@@ -473,7 +473,7 @@ def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants)
             if last is not None and last not in vr["last_variants"]:
                 vr["last_variants"].append(last)
             if rows is not None and torch.is_tensor(out) and out.dim() > 1 and out.shape[1] == dims["N"]:
-                c = compare(out[:, rows], ref32, ref64, args.atol, args.rtol, index_offset=rows_list)
+                c = compare(out[:, rows_list], ref32, ref64, args.atol, args.rtol, index_offset=rows_list)
             else:
                 c = compare(out, ref32, ref64, args.atol, args.rtol)
             del out
@@ -675,7 +675,8 @@ def time_candidate(timer, label, fn, input_sets, want_graph=True):
         r["error"] = _short_exc(e)
         r["oom"] = _is_oom(e)
         log(f"    {label}: {'out of memory' if r['oom'] else 'error'}: {r['error'][:200]}")
-        _free(timer.device)
+    if r["error"]:
+        _free(timer.device)  # after the except block, so the traceback no longer pins its tensors
         return r
     if want_graph:
         try:
@@ -784,16 +785,23 @@ def parse_custom_shape(text, i):
     return f"custom{i}", dims
 
 
-def estimate_need(refmod, dims, timing):
-    """Rough device bytes a shape needs in the harness (inputs, clones, outputs, fp32 + fp64 reference)."""
-    io = refmod.min_bytes(dims)
+def estimate_need(refmod, dims, timing, input_sets=3):
+    """Rough device bytes the harness needs for one shape (bytes; an over-estimate by design).
+
+    Inputs `in_b` (sizes from input_shapes_for, 4 bytes each), output `out_b` = min_bytes - in_b.
+    Correctness: inputs, clones and fp64 copies; fp32 reference, ModelNew and fp64 outputs; twice the
+    reference's peak_bytes (fp64). Shapes flagged reference_may_oom: inputs and ModelNew outputs only
+    (the reference runs on sampled rows). Timing adds the rotated input sets and two outputs.
+    """
+    in_b = 4 * sum(math.prod(s) for s in refmod.input_shapes_for(dims))
+    out_b = max(int(refmod.min_bytes(dims)) - in_b, 0)
     if dims.get("reference_may_oom"):
-        need = 6 * io
+        need = 4 * in_b + 2 * out_b
     else:
-        peak = refmod.peak_bytes(dims) if hasattr(refmod, "peak_bytes") else 4 * io
-        need = 6 * io + 2 * peak
+        peak = refmod.peak_bytes(dims) if hasattr(refmod, "peak_bytes") else 4 * (in_b + out_b)
+        need = 4 * in_b + 5 * out_b + 2 * peak
     if timing:
-        need += (3 + 1) * io
+        need += input_sets * in_b + 2 * out_b
     return int(need)
 
 
@@ -827,7 +835,8 @@ def select_shapes(refmod, args, device):
     avail = available_bytes(device)
     out = []
     for n, d, forced in chosen:
-        need = estimate_need(refmod, d, timing=device.type == "cuda" and not args.no_timing)
+        need = estimate_need(refmod, d, timing=device.type == "cuda" and not args.no_timing,
+                             input_sets=args.input_sets)
         reason = None
         if need > 0.9 * avail:
             reason = f"needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB free"
