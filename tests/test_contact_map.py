@@ -88,7 +88,7 @@ def _check(cm_mod, m_ref, new, x, variant=None):
             want = m64(x.double()).float()
         assert got.shape == want.shape and got.dtype == torch.float32 and got.device == x.device
         assert torch.isfinite(got).all()
-        if want.numel() > 50:  # a judge needs spread: near-constant outputs would hide errors
+        if want.numel() > 50 and x.shape[-1] > 1:  # a judge needs spread (pair_dim 1: LN(x) = beta)
             assert want.std() > 1e-2, f"weak oracle: reference output std {want.std():.2e}"
         bad = ~torch.isclose(got, want, atol=1e-4, rtol=1e-4)
         assert not bad.any(), (
@@ -253,8 +253,6 @@ def test_output_poisoned_buffers_and_repeat_calls_agree(cm, ref):
         with torch.inference_mode():
             got = new(x)
         assert torch.isfinite(got).all()
-        if want.numel() > 50:  # a judge needs spread: near-constant outputs would hide errors
-            assert want.std() > 1e-2, f"weak oracle: reference output std {want.std():.2e}"
     _check(cm, m_ref, new, x)
 
 
