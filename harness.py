@@ -93,13 +93,24 @@ def log(msg=""):
 # ---------------------------------------------------------------------------------------------
 # Loading modules
 # ---------------------------------------------------------------------------------------------
+def default_build_env():
+    """Without a CUDA device, let load_inline still build: TORCH_CUDA_ARCH_LIST=9.0 (the H200) and
+    CUDA_HOME=/usr/local/cuda unless already set. Does nothing when CUDA is available."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+        if os.path.isdir("/usr/local/cuda"):
+            os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+
+
 def load_module(path, name=None):
     """Import a Python file by path and return the module (registered in sys.modules).
 
     `path` is absolute or relative to the repository root. Importing a kernel file builds its CUDA
-    extension (load_inline), so this can take a minute the first time. Raises FileNotFoundError when
-    the file is missing, and whatever the module raises while importing.
+    extension (load_inline), so this can take a minute the first time (default_build_env() is applied
+    first). Raises FileNotFoundError when the file is missing, and whatever the module raises while
+    importing.
     """
+    default_build_env()
     if not os.path.isabs(path) and not os.path.exists(path):
         path = os.path.join(ROOT, path)
     path = os.path.abspath(path)
@@ -1014,10 +1025,7 @@ def main(argv=None):
             return finish(EXIT_USAGE if p == ref_path else EXIT_BUILD, f"no such file: {p}")
 
     have_cuda = torch.cuda.is_available()
-    if not have_cuda:  # let load_inline build for the CI / H200 architecture without a GPU
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-        if os.path.isdir("/usr/local/cuda"):
-            os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+    default_build_env()  # without a GPU, load_inline still builds for sm_90
     _set_precision()
 
     refmod = load_module(ref_path)

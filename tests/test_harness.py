@@ -245,3 +245,15 @@ def test_input_generators():
     assert harness.make_activation((1000,), "offset100", g, "cpu").mean() > 90
     t = harness.make_activation((100000,), "student_t3", g, "cpu")
     assert t.abs().max() > 8  # heavy tail
+
+
+def test_cpu_timing_with_torch_compile(run_harness, tmp_path):
+    """The torch.compile(reference) branch (inductor on the CPU, ~20 s): compiled, timed, speedup filled."""
+    js = tmp_path / "c.json"
+    code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), "--device", "cpu", "--cpu-timing",
+                            "--shapes", "awkward_1", "--compile-all", "--samples", "3", "--trials", "5", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    assert "compiling torch.compile(reference) for awkward_1" in out
+    tm = json.loads(js.read_text())["shapes"][0]["timing"]
+    assert tm["compile"]["per_call"]["median_ms"] > 0 and tm["compile"]["compile_s"] > 0
+    assert tm["new"]["-"]["speedup_vs_compile"] > 0
