@@ -44,6 +44,19 @@ Reference module contract: Model, SHAPES {name: dict}, init_inputs_for(shape), i
 flops(shape), min_bytes(shape); optional INPUT_ROLES ("x" | "mask" per input), peak_bytes(shape),
 forward_rows(model, *inputs, rows) for shapes with reference_may_oom.
 
+JSON (--json PATH): {harness_version, command, date, host, python, torch, torch_cuda, solution,
+reference, device {type, name, capability, total_bytes, l2_bytes, sms}, settings {trials, seed, atol,
+rtol, tf32, variants, samples, input_sets, timing, compile, ...}, build {ok, seconds, extensions |
+error}, shapes: [{name, dims, ok, skip_reason, correctness {ok, failures, dropin {ok, detail},
+ref_fp32_max_abs_err_fp64, ref_fp32_max_rel_err_fp64, ref_spread, weak_oracle, reference_oom,
+rows_checked, variants {name: {ok, failures, last_variants, max_abs_err_fp64, max_rel_err_fp64,
+max_abs_diff_fp32, mismatches}}, trials [{trial, seed, distribution, mask, variants {name: compare()
+dict}}]}, timing {flops, min_bytes, floor_s, compile_note, failures, new {variant: T}, eager: T,
+compile: T + compile_s}}], notes, exit_code, verdict}, where T = {per_call, graph: {n, median_ms,
+p10_ms, p90_ms, mean_ms, min_ms} or None, graph_error, peak_bytes, error, oom, and for ModelNew
+last_variant, floor_multiple, tflops, tbs, graph_floor_multiple, graph_tflops, graph_tbs,
+speedup_vs_eager, speedup_vs_compile}. Times in ms, memory in bytes, non-finite errors as Infinity.
+
 Exit codes: 0 every check passed; 1 usage or harness error, or nothing was checked; 2 the solution
 did not build / import or has no ModelNew; 3 wrong results (any correctness, drop-in or runtime
 failure); 4 no CUDA device (correctness on the GPU and timing need one; `--device cpu` runs
