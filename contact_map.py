@@ -25,7 +25,10 @@ Accumulation is fp32 throughout (no fast-math, no TF32); the max error against a
 in NOTES.md.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first = the fastest):
-    "v2"  (default) v1 with the LayerNorm statistics computed by two threads per vector (v1's one
+    "v3"  (default) v2 with the matrix products software-pipelined: the shared-memory operands of
+          the next 4 values of k are loaded into registers while the current 4 are multiplied
+          (ncu on v2 showed warps stalled on those loads: 36% of stall cycles).
+    "v2"   v1 with the LayerNorm statistics computed by two threads per vector (v1's one
           warp per vector ran 16 vectors in sequence, each ending in two dependent 5-step shuffle
           reductions), coalesced weight staging, and per-row instead of per-copy index arithmetic
           in the tile loader.
@@ -164,6 +167,47 @@ __device__ __forceinline__ void mlp_gemm(const float* A, int K, const float* WT,
       acc[2][r] = fmaf(a.z, w[r], acc[2][r]);
       acc[3][r] = fmaf(a.w, w[r], acc[3][r]);
     }
+  }
+}
+
+// v3: the same product with the operands of the next G values of k loaded into registers while
+// the FMAs of the current G run (two named register buffers, so no run-time register indexing).
+// In v2 the warps stalled on these shared-memory loads (ncu, crop: "short scoreboard" was 36% of
+// the stall cycles at 2 warps per scheduler). K must be a multiple of G (CP and HP are multiples
+// of 4).
+template <int RH, bool W_SMEM>
+__device__ __forceinline__ void mlp_gemm_pipelined(const float* A, int K, const float* WT, int HP,
+                                                   const float* __restrict__ Wg, int n_in, int n_out,
+                                                   int pg, int hg, float (&acc)[RM][RH]) {
+  constexpr int G = RH <= 8 ? 4 : 2;  // k values per register buffer (register budget)
+  float4 a0[G], a1[G];
+  float w0[G][RH], w1[G][RH];
+  auto load = [&](float4 (&a)[G], float (&w)[G][RH], int k0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      a[g] = *reinterpret_cast<const float4*>(A + (k0 + g) * LDP + pg * RM);
+      if constexpr (W_SMEM) load_w_smem<RH>(WT + (k0 + g) * HP, hg, w[g]);
+      else load_w_global<RH>(Wg, n_in, n_out, k0 + g, hg, w[g]);
+    }
+  };
+  auto fma_group = [&](const float4 (&a)[G], const float (&w)[G][RH]) {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int r = 0; r < RH; ++r) {
+        acc[0][r] = fmaf(a[g].x, w[g][r], acc[0][r]);
+        acc[1][r] = fmaf(a[g].y, w[g][r], acc[1][r]);
+        acc[2][r] = fmaf(a[g].z, w[g][r], acc[2][r]);
+        acc[3][r] = fmaf(a[g].w, w[g][r], acc[3][r]);
+      }
+  };
+  load(a0, w0, 0);
+  for (int k0 = 0; k0 < K; k0 += 2 * G) {
+    load(a1, w1, k0 + G < K ? k0 + G : k0);  // past the end: reload (harmless, no branch)
+    fma_group(a0, w0);
+    if (k0 + G >= K) break;
+    load(a0, w0, k0 + 2 * G < K ? k0 + 2 * G : k0);
+    fma_group(a1, w1);
   }
 }
 
@@ -423,7 +467,8 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
     for (int m = 0; m < RM; ++m)
 #pragma unroll
       for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
-    mlp_gemm<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
+    if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
+    else mlp_gemm<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
     __syncthreads();  // every thread is done reading s^T before h1^T overwrites it
 #pragma unroll
     for (int r = 0; r < RH; ++r) {
@@ -443,7 +488,8 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
     for (int m = 0; m < RM; ++m)
 #pragma unroll
       for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
-    mlp_gemm<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
+    if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
+    else mlp_gemm<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
     float z[RM];
 #pragma unroll
     for (int m = 0; m < RM; ++m) {
@@ -561,7 +607,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK(variant == 1 || variant == 2, "contact_map: unknown kernel variant ", num(variant));
+  TORCH_CHECK(variant >= 1 && variant <= 3, "contact_map: unknown kernel variant ", num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
 
@@ -600,7 +646,8 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
   if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
-  else dispatch<2>(a, HP, w_smem, stream, num_sms);
+  else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
+  else dispatch<3>(a, HP, w_smem, stream, num_sms);
   return out;
 }
 
@@ -633,7 +680,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
