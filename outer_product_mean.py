@@ -26,9 +26,14 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
     w_first      P[s,j,h,z] = sum_k Wo[z,h*c+k] b[s,j,k]   (stored in j-chunks of <= 32 MB)
                  out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z]
                  2 B S N c^2 c_z + 2 B N^2 S c c_z
-  variant "auto" (default) runs the one with fewer FLOPs; w_first only when one j column of P
-  (B S CP ceil4(c_z) floats) fits the 32 MB chunk cap. Deep MSAs (crop, long, huge) take outer_first,
-  shallow ones (seed, shallow) w_first. After each call `model.last_variant` names the order that ran.
+  variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
+  to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source, mirrored in
+  ModelNew._predict_variant: outer_first 32 TFLOP/s measured at crop; w_first stage 1 20, stage 2
+  38 (128-tile) / 25 (small) TFLOP/s predicted, to be replaced by measurements). w_first needs one j
+  column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
+  kernel when the 128 x 128 grid would not fill one block per SM. Deep MSAs (crop, long, huge) take
+  outer_first, shallow ones w_first (shallow) or w_first_small (seed). After each call
+  `model.last_variant` names the variant that ran.
 
 Kernels (all FP32 FMA, no tensor cores):
   opm_prep_kernel        one launch, three block roles: (1) 64 rows of msa per block: x staged in
@@ -42,9 +47,17 @@ Kernels (all FP32 FMA, no tensor cores):
                          shared memory and runs the c*c -> c_z GEMM (4 pairs x 4 z per thread, K split
                          over thread groups, Wo streamed through shared memory by cp.async), then
                          bias + inv_denom and coalesced stores.
-  opm_wfirst_proj_kernel<CP>  w_first stage 1: P for one j-chunk (b tile transposed in shared memory).
+  opm_wfirst_proj_kernel<CP>  w_first stage 1: P for one j-chunk as a GEMM (K = CP): 64 j x 128
+                         (h, z) columns per block, b tile and Wk tile in shared memory, 4 x 8 per
+                         thread. (v1 looped one block per (b, s, j tile) serially over every h with Wk
+                         read from L2 in the k loop: 150 us at the seed shape, ~0.3 ms per chunk at
+                         shallow; replaced, not kept: it was a stage, not a contraction order.)
   opm_wfirst_gemm_kernel w_first stage 2: the same 128 x 128 / 8 x 8 / cp.async main loop over
                          K = S*CP, epilogue bias + inv_denom.
+  opm_wfirst_small_kernel  w_first_small stage 2: 32 x 64 tiles, the 8 warps split K (64-row
+                         stages, 8 rows per warp, 8 x 8 per lane), partials summed in shared memory
+                         (deterministic): many more blocks than 128 x 128 tiles when N and N*c_z are
+                         small (seed: 64 blocks of 32 x 64 instead of 32 blocks 3/4 empty).
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
 launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (fast paths 16/32/64; others zero-padded to the
@@ -55,7 +68,8 @@ Limits: forward only (backward raises); FP32 only for msa_repr and the parameter
 (a block keeps 64 rows of msa in shared memory); hidden_dim <= 128; hidden_dim 64 and 128 run the
 same code with smaller residue tiles and are slower per FLOP.
 
-Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first"); set `model.variant`.
+Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first", "w_first_small"); set `model.variant`
+(w_first and w_first_small differ only in the stage-2 kernel).
 Run:   python harness.py outer_product_mean
 Build: about a minute the first time (cached afterwards; rebuilds when this source changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
@@ -96,6 +110,11 @@ constexpr int kR2 = 32;            // outer epilogue: rows of packed Wo per cp.a
 constexpr int kMaxHidden = 128;
 constexpr int kMaxMsaDim = 768;
 constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
+// "auto" time model (seconds = FLOPs / efficiency + launches * kLaunchS). kEffOuter measured on the
+// H200 (crop: 86 GFLOP in 2.70 ms, 2026-11-29); the w_first ones are predictions for the rewritten
+// stage 1 (2026-11-29) until measured: stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM
+// 38 TFLOP/s (the outer kernel's main loop without its epilogue), small kernel 25 TFLOP/s.
+constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -619,66 +638,86 @@ __global__ void __launch_bounds__(kThreads, 2) opm_outer_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// opm_wfirst_proj_kernel<CP>: w_first stage 1 for the j-chunk [j0, j0 + JCv):
-//   P[b,s,h,jl,z] = sum_k bq[b,s,j0+jl,k] * Wk[k][h][z]   (Wk = wpack mode 1, (CP, CP, CZP4))
+// opm_wfirst_proj_kernel<CP>: w_first stage 1 for the j-chunk [j0, j0 + JCv), as a GEMM
+//   P[b,s,h,jl,z] = sum_k bq[b,s,j0+jl,k] * Wk[k][n],   n = h*CZP4 + z  (NCOL = CP*CZP4 columns)
+//   Wk = wpack mode 1: wpack[k*NCOL + n] (row k contiguous over n), zero where h, k >= c or z >= c_z.
 //   P layout ((b*S + s)*CP + h, jl, z) with row stride ldp = JC*CZP4.
-// One block per (b, s, 64-row j tile): the b tile transposed in shared memory Bt[k][jl] (stride 68),
-// thread (tj = tid/16, tz = tid%16) computes 4 j x 4 z per (h, 64-wide z chunk), Wk from L1/L2.
-// Assumptions: 256 threads; CZP4 % 4 == 0.
+// One block per (b*S + s, 64-row j tile, 128-column n tile); K = CP in chunks of KC1 = min(CP, 32):
+//   Bt[k][jl] (b tile transposed, stride 68) and Wsm[k][128] in shared memory; thread (tj = tid/16,
+//   tz = tid%16) owns 4 j x 8 n (n = tz*4 + {0..3} and 64 + tz*4 + {0..3}): 32 FMA per 3 LDS.128.
+//   Since CZP4 % 4 == 0, the 4 columns of one float4 share h: one 16-byte store each.
+// (v1, replaced: one block per (b, s, j tile) looping serially over all h with Wk read from L2 inside
+//  the k loop: 16 blocks x 1024 dependent L2 loads at the seed shape = 150 us; 32 blocks at shallow.)
+// Assumptions: 256 threads; CZP4 % 4 == 0; ldp % 4 == 0.
 // ---------------------------------------------------------------------------------------------
 template <int CP>
 __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
     const float* __restrict__ bq, const float* __restrict__ wk, float* __restrict__ P,
     int64_t B, int64_t S, int64_t N, int64_t j0, int64_t JCv, int64_t ldp, int CZP4) {
+  constexpr int KC1 = CP < 32 ? CP : 32;
   constexpr int LDB = 64 + 4;
-  __shared__ __align__(16) float Bt[CP * LDB];
+  constexpr int TN = 128;
+  __shared__ __align__(16) float Bt[KC1 * LDB];
+  __shared__ __align__(16) float Wsm[KC1 * TN];
   const int tid = threadIdx.x, tj = tid / 16, tz = tid % 16;
-  const int64_t njt = cdiv(JCv, 64);
-  const int64_t total = B * S * njt;
+  const int64_t NCOL = static_cast<int64_t>(CP) * CZP4;
+  const int64_t njt = cdiv(JCv, 64), nct = cdiv(NCOL, TN);
+  const int64_t total = B * S * njt * nct;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const int64_t jt = t % njt, bs = t / njt;  // bs = b*S + s
-    for (int q = tid; q < 64 * CP / 4; q += kThreads) {
-      const int jl = q / (CP / 4), k4 = (q % (CP / 4)) * 4;
-      const int64_t jc = jt * 64 + jl;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (jc < JCv) v = __ldg(reinterpret_cast<const float4*>(bq + (bs * N + j0 + jc) * CP + k4));
-      Bt[(k4 + 0) * LDB + jl] = v.x;
-      Bt[(k4 + 1) * LDB + jl] = v.y;
-      Bt[(k4 + 2) * LDB + jl] = v.z;
-      Bt[(k4 + 3) * LDB + jl] = v.w;
-    }
-    __syncthreads();  // Bt complete before the products read it
-    for (int h = 0; h < CP; ++h) {
-      for (int z = tz * 4; z < CZP4; z += 64) {
-        float acc[4][4];
+    const int64_t ct = t % nct, jt = (t / nct) % njt, bs = t / (nct * njt);  // bs = b*S + s
+    const int64_t n0 = ct * TN;
+    float acc[4][8];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
+    for (int k0 = 0; k0 < CP; k0 += KC1) {
+      // Bt[kk][jl] = bq[b,s,j0 + jt*64 + jl, k0 + kk]  (zero past the chunk)
+      for (int q = tid; q < 64 * KC1 / 4; q += kThreads) {
+        const int jl = q / (KC1 / 4), k4 = (q % (KC1 / 4)) * 4;
+        const int64_t jc = jt * 64 + jl;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (jc < JCv) v = __ldg(reinterpret_cast<const float4*>(bq + (bs * N + j0 + jc) * CP + k0 + k4));
+        Bt[(k4 + 0) * LDB + jl] = v.x;
+        Bt[(k4 + 1) * LDB + jl] = v.y;
+        Bt[(k4 + 2) * LDB + jl] = v.z;
+        Bt[(k4 + 3) * LDB + jl] = v.w;
+      }
+      // Wsm[kk][nl] = Wk[k0 + kk][n0 + nl]  (zero past NCOL; NCOL % 4 == 0)
+      for (int q = tid; q < KC1 * TN / 4; q += kThreads) {
+        const int kk = q / (TN / 4), c4 = (q % (TN / 4)) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (n0 + c4 < NCOL) v = __ldg(reinterpret_cast<const float4*>(wk + (k0 + kk) * NCOL + n0 + c4));
+        *reinterpret_cast<float4*>(Wsm + kk * TN + c4) = v;
+      }
+      __syncthreads();  // Bt and Wsm complete before the products read them
+#pragma unroll 8
+      for (int kk = 0; kk < KC1; ++kk) {
+        const float4 bv = *reinterpret_cast<const float4*>(Bt + kk * LDB + tj * 4);
+        const float4 w0 = *reinterpret_cast<const float4*>(Wsm + kk * TN + tz * 4);
+        const float4 w1 = *reinterpret_cast<const float4*>(Wsm + kk * TN + 64 + tz * 4);
+        const float b4[4] = {bv.x, bv.y, bv.z, bv.w};
+        const float w8[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
         for (int r = 0; r < 4; ++r)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[r][e] = 0.f;
-        const float* wcol = wk + static_cast<int64_t>(h) * CZP4 + z;
-#pragma unroll 8
-        for (int k = 0; k < CP; ++k) {
-          const float4 bv = *reinterpret_cast<const float4*>(Bt + k * LDB + tj * 4);
-          const float4 wv = __ldg(reinterpret_cast<const float4*>(wcol + static_cast<int64_t>(k) * CP * CZP4));
-          const float bb4[4] = {bv.x, bv.y, bv.z, bv.w};
+          for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(b4[r], w8[e], acc[r][e]);
+      }
+      __syncthreads();  // Bt and Wsm read by all before the next chunk / tile overwrites them
+    }
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            acc[r][0] = fmaf(bb4[r], wv.x, acc[r][0]);
-            acc[r][1] = fmaf(bb4[r], wv.y, acc[r][1]);
-            acc[r][2] = fmaf(bb4[r], wv.z, acc[r][2]);
-            acc[r][3] = fmaf(bb4[r], wv.w, acc[r][3]);
-          }
-        }
+    for (int r = 0; r < 4; ++r) {
+      const int64_t jc = jt * 64 + tj * 4 + r;
+      if (jc >= JCv) continue;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int64_t jc = jt * 64 + tj * 4 + r;
-          if (jc < JCv)
-            *reinterpret_cast<float4*>(P + (bs * CP + h) * ldp + jc * CZP4 + z) =
-                make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-        }
+      for (int hb = 0; hb < 2; ++hb) {
+        const int64_t n = n0 + hb * 64 + tz * 4;
+        if (n >= NCOL) continue;
+        const int64_t h = n / CZP4, z = n - h * CZP4;
+        *reinterpret_cast<float4*>(P + (bs * CP + h) * ldp + jc * CZP4 + z) =
+            make_float4(acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
       }
     }
-    __syncthreads();  // Bt read by all before the next tile overwrites it
   }
 }
 
@@ -765,6 +804,129 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// opm_wfirst_small_kernel: w_first stage 2 for small problems (variant w_first_small), same math as
+//   opm_wfirst_gemm_kernel: out[b,i,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_k aT[b][k][i] P[b][k][n],
+//   n = jl*CZP4 + z, k = (s, h) < K = S*CP.
+// Why: at the seed shape (N = 32, 2048 columns, K = 256) the 128 x 128 kernel has 32 blocks, each
+//   with 3/4 of its rows past N and a 16-step serial K loop (~20 us); here a block owns a 32 x 64
+//   tile and its 8 warps split K (warp w takes rows w*8..w*8+7 of every 64-row K stage), each lane an
+//   8 x 8 micro-tile (rows lr*4+{0..3}, 16+lr*4+{0..3}; columns lc*4+{0..3}, 32+lc*4+{0..3};
+//   lr = lane/8, lc = lane%8); the 8 warp partials are summed through shared memory (deterministic).
+// Shared memory (dynamic): stages As [2][64][32], Bs [2][64][64] (48 KB), aliased after the main loop
+//   by red [8][32][64] (64 KB).
+// Assumptions: 256 threads; Npad % 4 == 0; ldp % 4 == 0; JCv*CZP4 % 4 == 0.
+// ---------------------------------------------------------------------------------------------
+constexpr int kSmM = 32, kSmN = 64, kSmK = 64;
+constexpr size_t kSmallSmemFloats = 8 * kSmM * kSmN;  // red; >= 2 * kSmK * (kSmM + kSmN)
+static_assert(kSmallSmemFloats >= 2 * kSmK * (kSmM + kSmN), "red aliases the stages");
+
+__global__ void __launch_bounds__(kThreads) opm_wfirst_small_kernel(
+    const float* __restrict__ aT, const float* __restrict__ P, const float* __restrict__ inv_denom,
+    const float* __restrict__ bo, float* __restrict__ out,
+    int64_t B, int64_t S, int64_t N, int64_t Npad, int CP, int64_t j0, int64_t JCv, int64_t ldp, int cz, int CZP4) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* As = smem;                      // [2][kSmK][kSmM]
+  float* Bs = smem + 2 * kSmK * kSmM;    // [2][kSmK][kSmN]
+  float* red = smem;                     // [8][kSmM][kSmN]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, lr = lane / 8, lc = lane % 8;
+  const int64_t K = S * CP;
+  const int64_t ncols = JCv * CZP4;
+  const int64_t tm = cdiv(N, kSmM), tn = cdiv(ncols, kSmN);
+  const int64_t total = B * tm * tn;
+  const int64_t nchunks = cdiv(K, kSmK);
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int64_t tcol = t % tn, trow = (t / tn) % tm, b = t / (tn * tm);
+    const int64_t i0 = trow * kSmM, n0 = tcol * kSmN;
+    // copies: A 64 rows x 8 float4 (2 per thread), B 64 rows x 16 float4 (4 per thread)
+    const int ca = (tid % 8) * 4, ka = tid / 8;    // A: column ca, rows ka, ka + 32
+    const int cb = (tid % 16) * 4, kb = tid / 16;  // B: column cb, rows kb + 16u
+    const int nva = static_cast<int>(max64(0, min64(4, N - (i0 + ca))));
+    const bool okn = n0 + cb < ncols;
+    const float* a_src = aT + (b * K + ka) * Npad + i0 + ca;
+    const float* p_src = P + (b * K + kb) * ldp + n0 + cb;
+    auto load_stage = [&](int buf, int64_t ch) {
+      float* as = As + buf * kSmK * kSmM;
+      float* bs = Bs + buf * kSmK * kSmN;
+      const int64_t k0 = ch * kSmK;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int64_t dk = k0 + u * 32;
+        const bool ok = ka + dk < K && nva > 0;
+        cp_async<16>(as + (ka + u * 32) * kSmM + ca, ok ? a_src + dk * Npad : aT, ok ? nva * 4 : 0);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t dk = k0 + u * 16;
+        const bool ok = kb + dk < K && okn;
+        cp_async<16>(bs + (kb + u * 16) * kSmN + cb, ok ? p_src + dk * ldp : P, ok ? 16 : 0);
+      }
+    };
+    float acc[8][8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[r][q] = 0.f;
+    if (nchunks > 0) {
+      load_stage(0, 0);
+      cp_async_commit();
+    }
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
+      const int buf = static_cast<int>(ch & 1);
+      if (ch + 1 < nchunks) {
+        load_stage(buf ^ 1, ch + 1);  // prefetch the next stage while this one is multiplied
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();  // every thread's copies of stage ch are visible to all threads
+      const float* a = As + buf * kSmK * kSmM;
+      const float* bm = Bs + buf * kSmK * kSmN;
+#pragma unroll
+      for (int kl = 0; kl < 8; ++kl) {
+        const int k = warp * 8 + kl;
+        const float4 a0 = *reinterpret_cast<const float4*>(a + k * kSmM + lr * 4);
+        const float4 a1 = *reinterpret_cast<const float4*>(a + k * kSmM + 16 + lr * 4);
+        const float4 b0 = *reinterpret_cast<const float4*>(bm + k * kSmN + lc * 4);
+        const float4 b1 = *reinterpret_cast<const float4*>(bm + k * kSmN + 32 + lc * 4);
+        const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+        for (int r = 0; r < 8; ++r)
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[r][q] = fmaf(av[r], bv[q], acc[r][q]);
+      }
+      __syncthreads();  // stage buf fully read before it is refilled (ch+2) or reused as red
+    }
+    // warp partials -> red[warp][row][col]
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int row = (r < 4 ? 0 : 16) + lr * 4 + (r & 3);
+#pragma unroll
+      for (int hb = 0; hb < 2; ++hb)
+        *reinterpret_cast<float4*>(red + (warp * kSmM + row) * kSmN + hb * 32 + lc * 4) =
+            make_float4(acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
+    }
+    __syncthreads();  // all partials written before the sum reads them
+#pragma unroll 1
+    for (int oi = tid; oi < kSmM * kSmN; oi += kThreads) {
+      const int row = oi / kSmN, col = oi % kSmN;  // lanes along columns: consecutive z, coalesced
+      const int64_t i = i0 + row, n = n0 + col;
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) sum += red[(w * kSmM + row) * kSmN + col];
+      if (i < N && n < ncols) {
+        const int64_t jl = n / CZP4;
+        const int z = static_cast<int>(n - jl * CZP4);
+        if (z < cz) out[((b * N + i) * N + j0 + jl) * cz + z] = __ldg(bo + z) + inv_denom[b * N + i] * sum;
+      }
+    }
+    __syncthreads();  // red read by all before the next tile's prefetch overwrites the stages
+  }
+}
+
 // =============================================================================================
 // Launchers
 // =============================================================================================
@@ -796,8 +958,8 @@ static size_t prep_smem_bytes(int cm, int CP) {
 
 template <class Kernel>
 static void set_smem(Kernel k, size_t bytes, const DevInfo& d, const char* what) {
-  TORCH_CHECK(bytes <= static_cast<size_t>(d.smem_optin), "outer_product_mean: ", what, " needs ", bytes,
-              " bytes of shared memory per block, the device allows ", d.smem_optin);
+  TORCH_CHECK(bytes <= static_cast<size_t>(d.smem_optin), "outer_product_mean: ", what, " needs ", std::to_string(bytes),
+              " bytes of shared memory per block, the device allows ", std::to_string(d.smem_optin));
   if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                             static_cast<int>(bytes)));
 }
@@ -841,26 +1003,38 @@ static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the
+// 128 x 128 opm_wfirst_gemm_kernel.
 template <int CP>
 static void launch_wfirst(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
                           const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& P, int64_t JC,
-                          int64_t B, int64_t S, int64_t N, int64_t Npad, int cz, int CZP4, const DevInfo& d,
-                          cudaStream_t stream) {
-  const size_t smem2 = 4 * 2 * 2 * kKC * kTile;  // As + Bs, two stages each
-  set_smem(opm_wfirst_gemm_kernel, smem2, d, "the w-first GEMM kernel");
+                          int64_t B, int64_t S, int64_t N, int64_t Npad, int cz, int CZP4, bool small,
+                          const DevInfo& d, cudaStream_t stream) {
+  const size_t smem2 = small ? 4 * kSmallSmemFloats : 4 * 2 * 2 * kKC * kTile;  // see each kernel's comment
+  if (small) set_smem(opm_wfirst_small_kernel, smem2, d, "the small w-first GEMM kernel");
+  else set_smem(opm_wfirst_gemm_kernel, smem2, d, "the w-first GEMM kernel");
   const int64_t ldp = JC * CZP4;
+  const int64_t ncol1 = static_cast<int64_t>(CP) * CZP4;  // stage-1 columns (h, z)
+  const float* Pp = P.numel() ? P.data_ptr<float>() : aT.data_ptr<float>();
   for (int64_t j0 = 0; j0 < N; j0 += JC) {
     const int64_t JCv = std::min<int64_t>(JC, N - j0);
-    const int g1 = grid_for(B * S * cdiv(JCv, 64));
+    const int g1 = grid_for(B * S * cdiv(JCv, 64) * cdiv(ncol1, 128));
     if (g1 > 0) {
       opm_wfirst_proj_kernel<CP><<<g1, kThreads, 0, stream>>>(bq.data_ptr<float>(), wk.data_ptr<float>(),
                                                              P.data_ptr<float>(), B, S, N, j0, JCv, ldp, CZP4);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    const int g2 = grid_for(B * cdiv(N, kTile) * cdiv(JCv * CZP4, kTile));
-    opm_wfirst_gemm_kernel<<<g2, kThreads, smem2, stream>>>(
-        aT.data_ptr<float>(), P.numel() ? P.data_ptr<float>() : aT.data_ptr<float>(), inv_denom.data_ptr<float>(),
-        bo.data_ptr<float>(), out.data_ptr<float>(), B, S, N, Npad, CP, j0, JCv, ldp, cz, CZP4);
+    if (small) {
+      const int g2 = grid_for(B * cdiv(N, kSmM) * cdiv(JCv * CZP4, kSmN));
+      opm_wfirst_small_kernel<<<g2, kThreads, smem2, stream>>>(
+          aT.data_ptr<float>(), Pp, inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(),
+          B, S, N, Npad, CP, j0, JCv, ldp, cz, CZP4);
+    } else {
+      const int g2 = grid_for(B * cdiv(N, kTile) * cdiv(JCv * CZP4, kTile));
+      opm_wfirst_gemm_kernel<<<g2, kThreads, smem2, stream>>>(
+          aT.data_ptr<float>(), Pp, inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(),
+          B, S, N, Npad, CP, j0, JCv, ldp, cz, CZP4);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -868,11 +1042,20 @@ static void launch_wfirst(const at::Tensor& aT, const at::Tensor& bq, const at::
 // =============================================================================================
 // Bound function
 // =============================================================================================
+// Error-message pieces as std::string. Streaming integers, shapes, devices or dtypes through
+// c10::str (TORCH_CHECK) from this nvcc-compiled file crashed inside libstdc++
+// (std::ostream::_M_insert<long>) on the torch 2.11 GPU image (seen 2026-11-29), so every number,
+// shape, device and dtype in a message is converted to std::string first (as contact_map.py does).
+template <typename T>
+static std::string num(T v) { return std::to_string(v); }
 static std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
+  std::string r = "[";
+  const auto s = t.sizes();
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
 }
+static std::string dev_str(const at::Tensor& t) { return t.device().str(); }
+static std::string dtype_str(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
 
 static int mask_kind_of(at::ScalarType st) {
   switch (st) {
@@ -887,7 +1070,7 @@ static int mask_kind_of(at::ScalarType st) {
   }
 }
 
-// variant: 0 auto, 1 outer_first, 2 w_first.  Returns (out, variant that ran: 1 or 2).
+// variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small.  Returns (out, variant that ran: 1, 2 or 3).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -895,45 +1078,45 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
   TORCH_CHECK(msa.scalar_type() == at::kFloat, "outer_product_mean: msa_repr must be float32, got ",
-              msa.scalar_type());
+              dtype_str(msa));
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), cm = msa.size(3);
   TORCH_CHECK(ln_w.dim() == 1 && ln_b.dim() == 1 && ln_w.size(0) == cm && ln_b.size(0) == cm,
-              "outer_product_mean: msa_repr has msa_dim = ", cm, " (shape ", shape_str(msa),
+              "outer_product_mean: msa_repr has msa_dim = ", num(cm), " (shape ", shape_str(msa),
               ") but layer_norm weight/bias have shapes ", shape_str(ln_w), " / ", shape_str(ln_b));
   TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
-              "outer_product_mean: msa_mask must have shape (B, S, N) = (", B, ", ", S, ", ", N,
+              "outer_product_mean: msa_mask must have shape (B, S, N) = (", num(B), ", ", num(S), ", ", num(N),
               ") to match msa_repr ", shape_str(msa), ", got ", shape_str(mask));
   const int mask_kind = mask_kind_of(mask.scalar_type());
-  TORCH_CHECK(mask_kind >= 0, "outer_product_mean: unsupported msa_mask dtype ", mask.scalar_type(),
+  TORCH_CHECK(mask_kind >= 0, "outer_product_mean: unsupported msa_mask dtype ", dtype_str(mask),
               "; use float32, bool, uint8, int8, int16, int32 or int64");
   TORCH_CHECK(wa.dim() == 2 && wa.size(1) == cm && ba.dim() == 1 && ba.size(0) == wa.size(0),
-              "outer_product_mean: proj_a weight must be (hidden_dim, msa_dim = ", cm, ") with bias (hidden_dim), got ",
+              "outer_product_mean: proj_a weight must be (hidden_dim, msa_dim = ", num(cm), ") with bias (hidden_dim), got ",
               shape_str(wa), " and ", shape_str(ba));
   const int64_t c = wa.size(0);
   TORCH_CHECK(wb.dim() == 2 && wb.size(0) == c && wb.size(1) == cm && bb.dim() == 1 && bb.size(0) == c,
-              "outer_product_mean: proj_b weight must be (", c, ", ", cm, ") with bias (", c, "), got ",
+              "outer_product_mean: proj_b weight must be (", num(c), ", ", num(cm), ") with bias (", num(c), "), got ",
               shape_str(wb), " and ", shape_str(bb));
   TORCH_CHECK(wo.dim() == 2 && wo.size(1) == c * c && bo.dim() == 1 && bo.size(0) == wo.size(0),
-              "outer_product_mean: out_proj weight must be (pair_dim, hidden_dim^2 = ", c * c,
+              "outer_product_mean: out_proj weight must be (pair_dim, hidden_dim^2 = ", num(c * c),
               ") with bias (pair_dim), got ", shape_str(wo), " and ", shape_str(bo));
   const int64_t cz = wo.size(0);
-  TORCH_CHECK(c >= 1 && c <= kMaxHidden, "outer_product_mean: hidden_dim must be in [1, ", kMaxHidden, "], got ", c);
-  TORCH_CHECK(cm >= 1 && cm <= kMaxMsaDim, "outer_product_mean: msa_dim must be in [1, ", kMaxMsaDim,
-              "] (64 rows of msa are kept in shared memory), got ", cm);
-  TORCH_CHECK(cz >= 1, "outer_product_mean: pair_dim must be >= 1, got ", cz);
+  TORCH_CHECK(c >= 1 && c <= kMaxHidden, "outer_product_mean: hidden_dim must be in [1, ", num(kMaxHidden), "], got ", num(c));
+  TORCH_CHECK(cm >= 1 && cm <= kMaxMsaDim, "outer_product_mean: msa_dim must be in [1, ", num(kMaxMsaDim),
+              "] (64 rows of msa are kept in shared memory), got ", num(cm));
+  TORCH_CHECK(cz >= 1, "outer_product_mean: pair_dim must be >= 1, got ", num(cz));
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
     TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
-                p->scalar_type());
-  TORCH_CHECK(variant >= 0 && variant <= 2, "outer_product_mean: variant code must be 0, 1 or 2, got ", variant);
+                dtype_str(*p));
+  TORCH_CHECK(variant >= 0 && variant <= 3, "outer_product_mean: variant code must be 0, 1, 2 or 3, got ", num(variant));
 
   // ---- device checks ----
-  TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", msa.device(),
+  TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
               " (move the model and inputs with .cuda())");
-  TORCH_CHECK(mask.device() == msa.device(), "outer_product_mean: msa_mask is on ", mask.device(),
-              " but msa_repr is on ", msa.device());
+  TORCH_CHECK(mask.device() == msa.device(), "outer_product_mean: msa_mask is on ", dev_str(mask),
+              " but msa_repr is on ", dev_str(msa));
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
-    TORCH_CHECK(p->device() == msa.device(), "outer_product_mean: the parameters are on ", p->device(),
-                " but msa_repr is on ", msa.device(), " (call model.to(msa_repr.device))");
+    TORCH_CHECK(p->device() == msa.device(), "outer_product_mean: the parameters are on ", dev_str(*p),
+                " but msa_repr is on ", dev_str(msa), " (call model.to(msa_repr.device))");
 
   const c10::cuda::CUDAGuard guard(msa.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -942,12 +1125,21 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const int64_t Npad = round_up(N, 4);
   const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
 
-  // contraction order: fewer FLOPs, w_first only if one j column of P fits the chunk cap
-  const double flops_outer = 2.0 * B * N * N * c * c * (S + cz);
-  const double flops_w = 2.0 * B * S * N * c * c * cz + 2.0 * B * N * N * S * c * cz;
+  // contraction order for "auto": the smaller estimated time (FLOPs as executed, i.e. with c padded
+  // to CP, over the measured or predicted efficiency of each path, plus a fixed cost per launch);
+  // w_first only if one j column of P fits the chunk cap. Constants: see kEff* above.
   const int64_t p_col_bytes = 4 * B * S * CP * CZP4;
+  const int64_t JC = std::max<int64_t>(1, std::min<int64_t>(N, kPChunkBytes / std::max<int64_t>(p_col_bytes, 1)));
+  const bool w_small = B * cdiv(N, kTile) * cdiv(JC * CZP4, kTile) < d.sms;  // 128-tile grid under one wave
   int64_t used = variant;
-  if (variant == 0) used = (flops_w < flops_outer && p_col_bytes <= kPChunkBytes) ? 2 : 1;
+  if (variant == 0) {
+    const double cp = CP, nn = static_cast<double>(B) * N * N, bsn = static_cast<double>(B) * S * N;
+    const double t_outer = 2.0 * nn * cp * cp * (S + cz) / kEffOuter + kLaunchS;
+    const double nchunk = static_cast<double>(cdiv(N, JC));
+    const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj + 2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : kEffW) +
+                       2.0 * nchunk * kLaunchS;
+    used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : 2) : 1;
+  }
 
   auto f32 = msa.options().dtype(at::kFloat);
   at::Tensor out = at::empty({B, N, N, cz}, f32);
@@ -980,10 +1172,9 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     OPM_DISPATCH(CP, launch_outer<kCP>(aT, bq, inv_denom, wpack, bo_c, out, B, S, N, Npad, static_cast<int>(cz),
                                        static_cast<int>(CZP), d, stream));
   } else {
-    const int64_t JC = std::max<int64_t>(1, std::min<int64_t>(N, kPChunkBytes / std::max<int64_t>(p_col_bytes, 1)));
     at::Tensor P = at::empty({B * S * CP * JC * CZP4}, f32);
     OPM_DISPATCH(CP, launch_wfirst<kCP>(aT, bq, inv_denom, wpack, bo_c, out, P, JC, B, S, N, Npad,
-                                        static_cast<int>(cz), static_cast<int>(CZP4), d, stream));
+                                        static_cast<int>(cz), static_cast<int>(CZP4), used == 3, d, stream));
   }
 #undef OPM_DISPATCH
   return {out, used};
@@ -1061,7 +1252,7 @@ class _ForwardOnly(torch.autograd.Function):
 class ModelNew(nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
 
-    VARIANTS = ("auto", "outer_first", "w_first")
+    VARIANTS = ("auto", "outer_first", "w_first", "w_first_small")
 
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
         super().__init__()
@@ -1089,15 +1280,27 @@ class ModelNew(nn.Module):
         self.last_variant = self.VARIANTS[used]
         return out
 
+    # "auto" time model, mirrored from the C++ constants kEff* / kLaunchS (keep in sync)
+    _EFF_OUTER, _EFF_PROJ, _EFF_W, _EFF_SMALL, _LAUNCH_S = 32e12, 20e12, 38e12, 25e12, 2e-6
+
     def _predict_variant(self, msa_repr, code):
-        """The contraction order opm_forward picks for variant 'auto' (mirrors the C++ rule)."""
+        """The variant opm_forward runs for 'auto' (mirrors the C++ rule; used on the autograd path)."""
         B, S, N, _ = msa_repr.shape
         c, cz = self.proj_a.out_features, self.out_proj.out_features
         cp = 16 if c <= 16 else 32 if c <= 32 else 64 if c <= 64 else 128
-        outer = 2.0 * B * N * N * c * c * (S + cz)
-        wf = 2.0 * B * S * N * c * c * cz + 2.0 * B * N * N * S * c * cz
-        fits = 4 * B * S * cp * ((cz + 3) // 4 * 4) <= (32 << 20)
-        return "w_first" if (wf < outer and fits) else "outer_first"
+        czp4 = (cz + 3) // 4 * 4
+        p_col = 4 * B * S * cp * czp4
+        jc = max(1, min(N, (32 << 20) // max(p_col, 1)))
+        dev = msa_repr.device
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        small = B * -(-N // 128) * -(-(jc * czp4) // 128) < sms
+        t_outer = 2.0 * B * N * N * cp * cp * (S + cz) / self._EFF_OUTER + self._LAUNCH_S
+        t_w = (2.0 * B * S * N * cp * cp * czp4 / self._EFF_PROJ
+               + 2.0 * B * N * N * S * cp * czp4 / (self._EFF_SMALL if small else self._EFF_W)
+               + 2.0 * (-(-N // jc) if N else 0) * self._LAUNCH_S)
+        if t_w < t_outer and p_col <= (32 << 20):
+            return "w_first_small" if small else "w_first"
+        return "outer_first"
 
 
 batch_size = 2
