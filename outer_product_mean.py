@@ -105,6 +105,7 @@ constexpr int kTile = 128;         // GEMM block tile: 128 x 128 outputs, 8 x 8 
 constexpr int kKC = 16;            // GEMM K chunk per cp.async stage (two stages)
 constexpr int kRows1 = 64;         // prep kernel: msa rows per block
 constexpr int kKC1 = 32;           // prep kernel: K (c_m) chunk of the projection weights
+static_assert(256 % kKC1 == 0, "prep: fixed weight column per thread");
 constexpr int kZC = 64;            // outer epilogue: pair channels per pass
 constexpr int kR2 = 32;            // outer epilogue: rows of packed Wo per cp.async stage
 constexpr int kMaxHidden = 128;
@@ -354,12 +355,17 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
       for (int v = 0; v < RO; ++v) acc[u][v] = 0.f;
     for (int k0 = 0; k0 < cm; k0 += kKC1) {
       __syncthreads();  // normalised rows visible (first chunk) / previous ws chunk fully read
-#pragma unroll 1
-      for (int q = tid; q < 2 * CP * kKC1; q += kThreads) {
-        const int o = q / kKC1, kk = q % kKC1, k = k0 + kk;  // lanes along k: coalesced reads
-        const int h = o < CP ? o : o - CP;
-        const float* W = o < CP ? wa : wb;
-        ws[kk * LDW + o] = (h < c && k < cm) ? __ldg(W + static_cast<int64_t>(h) * cm + k) : 0.f;
+      // fixed column kk per thread (256 % kKC1 == 0), rows o = o0 + 8u; unrolled by 4 so four
+      // independent loads are in flight together (with unroll 1 they were 8 serial L2 round trips
+      // per chunk at CP = 32: ~2.5 us per chunk at the seed shape)
+      {
+        const int kk = tid % kKC1, k = k0 + kk;
+#pragma unroll 4
+        for (int o = tid / kKC1; o < 2 * CP; o += kThreads / kKC1) {  // lanes along k: coalesced reads
+          const int h = o < CP ? o : o - CP;
+          const float* W = o < CP ? wa : wb;
+          ws[kk * LDW + o] = (h < c && k < cm) ? __ldg(W + static_cast<int64_t>(h) * cm + k) : 0.f;
+        }
       }
       __syncthreads();  // ws chunk complete
       const int kmax = min(kKC1, cm - k0);
