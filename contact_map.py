@@ -607,10 +607,12 @@ void launch(const Args& a, cudaStream_t stream, int num_sms) {
 
 template <int V, bool W_SMEM>
 void dispatch_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
-  if constexpr (V == 4) {  // make_plan sends HP > 64 to v3 (512 threads x 128 registers)
+  if constexpr (V == 4) {
+    // v4 needs <= 128 registers per thread (512 threads); above HP = 64 v3 runs instead.
     if (HP == 16) launch<4, 16, W_SMEM>(a, s, sms);
     else if (HP == 32) launch<4, 32, W_SMEM>(a, s, sms);
-    else launch<4, 64, W_SMEM>(a, s, sms);
+    else if (HP == 64) launch<4, 64, W_SMEM>(a, s, sms);
+    else dispatch_hidden<3, W_SMEM>(a, HP, s, sms);
   } else {
     switch (HP) {
       case 16: launch<V, 16, W_SMEM>(a, s, sms); break;
@@ -625,36 +627,7 @@ void dispatch_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
 template <int V>
 void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
   if (w_smem) dispatch_hidden<V, true>(a, HP, s, sms);
-  else if constexpr (V != 4) dispatch_hidden<V, false>(a, HP, s, sms);  // make_plan: not for v4
-}
-
-// What runs for (pair_dim C, hidden_dim H, requested variant) on a device: the padded hidden
-// size, whether the weights fit in shared memory, and the variant actually launched (v4 needs
-// HP <= 64 and weights in shared memory: its other instantiations would spill; v3 runs there).
-struct Plan {
-  int HP, variant;
-  bool w_smem;
-};
-Plan make_plan(int C, int H, int variant, int device) {
-  int max_smem = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  Plan p;
-  p.HP = 16;
-  while (p.HP < H) p.HP *= 2;
-  const int CP = round_up(C, 4);
-  const size_t smem_w = sizeof(float) * Smem(CP, p.HP, true).total;
-  const size_t smem_g = sizeof(float) * Smem(CP, p.HP, false).total;
-  TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", num(C), " needs ",
-              num(smem_g), " bytes of shared memory per block; this device allows ", num(max_smem));
-  p.w_smem = smem_w <= static_cast<size_t>(max_smem);
-  p.variant = (variant == 4 && (p.HP > 64 || !p.w_smem)) ? 3 : variant;
-  return p;
-}
-
-// The variant that forward() launches for these sizes on this device (for ModelNew.last_variant).
-int64_t launched_variant(int64_t C, int64_t H, int64_t variant, int64_t device) {
-  return make_plan(static_cast<int>(C), static_cast<int>(H), static_cast<int>(variant),
-                   static_cast<int>(device)).variant;
+  else dispatch_hidden<(V == 4 ? 3 : V), false>(a, HP, s, sms);  // v4 spills there: v3 runs
 }
 
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
@@ -721,15 +694,23 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   a.CP = round_up(a.C, 4);
   a.vec = (C % 4 == 0) && (reinterpret_cast<uintptr_t>(a.x) % 16 == 0);
 
+  int HP = 16;
+  while (HP < H) HP *= 2;
   const int device = pair.get_device();
-  int num_sms = 0;
+  int max_smem = 0, num_sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const Plan plan = make_plan(a.C, a.H, static_cast<int>(variant), device);
+  const size_t smem_w = sizeof(float) * Smem(a.CP, HP, true).total;
+  const size_t smem_g = sizeof(float) * Smem(a.CP, HP, false).total;
+  TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", num(C),
+              " needs ", num(smem_g), " bytes of shared memory per block; this device allows ",
+              num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  if (plan.variant == 1) dispatch<1>(a, plan.HP, plan.w_smem, stream, num_sms);
-  else if (plan.variant == 2) dispatch<2>(a, plan.HP, plan.w_smem, stream, num_sms);
-  else if (plan.variant == 3) dispatch<3>(a, plan.HP, plan.w_smem, stream, num_sms);
-  else dispatch<4>(a, plan.HP, plan.w_smem, stream, num_sms);
+  const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
+  if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
+  else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
+  else if (variant == 3) dispatch<3>(a, HP, w_smem, stream, num_sms);
+  else dispatch<4>(a, HP, w_smem, stream, num_sms);
   return out;
 }
 
@@ -737,7 +718,6 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &contact_map::forward, "contact-map head forward (CUDA, fp32)");
-  m.def("launched_variant", &contact_map::launched_variant, "variant id forward() launches");
 }
 """
 
@@ -764,7 +744,6 @@ def _build():
 _ext = _build()
 
 _VARIANT_IDS = {"v4": 4, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
-_LAUNCHED = {}  # (pair_dim, hidden_dim, variant id, device index) -> name of the variant launched
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -814,9 +793,5 @@ class ModelNew(nn.Module):
             out = _ForwardOnly.apply(vid, float(ln.eps), pair_repr, *params)
         else:
             out = _ext.forward(pair_repr, ln.weight, ln.bias, float(ln.eps), *params[2:], vid)
-        key = (ln.weight.numel(), l1.bias.numel(), vid, pair_repr.device.index)
-        if key not in _LAUNCHED:  # e.g. v4 runs v3 for hidden_dim > 64
-            ran = _ext.launched_variant(*key)
-            _LAUNCHED[key] = next(k for k, v in _VARIANT_IDS.items() if v == ran)
-        self.last_variant = _LAUNCHED[key]
+        self.last_variant = self.variant
         return out
