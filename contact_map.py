@@ -25,11 +25,7 @@ Accumulation is fp32 throughout (no fast-math, no TF32); the max error against a
 in NOTES.md.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first = the fastest):
-    "v4"  (default) v3 with 512 threads per block: two copies of the GEMM thread layout, each
-          reducing over half of k, summed through shared memory; 16 warps per SM instead of 8 to
-          hide latency. For hidden_dim > 64, and when the weights are read through L1, v3 runs
-          instead (512 threads leave 128 registers per thread: those instantiations spill).
-    "v3"  v2 with the matrix products software-pipelined: the shared-memory operands of
+    "v3"  (default) v2 with the matrix products software-pipelined: the shared-memory operands of
           the next 4 values of k are loaded into registers while the current 4 are multiplied
           (ncu on v2 showed warps stalled on those loads: 36% of stall cycles).
     "v2"   v1 with the LayerNorm statistics computed by two threads per vector (v1's one
@@ -73,9 +69,7 @@ namespace contact_map {
 constexpr int TILE = 8;                  // a tile is 8 x 8 positions (i in I-tile, j in J-tile)
 constexpr int PAIRS = TILE * TILE;       // 64 pairs per tile
 constexpr int LDP = PAIRS + 4;           // row stride (floats) of the pair-minor matrices s^T, h1^T
-constexpr int THREADS = 256;             // threads of the GEMM layout below (v1..v3: the block)
-// v4 runs two such layouts per block (512 threads), each over half of the reduction dim k.
-__host__ __device__ constexpr int threads_for(int V) { return V >= 4 ? 2 * THREADS : THREADS; }
+constexpr int THREADS = 256;
 constexpr int TH_H = 16;                 // GEMM layout: 16 threads along hidden ...
 constexpr int TH_P = THREADS / TH_H;     // ... times 16 threads along pairs,
 constexpr int RM = PAIRS / TH_P;         // each owning 4 consecutive pairs
@@ -178,16 +172,14 @@ __device__ __forceinline__ void mlp_gemm(const float* A, int K, const float* WT,
 
 // v3: the same product with the operands of the next G values of k loaded into registers while
 // the FMAs of the current G run (two named register buffers, so no run-time register indexing).
-// Reduces over k in [k_begin, K).
 // In v2 the warps stalled on these shared-memory loads (ncu, crop: "short scoreboard" was 36% of
 // the stall cycles at 2 warps per scheduler). K must be a multiple of G (CP and HP are multiples
 // of 4).
 template <int RH, bool W_SMEM>
-__device__ __forceinline__ void mlp_gemm_pipelined(const float* A, int k_begin, int K, const float* WT,
-                                                   int HP, const float* __restrict__ Wg, int n_in,
-                                                   int n_out, int pg, int hg, float (&acc)[RM][RH]) {
+__device__ __forceinline__ void mlp_gemm_pipelined(const float* A, int K, const float* WT, int HP,
+                                                   const float* __restrict__ Wg, int n_in, int n_out,
+                                                   int pg, int hg, float (&acc)[RM][RH]) {
   constexpr int G = RH <= 8 ? 4 : 2;  // k values per register buffer (register budget)
-  if (k_begin >= K) return;
   float4 a0[G], a1[G];
   float w0[G][RH], w1[G][RH];
   auto load = [&](float4 (&a)[G], float (&w)[G][RH], int k0) {
@@ -209,23 +201,14 @@ __device__ __forceinline__ void mlp_gemm_pipelined(const float* A, int k_begin, 
         acc[3][r] = fmaf(a[g].w, w[g][r], acc[3][r]);
       }
   };
-  load(a0, w0, k_begin);
-  for (int k0 = k_begin; k0 < K; k0 += 2 * G) {
+  load(a0, w0, 0);
+  for (int k0 = 0; k0 < K; k0 += 2 * G) {
     load(a1, w1, k0 + G < K ? k0 + G : k0);  // past the end: reload (harmless, no branch)
     fma_group(a0, w0);
     if (k0 + G >= K) break;
     load(a0, w0, k0 + 2 * G < K ? k0 + 2 * G : k0);
     fma_group(a1, w1);
   }
-}
-
-// st[h][4 pg + m] = acc[m][r] for h = hidden_of(r, hg): a thread's 4 x RH tile, pair-minor.
-template <int RH>
-__device__ __forceinline__ void store_tile(float* st, int pg, int hg, const float (&acc)[RM][RH]) {
-#pragma unroll
-  for (int r = 0; r < RH; ++r)
-    *reinterpret_cast<float4*>(st + hidden_of<RH>(r, hg) * LDP + pg * RM) =
-        make_float4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]);
 }
 
 // Tile (I, J) as linear index u in [0, nT(nT+1)/2): u = J(J+1)/2 + I with I <= J.
@@ -262,7 +245,7 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ x, float* ra
     }
   } else {
     const int lane = threadIdx.x & 31;
-    for (int rr = threadIdx.x >> 5; rr < 2 * PAIRS; rr += threads_for(V) / 32) {
+    for (int rr = threadIdx.x >> 5; rr < 2 * PAIRS; rr += THREADS / 32) {
       const int p = rr & (PAIRS - 1);
       const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
       const bool valid = i < N && j < N;
@@ -280,13 +263,12 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ x, float* ra
 
 // dst[k][h] = W[h][k] for k < n_in, h < n_out; 0 elsewhere in the (kp x hp) shared matrix.
 // W: (n_out, n_in) row-major in global memory. Reads coalesced along k, 4 loads in flight.
-template <int NT>
 __device__ __forceinline__ void stage_transposed(const float* __restrict__ W, int n_in, int n_out,
                                                  float* dst, int kp, int hp) {
   const int n = n_in * n_out;
 #pragma unroll 4
-  for (int e = threadIdx.x; e < n; e += NT) dst[(e % n_in) * hp + e / n_in] = __ldg(W + e);
-  for (int e = threadIdx.x; e < kp * hp; e += NT) {
+  for (int e = threadIdx.x; e < n; e += THREADS) dst[(e % n_in) * hp + e / n_in] = __ldg(W + e);
+  for (int e = threadIdx.x; e < kp * hp; e += THREADS) {
     const int k = e / hp, h = e % hp;
     if (k >= n_in || h >= n_out) dst[e] = 0.f;
   }
@@ -314,7 +296,7 @@ struct Smem {
 // Assumptions: C = pair_dim <= 256, CP = round_up(C, 4); H = hidden_dim <= HP (padded hidden);
 // vec => C % 4 == 0 and x 16-byte aligned. Shared memory: Smem(CP, HP, W_SMEM).total floats.
 template <int V, int HP, bool W_SMEM>
-__global__ void __launch_bounds__(threads_for(V), 1)
+__global__ void __launch_bounds__(THREADS, 1)
 contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
                       float* __restrict__ out,           // (B, N, N)
                       const float* __restrict__ ln_w,    // (C)
@@ -327,7 +309,6 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
                       const float* __restrict__ b3,      // (1)
                       float eps, int B, int N, int C, int H, int CP, bool vec) {
   constexpr int RH = HP / TH_H;
-  constexpr int NT = threads_for(V);
   extern __shared__ __align__(16) float smem[];
   const Smem L(CP, HP, W_SMEM);
   const int raw_ld = CP + 4;
@@ -343,14 +324,13 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
   float* stats = w3s + HP;                // mean[128], rstd[128]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hg = tid & (TH_H - 1), pg = (tid % THREADS) / TH_H;  // a warp holds 2 pair groups
-  const int kh = tid / THREADS;  // v4: which half of k this thread's GEMM layout reduces over
+  const int hg = tid & (TH_H - 1), pg = tid / TH_H;  // GEMM layout: a warp holds 2 pair groups
   const int nT = cdiv(N, TILE);
   const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2;
   const long long total = static_cast<long long>(B) * tiles_per_b;
 
   // Zero the raw rows once: their padding columns (c >= C) are never copied into and must stay 0.
-  for (int e = tid; e < L.raw; e += NT) raw[e] = 0.f;
+  for (int e = tid; e < L.raw; e += THREADS) raw[e] = 0.f;
   __syncthreads();  // the zeros must land before any cp.async writes the same rows
 
   long long t = blockIdx.x;
@@ -364,11 +344,11 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
   // Parameters, zero-padded, once per block (overlaps the first tile's copies).
   if constexpr (W_SMEM && V == 1) {
     // v1: walk W^T in shared-memory order; the global reads are strided by C (uncoalesced).
-    for (int e = tid; e < CP * HP; e += NT) {
+    for (int e = tid; e < CP * HP; e += THREADS) {
       const int k = e / HP, h = e % HP;
       w1t[e] = (k < C && h < H) ? __ldg(w1 + static_cast<long long>(h) * C + k) : 0.f;
     }
-    for (int e = tid; e < HP * HP; e += NT) {
+    for (int e = tid; e < HP * HP; e += THREADS) {
       const int k = e / HP, h = e % HP;
       w2t[e] = (k < H && h < H) ? __ldg(w2 + static_cast<long long>(h) * H + k) : 0.f;
     }
@@ -376,14 +356,14 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
     // v2: coalesced global reads in W's own order, unrolled so that many are in flight; the
     // transposed shared-memory writes conflict, once per block. Padding written separately
     // (disjoint addresses: no barrier needed between the two loops).
-    stage_transposed<NT>(w1, C, H, w1t, CP, HP);
-    stage_transposed<NT>(w2, H, H, w2t, HP, HP);
+    stage_transposed(w1, C, H, w1t, CP, HP);
+    stage_transposed(w2, H, H, w2t, HP, HP);
   }
-  for (int c = tid; c < CP; c += NT) {
+  for (int c = tid; c < CP; c += THREADS) {
     gam[c] = c < C ? __ldg(ln_w + c) : 0.f;
     bet[c] = c < C ? __ldg(ln_b + c) : 0.f;
   }
-  for (int h = tid; h < HP; h += NT) {
+  for (int h = tid; h < HP; h += THREADS) {
     b1s[h] = h < H ? __ldg(b1 + h) : 0.f;
     b2s[h] = h < H ? __ldg(b2 + h) : 0.f;
     w3s[h] = h < H ? __ldg(w3 + h) : 0.f;
@@ -402,7 +382,7 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
     if constexpr (V == 1) {
       // v1: one warp per vector: 16 vectors per warp in sequence, each ending in two 5-step
       // shuffle reductions (a long dependent chain: measured ~4 us per tile).
-      for (int r = warp; r < 2 * PAIRS; r += NT / 32) {
+      for (int r = warp; r < 2 * PAIRS; r += THREADS / 32) {
         const float* row = raw + r * raw_ld;
         float s = 0.f;
         for (int c = lane; c < C; c += 32) s += row[c];
@@ -419,24 +399,22 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
         }
       }
     } else {
-      // v2: TPR = 2 threads per vector (4 in v4), each summing every TPR-th float4 of the row,
-      // combined by shuffles. Rows are raw_ld = 4 (mod 32) words apart, so the 16-byte reads of a
-      // quarter-warp (8 threads) mostly hit distinct banks.
-      constexpr int TPR = NT / (2 * PAIRS);
-      const int r = tid / TPR, half = tid % TPR;
+      // v2: two threads per vector (lanes 2r, 2r+1), each summing every other float4 of the row,
+      // combined with one shuffle. Rows are raw_ld = 4 (mod 32) words apart, so the 16-byte
+      // reads of a quarter-warp (4 rows x 2 halves) hit distinct banks whenever CP % 32 == 0.
+      const int r = tid >> 1, half = tid & 1;
       const float* row = raw + r * raw_ld;
       float s = 0.f;
 #pragma unroll 4
-      for (int q = half; q < CP / 4; q += TPR) {
+      for (int q = half; q < CP / 4; q += 2) {
         const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
         s += (v.x + v.y) + (v.z + v.w);                 // padding columns are zero
       }
-#pragma unroll
-      for (int o = 1; o < TPR; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
       const float mean = s * inv_c;
       float m2 = 0.f;
 #pragma unroll 4
-      for (int q = half; q < CP / 4; q += TPR) {
+      for (int q = half; q < CP / 4; q += 2) {
         const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
         const int c = 4 * q;                            // mask the padding: (0 - mean)^2 != 0
         const float dx = v.x - mean;
@@ -445,8 +423,7 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
         const float dw = c + 3 < C ? v.w - mean : 0.f;
         m2 += (dx * dx + dy * dy) + (dz * dz + dw * dw);
       }
-#pragma unroll
-      for (int o = 1; o < TPR; o <<= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
+      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
       if (half == 0) {
         stats[r] = mean;
         stats[2 * PAIRS + r] = rsqrtf(m2 * inv_c + eps);
@@ -463,7 +440,7 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
       const float ra = stats[2 * PAIRS + p], rb = stats[3 * PAIRS + p];
       const float* ra_row = raw + p * raw_ld;
       const float* rb_row = raw + (PAIRS + p) * raw_ld;
-      for (int c4 = tid / PAIRS; c4 < CP / 4; c4 += NT / PAIRS) {
+      for (int c4 = tid / PAIRS; c4 < CP / 4; c4 += THREADS / PAIRS) {
         const float4 va = *reinterpret_cast<const float4*>(ra_row + 4 * c4);
         const float4 vb = *reinterpret_cast<const float4*>(rb_row + 4 * c4);
         const float4 g = *reinterpret_cast<const float4*>(gam + 4 * c4);
@@ -490,35 +467,19 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
     for (int m = 0; m < RM; ++m)
 #pragma unroll
       for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
-    if constexpr (V >= 4) {  // k in [0, k1) for kh = 0, [k1, CP) for kh = 1; k1 % 4 == 0
-      const int k1 = (CP / 8) * 4;
-      mlp_gemm_pipelined<RH, W_SMEM>(st, kh ? k1 : 0, kh ? CP : k1, w1t, HP, w1, C, H, pg, hg, acc);
-    } else if constexpr (V == 3) {
-      mlp_gemm_pipelined<RH, W_SMEM>(st, 0, CP, w1t, HP, w1, C, H, pg, hg, acc);
-    } else {
-      mlp_gemm<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
-    }
+    if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
+    else mlp_gemm<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
     __syncthreads();  // every thread is done reading s^T before h1^T overwrites it
-    if constexpr (V >= 4) {
-      if (kh == 1) store_tile<RH>(st, pg, hg, acc);  // the upper half's partial sums
-      __syncthreads();  // partial sums visible to the lower half
-    }
-    if (kh == 0) {
 #pragma unroll
-      for (int r = 0; r < RH; ++r) {
-        const int h = hidden_of<RH>(r, hg);
-        const float bb = b1s[h];
-        float4 v = make_float4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]);
-        if constexpr (V >= 4) {
-          const float4 u = *reinterpret_cast<const float4*>(st + h * LDP + pg * RM);
-          v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
-        }
-        v.x = fmaxf(v.x + bb, 0.f);
-        v.y = fmaxf(v.y + bb, 0.f);
-        v.z = fmaxf(v.z + bb, 0.f);
-        v.w = fmaxf(v.w + bb, 0.f);
-        *reinterpret_cast<float4*>(st + h * LDP + pg * RM) = v;  // padded units: relu(0 + 0) = 0
-      }
+    for (int r = 0; r < RH; ++r) {
+      const int h = hidden_of<RH>(r, hg);
+      const float bb = b1s[h];
+      float4 v;
+      v.x = fmaxf(acc[0][r] + bb, 0.f);
+      v.y = fmaxf(acc[1][r] + bb, 0.f);
+      v.z = fmaxf(acc[2][r] + bb, 0.f);
+      v.w = fmaxf(acc[3][r] + bb, 0.f);
+      *reinterpret_cast<float4*>(st + h * LDP + pg * RM) = v;  // padded units: relu(0 + 0) = 0
     }
     __syncthreads();  // h1^T complete
 
@@ -527,23 +488,8 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
     for (int m = 0; m < RM; ++m)
 #pragma unroll
       for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
-    if constexpr (V >= 4) {  // halves of k = HP (a multiple of 16)
-      mlp_gemm_pipelined<RH, W_SMEM>(st, kh * (HP / 2), (kh + 1) * (HP / 2), w2t, HP, w2, H, H, pg, hg,
-                                     acc);
-      __syncthreads();  // every thread is done reading h1^T before partial sums overwrite it
-      if (kh == 1) store_tile<RH>(st, pg, hg, acc);
-      __syncthreads();  // partial sums visible to the lower half
-      if (kh == 1) continue;  // the lower half finishes the tile
-#pragma unroll
-      for (int r = 0; r < RH; ++r) {
-        const float4 u = *reinterpret_cast<const float4*>(st + hidden_of<RH>(r, hg) * LDP + pg * RM);
-        acc[0][r] += u.x; acc[1][r] += u.y; acc[2][r] += u.z; acc[3][r] += u.w;
-      }
-    } else if constexpr (V == 3) {
-      mlp_gemm_pipelined<RH, W_SMEM>(st, 0, HP, w2t, HP, w2, H, H, pg, hg, acc);
-    } else {
-      mlp_gemm<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
-    }
+    if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
+    else mlp_gemm<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
     float z[RM];
 #pragma unroll
     for (int m = 0; m < RM; ++m) {
@@ -593,41 +539,33 @@ void launch(const Args& a, cudaStream_t stream, int num_sms) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads_for(V), smem));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
   TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
               " bytes of shared memory)");
   const int nT = cdiv(a.N, TILE);
   const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
   const long long slots = static_cast<long long>(per_sm) * num_sms;
   const int grid = static_cast<int>(tiles < slots ? tiles : slots);
-  kernel<<<grid, threads_for(V), smem, stream>>>(a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3,
+  kernel<<<grid, THREADS, smem, stream>>>(a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3,
                                          a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int V, bool W_SMEM>
 void dispatch_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
-  if constexpr (V == 4) {
-    // v4 needs <= 128 registers per thread (512 threads); above HP = 64 v3 runs instead.
-    if (HP == 16) launch<4, 16, W_SMEM>(a, s, sms);
-    else if (HP == 32) launch<4, 32, W_SMEM>(a, s, sms);
-    else if (HP == 64) launch<4, 64, W_SMEM>(a, s, sms);
-    else dispatch_hidden<3, W_SMEM>(a, HP, s, sms);
-  } else {
-    switch (HP) {
-      case 16: launch<V, 16, W_SMEM>(a, s, sms); break;
-      case 32: launch<V, 32, W_SMEM>(a, s, sms); break;
-      case 64: launch<V, 64, W_SMEM>(a, s, sms); break;
-      case 128: launch<V, 128, W_SMEM>(a, s, sms); break;
-      default: launch<V, 256, W_SMEM>(a, s, sms); break;  // HP <= MAX_HIDDEN checked by forward()
-    }
+  switch (HP) {
+    case 16: launch<V, 16, W_SMEM>(a, s, sms); break;
+    case 32: launch<V, 32, W_SMEM>(a, s, sms); break;
+    case 64: launch<V, 64, W_SMEM>(a, s, sms); break;
+    case 128: launch<V, 128, W_SMEM>(a, s, sms); break;
+    default: launch<V, 256, W_SMEM>(a, s, sms); break;  // HP <= MAX_HIDDEN checked by forward()
   }
 }
 
 template <int V>
 void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
   if (w_smem) dispatch_hidden<V, true>(a, HP, s, sms);
-  else dispatch_hidden<(V == 4 ? 3 : V), false>(a, HP, s, sms);  // v4 spills there: v3 runs
+  else dispatch_hidden<V, false>(a, HP, s, sms);
 }
 
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
@@ -669,7 +607,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK(variant >= 1 && variant <= 4, "contact_map: unknown kernel variant ", num(variant));
+  TORCH_CHECK(variant >= 1 && variant <= 3, "contact_map: unknown kernel variant ", num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
 
@@ -709,8 +647,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
   if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
   else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
-  else if (variant == 3) dispatch<3>(a, HP, w_smem, stream, num_sms);
-  else dispatch<4>(a, HP, w_smem, stream, num_sms);
+  else dispatch<3>(a, HP, w_smem, stream, num_sms);
   return out;
 }
 
@@ -743,7 +680,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v4": 4, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
