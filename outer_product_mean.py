@@ -29,7 +29,8 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source, mirrored in
   ModelNew._predict_variant: outer_first 32 TFLOP/s measured at crop; w_first stage 1 20, stage 2
-  38 (128-tile) / 25 (small) TFLOP/s predicted, to be replaced by measurements). w_first needs one j
+  38 (128-tile) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest measured
+  variant at seed, shallow, crop and long, see NOTES.md). w_first needs one j
   column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
   kernel when the 128 x 128 grid would not fill one block per SM. Deep MSAs (crop, long, huge) take
   outer_first, shallow ones w_first (shallow) or w_first_small (seed). After each call
