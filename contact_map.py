@@ -25,11 +25,7 @@ Accumulation is fp32 throughout (no fast-math, no TF32); the max error against a
 in NOTES.md.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first = the fastest):
-    "v4"  (default) v3 with 8 pairs x 8 hidden units per thread, the 256 threads split into
-          groups over the reduction dim, partial sums added in shared memory in a fixed order:
-          a third of v3's shared-memory traffic per FMA (hidden_dim padded to 32, 64 or 128 with
-          the weights in shared memory; v3 runs otherwise and `last_variant` says so).
-    "v3"  v2 with the matrix products software-pipelined: the shared-memory operands of
+    "v3"  (default) v2 with the matrix products software-pipelined: the shared-memory operands of
           the next 4 values of k are loaded into registers while the current 4 are multiplied
           (ncu on v2 showed warps stalled on those loads: 36% of stall cycles).
     "v2"   v1 with the LayerNorm statistics computed by two threads per vector (v1's one
@@ -212,69 +208,6 @@ __device__ __forceinline__ void mlp_gemm_pipelined(const float* A, int K, const 
     if (k0 + G >= K) break;
     load(a0, w0, k0 + 2 * G < K ? k0 + 2 * G : k0);
     fma_group(a1, w1);
-  }
-}
-
-// v4: 8 pairs x 8 hidden units per thread (v1-v3: 4 x HP/16). Per k a thread loads two float4 of
-// s^T (or h1^T) and two of W^T for 64 FMAs; v3 loaded 1 + HP/64 float4 for HP/4 FMAs. A third of
-// the shared-memory wavefronts per FMA, the limit v3 ran into. 64 pairs x HP units need only HP
-// threads, so the block's 256 threads form KG = 256 / HP groups, each reducing over its own slice
-// of k; the groups' partial sums are added in shared memory in a fixed order (deterministic).
-template <int HP>
-struct V4 {
-  static constexpr int NHG = HP / 8;           // hidden groups (8 units: two interleaved float4)
-  static constexpr int TPG = 8 * NHG;          // threads per k-group: 8 pair groups x NHG = HP
-  static constexpr int KG = THREADS / TPG;     // k-groups
-  // unit of register r of hidden group hg: float4 groups interleaved across the NHG threads
-  __device__ static int unit(int r, int hg) { return ((r >> 2) * NHG + hg) * 4 + (r & 3); }
-};
-
-// acc[m][r] += sum_{k0 <= k < k1} A[k][8 pg + m] * WT[k][V4<HP>::unit(r, hg)]
-// A: shared K x LDP (pair-minor); WT: shared K x HP.
-template <int HP>
-__device__ __forceinline__ void gemm_8x8(const float* A, int k0, int k1, const float* WT, int pg, int hg,
-                                         float (&acc)[8][8]) {
-#pragma unroll 2
-  for (int k = k0; k < k1; ++k) {
-    const float4 a0 = *reinterpret_cast<const float4*>(A + k * LDP + pg * 8);
-    const float4 a1 = *reinterpret_cast<const float4*>(A + k * LDP + pg * 8 + 4);
-    const float4 w0 = *reinterpret_cast<const float4*>(WT + k * HP + hg * 4);
-    const float4 w1 = *reinterpret_cast<const float4*>(WT + k * HP + (V4<HP>::NHG + hg) * 4);
-    const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-    for (int m = 0; m < 8; ++m)
-#pragma unroll
-      for (int r = 0; r < 8; ++r) acc[m][r] = fmaf(a[m], w[r], acc[m][r]);
-  }
-}
-
-// dst[h][8 pg + m] = finish(h, sum over the KG groups of acc[m][r]) for h = unit(r, hg): group 0
-// stores, groups 1.. add in order, the last applies finish. Ends with a barrier, so the result is
-// visible to the whole block. Caller: a barrier before, once nobody reads dst any more.
-template <int HP, typename F>
-__device__ __forceinline__ void reduce_groups(float* dst, int kg, int pg, int hg, const float (&acc)[8][8],
-                                              F finish) {
-  for (int g = 0; g < V4<HP>::KG; ++g) {
-    if (kg == g) {
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const int h = V4<HP>::unit(r, hg);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float4* d = reinterpret_cast<float4*>(dst + h * LDP + pg * 8 + 4 * half);
-          float4 v = make_float4(acc[4 * half][r], acc[4 * half + 1][r], acc[4 * half + 2][r],
-                                 acc[4 * half + 3][r]);
-          if (g > 0) {
-            const float4 u = *d;
-            v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
-          }
-          if (g == V4<HP>::KG - 1) v = finish(h, v);
-          *d = v;
-        }
-      }
-    }
-    __syncthreads();  // group g's sums land before group g + 1 reads them (the last: before use)
   }
 }
 
@@ -528,109 +461,59 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
     }
     cp_async_commit();
 
-    if constexpr (V == 4) {
-      using L4 = V4<HP>;
-      const int kg = tid / L4::TPG, pg4 = (tid % L4::TPG) / L4::NHG, hg4 = tid % L4::NHG;
-      float acc8[8][8];
+    // h1[p][h] = relu(sum_c s[p][c] W1[h][c] + b1[h])
+    float acc[RM][RH];
 #pragma unroll
-      for (int m = 0; m < 8; ++m)
+    for (int m = 0; m < RM; ++m)
 #pragma unroll
-        for (int r = 0; r < 8; ++r) acc8[m][r] = 0.f;
-      // h1[p][h] = relu(sum_c s[p][c] W1[h][c] + b1[h]); this group's k = c slice
-      {
-        const int kc = cdiv(CP, L4::KG), k0 = min(CP, kg * kc), k1 = min(CP, k0 + kc);
-        gemm_8x8<HP>(st, k0, k1, w1t, pg4, hg4, acc8);
-      }
-      __syncthreads();  // every thread is done reading s^T before h1^T partial sums overwrite it
-      reduce_groups<HP>(st, kg, pg4, hg4, acc8, [&](int h, float4 v) {
-        const float bb = b1s[h];  // padded units: relu(0 + 0) = 0
-        return make_float4(fmaxf(v.x + bb, 0.f), fmaxf(v.y + bb, 0.f), fmaxf(v.z + bb, 0.f),
-                           fmaxf(v.w + bb, 0.f));
-      });
-      // t[p][g] = w3[g] relu(sum_h h1[p][h] W2[g][h] + b2[g]); this group's k = h slice
+      for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
+    if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
+    else mlp_gemm<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
+    __syncthreads();  // every thread is done reading s^T before h1^T overwrites it
 #pragma unroll
-      for (int m = 0; m < 8; ++m)
+    for (int r = 0; r < RH; ++r) {
+      const int h = hidden_of<RH>(r, hg);
+      const float bb = b1s[h];
+      float4 v;
+      v.x = fmaxf(acc[0][r] + bb, 0.f);
+      v.y = fmaxf(acc[1][r] + bb, 0.f);
+      v.z = fmaxf(acc[2][r] + bb, 0.f);
+      v.w = fmaxf(acc[3][r] + bb, 0.f);
+      *reinterpret_cast<float4*>(st + h * LDP + pg * RM) = v;  // padded units: relu(0 + 0) = 0
+    }
+    __syncthreads();  // h1^T complete
+
+    // h2[p][g] = relu(sum_h h1[p][h] W2[g][h] + b2[g]); z[p] = sum_g w3[g] h2[p][g]
 #pragma unroll
-        for (int r = 0; r < 8; ++r) acc8[m][r] = 0.f;
-      {
-        const int kc = cdiv(HP, L4::KG), k0 = min(HP, kg * kc), k1 = min(HP, k0 + kc);
-        gemm_8x8<HP>(st, k0, k1, w2t, pg4, hg4, acc8);
-      }
-      __syncthreads();  // every thread is done reading h1^T before the partial sums overwrite it
-      reduce_groups<HP>(st, kg, pg4, hg4, acc8, [&](int h, float4 v) {
-        const float bb = b2s[h], ww = w3s[h];
-        return make_float4(ww * fmaxf(v.x + bb, 0.f), ww * fmaxf(v.y + bb, 0.f),
-                           ww * fmaxf(v.z + bb, 0.f), ww * fmaxf(v.w + bb, 0.f));
-      });
-      // z[p] = sum_g t[p][g]: 4 adjacent lanes per pair; out[b,i,j] = out[b,j,i] = sigmoid(z + b3).
-      // The next iteration's first barrier orders these reads before the next s^T is written.
-      const int p = tid >> 2, quarter = tid & 3;
-      float z = 0.f;
-#pragma unroll 4
-      for (int h = quarter; h < HP; h += 4) z += st[h * LDP + p];
-      z += __shfl_xor_sync(0xffffffffu, z, 1);
-      z += __shfl_xor_sync(0xffffffffu, z, 2);
-      const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
-      if (quarter == 0 && i < N && j < N) {
-        const float o = 1.f / (1.f + expf(-(z + bias3)));
-        out[(static_cast<long long>(b) * N + i) * N + j] = o;
-        out[(static_cast<long long>(b) * N + j) * N + i] = o;
-      }
-    } else {
-      // h1[p][h] = relu(sum_c s[p][c] W1[h][c] + b1[h])
-      float acc[RM][RH];
-  #pragma unroll
-      for (int m = 0; m < RM; ++m)
-  #pragma unroll
-        for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
-      if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
-      else mlp_gemm<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
-      __syncthreads();  // every thread is done reading s^T before h1^T overwrites it
-  #pragma unroll
+    for (int m = 0; m < RM; ++m)
+#pragma unroll
+      for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
+    if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
+    else mlp_gemm<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
+    float z[RM];
+#pragma unroll
+    for (int m = 0; m < RM; ++m) {
+      z[m] = 0.f;
+#pragma unroll
       for (int r = 0; r < RH; ++r) {
         const int h = hidden_of<RH>(r, hg);
-        const float bb = b1s[h];
-        float4 v;
-        v.x = fmaxf(acc[0][r] + bb, 0.f);
-        v.y = fmaxf(acc[1][r] + bb, 0.f);
-        v.z = fmaxf(acc[2][r] + bb, 0.f);
-        v.w = fmaxf(acc[3][r] + bb, 0.f);
-        *reinterpret_cast<float4*>(st + h * LDP + pg * RM) = v;  // padded units: relu(0 + 0) = 0
+        z[m] = fmaf(w3s[h], fmaxf(acc[m][r] + b2s[h], 0.f), z[m]);
       }
-      __syncthreads();  // h1^T complete
-
-      // h2[p][g] = relu(sum_h h1[p][h] W2[g][h] + b2[g]); z[p] = sum_g w3[g] h2[p][g]
-  #pragma unroll
-      for (int m = 0; m < RM; ++m)
-  #pragma unroll
-        for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
-      if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
-      else mlp_gemm<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
-      float z[RM];
-  #pragma unroll
+      // sum over the 16 hidden groups: lanes hg = 0..15 of this half-warp
+#pragma unroll
+      for (int o = TH_H / 2; o > 0; o >>= 1) z[m] += __shfl_xor_sync(0xffffffffu, z[m], o);
+    }
+    // out[b,i,j] = out[b,j,i] = sigmoid(z + b3). The next iteration's first barrier orders this
+    // tile's reads of h1^T before the next s^T is written.
+    if (hg == 0) {
+#pragma unroll
       for (int m = 0; m < RM; ++m) {
-        z[m] = 0.f;
-  #pragma unroll
-        for (int r = 0; r < RH; ++r) {
-          const int h = hidden_of<RH>(r, hg);
-          z[m] = fmaf(w3s[h], fmaxf(acc[m][r] + b2s[h], 0.f), z[m]);
-        }
-        // sum over the 16 hidden groups: lanes hg = 0..15 of this half-warp
-  #pragma unroll
-        for (int o = TH_H / 2; o > 0; o >>= 1) z[m] += __shfl_xor_sync(0xffffffffu, z[m], o);
-      }
-      // out[b,i,j] = out[b,j,i] = sigmoid(z + b3). The next iteration's first barrier orders this
-      // tile's reads of h1^T before the next s^T is written.
-      if (hg == 0) {
-  #pragma unroll
-        for (int m = 0; m < RM; ++m) {
-          const int p = pg * RM + m;
-          const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
-          if (i < N && j < N) {
-            const float o = 1.f / (1.f + expf(-(z[m] + bias3)));
-            out[(static_cast<long long>(b) * N + i) * N + j] = o;
-            out[(static_cast<long long>(b) * N + j) * N + i] = o;
-          }
+        const int p = pg * RM + m;
+        const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
+        if (i < N && j < N) {
+          const float o = 1.f / (1.f + expf(-(z[m] + bias3)));
+          out[(static_cast<long long>(b) * N + i) * N + j] = o;
+          out[(static_cast<long long>(b) * N + j) * N + i] = o;
         }
       }
     }
@@ -670,55 +553,19 @@ void launch(const Args& a, cudaStream_t stream, int num_sms) {
 
 template <int V, bool W_SMEM>
 void dispatch_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
-  if constexpr (V == 4) {  // make_plan sends every other case to v3
-    if (HP == 32) launch<4, 32, true>(a, s, sms);
-    else if (HP == 64) launch<4, 64, true>(a, s, sms);
-    else launch<4, 128, true>(a, s, sms);
-  } else {
-    switch (HP) {
-      case 16: launch<V, 16, W_SMEM>(a, s, sms); break;
-      case 32: launch<V, 32, W_SMEM>(a, s, sms); break;
-      case 64: launch<V, 64, W_SMEM>(a, s, sms); break;
-      case 128: launch<V, 128, W_SMEM>(a, s, sms); break;
-      default: launch<V, 256, W_SMEM>(a, s, sms); break;  // HP <= MAX_HIDDEN: checked by forward()
-    }
+  switch (HP) {
+    case 16: launch<V, 16, W_SMEM>(a, s, sms); break;
+    case 32: launch<V, 32, W_SMEM>(a, s, sms); break;
+    case 64: launch<V, 64, W_SMEM>(a, s, sms); break;
+    case 128: launch<V, 128, W_SMEM>(a, s, sms); break;
+    default: launch<V, 256, W_SMEM>(a, s, sms); break;  // HP <= MAX_HIDDEN checked by forward()
   }
 }
 
 template <int V>
 void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
   if (w_smem) dispatch_hidden<V, true>(a, HP, s, sms);
-  else if constexpr (V != 4) dispatch_hidden<V, false>(a, HP, s, sms);
-}
-
-// What runs for (pair_dim C, hidden_dim H, requested variant) on a device: the padded hidden
-// size, whether the weights fit in shared memory, and the variant actually launched (v4 is built
-// for HP = 32, 64, 128 with the weights in shared memory; v3 runs in every other case).
-struct Plan {
-  int HP, variant;
-  bool w_smem;
-};
-Plan make_plan(int C, int H, int variant, int device) {
-  int max_smem = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  Plan p;
-  p.HP = 16;
-  while (p.HP < H) p.HP *= 2;
-  const int CP = round_up(C, 4);
-  const size_t smem_w = sizeof(float) * Smem(CP, p.HP, true).total;
-  const size_t smem_g = sizeof(float) * Smem(CP, p.HP, false).total;
-  TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", num(C), " needs ",
-              num(smem_g), " bytes of shared memory per block; this device allows ", num(max_smem));
-  p.w_smem = smem_w <= static_cast<size_t>(max_smem);
-  const bool v4_ok = p.w_smem && p.HP >= 32 && p.HP <= 128;
-  p.variant = (variant == 4 && !v4_ok) ? 3 : variant;
-  return p;
-}
-
-// The variant that forward() launches for these sizes on this device (for ModelNew.last_variant).
-int64_t launched_variant(int64_t C, int64_t H, int64_t variant, int64_t device) {
-  return make_plan(static_cast<int>(C), static_cast<int>(H), static_cast<int>(variant),
-                   static_cast<int>(device)).variant;
+  else dispatch_hidden<V, false>(a, HP, s, sms);
 }
 
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
@@ -760,7 +607,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK(variant >= 1 && variant <= 4, "contact_map: unknown kernel variant ", num(variant));
+  TORCH_CHECK(variant >= 1 && variant <= 3, "contact_map: unknown kernel variant ", num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
 
@@ -785,15 +632,22 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   a.CP = round_up(a.C, 4);
   a.vec = (C % 4 == 0) && (reinterpret_cast<uintptr_t>(a.x) % 16 == 0);
 
+  int HP = 16;
+  while (HP < H) HP *= 2;
   const int device = pair.get_device();
-  int num_sms = 0;
+  int max_smem = 0, num_sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const Plan plan = make_plan(a.C, a.H, static_cast<int>(variant), device);
+  const size_t smem_w = sizeof(float) * Smem(a.CP, HP, true).total;
+  const size_t smem_g = sizeof(float) * Smem(a.CP, HP, false).total;
+  TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", num(C),
+              " needs ", num(smem_g), " bytes of shared memory per block; this device allows ",
+              num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  if (plan.variant == 1) dispatch<1>(a, plan.HP, plan.w_smem, stream, num_sms);
-  else if (plan.variant == 2) dispatch<2>(a, plan.HP, plan.w_smem, stream, num_sms);
-  else if (plan.variant == 3) dispatch<3>(a, plan.HP, plan.w_smem, stream, num_sms);
-  else dispatch<4>(a, plan.HP, plan.w_smem, stream, num_sms);
+  const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
+  if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
+  else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
+  else dispatch<3>(a, HP, w_smem, stream, num_sms);
   return out;
 }
 
@@ -801,7 +655,6 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &contact_map::forward, "contact-map head forward (CUDA, fp32)");
-  m.def("launched_variant", &contact_map::launched_variant, "variant id forward() launches");
 }
 """
 
@@ -827,8 +680,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v4": 4, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
-_LAUNCHED = {}  # (pair_dim, hidden_dim, variant id, device index) -> name of the variant launched
+_VARIANT_IDS = {"v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -878,9 +730,5 @@ class ModelNew(nn.Module):
             out = _ForwardOnly.apply(vid, float(ln.eps), pair_repr, *params)
         else:
             out = _ext.forward(pair_repr, ln.weight, ln.bias, float(ln.eps), *params[2:], vid)
-        key = (ln.weight.numel(), l1.bias.numel(), vid, pair_repr.device.index)
-        if key not in _LAUNCHED:  # v4 hands some sizes to v3
-            ran = _ext.launched_variant(*key)
-            _LAUNCHED[key] = next(k for k, v in _VARIANT_IDS.items() if v == ran)
-        self.last_variant = _LAUNCHED[key]
+        self.last_variant = self.variant
         return out
