@@ -34,10 +34,11 @@ Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first = 
           in the tile loader.
     "v1"  the first version, kept as a second opinion for the tests and the harness.
 
-Limits: pair_dim up to 256 (the two raw tiles and s^T must fit in shared memory; larger raises a
-clear error), hidden_dim up to 256 (hidden_dim is zero-padded to 16/32/64/128/256 inside the
-kernel; above 128 with pair_dim > 128 the weights no longer fit in shared memory and are read
-through the L1 cache: correct but slower). Forward only: calling `.backward()` through it raises.
+Limits: pair_dim up to 256 and hidden_dim up to 256 (larger raises a clear error). hidden_dim is
+zero-padded to 16/32/64/128/256 inside the kernel. The weights are staged in shared memory when
+they fit beside the tiles (227 KB per block on the H200: always for hidden_dim <= 16, for
+pair_dim <= 244 / 200 / 120 at hidden_dim <= 32 / 64 / 128, never above 128); otherwise they are
+read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
 Float32 only. Needs an sm_80+ GPU (cp.async); built for whatever TORCH_CUDA_ARCH_LIST names.
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
@@ -657,6 +658,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &contact_map::forward, "contact-map head forward (CUDA, fp32)");
 }
 """
+
+
+# With no GPU to detect (a CI machine, a laptop), PyTorch cannot pick the architecture to build
+# for and fails inside load_inline; build for the H100/H200 (sm_90) unless told otherwise.
+if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
 
 
 def _build():

@@ -61,8 +61,8 @@ Kernels (all FP32 FMA, no tensor cores):
                          small (seed: 64 blocks of 32 x 64 instead of 32 blocks 3/4 empty).
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
-launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (fast paths 16/32/64; others zero-padded to the
-next of 16/32/64/128), any pair_dim >= 1, 64-bit offsets (outputs over 2^31 elements), non-contiguous
+launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (compiled for 16/32/64/128; others zero-padded to
+the next of these; 32 is the tuned case), any pair_dim >= 1, 64-bit offsets (outputs over 2^31 elements), non-contiguous
 inputs (copied to contiguous first). One CUDA device; parameters on the same device as the inputs.
 
 Limits: forward only (backward raises); FP32 only for msa_repr and the parameters; msa_dim <= 768
@@ -1222,6 +1222,12 @@ def _is_cached(name):
         return any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
     except Exception:
         return False
+
+
+# With no GPU to detect (a CI machine, a laptop), PyTorch cannot pick the architecture to build
+# for and fails inside load_inline; build for the H100/H200 (sm_90) unless told otherwise.
+if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
 
 
 def _build():
