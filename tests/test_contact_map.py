@@ -4,38 +4,28 @@ CPU tests (run in CI): the CUDA source builds with nvcc, and bad inputs raise cl
 GPU tests (marker `gpu`, skipped without CUDA): every kernel variant on the harness's named shapes
 and on awkward sizes, distributions, strides and parameter values, at atol = rtol = 1e-4.
 """
-import importlib.util
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
-def cm():
+def cm(load_module):
     """The kernel module (importing it builds the CUDA extension, about a minute the first time)."""
     if not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
         pytest.skip("no CUDA toolkit (set CUDA_HOME): cannot build the kernel")
-    return _load(os.path.join(ROOT, "contact_map.py"), "contact_map_under_test")
+    return load_module("contact_map.py", "contact_map_under_test")
 
 
 @pytest.fixture(scope="module")
-def ref():
-    return _load(os.path.join(ROOT, "reference", "contact_map.py"), "contact_map_reference")
+def ref(load_module):
+    return load_module("reference/contact_map.py", "contact_map_reference")
 
 
 def _randomise(model, gen):

@@ -8,37 +8,28 @@ atol = rtol = 1e-4 on the named shapes (except "huge"), awkward sizes, hidden_di
 pair_dim not a multiple of 4, float/bool/integer masks, fully masked positions, non-contiguous
 inputs, empty sizes, a > 2^31-element output, state_dict loading, and forward-only backward.
 """
-import importlib.util
 import os
 import shutil
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
-def opm():
+def opm(load_module):
     """The kernel module (importing it builds the CUDA extension, about a minute the first time)."""
     if not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
         pytest.skip("no CUDA toolkit (set CUDA_HOME): cannot build the kernel")
-    return _load(os.path.join(ROOT, "outer_product_mean.py"), "outer_product_mean_under_test")
+    return load_module("outer_product_mean.py", "outer_product_mean_under_test")
 
 
 @pytest.fixture(scope="module")
-def ref():
-    return _load(os.path.join(ROOT, "reference", "outer_product_mean.py"), "outer_product_mean_reference")
+def ref(load_module):
+    return load_module("reference/outer_product_mean.py", "outer_product_mean_reference")
 
 
 # ---------------------------------------------------------------------------------------------
