@@ -27,10 +27,10 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
                  out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z]
                  2 B S N c^2 c_z + 2 B N^2 S c c_z
   variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
-  to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source, mirrored in
-  ModelNew._predict_variant: outer_first 32 TFLOP/s measured at crop; w_first stage 1 20, stage 2
-  38 (128-tile) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest measured
-  variant at seed, shallow, crop and long, see NOTES.md). w_first needs one j
+  to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
+  32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile) / 25 (small) TFLOP/s; on
+  the H200 on 2026-11-29 the choice was the fastest measured variant at seed, shallow, crop and
+  long, see NOTES.md). w_first needs one j
   column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
   kernel when the 128 x 128 grid would not fill one block per SM. Deep MSAs (crop, long, huge) take
   outer_first, shallow ones w_first (shallow) or w_first_small (seed). After each call
@@ -1253,8 +1253,10 @@ class _ForwardOnly(torch.autograd.Function):
     """Runs the kernels under autograd; backward is not implemented (forward-only op)."""
 
     @staticmethod
-    def forward(ctx, msa, mask, eps, variant, *params):
-        return _ext.opm_forward(msa, mask, *params, eps, variant)[0]
+    def forward(ctx, msa, mask, eps, variant, used, *params):
+        out, ran = _ext.opm_forward(msa, mask, *params, eps, variant)
+        used.append(ran)  # the variant code that ran, for ModelNew.last_variant
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -1285,35 +1287,13 @@ class ModelNew(nn.Module):
                   self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
         if torch.is_grad_enabled() and (msa_repr.requires_grad or any(p.requires_grad for p in params)):
             # KernelBench times without no_grad: keep forward working, make backward fail loudly.
-            # last_variant: the same rule the kernel applies (the Function hides the second output).
-            out = _ForwardOnly.apply(msa_repr, msa_mask, eps, code, *params)
-            self.last_variant = self._predict_variant(msa_repr, code) if code == 0 else self.variant
+            used = []
+            out = _ForwardOnly.apply(msa_repr, msa_mask, eps, code, used, *params)
+            self.last_variant = self.VARIANTS[used[0]]
             return out
         out, used = _ext.opm_forward(msa_repr, msa_mask, *params, eps, code)
         self.last_variant = self.VARIANTS[used]
         return out
-
-    # "auto" time model, mirrored from the C++ constants kEff* / kLaunchS (keep in sync)
-    _EFF_OUTER, _EFF_PROJ, _EFF_W, _EFF_SMALL, _LAUNCH_S = 32e12, 20e12, 38e12, 25e12, 2e-6
-
-    def _predict_variant(self, msa_repr, code):
-        """The variant opm_forward runs for 'auto' (mirrors the C++ rule; used on the autograd path)."""
-        B, S, N, _ = msa_repr.shape
-        c, cz = self.proj_a.out_features, self.out_proj.out_features
-        cp = 16 if c <= 16 else 32 if c <= 32 else 64 if c <= 64 else 128
-        czp4 = (cz + 3) // 4 * 4
-        p_col = 4 * B * S * cp * czp4
-        jc = max(1, min(N, (32 << 20) // max(p_col, 1)))
-        dev = msa_repr.device
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        small = B * -(-N // 128) * -(-(jc * czp4) // 128) < sms
-        t_outer = 2.0 * B * N * N * cp * cp * (S + cz) / self._EFF_OUTER + self._LAUNCH_S
-        t_w = (2.0 * B * S * N * cp * cp * czp4 / self._EFF_PROJ
-               + 2.0 * B * N * N * S * cp * czp4 / (self._EFF_SMALL if small else self._EFF_W)
-               + 2.0 * (-(-N // jc) if N else 0) * self._LAUNCH_S)
-        if t_w < t_outer and p_col <= (32 << 20):
-            return "w_first_small" if small else "w_first"
-        return "outer_first"
 
 
 batch_size = 2
