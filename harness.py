@@ -8,19 +8,32 @@ What it does, per named shape of the reference module (`SHAPES`; default: every 
 device, the others skipped with a note):
 
 Correctness (any device; `--trials` >= 5 fresh input sets, different seeds and distributions:
-normal, uniform, Student-t(3), N(100, 1), N(-3, 10^2); masks all ones, random 0/1, fractional, bool,
-positions masked in every sequence, for inputs the reference marks "mask" in `INPUT_ROLES`):
+normal, uniform, Student-t(3), N(100, 1), N(-3, 10^2); for inputs the reference marks "mask" in
+`INPUT_ROLES`, masks all ones, random 0/1, fractional, bool, positions masked in every sequence, int32,
+int64 (with masked positions), uint8, rotated over the trials of all shapes in turn: 5 trials see 5 of
+the 8 kinds, three shapes see all):
   * KernelBench drop-in: torch.manual_seed(s) before building each of Model and ModelNew gives equal
     parameters without copying (same names, shapes, values).
   * ModelNew built with the same init arguments, load_state_dict(ref.state_dict(), strict=True), then
     every parameter re-drawn to non-trivial random values, the same in both (LayerNorm affine included),
     fresh for every trial (a ModelNew that caches weights at init or across calls fails).
+  * the models are built outside inference_mode (parameters requiring grad, as after construction);
+    the judged calls run under torch.inference_mode. On trial 0 every variant is also called under
+    torch.enable_grad() outside inference_mode on the same inputs (KernelBench calls ModelNew with
+    autograd on, and kernel files take another path then: an autograd.Function): that output, detached,
+    must pass the same criterion against the same reference, with every check below (it need not be
+    bitwise equal to the inference-mode output).
   * pass criterion: torch.allclose(new, ref_fp32, atol=1e-4, rtol=1e-4) with TF32 off; also max abs /
     max rel error against the reference evaluated in float64 on the same device, beside the fp32
     reference's own error. Relative error is |d| / (|ref64| + atol).
-  * fails on: wrong type, shape, dtype or device; NaN/Inf where the reference is finite; any input or
-    ModelNew parameter changed by the call; an oracle too weak to judge (reference output spread over
-    all trials below 10 * atol); mismatches (count and the first indices, with both values, printed).
+  * fails on: ModelNew(...) raising at construction (drop-in check, correctness or timing) or a call
+    raising; wrong type, shape, dtype or device; NaN/Inf where the reference is finite; any input or
+    ModelNew parameter changed by the call; output aliasing (the previous call's output, still held
+    with a clone, changed by the next call or sharing its storage: a reused output buffer); a forced
+    variant that did not run (model.variant = v set by the harness, v != "auto", and a non-None
+    last_variant w != v after the call: "asked for variant v, last_variant says w"); an oracle too
+    weak to judge (reference output spread over all trials below 10 * atol); mismatches (count and
+    the first indices, with both values, printed).
   * every kernel variant (ModelNew.VARIANTS) is checked on the same inputs.
   * shapes flagged `reference_may_oom`: the full fp32 reference is tried once (on CUDA) and an OOM is
     reported as expected; ModelNew's full output is compared on `--rows` sampled rows i against
@@ -50,17 +63,28 @@ rtol, tf32, variants, samples, input_sets, timing, compile, ...}, build {ok, sec
 error}, shapes: [{name, dims, ok, skip_reason, correctness {ok, failures, dropin {ok, detail},
 ref_fp32_max_abs_err_fp64, ref_fp32_max_rel_err_fp64, ref_spread, weak_oracle, reference_oom,
 rows_checked, variants {name: {ok, failures, last_variants, max_abs_err_fp64, max_rel_err_fp64,
-max_abs_diff_fp32, mismatches}}, trials [{trial, seed, distribution, mask, variants {name: compare()
-dict}}]}, timing {flops, min_bytes, floor_s, compile_note, failures, new {variant: T}, eager: T,
-compile: T + compile_s}}], notes, exit_code, verdict}, where T = {per_call, graph: {n, median_ms,
+max_abs_diff_fp32, mismatches, grad_checked}}, trials [{trial, seed, distribution, mask, variants
+{name: compare() dict}, grad_variants {name: compare() dict} (trial 0)}]}, timing {flops, min_bytes,
+floor_s, compile_note, failures, new {variant: T}, eager: T, compile: T + compile_s}}], notes, exit_code, verdict}, where T = {per_call, graph: {n, median_ms,
 p10_ms, p90_ms, mean_ms, min_ms} or None, graph_error, peak_bytes, error, oom, and for ModelNew
 last_variant, floor_multiple, tflops, tbs, graph_floor_multiple, graph_tflops, graph_tbs,
 speedup_vs_eager, speedup_vs_compile}. Times in ms, memory in bytes, non-finite errors as Infinity.
 
-Exit codes: 0 every check passed; 1 usage or harness error, or nothing was checked; 2 the solution
-did not build / import or has no ModelNew; 3 wrong results (any correctness, drop-in or runtime
-failure); 4 no CUDA device (correctness on the GPU and timing need one; `--device cpu` runs
-correctness on the CPU for pure-PyTorch solutions).
+Exit codes:
+  0  every check passed.
+  1  usage error (bad option or value: negative --atol/--rtol, a --json path that is a directory or
+     not writable; unknown target name (the valid names are listed), shape or --shape key, all
+     checked before the build; a --variant not in ModelNew.VARIANTS) or a harness bug (an exception
+     in the harness or the reference: "HARNESS ERROR" with a traceback; a solution failure seen in
+     the same run still gives 3), or nothing was checked (every shape skipped).
+  2  the solution file is missing, did not build / import, or defines no ModelNew.
+  3  the solution failed any check: wrong results, drop-in, inputs or parameters changed, aliasing,
+     variant, grad mode, or ModelNew(...) raising at construction or at a call.
+  4  no CUDA device (correctness on the GPU and timing need one; `--device cpu` runs correctness on
+     the CPU for pure-PyTorch solutions).
+
+Custom shapes (--shape K=V,...) must have exactly the keys of the reference's named shapes (flags
+such as reference_may_oom optional, 0 or 1), dimensions >= 1.
 
 Limits: the fit check is an estimate from the reference's `peak_bytes`; timing numbers on the CPU
 (`--cpu-timing`, for testing the harness) mean nothing; the floor uses nominal H200 ceilings.
@@ -94,7 +118,7 @@ EXIT_WRONG = 3
 EXIT_NO_CUDA = 4
 
 DISTRIBUTIONS = ("normal", "uniform", "student_t3", "offset100", "wide")
-MASK_KINDS = ("ones", "random01", "fractional", "bool", "dead_positions")
+MASK_KINDS = ("ones", "random01", "fractional", "bool", "dead_positions", "int32", "int64", "uint8")
 FIRST_MISMATCHES = 5
 
 
@@ -181,24 +205,35 @@ def _extension_modules(module):
 def resolve_target(target, ref):
     """(solution path, reference path) for a name ('contact_map') or a file path (+ optional --ref).
 
-    A name maps to ROOT/<name>.py and ROOT/reference/<name>.py. For a path without --ref, the
+    A name maps to ROOT/<name>.py and ROOT/reference/<name>.py; a name without both files (a typo)
+    is a usage error listing the valid names (reference_names()). For a path without --ref, the
     reference is reference/<stem>.py, else the reference whose name begins the file's stem
     (tests/solutions/contact_map_zeros.py -> reference/contact_map.py). Raises ValueError.
     """
     if not target.endswith(".py") and os.sep not in target and "/" not in target:
         sol = os.path.join(ROOT, target + ".py")
         ref = ref or os.path.join(ROOT, "reference", target + ".py")
+        if not os.path.isfile(sol) or not os.path.isfile(ref):
+            missing = sol if not os.path.isfile(sol) else ref
+            raise ValueError(f"unknown target {target!r} ({missing} does not exist); valid names: "
+                             f"{', '.join(reference_names())}, or a path to a .py file")
         return sol, _abs(ref)
     sol = _abs(target)
     if ref:
         return sol, _abs(ref)
     stem = os.path.splitext(os.path.basename(sol))[0]
     refdir = os.path.join(ROOT, "reference")
-    names = sorted((f[:-3] for f in os.listdir(refdir) if f.endswith(".py")), key=len, reverse=True)
+    names = sorted(reference_names(), key=len, reverse=True)
     for n in names:
         if stem == n or stem.startswith(n + "_"):
             return sol, os.path.join(refdir, n + ".py")
     raise ValueError(f"cannot tell the reference of {target}: pass --ref reference/<name>.py")
+
+
+def reference_names():
+    """Names of the reference modules (reference/<name>.py), sorted: the valid target names."""
+    refdir = os.path.join(ROOT, "reference")
+    return sorted(f[:-3] for f in os.listdir(refdir) if f.endswith(".py") and not f.startswith("_"))
 
 
 def _abs(p):
@@ -229,9 +264,11 @@ def make_activation(shape, dist, gen, device):
 
 
 def make_mask(shape, kind, gen, device):
-    """Mask of `shape` (B, S, N) of `kind` (one of MASK_KINDS); float32 except kind 'bool'.
+    """Mask of `shape` (B, S, N) of `kind` (one of MASK_KINDS); float32 except kinds 'bool' and the
+    integer ones.
 
     dead_positions: random 0/1, and about N/8 positions (at least one) masked in every sequence.
+    int32, uint8: random 0/1 of that dtype; int64: dead_positions as int64.
     """
     kw = dict(generator=gen, device=device)
     if kind == "ones":
@@ -243,12 +280,14 @@ def make_mask(shape, kind, gen, device):
         return torch.where(torch.rand(shape, **kw) < 0.2, torch.zeros_like(u), u)
     if kind == "bool":
         return torch.rand(shape, **kw) < 0.7
-    if kind == "dead_positions":
+    if kind in ("dead_positions", "int64"):
         m = (torch.rand(shape, **kw) < 0.7).float()
         n = shape[-1]
         dead = torch.randperm(n, generator=gen, device=device)[: max(1, n // 8)]
         m[..., dead] = 0.0
-        return m
+        return m if kind == "dead_positions" else m.to(torch.int64)
+    if kind in ("int32", "uint8"):
+        return (torch.rand(shape, **kw) < 0.7).to(getattr(torch, kind))
     raise ValueError(f"unknown mask kind {kind}")
 
 
@@ -287,12 +326,30 @@ def redraw_parameters(ref, new, seed):
         new_sd[name].copy_(v)
 
 
+class SolutionError(Exception):
+    """The solution failed outside a judged call (e.g. ModelNew's constructor raised): a check failure
+    (exit 3), not a harness error."""
+
+
+def build_new(NewModel, init):
+    """NewModel(*init), or SolutionError("ModelNew(args) raised X: msg") when the constructor raises."""
+    try:
+        return NewModel(*init)
+    except BaseException as e:  # SystemExit too: a solution must not end the harness
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        args = ", ".join(repr(a) for a in init)
+        raise SolutionError(f"ModelNew({args}) raised {_short_exc(e)}") from e
+
+
 def dropin_check(RefModel, NewModel, init, seed=1234):
-    """KernelBench drop-in: same seed before building each -> same state_dict? (ok, detail)."""
+    """KernelBench drop-in: same seed before building each -> same state_dict? (ok, detail).
+
+    Raises SolutionError when ModelNew's constructor raises."""
     torch.manual_seed(seed)
     ref = RefModel(*init)
     torch.manual_seed(seed)
-    new = NewModel(*init)
+    new = build_new(NewModel, init)
     rs, ns = ref.state_dict(), new.state_dict()
     if list(rs) != list(ns):
         if set(rs) != set(ns):
@@ -391,19 +448,60 @@ def _is_oom(e):
 # ---------------------------------------------------------------------------------------------
 # Correctness of one shape
 # ---------------------------------------------------------------------------------------------
-def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants):
+def new_correctness():
+    """The empty correctness dict of one shape (filled by check_shape; see the module docstring)."""
+    return dict(ok=False, failures=[], dropin=None, variants={}, ref_fp32_max_abs_err_fp64=None,
+                ref_fp32_max_rel_err_fp64=None, ref_spread=None, weak_oracle=None, reference_oom=None,
+                rows_checked=None, trials=[])
+
+
+def mask_kind_for(shape_index, trial, trials):
+    """The mask kind of one trial: MASK_KINDS rotated over the trials of all shapes in turn (with the
+    default 5 trials a shape sees 5 of the 8 kinds; three shapes see them all)."""
+    return MASK_KINDS[(shape_index * trials + trial) % len(MASK_KINDS)]
+
+
+def _same_values(a, b):
+    """a equals b elementwise, NaN matching NaN (for the output-aliasing check)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
+
+
+def _shares_storage(a, b):
+    try:
+        pa, pb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+    except Exception:
+        return False
+    return pa != 0 and pa == pb
+
+
+def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants, res=None):
     """Correctness of ModelNew at one shape over args.trials trials and every variant in `variants`.
 
-    Returns the JSON-ready dict described in the module docstring (keys: ok, failures, dropin,
-    variants {name: {...}}, ref_fp32_*_err_fp64, ref_spread, weak_oracle, reference_oom, trials).
+    Fills and returns `res` (new_correctness(); the JSON-ready dict described in the module docstring:
+    ok, failures, dropin, variants {name: {...}}, ref_fp32_*_err_fp64, ref_spread, weak_oracle,
+    reference_oom, trials). Must run outside torch.inference_mode: the models are built in normal mode
+    (parameters requiring grad, as after construction); the judged calls run under inference_mode,
+    the grad-mode check (trial 0, every variant) under torch.enable_grad().
     """
+    if torch.is_inference_mode_enabled():  # inference-tensor parameters would make the grad-mode call fail
+        raise RuntimeError("check_shape must be called outside torch.inference_mode")
     init = refmod.init_inputs_for(dims)
     may_oom = bool(dims.get("reference_may_oom"))
-    res = dict(ok=False, failures=[], dropin=None, variants={}, ref_fp32_max_abs_err_fp64=None,
-               ref_fp32_max_rel_err_fp64=None, ref_spread=None, weak_oracle=None, reference_oom=None,
-               rows_checked=None, trials=[])
+    res = new_correctness() if res is None else res
 
-    ok, detail = dropin_check(refmod.Model, solmod.ModelNew, init)
+    def fail_construction(msg):
+        res["failures"].append(msg)
+        log(f"  FAIL: {msg}")
+        return res
+
+    try:
+        ok, detail = dropin_check(refmod.Model, solmod.ModelNew, init)
+    except SolutionError as e:
+        return fail_construction(str(e))
     res["dropin"] = dict(ok=ok, detail=detail)
     log(f"  drop-in (same seed -> same parameters): {'yes' if ok else 'NO'}: {detail}")
     if not ok:
@@ -411,59 +509,67 @@ def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants)
 
     ref = refmod.Model(*init).to(device).eval()
     try:
-        new = solmod.ModelNew(*init).to(device).eval()
+        new = build_new(solmod.ModelNew, init)
+    except SolutionError as e:
+        return fail_construction(str(e))
+    try:
+        new = new.to(device).eval()
         new.load_state_dict(ref.state_dict(), strict=True)
     except Exception as e:
-        res["failures"].append(f"ModelNew construction / load_state_dict(strict=True) failed: {_short_exc(e)}")
-        log(f"  FAIL: {res['failures'][-1]}")
-        return res
+        return fail_construction(f"ModelNew .to(device) / load_state_dict(strict=True) failed: {_short_exc(e)}")
     default_variant = getattr(new, "variant", None)
     for v in variants:
         res["variants"][v or "-"] = dict(ok=True, failures=[], last_variants=[], max_abs_err_fp64=None,
-                                         max_rel_err_fp64=None, max_abs_diff_fp32=None, mismatches=0)
+                                         max_rel_err_fp64=None, max_abs_diff_fp32=None, mismatches=0,
+                                         grad_checked=False)
     spread_lo, spread_hi = math.inf, -math.inf
+    roles = getattr(refmod, "INPUT_ROLES", ())
+    # aliasing: the last ModelNew output, a clone of it (of the sampled rows for reference_may_oom
+    # shapes) and where it came from; the next call must leave it unchanged.
+    prev = None
 
     for t in range(args.trials):
         seed = args.seed * 1_000_003 + shape_index * 1009 + t
         dist = DISTRIBUTIONS[t % len(DISTRIBUTIONS)]
-        mask_kind = MASK_KINDS[(t + t // len(MASK_KINDS)) % len(MASK_KINDS)]
-        redraw_parameters(ref, new, seed + 500_000)
-        inputs = make_inputs(refmod, dims, dist, mask_kind, seed, device)
-        clones = [x.clone() for x in inputs]
-        roles = getattr(refmod, "INPUT_ROLES", ())
+        mask_kind = mask_kind_for(shape_index, t, args.trials)
+        with torch.no_grad():
+            redraw_parameters(ref, new, seed + 500_000)
+            inputs = make_inputs(refmod, dims, dist, mask_kind, seed, device)
+            clones = [x.clone() for x in inputs]
         trial = dict(trial=t, seed=seed, distribution=dist,
                      mask=mask_kind if "mask" in roles else None, variants={})
         desc = f"trial {t} seed {seed} {dist}" + (f" mask={mask_kind}" if "mask" in roles else "")
 
-        rows = None
-        if may_oom:
-            if t == 0 and device.type == "cuda":
-                log(f"  {name}: trying the full fp32 reference (flagged reference_may_oom) ...")
-                try:
-                    full = ref(*inputs)
-                    del full
-                    res["reference_oom"] = False
-                    log("  the full reference fit in memory; comparing sampled rows anyway")
-                except Exception as e:
-                    if not _is_oom(e):
-                        raise
-                    res["reference_oom"] = True
-                    log(f"  reference out of memory, as expected: {_short_exc(e)[:160]}")
-                _free(device)
-            n_rows = int(dims["N"])
-            g = torch.Generator().manual_seed(seed + 7)
-            pick = torch.randperm(n_rows, generator=g)[: max(0, args.rows - 2)].tolist()
-            rows_list = sorted(set(pick + [0, n_rows - 1]))
-            rows = torch.tensor(rows_list, device=device)
-            res["rows_checked"] = len(rows_list)
-            ref32 = refmod.forward_rows(ref, *inputs, rows)
-            ref64m = copy.deepcopy(ref).double()
-            ref64 = refmod.forward_rows(ref64m, *[_to64(x) for x in inputs], rows)
-        else:
-            ref32 = ref(*inputs)
-            ref64m = copy.deepcopy(ref).double()
-            ref64 = ref64m(*[_to64(x) for x in inputs])
-        del ref64m
+        rows_list = None
+        with torch.inference_mode():
+            if may_oom:
+                if t == 0 and device.type == "cuda":
+                    log(f"  {name}: trying the full fp32 reference (flagged reference_may_oom) ...")
+                    try:
+                        full = ref(*inputs)
+                        del full
+                        res["reference_oom"] = False
+                        log("  the full reference fit in memory; comparing sampled rows anyway")
+                    except Exception as e:
+                        if not _is_oom(e):
+                            raise
+                        res["reference_oom"] = True
+                        log(f"  reference out of memory, as expected: {_short_exc(e)[:160]}")
+                    _free(device)
+                n_rows = int(dims["N"])
+                g = torch.Generator().manual_seed(seed + 7)
+                pick = torch.randperm(n_rows, generator=g)[: max(0, args.rows - 2)].tolist()
+                rows_list = sorted(set(pick + [0, n_rows - 1]))
+                rows = torch.tensor(rows_list, device=device)
+                res["rows_checked"] = len(rows_list)
+                ref32 = refmod.forward_rows(ref, *inputs, rows)
+                ref64m = copy.deepcopy(ref).double()
+                ref64 = refmod.forward_rows(ref64m, *[_to64(x) for x in inputs], rows)
+            else:
+                ref32 = ref(*inputs)
+                ref64m = copy.deepcopy(ref).double()
+                ref64 = ref64m(*[_to64(x) for x in inputs])
+            del ref64m
         if not all(torch.equal(x, c) for x, c in zip(inputs, clones)):
             raise RuntimeError("the reference changed its inputs; the harness cannot judge this pair")
         d_ref = (ref32.double() - ref64).abs()
@@ -476,61 +582,103 @@ def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants)
             spread_lo, spread_hi = min(spread_lo, float(fin.min())), max(spread_hi, float(fin.max()))
         del d_ref, fin
 
-        for v in variants:
-            key = v or "-"
-            vr = res["variants"][key]
+        def sample(o, rl):
+            """The part of an output that is judged: all of it, or the sampled rows i."""
+            if rl is not None and o.dim() > 1 and o.shape[1] == dims["N"]:
+                return o[:, rl]
+            return o
+
+        def judged_call(v, grad):
+            """One ModelNew call (inference_mode, or enable_grad outside it) with every check; a compare() dict."""
+            nonlocal prev
             if v is not None:
                 new.variant = v
-            before = {k: x.detach().clone() for k, x in new.state_dict().items()}
+            mode = "under torch.enable_grad(): " if grad else ""
+            with torch.no_grad():
+                before = {k: x.detach().clone() for k, x in new.state_dict().items()}
             try:
-                out = new(*inputs)
+                if grad:
+                    with torch.enable_grad():
+                        out = new(*inputs)
+                else:
+                    with torch.inference_mode():
+                        out = new(*inputs)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
             except Exception as e:
-                msg = f"{desc}: ModelNew raised {_short_exc(e)}"
-                vr["failures"].append(msg)
-                vr["ok"] = False
-                trial["variants"][key] = dict(ok=False, failures=[msg])
-                log(f"  FAIL [{key}] {msg}")
-                continue
-            last = getattr(new, "last_variant", None)
-            if last is not None and last not in vr["last_variants"]:
-                vr["last_variants"].append(last)
-            if rows is not None and torch.is_tensor(out) and out.dim() > 1 and out.shape[1] == dims["N"]:
-                c = compare(out[:, rows_list], ref32, ref64, args.atol, args.rtol, index_offset=rows_list)
-            else:
-                c = compare(out, ref32, ref64, args.atol, args.rtol)
-            del out
-            changed = [i for i, (x, cl) in enumerate(zip(inputs, clones)) if not torch.equal(x, cl)]
-            if changed:
-                c["failures"].append(f"ModelNew changed its input(s) {changed} in place")
-                for i in changed:
-                    inputs[i].copy_(clones[i])  # restore for the next variant
-            after = new.state_dict()
-            moved = [k for k, x in before.items() if k not in after or not torch.equal(after[k], x)]
-            if moved:
-                c["failures"].append(f"ModelNew changed its parameters/buffers {moved[:4]} during forward")
+                return dict(ok=False, failures=[f"{mode}ModelNew raised {_short_exc(e)}"], call_raised=True,
+                            max_abs_err_fp64=None, max_rel_err_fp64=None, max_abs_diff_fp32=None,
+                            mismatches=None, last_variant=None)
+            with torch.no_grad():
+                if torch.is_tensor(out):
+                    out = out.detach()
+                last = getattr(new, "last_variant", None)
+                c = compare(sample(out, rows_list) if torch.is_tensor(out) else out, ref32, ref64,
+                            args.atol, args.rtol, index_offset=rows_list if rows_list is not None else None)
+                if mode:
+                    c["failures"] = [mode + m for m in c["failures"]]
+                if v is not None and v != "auto" and last is not None and last != v:
+                    c["failures"].append(f"{mode}asked for variant {v}, last_variant says {last}")
+                changed = [i for i, (x, cl) in enumerate(zip(inputs, clones)) if not torch.equal(x, cl)]
+                if changed:
+                    c["failures"].append(f"{mode}ModelNew changed its input(s) {changed} in place")
+                    for i in changed:
+                        inputs[i].copy_(clones[i])  # restore for the next call
+                after = new.state_dict()
+                moved = [k for k, x in before.items() if k not in after or not torch.equal(after[k], x)]
+                if moved:
+                    c["failures"].append(f"{mode}ModelNew changed its parameters/buffers {moved[:4]} during forward")
+                if prev is not None:
+                    p_out, p_snap, p_rows, p_desc = prev
+                    if torch.is_tensor(out) and out.numel() and _shares_storage(out, p_out):
+                        c["failures"].append(
+                            f"{mode}ModelNew returned the storage of its previous output ({p_desc}), which "
+                            "the caller still holds: outputs must not alias a buffer reused across calls")
+                    elif not _same_values(sample(p_out, p_rows), p_snap):
+                        c["failures"].append(
+                            f"{mode}this call changed ModelNew's previous output ({p_desc}): outputs must not "
+                            "alias a buffer that a later call overwrites")
+                prev = None
+                if torch.is_tensor(out):
+                    prev = (out, sample(out, rows_list).clone(), rows_list,
+                            f"{desc}, variant {v or '-'}{' with grad' if grad else ''}")
             c["ok"] = not c["failures"]
             c["last_variant"] = last
-            trial["variants"][key] = c
-            for f in ("max_abs_err_fp64", "max_rel_err_fp64", "max_abs_diff_fp32"):
-                vr[f] = _max_none(vr[f], c[f])
-            vr["mismatches"] += c["mismatches"] or 0
-            if not c["ok"]:
-                vr["ok"] = False
-                vr["failures"] += [f"{desc}: {m}" for m in c["failures"]]
-            tag = f"[{key}{'->' + last if last and last != key else ''}]"
-            status = "ok  " if c["ok"] else "FAIL"
-            err = (f"max|d| vs fp64 {_e(c['max_abs_err_fp64'])} (fp32 ref {_e(ref_err)})"
-                   if c["max_abs_err_fp64"] is not None else "")
-            log(f"  {status} {tag} {desc}: {err}")
-            for m in c["failures"]:
-                log(f"       {m}")
+            return c
+
+        for v in variants:
+            key = v or "-"
+            vr = res["variants"][key]
+            calls = [False, True] if t == 0 else [False]  # grad mode: trial 0, every variant
+            for grad in calls:
+                c = judged_call(v, grad)
+                last = c.get("last_variant")
+                if last is not None and last not in vr["last_variants"]:
+                    vr["last_variants"].append(last)
+                if grad:
+                    vr["grad_checked"] = True
+                    trial.setdefault("grad_variants", {})[key] = c
+                else:
+                    trial["variants"][key] = c
+                for f in ("max_abs_err_fp64", "max_rel_err_fp64", "max_abs_diff_fp32"):
+                    vr[f] = _max_none(vr[f], c[f])
+                vr["mismatches"] += c["mismatches"] or 0
+                if not c["ok"]:
+                    vr["ok"] = False
+                    vr["failures"] += [f"{desc}: {m}" for m in c["failures"]]
+                tag = f"[{key}{'->' + last if last and last != key else ''}]" + (" grad" if grad else "")
+                status = "ok  " if c["ok"] else "FAIL"
+                err = (f"max|d| vs fp64 {_e(c['max_abs_err_fp64'])} (fp32 ref {_e(ref_err)})"
+                       if c["max_abs_err_fp64"] is not None else "")
+                log(f"  {status} {tag} {desc}: {err}")
+                for m in c["failures"]:
+                    log(f"       {m}")
         if default_variant is not None:
             new.variant = default_variant
         res["trials"].append(trial)
-        del inputs, clones, ref32, ref64
+        inputs = clones = ref32 = ref64 = None  # free before the next trial (judged_call reads these)
         _free(device)
+    prev = None
 
     spread = spread_hi - spread_lo if spread_hi >= spread_lo else 0.0
     res["ref_spread"] = spread
@@ -723,8 +871,12 @@ def time_shape(refmod, solmod, name, dims, shape_index, args, device, timer, tim
     res = dict(new={}, eager=None, compile=None, compile_note=None, flops=None, min_bytes=None,
                floor_s=None, failures=[])
     ref = refmod.Model(*init).to(device).eval()
-    new = solmod.ModelNew(*init).to(device).eval()
-    new.load_state_dict(ref.state_dict(), strict=True)
+    new = build_new(solmod.ModelNew, init)  # SolutionError when the constructor raises
+    try:
+        new = new.to(device).eval()
+        new.load_state_dict(ref.state_dict(), strict=True)
+    except Exception as e:
+        raise SolutionError(f"ModelNew .to(device) / load_state_dict(strict=True) failed: {_short_exc(e)}") from e
     redraw_parameters(ref, new, args.seed + 99)
     sets = [make_inputs(refmod, dims, "normal", "random01", args.seed * 7919 + 31 * k + shape_index, device)
             for k in range(args.input_sets)]
@@ -796,8 +948,27 @@ def time_shape(refmod, solmod, name, dims, shape_index, args, device, timer, tim
 # ---------------------------------------------------------------------------------------------
 # Shape selection and fit
 # ---------------------------------------------------------------------------------------------
-def parse_custom_shape(text, i):
-    """'B=2,N=5,pair_dim=8,hidden_dim=4' -> ('custom0', {...}). Raises ValueError."""
+FLAG_KEYS = ("reference_may_oom",)  # optional shape keys that are flags, not dimensions
+
+
+def shape_keys(refmod):
+    """(required, optional) keys of a custom shape: the keys of the reference's named shapes, less
+    the flags (FLAG_KEYS and any key holding a bool), which are optional."""
+    keys, flags = [], set(FLAG_KEYS)
+    for d in refmod.SHAPES.values():
+        for k, v in d.items():
+            if k not in keys:
+                keys.append(k)
+            if isinstance(v, bool):
+                flags.add(k)
+    return [k for k in keys if k not in flags], [k for k in keys if k in flags]
+
+
+def parse_custom_shape(text, i, refmod=None):
+    """'B=2,N=5,pair_dim=8,hidden_dim=4' -> ('custom0', {...}). Raises ValueError.
+
+    With `refmod`, the keys must be exactly those of the reference's named shapes (flags such as
+    reference_may_oom optional), dimensions >= 1 and flags 0 or 1."""
     dims = {}
     for part in text.split(","):
         if not part.strip():
@@ -805,7 +976,26 @@ def parse_custom_shape(text, i):
         k, _, v = part.partition("=")
         if not _:
             raise ValueError(f"--shape expects KEY=INT,...; got {text!r}")
-        dims[k.strip()] = int(v)
+        try:
+            dims[k.strip()] = int(v)
+        except ValueError:
+            raise ValueError(f"--shape {text!r}: {k.strip()}={v.strip()!r} is not an integer") from None
+    if refmod is not None:
+        required, flags = shape_keys(refmod)
+        unknown = [k for k in dims if k not in required and k not in flags]
+        missing = [k for k in required if k not in dims]
+        if unknown or missing:
+            what = "; ".join(x for x in (f"unknown key(s) {', '.join(unknown)}" if unknown else "",
+                                         f"missing key(s) {', '.join(missing)}" if missing else "") if x)
+            raise ValueError(f"--shape {text!r}: {what}; expected keys {','.join(required)}"
+                             + (f" (optional flags: {', '.join(f + '=0|1' for f in flags)})" if flags else ""))
+        for k, v in dims.items():
+            if k in flags:
+                if v not in (0, 1):
+                    raise ValueError(f"--shape {text!r}: flag {k} must be 0 or 1")
+                dims[k] = bool(v)
+            elif v < 1:
+                raise ValueError(f"--shape {text!r}: {k} must be >= 1")
     return f"custom{i}", dims
 
 
@@ -813,17 +1003,18 @@ def estimate_need(refmod, dims, timing, input_sets=3):
     """Rough device bytes the harness needs for one shape (bytes; an over-estimate by design).
 
     Inputs `in_b` (sizes from input_shapes_for, 4 bytes each), output `out_b` = min_bytes - in_b.
-    Correctness: inputs, clones and fp64 copies; fp32 reference, ModelNew and fp64 outputs; twice the
-    reference's peak_bytes (fp64). Shapes flagged reference_may_oom: inputs and ModelNew outputs only
-    (the reference runs on sampled rows). Timing adds the rotated input sets and two outputs.
+    Correctness: inputs, clones and fp64 copies; fp32 reference, ModelNew and fp64 outputs, the
+    previous ModelNew output and its clone (aliasing check); twice the reference's peak_bytes (fp64).
+    Shapes flagged reference_may_oom: inputs and ModelNew outputs only (the current and the previous
+    one; the reference runs on sampled rows). Timing adds the rotated input sets and two outputs.
     """
     in_b = 4 * sum(math.prod(s) for s in refmod.input_shapes_for(dims))
     out_b = max(int(refmod.min_bytes(dims)) - in_b, 0)
     if dims.get("reference_may_oom"):
-        need = 4 * in_b + 2 * out_b
+        need = 4 * in_b + 3 * out_b
     else:
         peak = refmod.peak_bytes(dims) if hasattr(refmod, "peak_bytes") else 4 * (in_b + out_b)
-        need = 4 * in_b + 5 * out_b + 2 * peak
+        need = 4 * in_b + 7 * out_b + 2 * peak
     if timing:
         need += input_sets * in_b + 2 * out_b
     return int(need)
@@ -854,7 +1045,7 @@ def select_shapes(refmod, args, device):
     elif not args.shape:
         chosen = [(n, dict(d), False) for n, d in named.items()]
     for i, text in enumerate(args.shape or []):
-        n, d = parse_custom_shape(text, i)
+        n, d = parse_custom_shape(text, i, refmod)
         chosen.append((n, d, True))
     avail = available_bytes(device)
     out = []
@@ -954,14 +1145,16 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     p = _Parser(prog="harness.py", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                epilog="exit codes: 0 pass, 1 usage/harness error or nothing checked, 2 build failure, "
-                       "3 wrong results, 4 no CUDA device")
+                epilog="exit codes: 0 pass, 1 usage error or harness bug (or nothing checked), 2 missing file / "
+                       "build or import failure / no ModelNew, 3 the solution failed a check (incl. raising at "
+                       "construction or call), 4 no CUDA device")
     p.add_argument("target", help="a name (contact_map -> ./contact_map.py vs reference/contact_map.py) "
                                   "or a path to a file defining ModelNew")
     p.add_argument("--ref", help="reference module path (default: from the name / file name)")
     p.add_argument("--shapes", help="comma-separated named shapes (default: all that fit the device)")
     p.add_argument("--shape", action="append", metavar="K=V,...",
-                   help="an extra custom shape, e.g. B=2,N=5,pair_dim=8,hidden_dim=4 (repeatable)")
+                   help="an extra custom shape with the keys of the reference's SHAPES, e.g. "
+                        "B=2,N=5,pair_dim=8,hidden_dim=4 (repeatable)")
     p.add_argument("--trials", type=int, default=5, help="correctness trials per shape (default 5)")
     p.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH")
@@ -975,8 +1168,8 @@ def build_parser():
     p.add_argument("--samples", type=int, default=100, help="timing samples (default 100; 20 over 10 ms, 10 over 1 s)")
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated while timing (default 3)")
     p.add_argument("--rows", type=int, default=8, help="rows sampled for reference_may_oom shapes (default 8)")
-    p.add_argument("--atol", type=float, default=1e-4)
-    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance, >= 0 (default 1e-4)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance, >= 0 (default 1e-4)")
     p.add_argument("--peak-tflops", type=float, default=50.0, help="fp32 ceiling for the floor (default 50)")
     p.add_argument("--peak-tbs", type=float, default=4.0, help="memory ceiling in TB/s (default 4.0)")
     p.add_argument("--cpu-timing", action="store_true",
@@ -997,6 +1190,21 @@ def _device_info(device):
     p = torch.cuda.get_device_properties(device)
     return dict(type="cuda", name=p.name, capability=f"{p.major}.{p.minor}", total_bytes=int(p.total_memory),
                 l2_bytes=int(getattr(p, "L2_cache_size", 0) or 0), sms=p.multi_processor_count)
+
+
+def check_json_path(path):
+    """Usage check of --json PATH before any work: not a directory, its folder creatable and writable.
+    Returns an error message or None (creates the folder)."""
+    if os.path.isdir(path):
+        return f"--json {path}: is a directory (give a file path, e.g. {os.path.join(path, 'report.json')})"
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        return f"--json {path}: cannot create its folder: {e}"
+    if not os.access(d, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"--json {path}: not writable"
+    return None
 
 
 def _write_json(path, report):
@@ -1024,8 +1232,17 @@ def main(argv=None):
         _write_json(args.json, report)
         return code
 
+    if args.json:
+        bad = check_json_path(args.json)
+        if bad:
+            args.json = None  # nothing can be written there
+            return finish(EXIT_USAGE, f"usage: {bad}")
     if args.trials < 1 or args.samples < 1 or args.input_sets < 1 or args.rows < 2:
         return finish(EXIT_USAGE, "usage: --trials, --samples, --input-sets must be >= 1 and --rows >= 2")
+    if not (args.atol >= 0 and args.rtol >= 0 and math.isfinite(args.atol) and math.isfinite(args.rtol)):
+        return finish(EXIT_USAGE, f"usage: --atol and --rtol must be finite and >= 0 (got {args.atol:g}, {args.rtol:g})")
+    if not (args.peak_tflops > 0 and args.peak_tbs > 0):
+        return finish(EXIT_USAGE, "usage: --peak-tflops and --peak-tbs must be > 0")
     if args.trials < 5:
         report["notes"].append(f"only {args.trials} trials (the standard is >= 5)")
     try:
@@ -1042,6 +1259,15 @@ def main(argv=None):
     _set_precision()
 
     refmod = load_module(ref_path)
+    try:  # shape names and custom shapes are usage errors: say so before the (slow) build
+        names = [n.strip() for n in (args.shapes or "").split(",") if n.strip()]
+        for n in names:
+            if n not in refmod.SHAPES:
+                raise ValueError(f"unknown shape {n!r}; the reference has {', '.join(refmod.SHAPES)}")
+        for i, text in enumerate(args.shape or []):
+            parse_custom_shape(text, i, refmod)
+    except ValueError as e:
+        return finish(EXIT_USAGE, f"usage: {e}")
     log(f"building {os.path.relpath(sol_path)} (imports it; a CUDA extension compiles with nvcc: about a "
         f"minute the first time, seconds when cached) ...")
     t0 = time.perf_counter()
@@ -1104,50 +1330,59 @@ def main(argv=None):
         log(f"L2 {timer.l2_bytes / 2**20:.0f} MiB; flush buffer {timer.flush_bytes / 2**20:.0f} MiB")
 
     any_checked, all_ok = False, True
-    with torch.inference_mode():
-        for si, (name, dims, skip) in enumerate(shapes):
-            entry = dict(name=name, dims=dims, ok=False, skip_reason=skip, correctness=None, timing=None)
-            report["shapes"].append(entry)
-            shown = ", ".join(f"{k}={v}" for k, v in dims.items() if k != "reference_may_oom")
-            if skip:
-                log(f"\n== {name} ({shown}): skipped: {skip}")
-                report["notes"].append(f"{name} skipped: {skip}")
-                continue
-            log(f"\n== {name} ({shown}) on {device}")
-            any_checked = True
+    harness_errors = []  # exceptions in the harness or the reference (not the solution's failures)
+    for si, (name, dims, skip) in enumerate(shapes):
+        entry = dict(name=name, dims=dims, ok=False, skip_reason=skip, correctness=None, timing=None)
+        report["shapes"].append(entry)
+        shown = ", ".join(f"{k}={v}" for k, v in dims.items() if k != "reference_may_oom")
+        if skip:
+            log(f"\n== {name} ({shown}): skipped: {skip}")
+            report["notes"].append(f"{name} skipped: {skip}")
+            continue
+        log(f"\n== {name} ({shown}) on {device}")
+        any_checked = True
+        c = new_correctness()
+        try:  # outside inference_mode: check_shape runs the grad-mode check itself
+            check_shape(refmod, solmod, name, dims, si, args, device, variants, res=c)
+        except Exception as e:
+            c["ok"] = False
+            for key, vr in c["variants"].items():  # the solution's failures seen before the error
+                c["failures"] += [f"variant {key}: {m}" for m in vr["failures"]]
+            c["failures"].append(f"harness error: {_short_exc(e)}")
+            harness_errors.append(f"{name}: {_short_exc(e)}")
+            log(traceback.format_exc().rstrip())
+        entry["correctness"] = c
+        ok = c["ok"]
+        if timing:
+            is_default = not name.startswith("awkward") and not dims.get("reference_may_oom")
+            do_compile = not args.no_compile and (args.compile_all or is_default)
+            tv = variants if (args.time_variants or args.variant not in (None, "all")) else None
+            log(f"  timing {name}: ModelNew ({'variants ' + ','.join(v or '-' for v in tv) if tv else 'default variant'}), "
+                f"eager reference" + (", torch.compile(reference)" if do_compile else ""))
             try:
-                c = check_shape(refmod, solmod, name, dims, si, args, device, variants)
-            except Exception as e:
-                c = dict(ok=False, failures=[f"harness error: {_short_exc(e)}"], variants={})
-                log(traceback.format_exc().rstrip())
-            entry["correctness"] = c
-            ok = c["ok"]
-            if timing:
-                is_default = not name.startswith("awkward") and not dims.get("reference_may_oom")
-                do_compile = not args.no_compile and (args.compile_all or is_default)
-                tv = variants if (args.time_variants or args.variant not in (None, "all")) else None
-                log(f"  timing {name}: ModelNew ({'variants ' + ','.join(v or '-' for v in tv) if tv else 'default variant'}), "
-                    f"eager reference" + (", torch.compile(reference)" if do_compile else ""))
-                try:
+                with torch.inference_mode():
                     tm = time_shape(refmod, solmod, name, dims, si, args, device, timer, tv, do_compile,
                                     bool(c.get("reference_oom")))
-                except Exception as e:
-                    tm = dict(failures=[f"timing error: {_short_exc(e)}"], new={})
-                    log(traceback.format_exc().rstrip())
-                entry["timing"] = tm
-                if tm["failures"]:
-                    ok = False
-                    for f in tm["failures"]:
-                        log(f"  FAIL {f}")
-                if device.type == "cpu":
-                    report["notes"].append("timing ran on the CPU (--cpu-timing): numbers mean nothing")
-            entry["ok"] = ok
-            all_ok &= ok
-            log(f"== {name}: {'PASS' if ok else 'FAIL'}")
-            _free(device)
-            if timing and device.type == "cuda":
-                with contextlib.suppress(Exception):
-                    torch._dynamo.reset()
+            except SolutionError as e:
+                tm = dict(failures=[str(e)], new={})
+            except Exception as e:
+                tm = dict(failures=[f"harness error (timing): {_short_exc(e)}"], new={})
+                harness_errors.append(f"{name} (timing): {_short_exc(e)}")
+                log(traceback.format_exc().rstrip())
+            entry["timing"] = tm
+            if tm["failures"]:
+                ok = False
+                for f in tm["failures"]:
+                    log(f"  FAIL {f}")
+            if device.type == "cpu":
+                report["notes"].append("timing ran on the CPU (--cpu-timing): numbers mean nothing")
+        entry["ok"] = ok
+        all_ok &= ok
+        log(f"== {name}: {'PASS' if ok else 'FAIL'}")
+        _free(device)
+        if timing and device.type == "cuda":
+            with contextlib.suppress(Exception):
+                torch._dynamo.reset()
 
     if timing and not args.no_compile and not args.compile_all:
         report["notes"].append("torch.compile ran only for non-awkward shapes (seed, crop, batch, long, shallow); "
@@ -1170,7 +1405,15 @@ def main(argv=None):
         return finish(EXIT_USAGE, "NOTHING CHECKED: every selected shape was skipped")
     if not all_ok:
         failed = [s["name"] for s in report["shapes"] if not s.get("ok") and not s.get("skip_reason")]
-        return finish(EXIT_WRONG, f"FAIL: wrong results or failed checks at {', '.join(failed)}")
+        solution_failed = any(not f.startswith("harness error")
+                              for s in report["shapes"]
+                              for f in list((s.get("correctness") or {}).get("failures") or [])
+                              + list((s.get("timing") or {}).get("failures") or []))
+        if harness_errors and not solution_failed:
+            return finish(EXIT_USAGE, f"HARNESS ERROR (a bug in the harness or the reference, not a verdict on "
+                                      f"the solution): {'; '.join(harness_errors)[:600]}")
+        return finish(EXIT_WRONG, f"FAIL: wrong results or failed checks at {', '.join(failed)}"
+                      + (f" (and harness errors: {'; '.join(harness_errors)[:300]})" if harness_errors else ""))
     return finish(EXIT_OK, "PASS: every check passed")
 
 

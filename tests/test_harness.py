@@ -31,6 +31,8 @@ CM_WRONG = {
     "contact_map_fp64_output.py": "dtype torch.float64, expected torch.float32",
     "contact_map_stale_weights.py": "not allclose",
     "contact_map_variants.py": "variant no_symmetrise",
+    "contact_map_reuses_output.py": "outputs must not alias a buffer",
+    "contact_map_init_raises.py": "ModelNew(64, 32) raised ValueError: pair_dim 64 not supported",
 }
 OPM_WRONG = {
     "outer_product_mean_zeros.py": "not allclose",
@@ -41,6 +43,8 @@ OPM_WRONG = {
     "outer_product_mean_af2_denominator.py": "not allclose",
     "outer_product_mean_no_clamp.py": "NaN/Inf values where the reference is finite",
     "outer_product_mean_binarised_mask.py": "mask=fractional",
+    "outer_product_mean_wrong_when_grad.py": "under torch.enable_grad(): not allclose",
+    "outer_product_mean_ignores_variant.py": "asked for variant outer_first, last_variant says w_first",
 }
 
 
@@ -50,6 +54,7 @@ def test_rejects_wrong_contact_map(run_harness, name):
     assert code == harness.EXIT_WRONG, out[-3000:]
     assert CM_WRONG[name] in out, out[-3000:]
     assert "FAIL" in out.splitlines()[-1]
+    assert "harness error" not in out and "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.parametrize("name", sorted(OPM_WRONG))
@@ -57,6 +62,7 @@ def test_rejects_wrong_outer_product_mean(run_harness, name):
     code, out = run_harness(os.path.join(SOL, name), "--ref", OPM_REF, *CPU, "--shapes", OPM_SHAPES)
     assert code == harness.EXIT_WRONG, out[-3000:]
     assert OPM_WRONG[name] in out, out[-3000:]
+    assert "harness error" not in out and "Traceback" not in out, out[-3000:]
 
 
 def test_accepts_good_contact_map(run_harness):
@@ -73,12 +79,18 @@ def test_accepts_good_outer_product_mean_every_variant(run_harness, tmp_path):
                             "--json", js)
     assert code == harness.EXIT_OK, out[-3000:]
     rep = json.loads(js.read_text())
+    masks = set()
     for s in rep["shapes"]:
         v = s["correctness"]["variants"]
         assert set(v) == {"outer_first", "w_first"}
         assert v["outer_first"]["last_variants"] == ["outer_first"] and v["w_first"]["last_variants"] == ["w_first"]
-        masks = {t["mask"] for t in s["correctness"]["trials"]}
-        assert masks == set(harness.MASK_KINDS)
+        assert all(x["grad_checked"] for x in v.values())  # the grad-enabled path, every variant
+        trials = s["correctness"]["trials"]
+        assert set(trials[0]["grad_variants"]) == {"outer_first", "w_first"}
+        assert all(g["ok"] for g in trials[0]["grad_variants"].values())
+        masks |= {t["mask"] for t in trials}
+    assert masks == set(harness.MASK_KINDS)  # integer masks included
+    assert {"int32", "int64", "uint8"} <= masks
 
 
 def test_variant_selection(run_harness):
@@ -105,10 +117,18 @@ def test_build_failure_exit_code(run_harness, tmp_path):
     assert code == harness.EXIT_BUILD
 
 
-def test_usage_errors(run_harness):
+def test_usage_errors(run_harness, tmp_path):
     f = os.path.join(SOL, "contact_map_good.py")
     assert run_harness(f, *CPU, "--shapes", "nope")[0] == harness.EXIT_USAGE
     assert run_harness(f, *CPU, "--trials", "0")[0] == harness.EXIT_USAGE
+    for opt in (["--atol", "-1"], ["--rtol=-1e-4"], ["--atol", "nan"]):
+        code, out = run_harness(f, *CPU, *opt)
+        assert code == harness.EXIT_USAGE and "must be finite and >= 0" in out, out[-2000:]
+    code, out = run_harness(f, *CPU, "--json", tmp_path)  # a directory: refused before any work
+    assert code == harness.EXIT_USAGE and "is a directory" in out and "building" not in out, out[-2000:]
+    # a typo'd name is a usage error listing the valid names (not "no such file", exit 2)
+    code, out = run_harness("contact_mpa", *CPU)
+    assert code == harness.EXIT_USAGE and "valid names: contact_map, outer_product_mean" in out, out[-2000:]
     assert run_harness(os.path.join(SOL, "broken_build.py"), *CPU)[0] == harness.EXIT_USAGE  # no --ref
     with pytest.raises(SystemExit) as e:
         harness.main(["--bogus-option"])
@@ -199,6 +219,16 @@ def test_custom_shape_and_skips(run_harness):
     f = os.path.join(SOL, "contact_map_good.py")
     code, out = run_harness(f, *CPU, "--shape", "B=1,N=3,pair_dim=8,hidden_dim=4")
     assert code == harness.EXIT_OK and "custom0" in out
+    # keys checked against the reference's SHAPES before the build: usage errors naming the expected keys
+    for bad, why in (("N=3", "missing key(s) B, pair_dim, hidden_dim"), ("foo=2", "unknown key(s) foo"),
+                     ("B=1,N=3,pair_dim=8,hidden_dim=4,S=2", "unknown key(s) S"),
+                     ("B=1,N=0,pair_dim=8,hidden_dim=4", "N must be >= 1"), ("B=1,N=x", "not an integer")):
+        code, out = run_harness(f, *CPU, "--shape", bad)
+        assert code == harness.EXIT_USAGE and why in out and "building" not in out, (bad, out[-2000:])
+        if "key" in why:
+            assert "expected keys B,N,pair_dim,hidden_dim" in out
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shape", "N=3")
+    assert code == harness.EXIT_USAGE and "optional flags: reference_may_oom=0|1" in out
     # default selection on the CPU skips the heavy shapes with a note, runs the rest
     names = [(n, r) for n, _d, r in harness.select_shapes(
         harness.load_module(OPM_REF), harness.build_parser().parse_args(["x", "--device", "cpu"]),
@@ -234,6 +264,10 @@ def test_input_generators():
     g = torch.Generator().manual_seed(0)
     shape = (2, 5, 40)
     assert harness.make_mask(shape, "bool", g, "cpu").dtype == torch.bool
+    for kind in ("int32", "int64", "uint8"):
+        m = harness.make_mask(shape, kind, g, "cpu")
+        assert m.dtype == getattr(torch, kind) and set(m.unique().tolist()) == {0, 1}
+    assert (harness.make_mask(shape, "int64", g, "cpu").sum(1) == 0).any(dim=-1).all()  # dead positions
     frac = harness.make_mask(shape, "fractional", g, "cpu")
     assert ((frac > 0) & (frac < 1)).any() and (frac == 0).any()
     dead = harness.make_mask(shape, "dead_positions", g, "cpu")
@@ -257,3 +291,64 @@ def test_cpu_timing_with_torch_compile(run_harness, tmp_path):
     tm = json.loads(js.read_text())["shapes"][0]["timing"]
     assert tm["compile"]["per_call"]["median_ms"] > 0 and tm["compile"]["compile_s"] > 0
     assert tm["new"]["-"]["speedup_vs_compile"] > 0
+
+
+def test_init_raising_is_the_solutions_failure(run_harness):
+    """A constructor that raises: "ModelNew(...) raised", exit 3, everywhere it is built (drop-in check,
+    correctness, timing), never a harness error with a traceback."""
+    code, out = run_harness(os.path.join(SOL, "contact_map_init_raises.py"), "--device", "cpu", "--cpu-timing",
+                            "--no-compile", "--samples", "2", "--shapes", "awkward_1")
+    assert code == harness.EXIT_WRONG, out[-3000:]
+    assert out.count("ModelNew(64, 32) raised ValueError") >= 2  # correctness and timing
+    assert "harness error" not in out and "Traceback" not in out
+
+
+def _write_pair(tmp_path, forward_ref, forward_new="return self.lin(x).squeeze(-1)", extra_new=""):
+    ref = tmp_path / "tiny_ref.py"
+    ref.write_text(textwrap.dedent('''
+        import torch, torch.nn as nn
+        class Model(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.lin = nn.Linear(d, 1)
+            def forward(self, x):
+                %s
+        SHAPES = {"tiny": dict(B=6, d=4)}
+        def init_inputs_for(s): return [s["d"]]
+        def input_shapes_for(s): return [(s["B"], s["d"])]
+        def flops(s): return 10
+        def min_bytes(s): return 4 * (s["B"] * s["d"] + s["B"])
+    ''') % forward_ref)
+    sol = tmp_path / "tiny_sol.py"
+    sol.write_text(textwrap.dedent('''
+        import torch, torch.nn as nn
+        class ModelNew(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.lin = nn.Linear(d, 1)
+                self._last = None
+            def forward(self, x):
+                %s
+                %s
+    ''') % (extra_new, forward_new))
+    return ref, sol
+
+
+def test_output_changed_later_is_caught(run_harness, tmp_path):
+    """Aliasing without sharing storage: each call returns a fresh tensor but zeroes the previous one."""
+    ref, sol = _write_pair(tmp_path, "return self.lin(x).squeeze(-1)",
+                           forward_new="self._last = self.lin(x).squeeze(-1).detach(); return self._last",
+                           extra_new="self._last is not None and self._last.zero_()")
+    code, out = run_harness(sol, "--ref", ref, *CPU)
+    assert code == harness.EXIT_WRONG and "this call changed ModelNew's previous output" in out, out[-3000:]
+    ok_sol = tmp_path / "ok_sol.py"
+    ok_sol.write_text(sol.read_text().replace("self._last is not None and self._last.zero_()", "pass"))
+    code, out = run_harness(ok_sol, "--ref", ref, *CPU)
+    assert code == harness.EXIT_OK, out[-3000:]
+
+
+def test_harness_error_is_exit_1(run_harness, tmp_path):
+    """An exception in the reference (not the solution) is a harness error: exit 1, not a verdict."""
+    ref, sol = _write_pair(tmp_path, "raise RuntimeError('reference bug')")
+    code, out = run_harness(sol, "--ref", ref, *CPU)
+    assert code == harness.EXIT_USAGE and "HARNESS ERROR" in out.splitlines()[-1], out[-3000:]
