@@ -194,23 +194,8 @@ def test_rows_sampling_path_for_reference_may_oom(run_harness, tmp_path):
 
 
 def test_weak_oracle_is_a_failure(run_harness, tmp_path):
-    ref = tmp_path / "flat_ref.py"
-    ref.write_text(textwrap.dedent('''
-        import torch, torch.nn as nn
-        class Model(nn.Module):
-            def __init__(self, d):
-                super().__init__()
-                self.lin = nn.Linear(d, 1)
-            def forward(self, x):
-                return torch.sigmoid(1e-7 * self.lin(x)).squeeze(-1)  # ~0.5 everywhere
-        SHAPES = {"tiny": dict(B=2, d=4)}
-        def init_inputs_for(s): return [s["d"]]
-        def input_shapes_for(s): return [(s["B"], s["d"])]
-        def flops(s): return 10
-        def min_bytes(s): return 4 * (s["B"] * s["d"] + s["B"])
-    '''))
-    sol = tmp_path / "flat_sol.py"
-    sol.write_text(ref.read_text().replace("class Model(", "class ModelNew("))
+    flat = "return torch.sigmoid(1e-7 * self.lin(x)).squeeze(-1)  # ~0.5 everywhere"
+    ref, sol = _write_pair(tmp_path, flat, forward_new=flat)
     code, out = run_harness(sol, "--ref", ref, *CPU)
     assert code == harness.EXIT_WRONG and "oracle too weak" in out
 
