@@ -212,6 +212,163 @@ __device__ __forceinline__ void mlp_gemm_pipelined(const float* A, int K, const 
   }
 }
 
+// ---- split TF32 on the tensor cores (v5) ----------------------------------------------------
+// x = hi + lo with hi = x rounded to TF32 (10 mantissa bits) and lo = (x - hi) rounded to TF32; x - hi
+// is exact in fp32. a*b ~ hi_a*hi_b + hi_a*lo_b + lo_a*hi_b: the dropped lo_a*lo_b is ~2^-22 |a*b|.
+// (The "3xTF32" scheme of CUTLASS's tfloat32x3 / big+small GEMMs.)
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - __uint_as_float(hi));
+}
+
+// d += A(16 x 8, row-major) * B(8 x 8, column-major), TF32 inputs, fp32 accumulate (sm_80+).
+// Fragments (g = lane / 4, t = lane % 4): a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]},
+// b = {B[t][g], B[t+4][g]}, d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// How the tensor-core kernels hold W^T (the B operand): split fragments in shared memory (v5),
+// fp32 fragments in shared memory split on the fly (v6), or the global W read through L1 and split
+// on the fly (both, when the weights do not fit beside the tiles).
+enum class WFormat { kSplit, kF32, kGlobal };
+
+// Stage W^T (W: n_out x n_in, row-major, global) as B fragments in shared memory, for k step ks <
+// KP / 8, n tile nt < NT = NP / 8 and lane (g, t), with n = 8 nt + g, k = 8 ks + t (zero outside
+// k < n_in, n < n_out). kSplit: float4 {hi W[n][k], hi W[n][k+4], lo W[n][k], lo W[n][k+4]};
+// kF32: float2 {W[n][k], W[n][k+4]}. Entry (ks * NT + nt) * 32 + lane: one conflict-free 16- or
+// 8-byte shared-memory load per lane per (k step, n tile) in the product.
+template <int NP, WFormat WF>
+__device__ __forceinline__ void stage_fragments(const float* __restrict__ W, int n_in, int n_out, float* dst,
+                                                int KP) {
+  constexpr int NT = NP / 8;
+  const int n_frag = (KP / 8) * NT * 32;
+#pragma unroll 4
+  for (int e = threadIdx.x; e < n_frag; e += THREADS) {
+    const int lane = e & 31, f = e >> 5;
+    const int n = (f % NT) * 8 + (lane >> 2), k = (f / NT) * 8 + (lane & 3);
+    const bool row_ok = n < n_out;
+    const float v0 = row_ok && k < n_in ? __ldg(W + static_cast<long long>(n) * n_in + k) : 0.f;
+    const float v1 = row_ok && k + 4 < n_in ? __ldg(W + static_cast<long long>(n) * n_in + k + 4) : 0.f;
+    if constexpr (WF == WFormat::kSplit) {
+      uint32_t h0, l0, h1, l1;
+      split_tf32(v0, h0, l0);
+      split_tf32(v1, h1, l1);
+      reinterpret_cast<float4*>(dst)[e] =
+          make_float4(__uint_as_float(h0), __uint_as_float(h1), __uint_as_float(l0), __uint_as_float(l1));
+    } else {
+      reinterpret_cast<float2*>(dst)[e] = make_float2(v0, v1);
+    }
+  }
+}
+
+// One warp: acc[nt] += A(16 rows, K) * W^T(K, 8 NTW columns starting at column 8 nt0), split TF32.
+// A: shared, row-major with stride lda (lda = 4 mod 8: the scalar fragment loads are conflict-free),
+// K a multiple of 8, zero-padded. W^T: fragments Wf from stage_fragments (NT n tiles per k step),
+// or (kGlobal) the global W (n_out x n_in) read through L1.
+// Accumulation: the big products hi*hi of each k step go into a zeroed register set that is then
+// added to acc with an ordinary fp32 add (the tensor cores' internal accumulation truncates, so acc
+// never passes through it: the promotion FP8 GEMMs use), so the rounding of acc is that of an fp32
+// FMA loop. The small products lo*hi and hi*lo (~2^-11 of the big ones) accumulate on the tensor
+// cores in two separate register sets over all of K (one set for 8+ n tiles per warp: registers;
+// their truncation error is ~2^-33 relative) and are added at the end. Each mma depends on at most one earlier mma (v5's first cut chained
+// the three products of every k step: 3 dependent mma latencies per step, at 2 warps per
+// scheduler the product was latency-bound).
+template <int NTW, WFormat WF>
+__device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const void* Wf, int NT, int nt0,
+                                        const float* __restrict__ Wg, int n_in, int n_out,
+                                        float (&acc)[NTW][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const float* ap = A + g * lda + t;
+  float sm1[NTW][4], sm2[NTW][4];  // lo(A) hi(W), hi(A) lo(W)
+#pragma unroll
+  for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) sm1[nt][q] = sm2[nt][q] = 0.f;
+#pragma unroll(NTW >= 8 ? 1 : 2)  // 2 k steps in flight, within the register budget
+  for (int ks = 0; ks < K / 8; ++ks) {
+    uint32_t ah[4], al[4];
+    split_tf32(ap[8 * ks], ah[0], al[0]);
+    split_tf32(ap[8 * ks + 8 * lda], ah[1], al[1]);
+    split_tf32(ap[8 * ks + 4], ah[2], al[2]);
+    split_tf32(ap[8 * ks + 8 * lda + 4], ah[3], al[3]);
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+      uint32_t bh0, bh1, bl0, bl1;
+      if constexpr (WF == WFormat::kSplit) {
+        const float4 w = reinterpret_cast<const float4*>(Wf)[(ks * NT + nt0 + nt) * 32 + lane];
+        bh0 = __float_as_uint(w.x); bh1 = __float_as_uint(w.y);
+        bl0 = __float_as_uint(w.z); bl1 = __float_as_uint(w.w);
+      } else if constexpr (WF == WFormat::kF32) {
+        const float2 w = reinterpret_cast<const float2*>(Wf)[(ks * NT + nt0 + nt) * 32 + lane];
+        split_tf32(w.x, bh0, bl0);
+        split_tf32(w.y, bh1, bl1);
+      } else {
+        const int n = (nt0 + nt) * 8 + g, k = ks * 8 + t;
+        const float v0 = n < n_out && k < n_in ? __ldg(Wg + static_cast<long long>(n) * n_in + k) : 0.f;
+        const float v1 = n < n_out && k + 4 < n_in ? __ldg(Wg + static_cast<long long>(n) * n_in + k + 4) : 0.f;
+        split_tf32(v0, bh0, bl0);
+        split_tf32(v1, bh1, bl1);
+      }
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_tf32(d, ah, bh0, bh1);
+      mma_tf32(sm1[nt], al, bh0, bh1);
+      if constexpr (NTW >= 8) mma_tf32(sm1[nt], ah, bl0, bl1);  // register budget: one set
+      else mma_tf32(sm2[nt], ah, bl0, bl1);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[nt][q] += d[q];
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[nt][q] += NTW >= 8 ? sm1[nt][q] : sm1[nt][q] + sm2[nt][q];
+}
+
+// ---- mbarriers and bulk copies (v6) -----------------------------------------------------------
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// Make the initialised barriers visible to the bulk-copy engine (sm_90); a barrier follows.
+__device__ __forceinline__ void mbar_fence_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared.b64 state, [%0];\n}\n" ::"r"(smem_u32(bar))
+               : "memory");
+}
+// The barrier's current phase completes once every thread's earlier cp.async copies have landed
+// (counts as this thread's arrival).
+__device__ __forceinline__ void mbar_arrive_cp_async(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Spin until the phase with the given parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
+  unsigned done = 0;
+  while (!done) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+#else
+    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+#endif
+  }
+}
+
 // Tile (I, J) as linear index u in [0, nT(nT+1)/2): u = J(J+1)/2 + I with I <= J.
 __device__ __forceinline__ void decode_tile(long long t, long long tiles_per_b, int& b, int& I, int& J) {
   b = static_cast<int>(t / tiles_per_b);
@@ -262,6 +419,46 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ x, float* ra
   }
 }
 
+// v6: queue the copies of tile (b, I, J) into one stage (same layout as load_tile) and count their
+// completion on the stage's mbarrier (expected arrivals: all THREADS threads, once per tile).
+// sm_90 with vec: one bulk copy per valid row (C * 4 bytes, 16-byte aligned), issued by warp 0; the
+// byte count is announced first. Otherwise cp.async (load_tile<2>, zero-filling invalid rows).
+__device__ __forceinline__ void queue_tile(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
+                                           int J, int N, int C, bool vec, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (vec) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // earlier reads of this stage
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) {
+      const int ni = min(TILE, N - I * TILE), nj = min(TILE, N - J * TILE);
+      const unsigned row_bytes = static_cast<unsigned>(C) * 4u;
+      if (lane == 0) {
+        asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared.b64 state, [%0], %1;\n}\n"
+                     ::"r"(smem_u32(bar)), "r"(2u * ni * nj * row_bytes) : "memory");
+      }
+      __syncwarp();
+      for (int rr = lane; rr < 2 * PAIRS; rr += 32) {
+        const int pp = rr & (PAIRS - 1);
+        const int i = I * TILE + (pp >> 3), j = J * TILE + (pp & 7);
+        if (i < N && j < N) {
+          const float* src = x + (rr < PAIRS ? (static_cast<long long>(b) * N + i) * N + j
+                                             : (static_cast<long long>(b) * N + j) * N + i) * C;
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                       ::"r"(smem_u32(raw + rr * raw_ld)), "l"(src), "r"(row_bytes), "r"(smem_u32(bar))
+                       : "memory");
+        }
+      }
+      if (lane != 0) mbar_arrive(bar);
+    } else {
+      mbar_arrive(bar);
+    }
+    return;
+  }
+#endif
+  load_tile<2>(x, raw, raw_ld, b, I, J, N, C, vec);
+  mbar_arrive_cp_async(bar);
+}
+
 // dst[k][h] = W[h][k] for k < n_in, h < n_out; 0 elsewhere in the (kp x hp) shared matrix.
 // W: (n_out, n_in) row-major in global memory. Reads coalesced along k, 4 loads in flight.
 __device__ __forceinline__ void stage_transposed(const float* __restrict__ W, int n_in, int n_out,
@@ -272,6 +469,56 @@ __device__ __forceinline__ void stage_transposed(const float* __restrict__ W, in
   for (int e = threadIdx.x; e < kp * hp; e += THREADS) {
     const int k = e / hp, h = e % hp;
     if (k >= n_in || h >= n_out) dst[e] = 0.f;
+  }
+}
+
+// LayerNorm statistics of the 128 rows of raw (2 * PAIRS x raw_ld, zero beyond column C), two-pass
+// (exact mean, then the mean of squared deviations: no cancellation at large offsets):
+// stats[r] = mean, stats[2 * PAIRS + r] = 1 / sqrt(var + eps). nq = cdiv(C, 4) float4s per row.
+// Two threads per vector (lanes 2r, 2r+1), each summing every other float4 of the row, combined with
+// one shuffle. Rows are raw_ld = 4 (mod 8) words apart, so the 16-byte reads of a quarter-warp (4
+// rows x 2 halves) hit distinct banks.
+__device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq, int C, float inv_c,
+                                           float eps, float* stats) {
+  const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+  const float* row = raw + r * raw_ld;
+  // Four partial sums per thread (this thread's float4s in turn): shorter rounding chains
+  // than one running sum (v2/v3 had one: at N = 1 its error was 7x the fp32 reference's).
+  float s4[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int q0 = half; q0 < nq; q0 += 8) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int q = q0 + 2 * u;
+      if (q < nq) {
+        const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
+        s4[u] += (v.x + v.y) + (v.z + v.w);  // padding columns are zero
+      }
+    }
+  }
+  float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  s += __shfl_xor_sync(0xffffffffu, s, 1);
+  const float mean = s * inv_c;
+  float m4[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int q0 = half; q0 < nq; q0 += 8) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int q = q0 + 2 * u;
+      if (q < nq) {
+        const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
+        const int c = 4 * q;                        // mask the padding: (0 - mean)^2 != 0
+        const float dx = v.x - mean;
+        const float dy = c + 1 < C ? v.y - mean : 0.f;
+        const float dz = c + 2 < C ? v.z - mean : 0.f;
+        const float dw = c + 3 < C ? v.w - mean : 0.f;
+        m4[u] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+      }
+    }
+  }
+  float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]);
+  m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+  if (half == 0) {
+    stats[r] = mean;
+    stats[2 * PAIRS + r] = rsqrtf(m2 * inv_c + eps);
   }
 }
 
@@ -400,35 +647,7 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
         }
       }
     } else {
-      // v2: two threads per vector (lanes 2r, 2r+1), each summing every other float4 of the row,
-      // combined with one shuffle. Rows are raw_ld = 4 (mod 32) words apart, so the 16-byte
-      // reads of a quarter-warp (4 rows x 2 halves) hit distinct banks whenever CP % 32 == 0.
-      const int r = tid >> 1, half = tid & 1;
-      const float* row = raw + r * raw_ld;
-      float s = 0.f;
-#pragma unroll 4
-      for (int q = half; q < CP / 4; q += 2) {
-        const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
-        s += (v.x + v.y) + (v.z + v.w);                 // padding columns are zero
-      }
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      const float mean = s * inv_c;
-      float m2 = 0.f;
-#pragma unroll 4
-      for (int q = half; q < CP / 4; q += 2) {
-        const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
-        const int c = 4 * q;                            // mask the padding: (0 - mean)^2 != 0
-        const float dx = v.x - mean;
-        const float dy = c + 1 < C ? v.y - mean : 0.f;
-        const float dz = c + 2 < C ? v.z - mean : 0.f;
-        const float dw = c + 3 < C ? v.w - mean : 0.f;
-        m2 += (dx * dx + dy * dy) + (dz * dz + dw * dw);
-      }
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-      if (half == 0) {
-        stats[r] = mean;
-        stats[2 * PAIRS + r] = rsqrtf(m2 * inv_c + eps);
-      }
+      tile_stats(raw, raw_ld, CP / 4, C, inv_c, eps, stats);
     }
     __syncthreads();  // statistics visible to all threads
 
@@ -522,6 +741,303 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
   cp_async_wait_all();  // no copy may be left in flight when the block exits
 }
 
+// ---- pieces shared by the tensor-core kernels (v5, v6) -----------------------------------------
+// s[p][c] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2, the same expression as v1-v3, from the raw
+// tile (rows p and PAIRS + p) and its statistics into act (PAIRS x lds, row-major). Consecutive
+// threads take consecutive float4s of a row: conflict-free reads and writes.
+__device__ __forceinline__ void build_s(const float* raw, int raw_ld, const float* stats, const float* gam,
+                                        const float* bet, float* act, int lds, int nq) {
+  for (int e = threadIdx.x; e < PAIRS * nq; e += THREADS) {
+    const int p = e / nq, c = 4 * (e - p * nq);
+    const float ma = stats[p], mb = stats[PAIRS + p];
+    const float ra = stats[2 * PAIRS + p], rb = stats[3 * PAIRS + p];
+    const float4 va = *reinterpret_cast<const float4*>(raw + p * raw_ld + c);
+    const float4 vb = *reinterpret_cast<const float4*>(raw + (PAIRS + p) * raw_ld + c);
+    const float4 gg = *reinterpret_cast<const float4*>(gam + c);
+    const float4 be = *reinterpret_cast<const float4*>(bet + c);
+    float4 o;
+    o.x = 0.5f * (((va.x - ma) * ra * gg.x + be.x) + ((vb.x - mb) * rb * gg.x + be.x));
+    o.y = 0.5f * (((va.y - ma) * ra * gg.y + be.y) + ((vb.y - mb) * rb * gg.y + be.y));
+    o.z = 0.5f * (((va.z - ma) * ra * gg.z + be.z) + ((vb.z - mb) * rb * gg.z + be.z));
+    o.w = 0.5f * (((va.w - ma) * ra * gg.w + be.w) + ((vb.w - mb) * rb * gg.w + be.w));
+    *reinterpret_cast<float4*>(act + p * lds + c) = o;
+  }
+}
+
+// The MLP of one tile on the tensor cores, all 256 threads; act holds s (PAIRS x lds) on entry.
+// 8 warps = 4 row blocks of 16 pairs x 2 column halves of the hidden units. GEMM1 -> h1 (written
+// over s in act, PAIRS x ldh) -> GEMM2 -> layer 3: z[p] = sum_g w3[g] relu(h2[p][g] + b2[g]),
+// the two column halves' partial sums left in zpart[2][PAIRS]. Returns after a barrier.
+template <int HP, WFormat WF>
+__device__ __forceinline__ void mlp_tc(float* act, int lds, int CP, const void* w1f, const void* w2f,
+                                       const float* __restrict__ w1, const float* __restrict__ w2, int C,
+                                       int H, const float* b1s, const float* b2s, const float* w3s,
+                                       float* zpart) {
+  constexpr int NT = HP / 8, NTW = NT / 2;  // n tiles of 8 hidden units; per warp (a column half)
+  const int ldh = HP + 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int mt = warp & 3, nh = warp >> 2;  // row block, column half
+
+  // h1[p][h] = relu(sum_c s[p][c] W1[h][c] + b1[h]): rows 16 mt.., columns 8 (NTW nh + nt)..
+  float acc[NTW][4];
+#pragma unroll
+  for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+  tc_gemm<NTW, WF>(act + 16 * mt * lds, lds, CP, w1f, NT, nh * NTW, w1, C, H, acc);
+  __syncthreads();  // every warp is done reading s before h1 overwrites it
+#pragma unroll
+  for (int nt = 0; nt < NTW; ++nt) {
+    const int h = (nh * NTW + nt) * 8 + 2 * t4;
+    const float bb0 = b1s[h], bb1 = b1s[h + 1];
+    float* r0 = act + (16 * mt + g) * ldh + h;
+    *reinterpret_cast<float2*>(r0) = make_float2(fmaxf(acc[nt][0] + bb0, 0.f), fmaxf(acc[nt][1] + bb1, 0.f));
+    *reinterpret_cast<float2*>(r0 + 8 * ldh) =
+        make_float2(fmaxf(acc[nt][2] + bb0, 0.f), fmaxf(acc[nt][3] + bb1, 0.f));
+  }
+  __syncthreads();  // h1 complete (padded units: relu(0 + 0) = 0)
+
+  // h2[p][g] = relu(sum_h h1[p][h] W2[g][h] + b2[g]); z[p] = sum_g w3[g] h2[p][g]
+#pragma unroll
+  for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+  tc_gemm<NTW, WF>(act + 16 * mt * ldh, ldh, HP, w2f, NT, nh * NTW, w2, H, H, acc);
+  float z0 = 0.f, z1 = 0.f;  // rows g and g + 8 of this warp's row block
+#pragma unroll
+  for (int nt = 0; nt < NTW; ++nt) {
+    const int h = (nh * NTW + nt) * 8 + 2 * t4;
+    z0 = fmaf(w3s[h], fmaxf(acc[nt][0] + b2s[h], 0.f), z0);
+    z0 = fmaf(w3s[h + 1], fmaxf(acc[nt][1] + b2s[h + 1], 0.f), z0);
+    z1 = fmaf(w3s[h], fmaxf(acc[nt][2] + b2s[h], 0.f), z1);
+    z1 = fmaf(w3s[h + 1], fmaxf(acc[nt][3] + b2s[h + 1], 0.f), z1);
+  }
+  z0 += __shfl_xor_sync(0xffffffffu, z0, 1);  // sum over the quad (t4 = 0..3)
+  z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
+  z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
+  z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
+  if (t4 == 0) {
+    zpart[nh * PAIRS + 16 * mt + g] = z0;
+    zpart[nh * PAIRS + 16 * mt + g + 8] = z1;
+  }
+  __syncthreads();  // both column halves' partial sums are in zpart
+}
+
+// out[b,i,j] = out[b,j,i] = sigmoid(z + b3) for the tile's valid pairs (threads 0..63).
+__device__ __forceinline__ void write_tile(float* __restrict__ out, const float* zpart, float bias3, int b,
+                                           int I, int J, int N) {
+  const int p = threadIdx.x;
+  if (p < PAIRS) {
+    const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
+    if (i < N && j < N) {
+      const float o = 1.f / (1.f + expf(-((zpart[p] + zpart[PAIRS + p]) + bias3)));
+      out[(static_cast<long long>(b) * N + i) * N + j] = o;
+      out[(static_cast<long long>(b) * N + j) * N + i] = o;
+    }
+  }
+}
+
+// Parameters into shared memory, zero-padded: gamma, beta (CP); b1, b2, w3 (HP).
+__device__ __forceinline__ void stage_vectors(const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              const float* __restrict__ b1, const float* __restrict__ b2,
+                                              const float* __restrict__ w3, int C, int H, int CP, int HP,
+                                              float* gam) {
+  float *bet = gam + CP, *b1s = bet + CP, *b2s = b1s + HP, *w3s = b2s + HP;
+  for (int c = threadIdx.x; c < CP; c += THREADS) {
+    gam[c] = c < C ? __ldg(ln_w + c) : 0.f;
+    bet[c] = c < C ? __ldg(ln_b + c) : 0.f;
+  }
+  for (int h = threadIdx.x; h < HP; h += THREADS) {
+    b1s[h] = h < H ? __ldg(b1 + h) : 0.f;
+    b2s[h] = h < H ? __ldg(b2 + h) : 0.f;
+    w3s[h] = h < H ? __ldg(w3 + h) : 0.f;
+  }
+}
+
+// Shared-memory layout of the tensor-core kernels, in floats (every term a multiple of 4).
+// stages raw buffers (v5: 1; v6: 2, double-buffered); weights as split fragments (v5), fp32
+// fragments (v6) or not at all (read from global memory).
+struct SmemTC {
+  int raw, act, w1f, w2f, vec, stats, zpart, bars, total;
+  __host__ __device__ SmemTC(int CP, int HP, int stages, WFormat wf) {
+    const int wmul = wf == WFormat::kSplit ? 2 : wf == WFormat::kF32 ? 1 : 0;
+    raw = stages * 2 * PAIRS * (CP + 4);          // x tile and its mirror, rows padded by 4 floats
+    act = PAIRS * ((CP > HP ? CP : HP) + 4);      // s (64 x CP), later h1 (64 x HP), row-major
+    w1f = wmul * CP * HP;                         // W1^T as B fragments
+    w2f = wmul * HP * HP;                         // W2^T likewise
+    vec = 2 * CP + 3 * HP;                        // gamma, beta, b1, b2, w3 (zero-padded)
+    stats = 4 * PAIRS;                            // mean, rstd of the 128 vectors
+    zpart = 2 * PAIRS;                            // layer-3 partial sums of the two column halves
+    bars = 4;                                     // v6: one 8-byte mbarrier per stage
+    total = raw + act + w1f + w2f + vec + stats + zpart + bars;
+  }
+};
+
+// v5: the tile walk, loader and statistics of v2/v3, the two products on the tensor cores in split
+// TF32 (mlp_tc), weights staged once per block as split fragments. One raw buffer: the next tile's
+// copies are queued after s is built and overlap the products.
+// Assumptions: C = pair_dim <= 256, CP = round_up(C, 8); H = hidden_dim <= HP (HP in 16..256, a
+// power of two); vec => C % 4 == 0 and x 16-byte aligned. Shared memory: SmemTC(CP, HP, 1, WF).total.
+template <int HP, WFormat WF>
+__global__ void __launch_bounds__(THREADS, HP <= 64 ? 2 : 1)
+contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
+                      float* __restrict__ out,           // (B, N, N)
+                      const float* __restrict__ ln_w,    // (C)
+                      const float* __restrict__ ln_b,    // (C)
+                      const float* __restrict__ w1,      // (H, C)
+                      const float* __restrict__ b1,      // (H)
+                      const float* __restrict__ w2,      // (H, H)
+                      const float* __restrict__ b2,      // (H)
+                      const float* __restrict__ w3,      // (1, H)
+                      const float* __restrict__ b3,      // (1)
+                      float eps, int B, int N, int C, int H, int CP, bool vec) {
+  extern __shared__ __align__(16) float smem[];
+  const SmemTC L(CP, HP, 1, WF);
+  const int raw_ld = CP + 4, lds = CP + 4;
+  float* raw = smem;                                        // 2*PAIRS x raw_ld
+  float* act = raw + L.raw;                                 // s: PAIRS x lds; h1: PAIRS x (HP + 4)
+  float* w1f = act + L.act;                                 // (CP/8) x (HP/8) x 32 fragments
+  float* w2f = w1f + L.w1f;                                 // (HP/8) x (HP/8) x 32
+  float* gam = w2f + L.w2f;                                 // gamma, beta (CP), b1, b2, w3 (HP)
+  float* stats = gam + L.vec;                               // mean[128], rstd[128]
+  float* zpart = stats + L.stats;                           // [2][64]
+
+  const int tid = threadIdx.x;
+  const int nT = cdiv(N, TILE);
+  const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2;
+  const long long total = static_cast<long long>(B) * tiles_per_b;
+
+  for (int e = tid; e < L.raw; e += THREADS) raw[e] = 0.f;  // padding columns stay 0
+  __syncthreads();  // the zeros must land before any cp.async writes the same rows
+
+  long long t = blockIdx.x;
+  if (t < total) {
+    int b, I, J;
+    decode_tile(t, tiles_per_b, b, I, J);
+    load_tile<2>(x, raw, raw_ld, b, I, J, N, C, vec);
+  }
+  cp_async_commit();
+
+  if constexpr (WF == WFormat::kSplit) {  // overlaps the first tile's copies
+    stage_fragments<HP, WF>(w1, C, H, w1f, CP);
+    stage_fragments<HP, WF>(w2, H, H, w2f, HP);
+  }
+  stage_vectors(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);
+  const float bias3 = __ldg(b3);
+  const float inv_c = 1.f / static_cast<float>(C);
+
+  for (; t < total; t += gridDim.x) {
+    int b, I, J;
+    decode_tile(t, tiles_per_b, b, I, J);
+    cp_async_wait_all();
+    __syncthreads();  // this tile's copies (all threads') and the parameters are in shared memory
+    tile_stats(raw, raw_ld, cdiv(C, 4), C, inv_c, eps, stats);
+    __syncthreads();  // statistics visible to all threads
+    build_s(raw, raw_ld, stats, gam, gam + CP, act, lds, CP / 4);
+    __syncthreads();  // s complete; the raw buffers are free for the next tile
+
+    if (t + gridDim.x < total) {
+      int nb, nI, nJ;
+      decode_tile(t + gridDim.x, tiles_per_b, nb, nI, nJ);
+      load_tile<2>(x, raw, raw_ld, nb, nI, nJ, N, C, vec);
+    }
+    cp_async_commit();
+
+    mlp_tc<HP, WF>(act, lds, CP, w1f, w2f, w1, w2, C, H, gam + 2 * CP, gam + 2 * CP + HP,
+                   gam + 2 * CP + 2 * HP, zpart);
+    // The next iteration's barriers order these reads of zpart before it is written again.
+    write_tile(out, zpart, bias3, b, I, J, N);
+  }
+  cp_async_wait_all();  // no copy may be left in flight when the block exits
+}
+
+// v6: v5 with the raw tile double-buffered, so a tile's copies have a whole tile's time to land
+// (measured on v5 with clock64 per phase: the 128 threads' cp.async stalled for ~7500 of 19000
+// cycles per tile, the queue of outstanding copies full, and the products waited behind them). On
+// sm_90 the rows come in by the bulk-copy engine (cp.async.bulk, one instruction per row, issued
+// by one warp), completion counted on an mbarrier per stage; elsewhere, or for inputs that are not
+// 16-byte aligned rows, by cp.async into the same buffers, counted on the same mbarrier. Weights
+// are fp32 B fragments (half the space of v5's split ones, so that two stages fit) split on the
+// fly. Rows of invalid pairs (i or j >= N) are not copied: their stale values only reach their own
+// rows of the products, which are never written out.
+// Assumptions: as v5; stages in {1, 2}. Shared memory: SmemTC(CP, HP, stages, WF).total.
+template <int HP, WFormat WF>
+__global__ void __launch_bounds__(THREADS, HP <= 64 ? 2 : 1)
+contact_map_tc2_kernel(const float* __restrict__ x,      // (B, N, N, C)
+                       float* __restrict__ out,          // (B, N, N)
+                       const float* __restrict__ ln_w,   // (C)
+                       const float* __restrict__ ln_b,   // (C)
+                       const float* __restrict__ w1,     // (H, C)
+                       const float* __restrict__ b1,     // (H)
+                       const float* __restrict__ w2,     // (H, H)
+                       const float* __restrict__ b2,     // (H)
+                       const float* __restrict__ w3,     // (1, H)
+                       const float* __restrict__ b3,     // (1)
+                       float eps, int B, int N, int C, int H, int CP, bool vec, int stages) {
+  extern __shared__ __align__(16) float smem[];
+  const SmemTC L(CP, HP, stages, WF);
+  const int raw_ld = CP + 4, lds = CP + 4;
+  const int stage_floats = 2 * PAIRS * raw_ld;
+  float* raw0 = smem;                                       // stages x 2*PAIRS x raw_ld
+  float* act = raw0 + L.raw;
+  float* w1f = act + L.act;
+  float* w2f = w1f + L.w1f;
+  float* gam = w2f + L.w2f;
+  float* stats = gam + L.vec;
+  float* zpart = stats + L.stats;
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(zpart + L.zpart);  // [stages]
+
+  const int tid = threadIdx.x;
+  const int nT = cdiv(N, TILE);
+  const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2;
+  const long long total = static_cast<long long>(B) * tiles_per_b;
+
+  for (int e = tid; e < L.raw; e += THREADS) raw0[e] = 0.f;  // padding columns stay 0
+  if (tid == 0)
+    for (int st = 0; st < stages; ++st) mbar_init(bars + st, THREADS);
+  mbar_fence_init();
+  __syncthreads();  // zeros and barrier initialisation visible before any copy is queued
+
+  // Tile number it of this block (t = blockIdx.x + it * gridDim.x) goes to stage it % stages.
+  auto issue = [&](long long tt, int st) {
+    int b, I, J;
+    decode_tile(tt, tiles_per_b, b, I, J);
+    queue_tile(x, raw0 + st * stage_floats, raw_ld, b, I, J, N, C, vec, bars + st);
+  };
+  for (int it = 0; it < stages; ++it)
+    if (blockIdx.x + static_cast<long long>(it) * gridDim.x < total) issue(blockIdx.x + static_cast<long long>(it) * gridDim.x, it);
+
+  if constexpr (WF != WFormat::kGlobal) {  // overlaps the first tiles' copies
+    stage_fragments<HP, WF>(w1, C, H, w1f, CP);
+    stage_fragments<HP, WF>(w2, H, H, w2f, HP);
+  }
+  stage_vectors(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);
+  const float bias3 = __ldg(b3);
+  const float inv_c = 1.f / static_cast<float>(C);
+
+  int it = 0;
+  for (long long t = blockIdx.x; t < total; t += gridDim.x, ++it) {
+    int b, I, J;
+    decode_tile(t, tiles_per_b, b, I, J);
+    const int st = it % stages;
+    float* raw = raw0 + st * stage_floats;
+    mbar_wait(bars + st, (it / stages) & 1);  // this tile's rows have landed
+    __syncthreads();  // ... for every thread, and the parameters are in shared memory
+    tile_stats(raw, raw_ld, cdiv(C, 4), C, inv_c, eps, stats);
+    __syncthreads();  // statistics visible to all threads
+    build_s(raw, raw_ld, stats, gam, gam + CP, act, lds, CP / 4);
+    __syncthreads();  // s complete; this stage's raw buffer is free
+    const long long tn = t + static_cast<long long>(stages) * gridDim.x;
+    if (tn < total) issue(tn, st);
+
+    mlp_tc<HP, WF>(act, lds, CP, w1f, w2f, w1, w2, C, H, gam + 2 * CP, gam + 2 * CP + HP,
+                   gam + 2 * CP + 2 * HP, zpart);
+    // The next iteration's barriers order these reads of zpart before it is written again.
+    write_tile(out, zpart, bias3, b, I, J, N);
+  }
+  // Every queued copy was waited for (a tile is queued only if this block processes it).
+}
+
 // =============================================================================================
 // Launchers
 // =============================================================================================
@@ -569,6 +1085,64 @@ void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
   else dispatch_hidden<V, false>(a, HP, s, sms);
 }
 
+// v5 (contact_map_tc_kernel, stages = 1) or v6 (contact_map_tc2_kernel, stages 1 or 2).
+template <int V, int HP, WFormat WF>
+void launch_tc(const Args& a, int stages, cudaStream_t stream, int num_sms) {
+  const size_t smem = sizeof(float) * SmemTC(a.CP, HP, stages, WF).total;
+  const int nT = cdiv(a.N, TILE);
+  const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
+  auto grid_for = [&](const void* kernel) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
+    TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
+                " bytes of shared memory)");
+    const long long slots = static_cast<long long>(per_sm) * num_sms;
+    return static_cast<int>(tiles < slots ? tiles : slots);
+  };
+  if constexpr (V == 5) {
+    auto kernel = contact_map_tc_kernel<HP, WF>;
+    kernel<<<grid_for(reinterpret_cast<const void*>(kernel)), THREADS, smem, stream>>>(
+        a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec);
+  } else {
+    auto kernel = contact_map_tc2_kernel<HP, WF>;
+    kernel<<<grid_for(reinterpret_cast<const void*>(kernel)), THREADS, smem, stream>>>(
+        a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec,
+        stages);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int V, WFormat WF>
+void dispatch_tc_hidden(const Args& a, int HP, int stages, cudaStream_t s, int sms) {
+  switch (HP) {
+    case 16: launch_tc<V, 16, WF>(a, stages, s, sms); break;
+    case 32: launch_tc<V, 32, WF>(a, stages, s, sms); break;
+    case 64: launch_tc<V, 64, WF>(a, stages, s, sms); break;
+    case 128: launch_tc<V, 128, WF>(a, stages, s, sms); break;
+    // HP <= MAX_HIDDEN checked by forward(); at 256 the weights (>= 256 KB) never fit in shared memory
+    default: launch_tc<V, 256, WFormat::kGlobal>(a, stages, s, sms); break;
+  }
+}
+
+// Tensor-core variants: the layout that fits in max_smem bytes, in order of preference
+// (v5: weights in shared memory, else from global memory; v6: two stages before weights in shared
+// memory, since the copies are what it waits for).
+void dispatch_tc(const Args& a, int V, int HP, size_t max_smem, cudaStream_t s, int sms) {
+  auto fits = [&](int stages, WFormat wf) { return sizeof(float) * SmemTC(a.CP, HP, stages, wf).total <= max_smem; };
+  if (V == 5) {
+    if (fits(1, WFormat::kSplit)) dispatch_tc_hidden<5, WFormat::kSplit>(a, HP, 1, s, sms);
+    else dispatch_tc_hidden<5, WFormat::kGlobal>(a, HP, 1, s, sms);
+  } else {
+    if (fits(2, WFormat::kSplit)) dispatch_tc_hidden<6, WFormat::kSplit>(a, HP, 2, s, sms);
+    else if (fits(2, WFormat::kF32)) dispatch_tc_hidden<6, WFormat::kF32>(a, HP, 2, s, sms);
+    else if (fits(2, WFormat::kGlobal)) dispatch_tc_hidden<6, WFormat::kGlobal>(a, HP, 2, s, sms);
+    else if (fits(1, WFormat::kSplit)) dispatch_tc_hidden<6, WFormat::kSplit>(a, HP, 1, s, sms);
+    else dispatch_tc_hidden<6, WFormat::kGlobal>(a, HP, 1, s, sms);
+  }
+}
+
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
                  std::vector<int64_t> shape) {
   TORCH_CHECK(p.device() == x.device(), "contact_map: pair_repr is on ", x.device().str(),
@@ -608,7 +1182,8 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK(variant >= 1 && variant <= 3, "contact_map: unknown kernel variant ", num(variant));
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 6, "contact_map: unknown kernel variant ",
+              num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
 
@@ -630,7 +1205,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   a.w3 = w3c.data_ptr<float>(); a.b3 = b3c.data_ptr<float>();
   a.eps = static_cast<float>(eps);
   a.B = static_cast<int>(B); a.N = static_cast<int>(N); a.C = static_cast<int>(C); a.H = static_cast<int>(H);
-  a.CP = round_up(a.C, 4);
+  a.CP = round_up(a.C, variant >= 5 ? 8 : 4);  // the tensor-core k step is 8
   a.vec = (C % 4 == 0) && (reinterpret_cast<uintptr_t>(a.x) % 16 == 0);
 
   int HP = 16;
@@ -639,14 +1214,17 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   int max_smem = 0, num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const bool tc = variant >= 5;
   const size_t smem_w = sizeof(float) * Smem(a.CP, HP, true).total;
-  const size_t smem_g = sizeof(float) * Smem(a.CP, HP, false).total;
+  const size_t smem_g = sizeof(float) * (tc ? SmemTC(a.CP, HP, 1, WFormat::kGlobal).total
+                                            : Smem(a.CP, HP, false).total);
   TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", num(C),
               " needs ", num(smem_g), " bytes of shared memory per block; this device allows ",
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
+  if (tc) dispatch_tc(a, static_cast<int>(variant), HP, static_cast<size_t>(max_smem), stream, num_sms);
+  else if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
   else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
   else dispatch<3>(a, HP, w_smem, stream, num_sms);
   return out;
@@ -687,7 +1265,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v6": 6, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
