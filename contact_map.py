@@ -16,30 +16,39 @@ How it runs: s is symmetric, so out is exactly symmetric (out[b,i,j] == out[b,j,
 persistent kernel walks the tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
 x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
 pair_dim % 4 == 0), computes the LayerNorm statistics of each vector two-pass from shared memory
-(exact mean first, then the mean of squared deviations: stable for any offset), builds s^T (pair_dim
-x 64 pairs) in shared memory, runs the MLP as two register-tiled matrix products against weights
-staged once per block in shared memory (4 pairs x hidden/16 outputs per thread), and writes both
-out[b,i,j] and out[b,j,i]. Each input element is read from device memory once, each unordered pair
-{i, j} off the diagonal tiles is computed once, and nothing but the output is written.
-Accumulation is fp32 throughout (no fast-math, no TF32); the max error against an fp64 evaluation is
-in NOTES.md.
+(exact mean first, then the mean of squared deviations: stable for any offset), builds s (64 pairs x
+pair_dim) in shared memory, runs the MLP as two matrix products against weights staged once per
+block in shared memory, and writes both out[b,i,j] and out[b,j,i]. Each input element is read from
+device memory once, each unordered pair {i, j} off the diagonal tiles is computed once, and nothing
+but the output is written.
+
+Precision: fp32 everywhere (no fast-math). The default variant runs the two products on the tensor
+cores in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, and a*b ~ hi*hi + hi*lo +
+lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM), with every k step's
+hi*hi product promoted into an fp32 accumulator by an ordinary add (the tensor cores' own
+accumulation truncates). Measured against an fp64 evaluation on the H200 (harness, every shape and
+distribution): max error 1.0-1.2x that of the fp32 PyTorch reference itself (NOTES.md).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first = the fastest):
-    "v3"  (default) v2 with the matrix products software-pipelined: the shared-memory operands of
-          the next 4 values of k are loaded into registers while the current 4 are multiplied
-          (ncu on v2 showed warps stalled on those loads: 36% of stall cycles).
+    "v5"  (default) the products on the tensor cores (mma.sync m16n8k8 TF32, sm_80+) in split TF32:
+          8 warps = 4 blocks of 16 pairs x 2 halves of the hidden units, weights staged as split
+          fragments. 1.1-1.2x faster than v3 at the harness shapes (NOTES.md says why not more).
+    "v3"  v2 with the FMA products software-pipelined: the shared-memory operands of the next 4
+          values of k are loaded into registers while the current 4 are multiplied.
     "v2"   v1 with the LayerNorm statistics computed by two threads per vector (v1's one
           warp per vector ran 16 vectors in sequence, each ending in two dependent 5-step shuffle
           reductions), coalesced weight staging, and per-row instead of per-copy index arithmetic
           in the tile loader.
-    "v1"  the first version, kept as a second opinion for the tests and the harness.
+    "v1"  the first version (fp32 FMA products, 4 pairs x hidden/16 outputs per thread), kept as a
+          second opinion for the tests and the harness.
 
 Limits: pair_dim up to 256 and hidden_dim up to 256 (larger raises a clear error). hidden_dim is
 zero-padded to 16/32/64/128/256 inside the kernel. The weights are staged in shared memory when
-they fit beside the tiles (227 KB per block on the H200: always for hidden_dim <= 16, for
-pair_dim <= 244 / 200 / 120 at hidden_dim <= 32 / 64 / 128, never above 128); otherwise they are
-read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
-Float32 only. Needs an sm_80+ GPU (cp.async); built for whatever TORCH_CUDA_ARCH_LIST names.
+they fit beside the tile (227 KB per block on the H200; v5: pair_dim <= 248 / 208 / 144 / 40 at
+hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
+are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
+Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
+names.
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
 against eager PyTorch and torch.compile). The first import compiles the CUDA source (about a minute);
@@ -215,7 +224,8 @@ __device__ __forceinline__ void mlp_gemm_pipelined(const float* A, int K, const 
 // ---- split TF32 on the tensor cores (v5) ----------------------------------------------------
 // x = hi + lo with hi = x rounded to TF32 (10 mantissa bits) and lo = (x - hi) rounded to TF32; x - hi
 // is exact in fp32. a*b ~ hi_a*hi_b + hi_a*lo_b + lo_a*hi_b: the dropped lo_a*lo_b is ~2^-22 |a*b|.
-// (The "3xTF32" scheme of CUTLASS's tfloat32x3 / big+small GEMMs.)
+// (The "3xTF32" scheme of CUTLASS's tfloat32x3 / big+small GEMMs.) On sm_90 cvt.rna.tf32.f32 is
+// emulated (4 instructions with an Inf/NaN test), so a split costs 9 instructions.
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
@@ -236,17 +246,15 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// How the tensor-core kernels hold W^T (the B operand): split fragments in shared memory (v5),
-// fp32 fragments in shared memory split on the fly (v6), or the global W read through L1 and split
-// on the fly (both, when the weights do not fit beside the tiles).
-enum class WFormat { kSplit, kF32, kGlobal };
+// How the tensor-core kernel holds W^T (the B operand): split fragments in shared memory, or the
+// global W read through L1 and split on the fly (when the weights do not fit beside the tile).
+enum class WFormat { kSplit, kGlobal };
 
-// Stage W^T (W: n_out x n_in, row-major, global) as B fragments in shared memory, for k step ks <
-// KP / 8, n tile nt < NT = NP / 8 and lane (g, t), with n = 8 nt + g, k = 8 ks + t (zero outside
-// k < n_in, n < n_out). kSplit: float4 {hi W[n][k], hi W[n][k+4], lo W[n][k], lo W[n][k+4]};
-// kF32: float2 {W[n][k], W[n][k+4]}. Entry (ks * NT + nt) * 32 + lane: one conflict-free 16- or
-// 8-byte shared-memory load per lane per (k step, n tile) in the product.
-template <int NP, WFormat WF>
+// Stage W^T (W: n_out x n_in, row-major, global) as split-TF32 B fragments in shared memory:
+// dst[(ks * NT + nt) * 32 + lane] = {hi W[n][k], hi W[n][k+4], lo W[n][k], lo W[n][k+4]} with
+// n = 8 nt + g, k = 8 ks + t, zero outside (k < n_in, n < n_out); ks < KP / 8, nt < NT = NP / 8.
+// One 16-byte shared-memory load per lane per (k step, n tile) in the product, conflict-free.
+template <int NP>
 __device__ __forceinline__ void stage_fragments(const float* __restrict__ W, int n_in, int n_out, float* dst,
                                                 int KP) {
   constexpr int NT = NP / 8;
@@ -258,22 +266,18 @@ __device__ __forceinline__ void stage_fragments(const float* __restrict__ W, int
     const bool row_ok = n < n_out;
     const float v0 = row_ok && k < n_in ? __ldg(W + static_cast<long long>(n) * n_in + k) : 0.f;
     const float v1 = row_ok && k + 4 < n_in ? __ldg(W + static_cast<long long>(n) * n_in + k + 4) : 0.f;
-    if constexpr (WF == WFormat::kSplit) {
-      uint32_t h0, l0, h1, l1;
-      split_tf32(v0, h0, l0);
-      split_tf32(v1, h1, l1);
-      reinterpret_cast<float4*>(dst)[e] =
-          make_float4(__uint_as_float(h0), __uint_as_float(h1), __uint_as_float(l0), __uint_as_float(l1));
-    } else {
-      reinterpret_cast<float2*>(dst)[e] = make_float2(v0, v1);
-    }
+    uint32_t h0, l0, h1, l1;
+    split_tf32(v0, h0, l0);
+    split_tf32(v1, h1, l1);
+    reinterpret_cast<float4*>(dst)[e] =
+        make_float4(__uint_as_float(h0), __uint_as_float(h1), __uint_as_float(l0), __uint_as_float(l1));
   }
 }
 
 // One warp: acc[nt] += A(16 rows, K) * W^T(K, 8 NTW columns starting at column 8 nt0), split TF32.
 // A: shared, row-major with stride lda (lda = 4 mod 8: the scalar fragment loads are conflict-free),
-// K a multiple of 8, zero-padded. W^T: fragments Wf from stage_fragments (NT n tiles per k step),
-// or (kGlobal) the global W (n_out x n_in) read through L1.
+// K a multiple of 8, zero-padded. W^T: split fragments Wf from stage_fragments (NT n tiles per k
+// step), or (kGlobal) the global W (n_out x n_in) read through L1 and split here.
 // Accumulation: the big products hi*hi of each k step go into a zeroed register set that is then
 // added to acc with an ordinary fp32 add (the tensor cores' internal accumulation truncates, so acc
 // never passes through it: the promotion FP8 GEMMs use), so the rounding of acc is that of an fp32
@@ -307,10 +311,6 @@ __device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const vo
         const float4 w = reinterpret_cast<const float4*>(Wf)[(ks * NT + nt0 + nt) * 32 + lane];
         bh0 = __float_as_uint(w.x); bh1 = __float_as_uint(w.y);
         bl0 = __float_as_uint(w.z); bl1 = __float_as_uint(w.w);
-      } else if constexpr (WF == WFormat::kF32) {
-        const float2 w = reinterpret_cast<const float2*>(Wf)[(ks * NT + nt0 + nt) * 32 + lane];
-        split_tf32(w.x, bh0, bl0);
-        split_tf32(w.y, bh1, bl1);
       } else {
         const int n = (nt0 + nt) * 8 + g, k = ks * 8 + t;
         const float v0 = n < n_out && k < n_in ? __ldg(Wg + static_cast<long long>(n) * n_in + k) : 0.f;
@@ -331,42 +331,6 @@ __device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const vo
   for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[nt][q] += NTW >= 8 ? sm1[nt][q] : sm1[nt][q] + sm2[nt][q];
-}
-
-// ---- mbarriers and bulk copies (v6) -----------------------------------------------------------
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-// Make the initialised barriers visible to the bulk-copy engine (sm_90); a barrier follows.
-__device__ __forceinline__ void mbar_fence_init() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared.b64 state, [%0];\n}\n" ::"r"(smem_u32(bar))
-               : "memory");
-}
-// The barrier's current phase completes once every thread's earlier cp.async copies have landed
-// (counts as this thread's arrival).
-__device__ __forceinline__ void mbar_arrive_cp_async(unsigned long long* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// Spin until the phase with the given parity has completed.
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
-  unsigned done = 0;
-  while (!done) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-#else
-    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-#endif
-  }
 }
 
 // Tile (I, J) as linear index u in [0, nT(nT+1)/2): u = J(J+1)/2 + I with I <= J.
@@ -417,46 +381,6 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ x, float* ra
       }
     }
   }
-}
-
-// v6: queue the copies of tile (b, I, J) into one stage (same layout as load_tile) and count their
-// completion on the stage's mbarrier (expected arrivals: all THREADS threads, once per tile).
-// sm_90 with vec: one bulk copy per valid row (C * 4 bytes, 16-byte aligned), issued by warp 0; the
-// byte count is announced first. Otherwise cp.async (load_tile<2>, zero-filling invalid rows).
-__device__ __forceinline__ void queue_tile(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
-                                           int J, int N, int C, bool vec, unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (vec) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // earlier reads of this stage
-    const int lane = threadIdx.x & 31;
-    if (threadIdx.x < 32) {
-      const int ni = min(TILE, N - I * TILE), nj = min(TILE, N - J * TILE);
-      const unsigned row_bytes = static_cast<unsigned>(C) * 4u;
-      if (lane == 0) {
-        asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared.b64 state, [%0], %1;\n}\n"
-                     ::"r"(smem_u32(bar)), "r"(2u * ni * nj * row_bytes) : "memory");
-      }
-      __syncwarp();
-      for (int rr = lane; rr < 2 * PAIRS; rr += 32) {
-        const int pp = rr & (PAIRS - 1);
-        const int i = I * TILE + (pp >> 3), j = J * TILE + (pp & 7);
-        if (i < N && j < N) {
-          const float* src = x + (rr < PAIRS ? (static_cast<long long>(b) * N + i) * N + j
-                                             : (static_cast<long long>(b) * N + j) * N + i) * C;
-          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                       ::"r"(smem_u32(raw + rr * raw_ld)), "l"(src), "r"(row_bytes), "r"(smem_u32(bar))
-                       : "memory");
-        }
-      }
-      if (lane != 0) mbar_arrive(bar);
-    } else {
-      mbar_arrive(bar);
-    }
-    return;
-  }
-#endif
-  load_tile<2>(x, raw, raw_ld, b, I, J, N, C, vec);
-  mbar_arrive_cp_async(bar);
 }
 
 // dst[k][h] = W[h][k] for k < n_in, h < n_out; 0 elsewhere in the (kp x hp) shared matrix.
@@ -741,7 +665,7 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
   cp_async_wait_all();  // no copy may be left in flight when the block exits
 }
 
-// ---- pieces shared by the tensor-core kernels (v5, v6) -----------------------------------------
+// ---- pieces of the tensor-core kernel (v5) ------------------------------------------------------
 // s[p][c] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2, the same expression as v1-v3, from the raw
 // tile (rows p and PAIRS + p) and its statistics into act (PAIRS x lds, row-major). Consecutive
 // threads take consecutive float4s of a row: conflict-free reads and writes.
@@ -854,22 +778,19 @@ __device__ __forceinline__ void stage_vectors(const float* __restrict__ ln_w, co
   }
 }
 
-// Shared-memory layout of the tensor-core kernels, in floats (every term a multiple of 4).
-// stages raw buffers (v5: 1; v6: 2, double-buffered); weights as split fragments (v5), fp32
-// fragments (v6) or not at all (read from global memory).
+// Shared-memory layout of the tensor-core kernel, in floats (every term a multiple of 4).
 struct SmemTC {
-  int raw, act, w1f, w2f, vec, stats, zpart, bars, total;
-  __host__ __device__ SmemTC(int CP, int HP, int stages, WFormat wf) {
-    const int wmul = wf == WFormat::kSplit ? 2 : wf == WFormat::kF32 ? 1 : 0;
-    raw = stages * 2 * PAIRS * (CP + 4);          // x tile and its mirror, rows padded by 4 floats
+  int raw, act, w1f, w2f, vec, stats, zpart, total;
+  __host__ __device__ SmemTC(int CP, int HP, WFormat wf) {
+    const int wmul = wf == WFormat::kSplit ? 2 : 0;  // hi and lo
+    raw = 2 * PAIRS * (CP + 4);                   // x tile and its mirror, rows padded by 4 floats
     act = PAIRS * ((CP > HP ? CP : HP) + 4);      // s (64 x CP), later h1 (64 x HP), row-major
     w1f = wmul * CP * HP;                         // W1^T as B fragments
     w2f = wmul * HP * HP;                         // W2^T likewise
     vec = 2 * CP + 3 * HP;                        // gamma, beta, b1, b2, w3 (zero-padded)
     stats = 4 * PAIRS;                            // mean, rstd of the 128 vectors
     zpart = 2 * PAIRS;                            // layer-3 partial sums of the two column halves
-    bars = 4;                                     // v6: one 8-byte mbarrier per stage
-    total = raw + act + w1f + w2f + vec + stats + zpart + bars;
+    total = raw + act + w1f + w2f + vec + stats + zpart;
   }
 };
 
@@ -877,7 +798,7 @@ struct SmemTC {
 // TF32 (mlp_tc), weights staged once per block as split fragments. One raw buffer: the next tile's
 // copies are queued after s is built and overlap the products.
 // Assumptions: C = pair_dim <= 256, CP = round_up(C, 8); H = hidden_dim <= HP (HP in 16..256, a
-// power of two); vec => C % 4 == 0 and x 16-byte aligned. Shared memory: SmemTC(CP, HP, 1, WF).total.
+// power of two); vec => C % 4 == 0 and x 16-byte aligned. Shared memory: SmemTC(CP, HP, WF).total.
 template <int HP, WFormat WF>
 __global__ void __launch_bounds__(THREADS, HP <= 64 ? 2 : 1)
 contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
@@ -892,7 +813,7 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
                       const float* __restrict__ b3,      // (1)
                       float eps, int B, int N, int C, int H, int CP, bool vec) {
   extern __shared__ __align__(16) float smem[];
-  const SmemTC L(CP, HP, 1, WF);
+  const SmemTC L(CP, HP, WF);
   const int raw_ld = CP + 4, lds = CP + 4;
   float* raw = smem;                                        // 2*PAIRS x raw_ld
   float* act = raw + L.raw;                                 // s: PAIRS x lds; h1: PAIRS x (HP + 4)
@@ -919,8 +840,8 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
   cp_async_commit();
 
   if constexpr (WF == WFormat::kSplit) {  // overlaps the first tile's copies
-    stage_fragments<HP, WF>(w1, C, H, w1f, CP);
-    stage_fragments<HP, WF>(w2, H, H, w2f, HP);
+    stage_fragments<HP>(w1, C, H, w1f, CP);
+    stage_fragments<HP>(w2, H, H, w2f, HP);
   }
   stage_vectors(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);
   const float bias3 = __ldg(b3);
@@ -949,93 +870,6 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
     write_tile(out, zpart, bias3, b, I, J, N);
   }
   cp_async_wait_all();  // no copy may be left in flight when the block exits
-}
-
-// v6: v5 with the raw tile double-buffered, so a tile's copies have a whole tile's time to land
-// (measured on v5 with clock64 per phase: the 128 threads' cp.async stalled for ~7500 of 19000
-// cycles per tile, the queue of outstanding copies full, and the products waited behind them). On
-// sm_90 the rows come in by the bulk-copy engine (cp.async.bulk, one instruction per row, issued
-// by one warp), completion counted on an mbarrier per stage; elsewhere, or for inputs that are not
-// 16-byte aligned rows, by cp.async into the same buffers, counted on the same mbarrier. Weights
-// are fp32 B fragments (half the space of v5's split ones, so that two stages fit) split on the
-// fly. Rows of invalid pairs (i or j >= N) are not copied: their stale values only reach their own
-// rows of the products, which are never written out.
-// Assumptions: as v5; stages in {1, 2}. Shared memory: SmemTC(CP, HP, stages, WF).total.
-template <int HP, WFormat WF>
-__global__ void __launch_bounds__(THREADS, HP <= 64 ? 2 : 1)
-contact_map_tc2_kernel(const float* __restrict__ x,      // (B, N, N, C)
-                       float* __restrict__ out,          // (B, N, N)
-                       const float* __restrict__ ln_w,   // (C)
-                       const float* __restrict__ ln_b,   // (C)
-                       const float* __restrict__ w1,     // (H, C)
-                       const float* __restrict__ b1,     // (H)
-                       const float* __restrict__ w2,     // (H, H)
-                       const float* __restrict__ b2,     // (H)
-                       const float* __restrict__ w3,     // (1, H)
-                       const float* __restrict__ b3,     // (1)
-                       float eps, int B, int N, int C, int H, int CP, bool vec, int stages) {
-  extern __shared__ __align__(16) float smem[];
-  const SmemTC L(CP, HP, stages, WF);
-  const int raw_ld = CP + 4, lds = CP + 4;
-  const int stage_floats = 2 * PAIRS * raw_ld;
-  float* raw0 = smem;                                       // stages x 2*PAIRS x raw_ld
-  float* act = raw0 + L.raw;
-  float* w1f = act + L.act;
-  float* w2f = w1f + L.w1f;
-  float* gam = w2f + L.w2f;
-  float* stats = gam + L.vec;
-  float* zpart = stats + L.stats;
-  unsigned long long* bars = reinterpret_cast<unsigned long long*>(zpart + L.zpart);  // [stages]
-
-  const int tid = threadIdx.x;
-  const int nT = cdiv(N, TILE);
-  const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2;
-  const long long total = static_cast<long long>(B) * tiles_per_b;
-
-  for (int e = tid; e < L.raw; e += THREADS) raw0[e] = 0.f;  // padding columns stay 0
-  if (tid == 0)
-    for (int st = 0; st < stages; ++st) mbar_init(bars + st, THREADS);
-  mbar_fence_init();
-  __syncthreads();  // zeros and barrier initialisation visible before any copy is queued
-
-  // Tile number it of this block (t = blockIdx.x + it * gridDim.x) goes to stage it % stages.
-  auto issue = [&](long long tt, int st) {
-    int b, I, J;
-    decode_tile(tt, tiles_per_b, b, I, J);
-    queue_tile(x, raw0 + st * stage_floats, raw_ld, b, I, J, N, C, vec, bars + st);
-  };
-  for (int it = 0; it < stages; ++it)
-    if (blockIdx.x + static_cast<long long>(it) * gridDim.x < total) issue(blockIdx.x + static_cast<long long>(it) * gridDim.x, it);
-
-  if constexpr (WF != WFormat::kGlobal) {  // overlaps the first tiles' copies
-    stage_fragments<HP, WF>(w1, C, H, w1f, CP);
-    stage_fragments<HP, WF>(w2, H, H, w2f, HP);
-  }
-  stage_vectors(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);
-  const float bias3 = __ldg(b3);
-  const float inv_c = 1.f / static_cast<float>(C);
-
-  int it = 0;
-  for (long long t = blockIdx.x; t < total; t += gridDim.x, ++it) {
-    int b, I, J;
-    decode_tile(t, tiles_per_b, b, I, J);
-    const int st = it % stages;
-    float* raw = raw0 + st * stage_floats;
-    mbar_wait(bars + st, (it / stages) & 1);  // this tile's rows have landed
-    __syncthreads();  // ... for every thread, and the parameters are in shared memory
-    tile_stats(raw, raw_ld, cdiv(C, 4), C, inv_c, eps, stats);
-    __syncthreads();  // statistics visible to all threads
-    build_s(raw, raw_ld, stats, gam, gam + CP, act, lds, CP / 4);
-    __syncthreads();  // s complete; this stage's raw buffer is free
-    const long long tn = t + static_cast<long long>(stages) * gridDim.x;
-    if (tn < total) issue(tn, st);
-
-    mlp_tc<HP, WF>(act, lds, CP, w1f, w2f, w1, w2, C, H, gam + 2 * CP, gam + 2 * CP + HP,
-                   gam + 2 * CP + 2 * HP, zpart);
-    // The next iteration's barriers order these reads of zpart before it is written again.
-    write_tile(out, zpart, bias3, b, I, J, N);
-  }
-  // Every queued copy was waited for (a tile is queued only if this block processes it).
 }
 
 // =============================================================================================
@@ -1085,61 +919,36 @@ void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
   else dispatch_hidden<V, false>(a, HP, s, sms);
 }
 
-// v5 (contact_map_tc_kernel, stages = 1) or v6 (contact_map_tc2_kernel, stages 1 or 2).
-template <int V, int HP, WFormat WF>
-void launch_tc(const Args& a, int stages, cudaStream_t stream, int num_sms) {
-  const size_t smem = sizeof(float) * SmemTC(a.CP, HP, stages, WF).total;
+// v5 (contact_map_tc_kernel): weights as split fragments in shared memory when they fit beside the
+// tile, else read from global memory.
+template <int HP, WFormat WF>
+void launch_tc(const Args& a, cudaStream_t stream, int num_sms) {
+  auto kernel = contact_map_tc_kernel<HP, WF>;
+  const size_t smem = sizeof(float) * SmemTC(a.CP, HP, WF).total;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
+  TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
+              " bytes of shared memory)");
   const int nT = cdiv(a.N, TILE);
   const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
-  auto grid_for = [&](const void* kernel) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
-    TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
-                " bytes of shared memory)");
-    const long long slots = static_cast<long long>(per_sm) * num_sms;
-    return static_cast<int>(tiles < slots ? tiles : slots);
-  };
-  if constexpr (V == 5) {
-    auto kernel = contact_map_tc_kernel<HP, WF>;
-    kernel<<<grid_for(reinterpret_cast<const void*>(kernel)), THREADS, smem, stream>>>(
-        a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec);
-  } else {
-    auto kernel = contact_map_tc2_kernel<HP, WF>;
-    kernel<<<grid_for(reinterpret_cast<const void*>(kernel)), THREADS, smem, stream>>>(
-        a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec,
-        stages);
-  }
+  const long long slots = static_cast<long long>(per_sm) * num_sms;
+  const int grid = static_cast<int>(tiles < slots ? tiles : slots);
+  kernel<<<grid, THREADS, smem, stream>>>(a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3,
+                                         a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int V, WFormat WF>
-void dispatch_tc_hidden(const Args& a, int HP, int stages, cudaStream_t s, int sms) {
+template <WFormat WF>
+void dispatch_tc_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
   switch (HP) {
-    case 16: launch_tc<V, 16, WF>(a, stages, s, sms); break;
-    case 32: launch_tc<V, 32, WF>(a, stages, s, sms); break;
-    case 64: launch_tc<V, 64, WF>(a, stages, s, sms); break;
-    case 128: launch_tc<V, 128, WF>(a, stages, s, sms); break;
-    // HP <= MAX_HIDDEN checked by forward(); at 256 the weights (>= 256 KB) never fit in shared memory
-    default: launch_tc<V, 256, WFormat::kGlobal>(a, stages, s, sms); break;
-  }
-}
-
-// Tensor-core variants: the layout that fits in max_smem bytes, in order of preference
-// (v5: weights in shared memory, else from global memory; v6: two stages before weights in shared
-// memory, since the copies are what it waits for).
-void dispatch_tc(const Args& a, int V, int HP, size_t max_smem, cudaStream_t s, int sms) {
-  auto fits = [&](int stages, WFormat wf) { return sizeof(float) * SmemTC(a.CP, HP, stages, wf).total <= max_smem; };
-  if (V == 5) {
-    if (fits(1, WFormat::kSplit)) dispatch_tc_hidden<5, WFormat::kSplit>(a, HP, 1, s, sms);
-    else dispatch_tc_hidden<5, WFormat::kGlobal>(a, HP, 1, s, sms);
-  } else {
-    if (fits(2, WFormat::kSplit)) dispatch_tc_hidden<6, WFormat::kSplit>(a, HP, 2, s, sms);
-    else if (fits(2, WFormat::kF32)) dispatch_tc_hidden<6, WFormat::kF32>(a, HP, 2, s, sms);
-    else if (fits(2, WFormat::kGlobal)) dispatch_tc_hidden<6, WFormat::kGlobal>(a, HP, 2, s, sms);
-    else if (fits(1, WFormat::kSplit)) dispatch_tc_hidden<6, WFormat::kSplit>(a, HP, 1, s, sms);
-    else dispatch_tc_hidden<6, WFormat::kGlobal>(a, HP, 1, s, sms);
+    case 16: launch_tc<16, WF>(a, s, sms); break;
+    case 32: launch_tc<32, WF>(a, s, sms); break;
+    case 64: launch_tc<64, WF>(a, s, sms); break;
+    case 128: launch_tc<128, WF>(a, s, sms); break;
+    // HP <= MAX_HIDDEN checked by forward(); at 256 the weights (>= 512 KB) never fit in shared memory
+    default: launch_tc<256, WFormat::kGlobal>(a, s, sms); break;
   }
 }
 
@@ -1182,7 +991,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 6, "contact_map: unknown kernel variant ",
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5, "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
@@ -1205,7 +1014,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   a.w3 = w3c.data_ptr<float>(); a.b3 = b3c.data_ptr<float>();
   a.eps = static_cast<float>(eps);
   a.B = static_cast<int>(B); a.N = static_cast<int>(N); a.C = static_cast<int>(C); a.H = static_cast<int>(H);
-  a.CP = round_up(a.C, variant >= 5 ? 8 : 4);  // the tensor-core k step is 8
+  a.CP = round_up(a.C, variant == 5 ? 8 : 4);  // the tensor-core k step is 8
   a.vec = (C % 4 == 0) && (reinterpret_cast<uintptr_t>(a.x) % 16 == 0);
 
   int HP = 16;
@@ -1214,16 +1023,21 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   int max_smem = 0, num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const bool tc = variant >= 5;
+  const bool tc = variant == 5;
   const size_t smem_w = sizeof(float) * Smem(a.CP, HP, true).total;
-  const size_t smem_g = sizeof(float) * (tc ? SmemTC(a.CP, HP, 1, WFormat::kGlobal).total
+  const size_t smem_g = sizeof(float) * (tc ? SmemTC(a.CP, HP, WFormat::kGlobal).total
                                             : Smem(a.CP, HP, false).total);
   TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", num(C),
               " needs ", num(smem_g), " bytes of shared memory per block; this device allows ",
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  if (tc) dispatch_tc(a, static_cast<int>(variant), HP, static_cast<size_t>(max_smem), stream, num_sms);
+  if (tc) {
+    if (sizeof(float) * SmemTC(a.CP, HP, WFormat::kSplit).total <= static_cast<size_t>(max_smem))
+      dispatch_tc_hidden<WFormat::kSplit>(a, HP, stream, num_sms);
+    else
+      dispatch_tc_hidden<WFormat::kGlobal>(a, HP, stream, num_sms);
+  }
   else if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
   else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
   else dispatch<3>(a, HP, w_smem, stream, num_sms);
@@ -1265,7 +1079,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v6": 6, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
