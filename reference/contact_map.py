@@ -58,6 +58,9 @@ SHAPES = {
     "awkward_37": dict(B=3, N=37, pair_dim=48, hidden_dim=16),
     "awkward_1": dict(B=1, N=1, pair_dim=64, hidden_dim=32),
     "awkward_129": dict(B=2, N=129, pair_dim=96, hidden_dim=24),
+    # Long rows (pair_dim 256, hidden_dim 128): deep products for split-precision kernels, and
+    # weights too large to sit beside a tile in shared memory.
+    "wide": dict(B=1, N=256, pair_dim=256, hidden_dim=128),
 }
 
 

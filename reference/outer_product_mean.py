@@ -70,6 +70,8 @@ SHAPES = {
     "long": dict(B=1, S=128, N=1024, msa_dim=256, hidden_dim=32, pair_dim=128),
     "awkward_33": dict(B=1, S=3, N=33, msa_dim=40, hidden_dim=16, pair_dim=24),
     "awkward_17": dict(B=2, S=1, N=17, msa_dim=64, hidden_dim=32, pair_dim=64),
+    # Deep and wide: S = 2048 sequences, c_m = 512 (accuracy of long sums, for split-precision kernels).
+    "deep": dict(B=1, S=2048, N=128, msa_dim=512, hidden_dim=32, pair_dim=128),
     # The reference runs out of memory here on a 141 GB H200 (its (B, N, N, c, c) intermediate alone
     # is 107 GB); the harness checks sampled rows i through `forward_rows` instead.
     "huge": dict(B=1, S=64, N=5120, msa_dim=64, hidden_dim=32, pair_dim=128, reference_may_oom=True),
