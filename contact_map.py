@@ -17,22 +17,22 @@ persistent kernel walks the tiles (b, I, J) with I <= J of 8 x 8 positions: it c
 x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
 pair_dim % 4 == 0), computes the LayerNorm statistics of each vector two-pass from shared memory
 (exact mean first, then the mean of squared deviations: stable for any offset), builds s (64 pairs x
-pair_dim) in shared memory, runs the MLP as two matrix products against weights staged once per
-block in shared memory, and writes both out[b,i,j] and out[b,j,i]. Each input element is read from
+pair_dim; v1-v3: its transpose) in shared memory, runs the MLP as two matrix products against
+weights staged once per block in shared memory, and writes both out[b,i,j] and out[b,j,i]. Each input element is read from
 device memory once, each unordered pair {i, j} off the diagonal tiles is computed once, and nothing
 but the output is written.
 
-Precision: fp32 everywhere (no fast-math). The default variant runs the two products on the tensor
-cores in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, and a*b ~ hi*hi + hi*lo +
+Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The default variant
+runs the two products on the tensor cores in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, and a*b ~ hi*hi + hi*lo +
 lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM), with every k step's
 hi*hi product promoted into an fp32 accumulator by an ordinary add (the tensor cores' own
 accumulation truncates). Measured against an fp64 evaluation on the H200 (harness, every shape and
 distribution): max error 1.0-1.2x that of the fp32 PyTorch reference itself (NOTES.md).
 
-Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first = the fastest):
+Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
     "v5"  (default) the products on the tensor cores (mma.sync m16n8k8 TF32, sm_80+) in split TF32:
           8 warps = 4 blocks of 16 pairs x 2 halves of the hidden units, weights staged as split
-          fragments. 1.1-1.2x faster than v3 at the harness shapes (NOTES.md says why not more).
+          fragments. 1.06-1.17x faster than v3 at crop, batch and long (NOTES.md says why not more).
     "v3"  v2 with the FMA products software-pipelined: the shared-memory operands of the next 4
           values of k are loaded into registers while the current 4 are multiplied.
     "v2"   v1 with the LayerNorm statistics computed by two threads per vector (v1's one
@@ -51,7 +51,8 @@ Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever 
 names.
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
-against eager PyTorch and torch.compile). The first import compiles the CUDA source (about a minute);
+against eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2 minutes
+on a GPU machine's 16 cores, up to 5 on a 2-core laptop or CI runner);
 later imports load it from PyTorch's extension cache. Set CONTACT_MAP_VERBOSE=1 to see the compiler
 output, including `ptxas -v` register and spill counts.
 """
@@ -400,8 +401,8 @@ __device__ __forceinline__ void stage_transposed(const float* __restrict__ W, in
 // (exact mean, then the mean of squared deviations: no cancellation at large offsets):
 // stats[r] = mean, stats[2 * PAIRS + r] = 1 / sqrt(var + eps). nq = cdiv(C, 4) float4s per row.
 // Two threads per vector (lanes 2r, 2r+1), each summing every other float4 of the row, combined with
-// one shuffle. Rows are raw_ld = 4 (mod 8) words apart, so the 16-byte reads of a quarter-warp (4
-// rows x 2 halves) hit distinct banks.
+// one shuffle. (Rows are raw_ld = 4 (mod 8) words apart; the 16-byte reads of a quarter-warp, 4 rows
+// x 2 halves, still conflict 2-way: found in review, not yet changed.)
 __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq, int C, float inv_c,
                                            float eps, float* stats) {
   const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
@@ -668,7 +669,8 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
 // ---- pieces of the tensor-core kernel (v5) ------------------------------------------------------
 // s[p][c] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2, the same expression as v1-v3, from the raw
 // tile (rows p and PAIRS + p) and its statistics into act (PAIRS x lds, row-major). Consecutive
-// threads take consecutive float4s of a row: conflict-free reads and writes.
+// threads take consecutive float4s of a row: conflict-free reads and writes when CP % 32 == 0
+// (2-way at CP = 8, 16, 24, 48, ...: a quarter-warp then spans two rows).
 __device__ __forceinline__ void build_s(const float* raw, int raw_ld, const float* stats, const float* gam,
                                         const float* bet, float* act, int lds, int nq) {
   for (int e = threadIdx.x; e < PAIRS * nq; e += THREADS) {
@@ -1070,7 +1072,7 @@ def _build():
     except Exception:  # private helper moved: just say what may happen
         cached = False
     if not cached:
-        print("building contact_map CUDA extension, about a minute the first time ...",
+        print("building contact_map CUDA extension, about 2-5 minutes the first time ...",
               file=sys.stderr, flush=True)
     flags = ["-O3", "-lineinfo"] + (["-Xptxas", "-v"] if verbose else [])
     return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=flags,
@@ -1079,7 +1081,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest at crop, batch, long)
 
 
 class _ForwardOnly(torch.autograd.Function):
