@@ -284,9 +284,9 @@ __device__ __forceinline__ void stage_fragments(const float* __restrict__ W, int
 // never passes through it: the promotion FP8 GEMMs use), so the rounding of acc is that of an fp32
 // FMA loop. The small products lo*hi and hi*lo (~2^-11 of the big ones) accumulate on the tensor
 // cores in two separate register sets over all of K (one set for 8+ n tiles per warp: registers;
-// their truncation error is ~2^-33 relative) and are added at the end. Each mma depends on at most one earlier mma (v5's first cut chained
-// the three products of every k step: 3 dependent mma latencies per step, at 2 warps per
-// scheduler the product was latency-bound).
+// their truncation error is ~2^-33 relative) and are added at the end. Each mma depends on at most
+// one earlier mma. (v5's first cut chained the three products of every k step into one set; this
+// order was meant to shorten the dependency chains but measured ~5% slower: NOTES.md, to re-test.)
 template <int NTW, WFormat WF>
 __device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const void* Wf, int NT, int nt0,
                                         const float* __restrict__ Wg, int n_in, int n_out,
