@@ -447,6 +447,23 @@ __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq,
   }
 }
 
+// Parameters into shared memory, zero-padded: gamma, beta (CP); b1, b2, w3 (HP).
+__device__ __forceinline__ void stage_vectors(const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              const float* __restrict__ b1, const float* __restrict__ b2,
+                                              const float* __restrict__ w3, int C, int H, int CP, int HP,
+                                              float* gam) {
+  float *bet = gam + CP, *b1s = bet + CP, *b2s = b1s + HP, *w3s = b2s + HP;
+  for (int c = threadIdx.x; c < CP; c += THREADS) {
+    gam[c] = c < C ? __ldg(ln_w + c) : 0.f;
+    bet[c] = c < C ? __ldg(ln_b + c) : 0.f;
+  }
+  for (int h = threadIdx.x; h < HP; h += THREADS) {
+    b1s[h] = h < H ? __ldg(b1 + h) : 0.f;
+    b2s[h] = h < H ? __ldg(b2 + h) : 0.f;
+    w3s[h] = h < H ? __ldg(w3 + h) : 0.f;
+  }
+}
+
 // Shared-memory layout of the kernel, in floats (every term a multiple of 4: 16-byte aligned).
 struct Smem {
   int raw, st, w1t, w2t, vec, stats, total;
@@ -532,15 +549,7 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
     stage_transposed(w1, C, H, w1t, CP, HP);
     stage_transposed(w2, H, H, w2t, HP, HP);
   }
-  for (int c = tid; c < CP; c += THREADS) {
-    gam[c] = c < C ? __ldg(ln_w + c) : 0.f;
-    bet[c] = c < C ? __ldg(ln_b + c) : 0.f;
-  }
-  for (int h = tid; h < HP; h += THREADS) {
-    b1s[h] = h < H ? __ldg(b1 + h) : 0.f;
-    b2s[h] = h < H ? __ldg(b2 + h) : 0.f;
-    w3s[h] = h < H ? __ldg(w3 + h) : 0.f;
-  }
+  stage_vectors(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);  // gam | bet | b1s | b2s | w3s
   const float bias3 = __ldg(b3);
   const float inv_c = 1.f / static_cast<float>(C);
 
@@ -763,23 +772,6 @@ __device__ __forceinline__ void write_tile(float* __restrict__ out, const float*
   }
 }
 
-// Parameters into shared memory, zero-padded: gamma, beta (CP); b1, b2, w3 (HP).
-__device__ __forceinline__ void stage_vectors(const float* __restrict__ ln_w, const float* __restrict__ ln_b,
-                                              const float* __restrict__ b1, const float* __restrict__ b2,
-                                              const float* __restrict__ w3, int C, int H, int CP, int HP,
-                                              float* gam) {
-  float *bet = gam + CP, *b1s = bet + CP, *b2s = b1s + HP, *w3s = b2s + HP;
-  for (int c = threadIdx.x; c < CP; c += THREADS) {
-    gam[c] = c < C ? __ldg(ln_w + c) : 0.f;
-    bet[c] = c < C ? __ldg(ln_b + c) : 0.f;
-  }
-  for (int h = threadIdx.x; h < HP; h += THREADS) {
-    b1s[h] = h < H ? __ldg(b1 + h) : 0.f;
-    b2s[h] = h < H ? __ldg(b2 + h) : 0.f;
-    w3s[h] = h < H ? __ldg(w3 + h) : 0.f;
-  }
-}
-
 // Shared-memory layout of the tensor-core kernel, in floats (every term a multiple of 4).
 struct SmemTC {
   int raw, act, w1f, w2f, vec, stats, zpart, total;
@@ -885,10 +877,12 @@ struct Args {
   bool vec;
 };
 
-template <int V, int HP, bool W_SMEM>
-void launch(const Args& a, cudaStream_t stream, int num_sms) {
-  auto kernel = contact_map_kernel<V, HP, W_SMEM>;
-  const size_t smem = sizeof(float) * Smem(a.CP, HP, W_SMEM).total;
+// Persistent launch of either kernel (same signature): as many blocks as fit on the device, at most
+// one per tile.
+using KernelFn = void (*)(const float*, float*, const float*, const float*, const float*, const float*,
+                          const float*, const float*, const float*, const float*, float, int, int, int, int,
+                          int, bool);
+void launch_persistent(KernelFn kernel, size_t smem, const Args& a, cudaStream_t stream, int num_sms) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   int per_sm = 0;
@@ -902,6 +896,12 @@ void launch(const Args& a, cudaStream_t stream, int num_sms) {
   kernel<<<grid, THREADS, smem, stream>>>(a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3,
                                          a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int V, int HP, bool W_SMEM>
+void launch(const Args& a, cudaStream_t stream, int num_sms) {
+  launch_persistent(contact_map_kernel<V, HP, W_SMEM>, sizeof(float) * Smem(a.CP, HP, W_SMEM).total, a,
+                    stream, num_sms);
 }
 
 template <int V, bool W_SMEM>
@@ -925,21 +925,8 @@ void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
 // tile, else read from global memory.
 template <int HP, WFormat WF>
 void launch_tc(const Args& a, cudaStream_t stream, int num_sms) {
-  auto kernel = contact_map_tc_kernel<HP, WF>;
-  const size_t smem = sizeof(float) * SmemTC(a.CP, HP, WF).total;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
-  TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
-              " bytes of shared memory)");
-  const int nT = cdiv(a.N, TILE);
-  const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
-  const long long slots = static_cast<long long>(per_sm) * num_sms;
-  const int grid = static_cast<int>(tiles < slots ? tiles : slots);
-  kernel<<<grid, THREADS, smem, stream>>>(a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3,
-                                         a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_persistent(contact_map_tc_kernel<HP, WF>, sizeof(float) * SmemTC(a.CP, HP, WF).total, a, stream,
+                    num_sms);
 }
 
 template <WFormat WF>
