@@ -1272,8 +1272,8 @@ def main(argv=None):
             parse_custom_shape(text, i, refmod)
     except ValueError as e:
         return finish(EXIT_USAGE, f"usage: {e}")
-    log(f"building {os.path.relpath(sol_path)} (imports it; a CUDA extension compiles with nvcc: about a "
-        f"minute the first time, seconds when cached) ...")
+    log(f"building {os.path.relpath(sol_path)} (imports it; a CUDA extension compiles with nvcc: one to a "
+        f"few minutes the first time, seconds when cached) ...")
     t0 = time.perf_counter()
     calls = []
     try:
@@ -1389,7 +1389,7 @@ def main(argv=None):
                 torch._dynamo.reset()
 
     if timing and not args.no_compile and not args.compile_all:
-        report["notes"].append("torch.compile ran only for non-awkward shapes (seed, crop, batch, long, shallow); "
+        report["notes"].append("torch.compile ran only for shapes not named awkward* nor flagged reference_may_oom; "
                                "--compile-all for all")
     failed_shapes = [s for s in report["shapes"] if not s.get("ok") and not s.get("skip_reason")]
     if failed_shapes:
