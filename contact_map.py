@@ -236,6 +236,21 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
   hi = to_tf32(x);
   lo = to_tf32(x - __uint_as_float(hi));
 }
+// v7's split in 3 instructions: hi = x rounded to TF32 by adding half a TF32 ulp to the magnitude
+// and clearing the low 13 bits (ties away from zero, as cvt.rna); lo = x - hi (exact in fp32) is
+// passed unrounded: the tensor cores read only its top 19 bits (truncation; lo's error is then
+// ~2^-21 |x| instead of ~2^-22, against 2^-24 for an fp32 rounding; measured: the same max error as
+// cvt.rna at every harness shape, NOTES.md). Finite x only: near FLT_MAX hi overflows to inf, as the
+// fp32 products would.
+__device__ __forceinline__ void split_tf32_fast(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
+}
+template <bool FAST>
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+  if constexpr (FAST) split_tf32_fast(x, hi, lo);
+  else split_tf32(x, hi, lo);
+}
 
 // d += A(16 x 8, row-major) * B(8 x 8, column-major), TF32 inputs, fp32 accumulate (sm_80+).
 // Fragments (g = lane / 4, t = lane % 4): a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]},
@@ -251,20 +266,25 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 // global W read through L1 and split on the fly (when the weights do not fit beside the tile).
 enum class WFormat { kSplit, kGlobal };
 
-// Stage W^T (W: n_out x n_in, row-major, global) as split-TF32 B fragments in shared memory:
-// dst[(ks * NT + nt) * 32 + lane] = {hi W[n][k], hi W[n][k+4], lo W[n][k], lo W[n][k+4]} with
-// n = 8 nt + g, k = 8 ks + t, zero outside (k < n_in, n < n_out); ks < KP / 8, nt < NT = NP / 8.
-// One 16-byte shared-memory load per lane per (k step, n tile) in the product, conflict-free.
-template <int NP>
-__device__ __forceinline__ void stage_fragments(const float* __restrict__ W, int n_in, int n_out, float* dst,
-                                                int KP) {
-  constexpr int NT = NP / 8;
-  const int n_frag = (KP / 8) * NT * 32;
-#pragma unroll 4
-  for (int e = threadIdx.x; e < n_frag; e += THREADS) {
-    const int lane = e & 31, f = e >> 5;
+// Stage W1^T and W2^T (W1: H x C, W2: H x H, row-major, global) as split-TF32 B fragments in shared
+// memory, W2's right after W1's: dst[(ks * NT + nt) * 32 + lane] = {hi W[n][k], hi W[n][k+4],
+// lo W[n][k], lo W[n][k+4]} with n = 8 nt + g, k = 8 ks + t, zero outside (k < n_in, n < H); ks <
+// CP / 8 for W1, then HP / 8 for W2; nt < NT = HP / 8. One 16-byte shared-memory load per lane per
+// (k step, n tile) in the product, conflict-free. Both matrices in one loop, unrolled by 8, so that a
+// thread's loads are in flight together (the prologue is a chain of dependent global round trips).
+template <int HP, int NTHR>
+__device__ __forceinline__ void stage_weight_fragments(const float* __restrict__ w1, const float* __restrict__ w2,
+                                                       int C, int H, int CP, float* dst) {
+  constexpr int NT = HP / 8;
+  const int n1 = (CP / 8) * NT * 32, n_frag = n1 + (HP / 8) * NT * 32;
+#pragma unroll 8
+  for (int e = threadIdx.x; e < n_frag; e += NTHR) {
+    const bool second = e >= n1;
+    const float* W = second ? w2 : w1;
+    const int n_in = second ? H : C, ee = second ? e - n1 : e;
+    const int lane = ee & 31, f = ee >> 5;
     const int n = (f % NT) * 8 + (lane >> 2), k = (f / NT) * 8 + (lane & 3);
-    const bool row_ok = n < n_out;
+    const bool row_ok = n < H;
     const float v0 = row_ok && k < n_in ? __ldg(W + static_cast<long long>(n) * n_in + k) : 0.f;
     const float v1 = row_ok && k + 4 < n_in ? __ldg(W + static_cast<long long>(n) * n_in + k + 4) : 0.f;
     uint32_t h0, l0, h1, l1;
@@ -277,7 +297,7 @@ __device__ __forceinline__ void stage_fragments(const float* __restrict__ W, int
 
 // One warp: acc[nt] += A(16 rows, K) * W^T(K, 8 NTW columns starting at column 8 nt0), split TF32.
 // A: shared, row-major with stride lda (lda = 4 mod 8: the scalar fragment loads are conflict-free),
-// K a multiple of 8, zero-padded. W^T: split fragments Wf from stage_fragments (NT n tiles per k
+// K a multiple of 8, zero-padded. W^T: split fragments Wf from stage_weight_fragments (NT n tiles per k
 // step), or (kGlobal) the global W (n_out x n_in) read through L1 and split here.
 // Accumulation: the big products hi*hi of each k step go into a zeroed register set that is then
 // added to acc with an ordinary fp32 add (the tensor cores' internal accumulation truncates, so acc
@@ -287,7 +307,7 @@ __device__ __forceinline__ void stage_fragments(const float* __restrict__ W, int
 // their truncation error is ~2^-33 relative) and are added at the end. Each mma depends on at most
 // one earlier mma. (v5's first cut chained the three products of every k step into one set; this
 // order was meant to shorten the dependency chains but measured ~5% slower: NOTES.md, to re-test.)
-template <int NTW, WFormat WF>
+template <int NTW, WFormat WF, bool FAST>
 __device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const void* Wf, int NT, int nt0,
                                         const float* __restrict__ Wg, int n_in, int n_out,
                                         float (&acc)[NTW][4]) {
@@ -301,10 +321,10 @@ __device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const vo
 #pragma unroll(NTW >= 8 ? 1 : 2)  // 2 k steps in flight, within the register budget
   for (int ks = 0; ks < K / 8; ++ks) {
     uint32_t ah[4], al[4];
-    split_tf32(ap[8 * ks], ah[0], al[0]);
-    split_tf32(ap[8 * ks + 8 * lda], ah[1], al[1]);
-    split_tf32(ap[8 * ks + 4], ah[2], al[2]);
-    split_tf32(ap[8 * ks + 8 * lda + 4], ah[3], al[3]);
+    split<FAST>(ap[8 * ks], ah[0], al[0]);
+    split<FAST>(ap[8 * ks + 8 * lda], ah[1], al[1]);
+    split<FAST>(ap[8 * ks + 4], ah[2], al[2]);
+    split<FAST>(ap[8 * ks + 8 * lda + 4], ah[3], al[3]);
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
       uint32_t bh0, bh1, bl0, bl1;
@@ -316,8 +336,8 @@ __device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const vo
         const int n = (nt0 + nt) * 8 + g, k = ks * 8 + t;
         const float v0 = n < n_out && k < n_in ? __ldg(Wg + static_cast<long long>(n) * n_in + k) : 0.f;
         const float v1 = n < n_out && k + 4 < n_in ? __ldg(Wg + static_cast<long long>(n) * n_in + k + 4) : 0.f;
-        split_tf32(v0, bh0, bl0);
-        split_tf32(v1, bh1, bl1);
+        split<FAST>(v0, bh0, bl0);
+        split<FAST>(v1, bh1, bl1);
       }
       float d[4] = {0.f, 0.f, 0.f, 0.f};
       mma_tf32(d, ah, bh0, bh1);
@@ -345,17 +365,39 @@ __device__ __forceinline__ void decode_tile(long long t, long long tiles_per_b, 
   I = static_cast<int>(u - jj * (jj + 1) / 2);
 }
 
+// Rows row0..row1-1 of load_tile below (v2 and later: a warp copies whole rows, so the index
+// arithmetic is per row). v5/v7 queue a tile in two halves, the mirror half after the first product,
+// so that the warps do not stall issuing copies while the previous ones are still in flight.
+template <int NTHR>
+__device__ __forceinline__ void load_rows(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
+                                          int J, int N, int C, bool vec, int row0, int row1) {
+  const int per_row = vec ? C / 4 : C, lane = threadIdx.x & 31;
+  for (int rr = row0 + (threadIdx.x >> 5); rr < row1; rr += NTHR / 32) {
+    const int p = rr & (PAIRS - 1);
+    const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
+    const bool valid = i < N && j < N;
+    const float* src = x + (rr < PAIRS ? (static_cast<long long>(b) * N + i) * N + j
+                                       : (static_cast<long long>(b) * N + j) * N + i) * C;
+    float* dst = raw + rr * raw_ld;
+    if (vec) {
+      for (int q = lane; q < per_row; q += 32) cp_async16(dst + 4 * q, valid ? src + 4 * q : x, valid);
+    } else {
+      for (int q = lane; q < per_row; q += 32) cp_async4(dst + q, valid ? src + q : x, valid);
+    }
+  }
+}
+
 // Queue the copies of tile (b, I, J) into shared memory:
 //   raw[p]         = x[b, 8I+ti, 8J+tj, :]   (p = 8 ti + tj, rows 0..63)
 //   raw[PAIRS + p] = x[b, 8J+tj, 8I+ti, :]   (the mirror, rows 64..127)
 // Rows whose i or j is past N are zero-filled. Each row of x is C contiguous floats, so a warp's
 // copies cover whole rows: coalesced. v1 walks flat (row, chunk) indices (two integer divisions
-// per copy); v2 gives each warp whole rows, so the index arithmetic is per row, not per copy.
-template <int V>
+// per copy); v2 and later: load_rows.
+template <int V, int NTHR = THREADS>
 __device__ __forceinline__ void load_tile(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
                                           int J, int N, int C, bool vec) {
-  const int per_row = vec ? C / 4 : C;
   if constexpr (V == 1) {
+    const int per_row = vec ? C / 4 : C;
     for (int e = threadIdx.x; e < 2 * PAIRS * per_row; e += THREADS) {
       const int q = e % per_row, rr = e / per_row;
       const int p = rr % PAIRS, mirror = rr / PAIRS;
@@ -367,20 +409,7 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ x, float* ra
       else cp_async4(raw + rr * raw_ld + q, valid ? x + row * C + q : x, valid);
     }
   } else {
-    const int lane = threadIdx.x & 31;
-    for (int rr = threadIdx.x >> 5; rr < 2 * PAIRS; rr += THREADS / 32) {
-      const int p = rr & (PAIRS - 1);
-      const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
-      const bool valid = i < N && j < N;
-      const float* src = x + (rr < PAIRS ? (static_cast<long long>(b) * N + i) * N + j
-                                         : (static_cast<long long>(b) * N + j) * N + i) * C;
-      float* dst = raw + rr * raw_ld;
-      if (vec) {
-        for (int q = lane; q < per_row; q += 32) cp_async16(dst + 4 * q, valid ? src + 4 * q : x, valid);
-      } else {
-        for (int q = lane; q < per_row; q += 32) cp_async4(dst + q, valid ? src + q : x, valid);
-      }
-    }
+    load_rows<NTHR>(x, raw, raw_ld, b, I, J, N, C, vec, 0, 2 * PAIRS);
   }
 }
 
@@ -400,20 +429,24 @@ __device__ __forceinline__ void stage_transposed(const float* __restrict__ W, in
 // LayerNorm statistics of the 128 rows of raw (2 * PAIRS x raw_ld, zero beyond column C), two-pass
 // (exact mean, then the mean of squared deviations: no cancellation at large offsets):
 // stats[r] = mean, stats[2 * PAIRS + r] = 1 / sqrt(var + eps). nq = cdiv(C, 4) float4s per row.
-// Two threads per vector (lanes 2r, 2r+1), each summing every other float4 of the row, combined with
-// one shuffle. (Rows are raw_ld = 4 (mod 8) words apart; the 16-byte reads of a quarter-warp, 4 rows
-// x 2 halves, still conflict 2-way: found in review, not yet changed.)
+// TPR = NTHR / 128 threads per vector (2 or 4), each summing every TPR-th float4 of the row,
+// combined with shuffles. A warp holds 32 / TPR rows: lane l takes row l % (32 / TPR) of them and
+// part l / (32 / TPR), so the 8 lanes of a quarter-warp read the same float4 column of 8 consecutive
+// rows: conflict-free when raw_ld = 4 (mod 8) words (v5, v7: CP % 8 == 0), 2-way otherwise.
+template <int NTHR = THREADS>
 __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq, int C, float inv_c,
                                            float eps, float* stats) {
-  const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+  constexpr int TPR = NTHR / (2 * PAIRS), RPW = 32 / TPR;  // threads per row, rows per warp
+  const int lane = threadIdx.x & 31;
+  const int r = (threadIdx.x >> 5) * RPW + lane % RPW, part = lane / RPW;
   const float* row = raw + r * raw_ld;
   // Four partial sums per thread (this thread's float4s in turn): shorter rounding chains
   // than one running sum (v2/v3 had one: at N = 1 its error was 7x the fp32 reference's).
   float s4[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int q0 = half; q0 < nq; q0 += 8) {
+  for (int q0 = part; q0 < nq; q0 += 4 * TPR) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int q = q0 + 2 * u;
+      const int q = q0 + TPR * u;
       if (q < nq) {
         const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
         s4[u] += (v.x + v.y) + (v.z + v.w);  // padding columns are zero
@@ -421,13 +454,14 @@ __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq,
     }
   }
   float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-  s += __shfl_xor_sync(0xffffffffu, s, 1);
+#pragma unroll
+  for (int o = RPW; o < 32; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   const float mean = s * inv_c;
   float m4[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int q0 = half; q0 < nq; q0 += 8) {
+  for (int q0 = part; q0 < nq; q0 += 4 * TPR) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int q = q0 + 2 * u;
+      const int q = q0 + TPR * u;
       if (q < nq) {
         const float4 v = *reinterpret_cast<const float4*>(row + 4 * q);
         const int c = 4 * q;                        // mask the padding: (0 - mean)^2 != 0
@@ -440,28 +474,34 @@ __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq,
     }
   }
   float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]);
-  m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-  if (half == 0) {
+#pragma unroll
+  for (int o = RPW; o < 32; o <<= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
+  if (part == 0) {
     stats[r] = mean;
     stats[2 * PAIRS + r] = rsqrtf(m2 * inv_c + eps);
   }
 }
 
-// Parameters into shared memory, zero-padded: gamma, beta (CP); b1, b2, w3 (HP).
+// Parameters into shared memory, zero-padded: gamma, beta (CP); b1, b2, w3 (HP). Asynchronous
+// (cp.async, zero-filled past C / H): they land with the first tile's copies, waited for with them.
+template <int NTHR = THREADS>
 __device__ __forceinline__ void stage_vectors(const float* __restrict__ ln_w, const float* __restrict__ ln_b,
                                               const float* __restrict__ b1, const float* __restrict__ b2,
                                               const float* __restrict__ w3, int C, int H, int CP, int HP,
                                               float* gam) {
   float *bet = gam + CP, *b1s = bet + CP, *b2s = b1s + HP, *w3s = b2s + HP;
-  for (int c = threadIdx.x; c < CP; c += THREADS) {
-    gam[c] = c < C ? __ldg(ln_w + c) : 0.f;
-    bet[c] = c < C ? __ldg(ln_b + c) : 0.f;
+  for (int c = threadIdx.x; c < CP; c += NTHR) {
+    const bool ok = c < C;
+    cp_async4(gam + c, ln_w + (ok ? c : 0), ok);
+    cp_async4(bet + c, ln_b + (ok ? c : 0), ok);
   }
-  for (int h = threadIdx.x; h < HP; h += THREADS) {
-    b1s[h] = h < H ? __ldg(b1 + h) : 0.f;
-    b2s[h] = h < H ? __ldg(b2 + h) : 0.f;
-    w3s[h] = h < H ? __ldg(w3 + h) : 0.f;
+  for (int h = threadIdx.x; h < HP; h += NTHR) {
+    const bool ok = h < H;
+    cp_async4(b1s + h, b1 + (ok ? h : 0), ok);
+    cp_async4(b2s + h, b2 + (ok ? h : 0), ok);
+    cp_async4(w3s + h, w3 + (ok ? h : 0), ok);
   }
+  cp_async_commit();
 }
 
 // Shared-memory layout of the kernel, in floats (every term a multiple of 4: 16-byte aligned).
@@ -680,9 +720,10 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
 // tile (rows p and PAIRS + p) and its statistics into act (PAIRS x lds, row-major). Consecutive
 // threads take consecutive float4s of a row: conflict-free reads and writes when CP % 32 == 0
 // (2-way at CP = 8, 16, 24, 48, ...: a quarter-warp then spans two rows).
+template <int NTHR = THREADS>
 __device__ __forceinline__ void build_s(const float* raw, int raw_ld, const float* stats, const float* gam,
                                         const float* bet, float* act, int lds, int nq) {
-  for (int e = threadIdx.x; e < PAIRS * nq; e += THREADS) {
+  for (int e = threadIdx.x; e < PAIRS * nq; e += NTHR) {
     const int p = e / nq, c = 4 * (e - p * nq);
     const float ma = stats[p], mb = stats[PAIRS + p];
     const float ra = stats[2 * PAIRS + p], rb = stats[3 * PAIRS + p];
@@ -699,73 +740,95 @@ __device__ __forceinline__ void build_s(const float* raw, int raw_ld, const floa
   }
 }
 
-// The MLP of one tile on the tensor cores, all 256 threads; act holds s (PAIRS x lds) on entry.
-// 8 warps = 4 row blocks of 16 pairs x 2 column halves of the hidden units. GEMM1 -> h1 (written
-// over s in act, PAIRS x ldh) -> GEMM2 -> layer 3: z[p] = sum_g w3[g] relu(h2[p][g] + b2[g]),
-// the two column halves' partial sums left in zpart[2][PAIRS]. Returns after a barrier.
-template <int HP, WFormat WF>
+// The MLP of one tile on the tensor cores, all NTHR threads; act holds s (PAIRS x lds) on entry.
+// The warps are 4 row blocks of 16 pairs x NG column groups of the hidden units (v5: 8 warps, NG = 2;
+// v7: 16 warps, NG = 4, or 2 at HP = 16 with the other 8 warps idle in the products). GEMM1 -> h1
+// (written over s in act, PAIRS x ldh) -> GEMM2 -> layer 3: z[p] = sum_g w3[g] relu(h2[p][g] + b2[g]),
+// the column groups' partial sums left in zpart[NG][PAIRS]. after_gemm1() runs in every thread between
+// the two products (v5/v7: queue the mirror half of the next tile). Returns after a barrier.
+template <int HP, int NTHR>
+struct TcLayout {
+  static constexpr int NT = HP / 8;                                    // n tiles of 8 hidden units
+  static constexpr int NG = NTHR / 128 < NT ? NTHR / 128 : NT;         // column groups
+  static constexpr int NTW = NT / NG;                                  // n tiles per warp
+  static constexpr bool FAST = NTHR == 512;                            // v7: 3-instruction split
+};
+
+template <int HP, WFormat WF, int NTHR, typename AfterGemm1>
 __device__ __forceinline__ void mlp_tc(float* act, int lds, int CP, const void* w1f, const void* w2f,
                                        const float* __restrict__ w1, const float* __restrict__ w2, int C,
                                        int H, const float* b1s, const float* b2s, const float* w3s,
-                                       float* zpart) {
-  constexpr int NT = HP / 8, NTW = NT / 2;  // n tiles of 8 hidden units; per warp (a column half)
+                                       float* zpart, AfterGemm1&& after_gemm1) {
+  using Lay = TcLayout<HP, NTHR>;
+  constexpr int NT = Lay::NT, NG = Lay::NG, NTW = Lay::NTW;
   const int ldh = HP + 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
-  const int mt = warp & 3, nh = warp >> 2;  // row block, column half
+  const int mt = warp & 3, cg = warp >> 2;  // row block, column group
+  const bool active = cg < NG;
 
-  // h1[p][h] = relu(sum_c s[p][c] W1[h][c] + b1[h]): rows 16 mt.., columns 8 (NTW nh + nt)..
+  // h1[p][h] = relu(sum_c s[p][c] W1[h][c] + b1[h]): rows 16 mt.., columns 8 (NTW cg + nt)..
   float acc[NTW][4];
 #pragma unroll
   for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
-  tc_gemm<NTW, WF>(act + 16 * mt * lds, lds, CP, w1f, NT, nh * NTW, w1, C, H, acc);
+  if (active)
+    tc_gemm<NTW, WF, Lay::FAST>(act + 16 * mt * lds, lds, CP, w1f, NT, cg * NTW, w1, C, H, acc);
+  after_gemm1();
   __syncthreads();  // every warp is done reading s before h1 overwrites it
+  if (active) {
 #pragma unroll
-  for (int nt = 0; nt < NTW; ++nt) {
-    const int h = (nh * NTW + nt) * 8 + 2 * t4;
-    const float bb0 = b1s[h], bb1 = b1s[h + 1];
-    float* r0 = act + (16 * mt + g) * ldh + h;
-    *reinterpret_cast<float2*>(r0) = make_float2(fmaxf(acc[nt][0] + bb0, 0.f), fmaxf(acc[nt][1] + bb1, 0.f));
-    *reinterpret_cast<float2*>(r0 + 8 * ldh) =
-        make_float2(fmaxf(acc[nt][2] + bb0, 0.f), fmaxf(acc[nt][3] + bb1, 0.f));
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int h = (cg * NTW + nt) * 8 + 2 * t4;
+      const float bb0 = b1s[h], bb1 = b1s[h + 1];
+      float* r0 = act + (16 * mt + g) * ldh + h;
+      *reinterpret_cast<float2*>(r0) = make_float2(fmaxf(acc[nt][0] + bb0, 0.f), fmaxf(acc[nt][1] + bb1, 0.f));
+      *reinterpret_cast<float2*>(r0 + 8 * ldh) =
+          make_float2(fmaxf(acc[nt][2] + bb0, 0.f), fmaxf(acc[nt][3] + bb1, 0.f));
+    }
   }
   __syncthreads();  // h1 complete (padded units: relu(0 + 0) = 0)
 
   // h2[p][g] = relu(sum_h h1[p][h] W2[g][h] + b2[g]); z[p] = sum_g w3[g] h2[p][g]
+  if (active) {
 #pragma unroll
-  for (int nt = 0; nt < NTW; ++nt)
+    for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
-  tc_gemm<NTW, WF>(act + 16 * mt * ldh, ldh, HP, w2f, NT, nh * NTW, w2, H, H, acc);
-  float z0 = 0.f, z1 = 0.f;  // rows g and g + 8 of this warp's row block
+      for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+    tc_gemm<NTW, WF, Lay::FAST>(act + 16 * mt * ldh, ldh, HP, w2f, NT, cg * NTW, w2, H, H, acc);
+    float z0 = 0.f, z1 = 0.f;  // rows g and g + 8 of this warp's row block
 #pragma unroll
-  for (int nt = 0; nt < NTW; ++nt) {
-    const int h = (nh * NTW + nt) * 8 + 2 * t4;
-    z0 = fmaf(w3s[h], fmaxf(acc[nt][0] + b2s[h], 0.f), z0);
-    z0 = fmaf(w3s[h + 1], fmaxf(acc[nt][1] + b2s[h + 1], 0.f), z0);
-    z1 = fmaf(w3s[h], fmaxf(acc[nt][2] + b2s[h], 0.f), z1);
-    z1 = fmaf(w3s[h + 1], fmaxf(acc[nt][3] + b2s[h + 1], 0.f), z1);
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int h = (cg * NTW + nt) * 8 + 2 * t4;
+      z0 = fmaf(w3s[h], fmaxf(acc[nt][0] + b2s[h], 0.f), z0);
+      z0 = fmaf(w3s[h + 1], fmaxf(acc[nt][1] + b2s[h + 1], 0.f), z0);
+      z1 = fmaf(w3s[h], fmaxf(acc[nt][2] + b2s[h], 0.f), z1);
+      z1 = fmaf(w3s[h + 1], fmaxf(acc[nt][3] + b2s[h + 1], 0.f), z1);
+    }
+    z0 += __shfl_xor_sync(0xffffffffu, z0, 1);  // sum over the quad (t4 = 0..3)
+    z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
+    z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
+    z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
+    if (t4 == 0) {
+      zpart[cg * PAIRS + 16 * mt + g] = z0;
+      zpart[cg * PAIRS + 16 * mt + g + 8] = z1;
+    }
   }
-  z0 += __shfl_xor_sync(0xffffffffu, z0, 1);  // sum over the quad (t4 = 0..3)
-  z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
-  z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
-  z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
-  if (t4 == 0) {
-    zpart[nh * PAIRS + 16 * mt + g] = z0;
-    zpart[nh * PAIRS + 16 * mt + g + 8] = z1;
-  }
-  __syncthreads();  // both column halves' partial sums are in zpart
+  __syncthreads();  // every column group's partial sums are in zpart
 }
 
-// out[b,i,j] = out[b,j,i] = sigmoid(z + b3) for the tile's valid pairs (threads 0..63).
+// out[b,i,j] = out[b,j,i] = sigmoid(z + b3) for the tile's valid pairs (threads 0..63); z is the sum
+// of the NG column groups' partial sums.
+template <int NG>
 __device__ __forceinline__ void write_tile(float* __restrict__ out, const float* zpart, float bias3, int b,
                                            int I, int J, int N) {
   const int p = threadIdx.x;
   if (p < PAIRS) {
     const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
     if (i < N && j < N) {
-      const float o = 1.f / (1.f + expf(-((zpart[p] + zpart[PAIRS + p]) + bias3)));
+      float z = zpart[p] + zpart[PAIRS + p];
+      if constexpr (NG == 4) z += zpart[2 * PAIRS + p] + zpart[3 * PAIRS + p];
+      const float o = 1.f / (1.f + expf(-(z + bias3)));
       out[(static_cast<long long>(b) * N + i) * N + j] = o;
       out[(static_cast<long long>(b) * N + j) * N + i] = o;
     }
@@ -783,7 +846,7 @@ struct SmemTC {
     w2f = wmul * HP * HP;                         // W2^T likewise
     vec = 2 * CP + 3 * HP;                        // gamma, beta, b1, b2, w3 (zero-padded)
     stats = 4 * PAIRS;                            // mean, rstd of the 128 vectors
-    zpart = 2 * PAIRS;                            // layer-3 partial sums of the two column halves
+    zpart = 4 * PAIRS;                            // layer-3 partial sums of up to 4 column groups
     total = raw + act + w1f + w2f + vec + stats + zpart;
   }
 };
@@ -793,8 +856,8 @@ struct SmemTC {
 // copies are queued after s is built and overlap the products.
 // Assumptions: C = pair_dim <= 256, CP = round_up(C, 8); H = hidden_dim <= HP (HP in 16..256, a
 // power of two); vec => C % 4 == 0 and x 16-byte aligned. Shared memory: SmemTC(CP, HP, WF).total.
-template <int HP, WFormat WF>
-__global__ void __launch_bounds__(THREADS, HP <= 64 ? 2 : 1)
+template <int HP, WFormat WF, int NTHR>
+__global__ void __launch_bounds__(NTHR, (NTHR == 256 && HP <= 64) || (NTHR == 512 && HP <= 32) ? 2 : 1)
 contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
                       float* __restrict__ out,           // (B, N, N)
                       const float* __restrict__ ln_w,    // (C)
@@ -815,53 +878,60 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
   float* w2f = w1f + L.w1f;                                 // (HP/8) x (HP/8) x 32
   float* gam = w2f + L.w2f;                                 // gamma, beta (CP), b1, b2, w3 (HP)
   float* stats = gam + L.vec;                               // mean[128], rstd[128]
-  float* zpart = stats + L.stats;                           // [2][64]
+  float* zpart = stats + L.stats;                           // [NG][64]
 
   const int tid = threadIdx.x;
   const int nT = cdiv(N, TILE);
   const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2;
   const long long total = static_cast<long long>(B) * tiles_per_b;
 
-  for (int e = tid; e < L.raw; e += THREADS) raw[e] = 0.f;  // padding columns stay 0
-  __syncthreads();  // the zeros must land before any cp.async writes the same rows
+  // Columns C..CP-1 of the raw rows are read (padding) but never copied into: zero them once. The
+  // copies write columns < C only, so no barrier is needed between the two.
+  const int pad = CP - C;
+  for (int e = tid; e < 2 * PAIRS * pad; e += NTHR) raw[(e / pad) * raw_ld + C + e % pad] = 0.f;
 
   long long t = blockIdx.x;
+  int b = 0, I = 0, J = 0;  // the tile being processed, decoded once (when its copies are queued)
   if (t < total) {
-    int b, I, J;
     decode_tile(t, tiles_per_b, b, I, J);
-    load_tile<2>(x, raw, raw_ld, b, I, J, N, C, vec);
+    load_tile<2, NTHR>(x, raw, raw_ld, b, I, J, N, C, vec);
   }
   cp_async_commit();
 
+  stage_vectors<NTHR>(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);  // asynchronous, like the tile
   if constexpr (WF == WFormat::kSplit) {  // overlaps the first tile's copies
-    stage_fragments<HP>(w1, C, H, w1f, CP);
-    stage_fragments<HP>(w2, H, H, w2f, HP);
+    stage_weight_fragments<HP, NTHR>(w1, w2, C, H, CP, w1f);  // w2f = w1f + L.w1f follows
   }
-  stage_vectors(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);
   const float bias3 = __ldg(b3);
   const float inv_c = 1.f / static_cast<float>(C);
 
   for (; t < total; t += gridDim.x) {
-    int b, I, J;
-    decode_tile(t, tiles_per_b, b, I, J);
     cp_async_wait_all();
     __syncthreads();  // this tile's copies (all threads') and the parameters are in shared memory
-    tile_stats(raw, raw_ld, cdiv(C, 4), C, inv_c, eps, stats);
+    tile_stats<NTHR>(raw, raw_ld, cdiv(C, 4), C, inv_c, eps, stats);
     __syncthreads();  // statistics visible to all threads
-    build_s(raw, raw_ld, stats, gam, gam + CP, act, lds, CP / 4);
+    build_s<NTHR>(raw, raw_ld, stats, gam, gam + CP, act, lds, CP / 4);
     __syncthreads();  // s complete; the raw buffers are free for the next tile
 
-    if (t + gridDim.x < total) {
-      int nb, nI, nJ;
+    // The next tile's copies, in two halves: rows 0..63 now, the mirror rows after GEMM1. Issued at
+    // once, the warps stalled ~3000-5000 cycles per tile in the cp.async instructions (clock64
+    // profile, crop and batch: NOTES.md).
+    const bool more = t + gridDim.x < total;
+    int nb = 0, nI = 0, nJ = 0;
+    if (more) {
       decode_tile(t + gridDim.x, tiles_per_b, nb, nI, nJ);
-      load_tile<2>(x, raw, raw_ld, nb, nI, nJ, N, C, vec);
+      load_rows<NTHR>(x, raw, raw_ld, nb, nI, nJ, N, C, vec, 0, PAIRS);
     }
     cp_async_commit();
 
-    mlp_tc<HP, WF>(act, lds, CP, w1f, w2f, w1, w2, C, H, gam + 2 * CP, gam + 2 * CP + HP,
-                   gam + 2 * CP + 2 * HP, zpart);
+    mlp_tc<HP, WF, NTHR>(act, lds, CP, w1f, w2f, w1, w2, C, H, gam + 2 * CP, gam + 2 * CP + HP,
+                         gam + 2 * CP + 2 * HP, zpart, [&] {
+                           if (more) load_rows<NTHR>(x, raw, raw_ld, nb, nI, nJ, N, C, vec, PAIRS, 2 * PAIRS);
+                           cp_async_commit();
+                         });
     // The next iteration's barriers order these reads of zpart before it is written again.
-    write_tile(out, zpart, bias3, b, I, J, N);
+    write_tile<TcLayout<HP, NTHR>::NG>(out, zpart, bias3, b, I, J, N);
+    b = nb; I = nI; J = nJ;
   }
   cp_async_wait_all();  // no copy may be left in flight when the block exits
 }
@@ -877,31 +947,32 @@ struct Args {
   bool vec;
 };
 
-// Persistent launch of either kernel (same signature): as many blocks as fit on the device, at most
-// one per tile.
+// Persistent launch of either kernel (same signature): as many blocks of `threads` threads as fit on
+// the device, at most one per tile.
 using KernelFn = void (*)(const float*, float*, const float*, const float*, const float*, const float*,
                           const float*, const float*, const float*, const float*, float, int, int, int, int,
                           int, bool);
-void launch_persistent(KernelFn kernel, size_t smem, const Args& a, cudaStream_t stream, int num_sms) {
+void launch_persistent(KernelFn kernel, int threads, size_t smem, const Args& a, cudaStream_t stream,
+                       int num_sms) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
   TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
               " bytes of shared memory)");
   const int nT = cdiv(a.N, TILE);
   const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
   const long long slots = static_cast<long long>(per_sm) * num_sms;
   const int grid = static_cast<int>(tiles < slots ? tiles : slots);
-  kernel<<<grid, THREADS, smem, stream>>>(a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3,
+  kernel<<<grid, threads, smem, stream>>>(a.x, a.out, a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3,
                                          a.b3, a.eps, a.B, a.N, a.C, a.H, a.CP, a.vec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int V, int HP, bool W_SMEM>
 void launch(const Args& a, cudaStream_t stream, int num_sms) {
-  launch_persistent(contact_map_kernel<V, HP, W_SMEM>, sizeof(float) * Smem(a.CP, HP, W_SMEM).total, a,
-                    stream, num_sms);
+  launch_persistent(contact_map_kernel<V, HP, W_SMEM>, THREADS, sizeof(float) * Smem(a.CP, HP, W_SMEM).total,
+                    a, stream, num_sms);
 }
 
 template <int V, bool W_SMEM>
@@ -921,23 +992,24 @@ void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
   else dispatch_hidden<V, false>(a, HP, s, sms);
 }
 
-// v5 (contact_map_tc_kernel): weights as split fragments in shared memory when they fit beside the
-// tile, else read from global memory.
-template <int HP, WFormat WF>
+// v5 / v7 (contact_map_tc_kernel with 256 / 512 threads): weights as split fragments in shared memory
+// when they fit beside the tile, else read from global memory.
+template <int HP, WFormat WF, int NTHR>
 void launch_tc(const Args& a, cudaStream_t stream, int num_sms) {
-  launch_persistent(contact_map_tc_kernel<HP, WF>, sizeof(float) * SmemTC(a.CP, HP, WF).total, a, stream,
-                    num_sms);
+  launch_persistent(contact_map_tc_kernel<HP, WF, NTHR>, NTHR, sizeof(float) * SmemTC(a.CP, HP, WF).total, a,
+                    stream, num_sms);
 }
 
 template <WFormat WF>
-void dispatch_tc_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
+void dispatch_tc_hidden(const Args& a, int HP, bool v7, cudaStream_t s, int sms) {
   switch (HP) {
-    case 16: launch_tc<16, WF>(a, s, sms); break;
-    case 32: launch_tc<32, WF>(a, s, sms); break;
-    case 64: launch_tc<64, WF>(a, s, sms); break;
-    case 128: launch_tc<128, WF>(a, s, sms); break;
-    // HP <= MAX_HIDDEN checked by forward(); at 256 the weights (>= 512 KB) never fit in shared memory
-    default: launch_tc<256, WFormat::kGlobal>(a, s, sms); break;
+    case 16: v7 ? launch_tc<16, WF, 512>(a, s, sms) : launch_tc<16, WF, 256>(a, s, sms); break;
+    case 32: v7 ? launch_tc<32, WF, 512>(a, s, sms) : launch_tc<32, WF, 256>(a, s, sms); break;
+    case 64: v7 ? launch_tc<64, WF, 512>(a, s, sms) : launch_tc<64, WF, 256>(a, s, sms); break;
+    case 128: v7 ? launch_tc<128, WF, 512>(a, s, sms) : launch_tc<128, WF, 256>(a, s, sms); break;
+    // HP <= MAX_HIDDEN checked by forward(); at 256 the weights (>= 512 KB) never fit in shared memory,
+    // and v7's 16 warps would need more than the 128 registers per thread they may have: v5's kernel.
+    default: launch_tc<256, WFormat::kGlobal, 256>(a, s, sms); break;
   }
 }
 
@@ -980,7 +1052,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5, "contact_map: unknown kernel variant ",
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7, "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
@@ -1003,7 +1075,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   a.w3 = w3c.data_ptr<float>(); a.b3 = b3c.data_ptr<float>();
   a.eps = static_cast<float>(eps);
   a.B = static_cast<int>(B); a.N = static_cast<int>(N); a.C = static_cast<int>(C); a.H = static_cast<int>(H);
-  a.CP = round_up(a.C, variant == 5 ? 8 : 4);  // the tensor-core k step is 8
+  a.CP = round_up(a.C, variant >= 5 ? 8 : 4);  // the tensor-core k step is 8
   a.vec = (C % 4 == 0) && (reinterpret_cast<uintptr_t>(a.x) % 16 == 0);
 
   int HP = 16;
@@ -1012,7 +1084,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   int max_smem = 0, num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const bool tc = variant == 5;
+  const bool tc = variant >= 5;
   const size_t smem_w = sizeof(float) * Smem(a.CP, HP, true).total;
   const size_t smem_g = sizeof(float) * (tc ? SmemTC(a.CP, HP, WFormat::kGlobal).total
                                             : Smem(a.CP, HP, false).total);
@@ -1023,9 +1095,9 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
   if (tc) {
     if (sizeof(float) * SmemTC(a.CP, HP, WFormat::kSplit).total <= static_cast<size_t>(max_smem))
-      dispatch_tc_hidden<WFormat::kSplit>(a, HP, stream, num_sms);
+      dispatch_tc_hidden<WFormat::kSplit>(a, HP, variant == 7, stream, num_sms);
     else
-      dispatch_tc_hidden<WFormat::kGlobal>(a, HP, stream, num_sms);
+      dispatch_tc_hidden<WFormat::kGlobal>(a, HP, variant == 7, stream, num_sms);
   }
   else if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
   else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
@@ -1068,7 +1140,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest at crop, batch, long)
+_VARIANT_IDS = {"v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest at crop, batch, long)
 
 
 class _ForwardOnly(torch.autograd.Function):
