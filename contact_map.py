@@ -27,12 +27,18 @@ runs the two products on the tensor cores in split TF32 ("3xTF32": each fp32 ope
 lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM), with every k step's
 hi*hi product promoted into an fp32 accumulator by an ordinary add (the tensor cores' own
 accumulation truncates). Measured against an fp64 evaluation on the H200 (harness, every shape and
-distribution): max error 1.0-1.2x that of the fp32 PyTorch reference itself (NOTES.md).
+distribution): max error 1.0-1.4x that of the fp32 PyTorch reference itself (v7; 1.7x at N = 1,
+where both are within one rounding of the output: 6.1e-8 vs 3.5e-8; NOTES.md).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v5"  (default) the products on the tensor cores (mma.sync m16n8k8 TF32, sm_80+) in split TF32:
+    "v7"  (default) v5 with 16 warps per tile (4 blocks of 16 pairs x 4 groups of the hidden units;
+          the statistics, s build and copies spread over twice the threads) and the A operands
+          split in 3 instructions instead of 9. 1.10-1.15x faster than v5 at crop, batch and long.
+          At hidden_dim > 128 it runs v5's kernel (16 warps would need more than the 128
+          registers per thread they may have).
+    "v5"  the products on the tensor cores (mma.sync m16n8k8 TF32, sm_80+) in split TF32:
           8 warps = 4 blocks of 16 pairs x 2 halves of the hidden units, weights staged as split
-          fragments. 1.06-1.17x faster than v3 at crop, batch and long (NOTES.md says why not more).
+          fragments. 1.06-1.22x faster than v3 at crop, batch and long (NOTES.md says why not more).
     "v3"  v2 with the FMA products software-pipelined: the shared-memory operands of the next 4
           values of k are loaded into registers while the current 4 are multiplied.
     "v2"   v1 with the LayerNorm statistics computed by two threads per vector (v1's one
@@ -44,7 +50,7 @@ Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
 
 Limits: pair_dim up to 256 and hidden_dim up to 256 (larger raises a clear error). hidden_dim is
 zero-padded to 16/32/64/128/256 inside the kernel. The weights are staged in shared memory when
-they fit beside the tile (227 KB per block on the H200; v5: pair_dim <= 248 / 208 / 144 / 40 at
+they fit beside the tile (227 KB per block on the H200; v5, v7: pair_dim <= 248 / 208 / 144 / 40 at
 hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
 are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
 Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
@@ -851,9 +857,10 @@ struct SmemTC {
   }
 };
 
-// v5: the tile walk, loader and statistics of v2/v3, the two products on the tensor cores in split
-// TF32 (mlp_tc), weights staged once per block as split fragments. One raw buffer: the next tile's
-// copies are queued after s is built and overlap the products.
+// v5 (NTHR = 256) and v7 (NTHR = 512): the tile walk, loader and statistics of v2/v3, the two products
+// on the tensor cores in split TF32 (mlp_tc), weights staged once per block as split fragments. One
+// raw buffer: the next tile's copies are queued once s is built (the mirror half after GEMM1) and
+// overlap the products.
 // Assumptions: C = pair_dim <= 256, CP = round_up(C, 8); H = hidden_dim <= HP (HP in 16..256, a
 // power of two); vec => C % 4 == 0 and x 16-byte aligned. Shared memory: SmemTC(CP, HP, WF).total.
 template <int HP, WFormat WF, int NTHR>
