@@ -26,16 +26,20 @@ Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The 
 runs the two products on the tensor cores in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, and a*b ~ hi*hi + hi*lo +
 lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM), with every k step's
 hi*hi product promoted into an fp32 accumulator by an ordinary add (the tensor cores' own
-accumulation truncates). Measured against an fp64 evaluation on the H200 (harness, every shape and
-distribution): max error 1.0-1.4x that of the fp32 PyTorch reference itself (v7; 1.7x at N = 1,
-where both are within one rounding of the output: 6.1e-8 vs 3.5e-8; NOTES.md).
+accumulation truncates). Measured against an fp64 evaluation on the H200 (harness, every
+distribution): max error 0.75-1.03x that of the fp32 PyTorch reference itself at the seed, crop,
+batch and long shapes (v7), 1.0-1.4x at the small odd shapes, and up to 2x at N = 1, where every
+variant and the reference are within one rounding of the output (3.9e-8 vs 2.0e-8; NOTES.md).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
     "v7"  (default) v5 with 16 warps per tile (4 blocks of 16 pairs x 4 groups of the hidden units;
           the statistics, s build and copies spread over twice the threads) and the A operands
-          split in 3 instructions instead of 9. 1.10-1.15x faster than v5 at crop, batch and long.
-          At hidden_dim > 128 it runs v5's kernel (16 warps would need more than the 128
-          registers per thread they may have).
+          split in 4 instructions instead of 9; at pair_dim <= 128 (64 at hidden_dim <= 32) the
+          LayerNorm statistics and s in one pass over the tile, read once into registers.
+          1.11-1.15x faster than v5 at crop, batch and long before that fused pass (which is
+          GPU-tested but not yet timed: NOTES.md). At hidden_dim > 128 it runs v5's kernel (16
+          warps would need more than the 128 registers per thread they may have;
+          `last_variant` still says "v7").
     "v5"  the products on the tensor cores (mma.sync m16n8k8 TF32, sm_80+) in split TF32:
           8 warps = 4 blocks of 16 pairs x 2 halves of the hidden units, weights staged as split
           fragments. 1.06-1.22x faster than v3 at crop, batch and long (NOTES.md says why not more).
@@ -242,15 +246,15 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
   hi = to_tf32(x);
   lo = to_tf32(x - __uint_as_float(hi));
 }
-// v7's split in 3 instructions: hi = x rounded to TF32 by adding half a TF32 ulp to the magnitude
-// and clearing the low 13 bits (ties away from zero, as cvt.rna); lo = x - hi (exact in fp32) is
-// passed unrounded: the tensor cores read only its top 19 bits (truncation; lo's error is then
-// ~2^-21 |x| instead of ~2^-22, against 2^-24 for an fp32 rounding; measured: the same max error as
-// cvt.rna at every harness shape, NOTES.md). Finite x only: near FLT_MAX hi overflows to inf, as the
-// fp32 products would.
+// v7's split in 4 instructions: hi = x rounded to TF32 by adding half a TF32 ulp to the magnitude
+// and clearing the low 13 bits (ties away from zero, as cvt.rna); lo = x - hi (exact in fp32)
+// truncated to TF32 by clearing its low 13 bits (lo's error is then ~2^-21 |x| instead of ~2^-22,
+// against 2^-24 for an fp32 rounding; the max errors: NOTES.md). Finite x only: within half a TF32
+// ulp of FLT_MAX, hi becomes inf and the products NaN (cvt.rna.tf32 does the same); the operands
+// here are LayerNorm and ReLU outputs and the weights.
 __device__ __forceinline__ void split_tf32_fast(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-  lo = __float_as_uint(x - __uint_as_float(hi));
+  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
 }
 template <bool FAST>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
@@ -372,8 +376,8 @@ __device__ __forceinline__ void decode_tile(long long t, long long tiles_per_b, 
 }
 
 // Rows row0..row1-1 of load_tile below (v2 and later: a warp copies whole rows, so the index
-// arithmetic is per row). v5/v7 queue a tile in two halves, the mirror half after the first product,
-// so that the warps do not stall issuing copies while the previous ones are still in flight.
+// arithmetic is per row). v5/v7 queue a tile in two halves, the mirror half after the first product
+// (measured 3-5% faster than all at once: NOTES.md).
 template <int NTHR>
 __device__ __forceinline__ void load_rows(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
                                           int J, int N, int C, bool vec, int row0, int row1) {
@@ -746,6 +750,80 @@ __device__ __forceinline__ void build_s(const float* raw, int raw_ld, const floa
   }
 }
 
+// v7 at pair_dim <= 64 M: the LayerNorm statistics and s in one pass, the raw tile read once into
+// registers (tile_stats + build_s read it three times and pass the statistics through shared
+// memory). Warp w owns pairs 4w..4w+3: their 8 rows (4 tile rows, 4 mirrors) x 4 lanes. Lane bits:
+// k = lane & 3 (pair 4w + k), part P = ((lane >> 4) << 1) | ((lane >> 2) & 1), half = (lane >> 3) & 1
+// (0: row p, 1: its mirror 64 + p; the partner lane is lane ^ 8). Lane P holds the float4s
+// q = 16 m + 4 P + u (m < M, u < 4) of its row, so a quarter-warp (4 rows x 2 parts 16 words apart)
+// reads 8 distinct 4-bank groups whenever raw_ld = 4 (mod 8). Same arithmetic as tile_stats (four
+// partial sums, two-pass) and build_s; s for u < 2 is built by the half-0 lane (its own values and
+// the mirror's from shared memory), for u >= 2 by the half-1 lane. Needs CP <= 64 M, 512 threads.
+// M = 1 where the kernel runs 2 blocks per SM (64 registers per thread), else 2.
+template <int M>
+__device__ __forceinline__ void stats_build_fused(const float* raw, int raw_ld, int CP, int C, float inv_c,
+                                                  float eps, const float* gam, const float* bet, float* act,
+                                                  int lds) {
+  const int lane = threadIdx.x & 31;
+  const int k = lane & 3, half = (lane >> 3) & 1, P = ((lane >> 4) << 1) | ((lane >> 2) & 1);
+  const int p = (threadIdx.x >> 5) * 4 + k;
+  const int nq = CP / 4;  // columns C..CP-1 are zero in raw
+  const float* row = raw + (half * PAIRS + p) * raw_ld;
+  float4 v[M][4];
+  float s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int q = 16 * m + 4 * P + u;
+      v[m][u] = q < nq ? *reinterpret_cast<const float4*>(row + 4 * q) : make_float4(0.f, 0.f, 0.f, 0.f);
+      s4[u] += (v[m][u].x + v[m][u].y) + (v[m][u].z + v[m][u].w);
+    }
+  float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 4);   // the 4 parts of the row
+  sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+  const float mean = sum * inv_c;
+  float m4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int c = 4 * (16 * m + 4 * P + u);       // mask the padding: (0 - mean)^2 != 0
+      const float dx = c < C ? v[m][u].x - mean : 0.f;
+      const float dy = c + 1 < C ? v[m][u].y - mean : 0.f;
+      const float dz = c + 2 < C ? v[m][u].z - mean : 0.f;
+      const float dw = c + 3 < C ? v[m][u].w - mean : 0.f;
+      m4[u] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+    }
+  float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]);
+  m2 += __shfl_xor_sync(0xffffffffu, m2, 4);
+  m2 += __shfl_xor_sync(0xffffffffu, m2, 16);
+  const float rstd = rsqrtf(m2 * inv_c + eps);
+  const float mean_o = __shfl_xor_sync(0xffffffffu, mean, 8), rstd_o = __shfl_xor_sync(0xffffffffu, rstd, 8);
+  const float ma = half ? mean_o : mean, ra = half ? rstd_o : rstd;  // row p
+  const float mb = half ? mean : mean_o, rb = half ? rstd : rstd_o;  // row 64 + p
+  const float* other = raw + ((1 - half) * PAIRS + p) * raw_ld;
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int uu = 0; uu < 2; ++uu) {
+      const int q = 16 * m + 4 * P + 2 * half + uu;
+      if (q < nq) {
+        const float4 own = half ? v[m][2 + uu] : v[m][uu];  // static indices: no local memory
+        const float4 oth = *reinterpret_cast<const float4*>(other + 4 * q);
+        const float4 va = half ? oth : own, vb = half ? own : oth;
+        const float4 gg = *reinterpret_cast<const float4*>(gam + 4 * q);
+        const float4 be = *reinterpret_cast<const float4*>(bet + 4 * q);
+        float4 o;
+        o.x = 0.5f * (((va.x - ma) * ra * gg.x + be.x) + ((vb.x - mb) * rb * gg.x + be.x));
+        o.y = 0.5f * (((va.y - ma) * ra * gg.y + be.y) + ((vb.y - mb) * rb * gg.y + be.y));
+        o.z = 0.5f * (((va.z - ma) * ra * gg.z + be.z) + ((vb.z - mb) * rb * gg.z + be.z));
+        o.w = 0.5f * (((va.w - ma) * ra * gg.w + be.w) + ((vb.w - mb) * rb * gg.w + be.w));
+        *reinterpret_cast<float4*>(act + p * lds + 4 * q) = o;
+      }
+    }
+}
+
 // The MLP of one tile on the tensor cores, all NTHR threads; act holds s (PAIRS x lds) on entry.
 // The warps are 4 row blocks of 16 pairs x NG column groups of the hidden units (v5: 8 warps, NG = 2;
 // v7: 16 warps, NG = 4, or 2 at HP = 16 with the other 8 warps idle in the products). GEMM1 -> h1
@@ -915,14 +993,23 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
   for (; t < total; t += gridDim.x) {
     cp_async_wait_all();
     __syncthreads();  // this tile's copies (all threads') and the parameters are in shared memory
-    tile_stats<NTHR>(raw, raw_ld, cdiv(C, 4), C, inv_c, eps, stats);
-    __syncthreads();  // statistics visible to all threads
-    build_s<NTHR>(raw, raw_ld, stats, gam, gam + CP, act, lds, CP / 4);
+    // v7: statistics and s fused at pair_dim <= 64 FM (with the weights from global memory that
+    // happens only at HP = 128).
+    constexpr int FM = HP <= 32 ? 1 : 2;
+    bool fused = false;
+    if constexpr (NTHR == 512 && (WF == WFormat::kSplit || HP == 128)) fused = CP <= 64 * FM;
+    if (fused) {
+      stats_build_fused<FM>(raw, raw_ld, CP, C, inv_c, eps, gam, gam + CP, act, lds);
+    } else {
+      tile_stats<NTHR>(raw, raw_ld, cdiv(C, 4), C, inv_c, eps, stats);
+      __syncthreads();  // statistics visible to all threads
+      build_s<NTHR>(raw, raw_ld, stats, gam, gam + CP, act, lds, CP / 4);
+    }
     __syncthreads();  // s complete; the raw buffers are free for the next tile
 
-    // The next tile's copies, in two halves: rows 0..63 now, the mirror rows after GEMM1. Issued at
-    // once, the warps stalled ~3000-5000 cycles per tile in the cp.async instructions (clock64
-    // profile, crop and batch: NOTES.md).
+    // The next tile's copies, in two halves: rows 0..63 now, the mirror rows after GEMM1 (issued at
+    // once they took 3000-5000 cycles per tile at crop and batch; in halves the loop is 3-5% faster:
+    // NOTES.md).
     const bool more = t + gridDim.x < total;
     int nb = 0, nI = 0, nJ = 0;
     if (more) {

@@ -162,9 +162,14 @@ def test_named_shapes(cm, ref, name):
     (1, 1, 64, 32), (2, 2, 64, 32), (1, 127, 64, 32), (1, 129, 128, 64), (3, 9, 33, 17),
     (2, 17, 7, 5), (1, 40, 1, 1), (1, 31, 256, 128), (1, 23, 256, 64), (1, 19, 96, 200),
     (1, 70, 130, 100), (2, 24, 16, 16), (1, 50, 256, 256),
-    # v5's other weight layouts: in shared memory at hidden 128 (pair_dim <= 40), from global memory
-    # at hidden 16 and 24 (pair_dim above what fits beside the tile)
+    # v5/v7's other weight layouts: in shared memory at hidden 128 (pair_dim <= 40), from global
+    # memory at hidden 16 and 24 (pair_dim above what fits beside the tile)
     (1, 20, 40, 100), (1, 20, 256, 16), (1, 20, 232, 24),
+    # more tiles than resident blocks on an H200 (132 SMs, 1-2 blocks each), so blocks walk several
+    # tiles (the carried tile index, the next tile queued in halves, padding kept across tiles) with
+    # padding, odd sizes, the weights from global memory, hidden 128/256
+    (2, 130, 7, 5), (4, 96, 33, 17), (1, 160, 40, 100), (1, 160, 130, 100), (1, 160, 256, 64),
+    (1, 160, 96, 200),
 ])
 @pytest.mark.parametrize("dist", ["normal", "offset"])
 def test_awkward_sizes(cm, ref, B, N, C, H, dist):
