@@ -1293,6 +1293,18 @@ def main(argv=None):
     if not isinstance(getattr(solmod, "ModelNew", None), type):
         return finish(EXIT_BUILD, f"BUILD FAILED: {sol_path} defines no class ModelNew")
 
+    # A --variant the solution does not declare is a usage error, on any machine (before the device check).
+    NewModel = solmod.ModelNew
+    declared = tuple(getattr(NewModel, "VARIANTS", ()) or ())
+    if args.variant in (None, "all"):
+        variants = list(declared) or [None]
+    elif not declared:
+        return finish(EXIT_USAGE, f"usage: --variant {args.variant}: ModelNew declares no VARIANTS")
+    elif args.variant not in declared:
+        return finish(EXIT_USAGE, f"usage: --variant {args.variant}: not in ModelNew.VARIANTS {declared}")
+    else:
+        variants = [args.variant]
+
     want = args.device or "cuda"
     if want == "cuda" and not have_cuda:
         report["device"] = dict(type=None)
@@ -1310,16 +1322,6 @@ def main(argv=None):
     if device.type == "cpu" and not args.no_timing and not args.cpu_timing:
         report["notes"].append("timing needs a CUDA device: skipped on the CPU")
 
-    NewModel = solmod.ModelNew
-    declared = tuple(getattr(NewModel, "VARIANTS", ()) or ())
-    if args.variant in (None, "all"):
-        variants = list(declared) or [None]
-    elif not declared:
-        return finish(EXIT_USAGE, f"usage: --variant {args.variant}: ModelNew declares no VARIANTS")
-    elif args.variant not in declared:
-        return finish(EXIT_USAGE, f"usage: --variant {args.variant}: not in ModelNew.VARIANTS {declared}")
-    else:
-        variants = [args.variant]
     report["settings"] = dict(trials=args.trials, seed=args.seed, atol=args.atol, rtol=args.rtol, tf32=False,
                               variants=[v or "-" for v in variants], samples=args.samples,
                               input_sets=args.input_sets, timing=timing, compile=not args.no_compile,
