@@ -170,6 +170,8 @@ def test_named_shapes(cm, ref, name):
     # padding, odd sizes, the weights from global memory, hidden 128/256
     (2, 130, 7, 5), (4, 96, 33, 17), (1, 160, 40, 100), (1, 160, 130, 100), (1, 160, 256, 64),
     (1, 160, 96, 200),
+    # v7's fused statistics pass with the weights from global memory (pair_dim 41-128, hidden 65-128)
+    (1, 160, 96, 100), (2, 67, 128, 128),
 ])
 @pytest.mark.parametrize("dist", ["normal", "offset"])
 def test_awkward_sizes(cm, ref, B, N, C, H, dist):
