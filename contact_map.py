@@ -127,6 +127,19 @@ __device__ __forceinline__ void cp_async4(float* smem, const float* gmem, bool v
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// s = (LN(va) + LN(vb)) / 2 per component: va, vb the raw values of x[b,i,j] and x[b,j,i] at the
+// same 4 channels, (ma, ra) and (mb, rb) their rows' mean and 1 / std, gg and be gamma and beta.
+// One expression for every variant (v1-v3 build s^T, v5 build_s, v7 stats_build_fused).
+__device__ __forceinline__ float4 sym_ln4(float4 va, float4 vb, float ma, float ra, float mb, float rb, float4 gg,
+                                          float4 be) {
+  float4 o;
+  o.x = 0.5f * (((va.x - ma) * ra * gg.x + be.x) + ((vb.x - mb) * rb * gg.x + be.x));
+  o.y = 0.5f * (((va.y - ma) * ra * gg.y + be.y) + ((vb.y - mb) * rb * gg.y + be.y));
+  o.z = 0.5f * (((va.z - ma) * ra * gg.z + be.z) + ((vb.z - mb) * rb * gg.z + be.z));
+  o.w = 0.5f * (((va.w - ma) * ra * gg.w + be.w) + ((vb.w - mb) * rb * gg.w + be.w));
+  return o;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -652,10 +665,11 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
         const float4 g = *reinterpret_cast<const float4*>(gam + 4 * c4);
         const float4 be = *reinterpret_cast<const float4*>(bet + 4 * c4);
         float* col = st + 4 * c4 * LDP + p;
-        col[0 * LDP] = 0.5f * (((va.x - ma) * ra * g.x + be.x) + ((vb.x - mb) * rb * g.x + be.x));
-        col[1 * LDP] = 0.5f * (((va.y - ma) * ra * g.y + be.y) + ((vb.y - mb) * rb * g.y + be.y));
-        col[2 * LDP] = 0.5f * (((va.z - ma) * ra * g.z + be.z) + ((vb.z - mb) * rb * g.z + be.z));
-        col[3 * LDP] = 0.5f * (((va.w - ma) * ra * g.w + be.w) + ((vb.w - mb) * rb * g.w + be.w));
+        const float4 o = sym_ln4(va, vb, ma, ra, mb, rb, g, be);
+        col[0 * LDP] = o.x;
+        col[1 * LDP] = o.y;
+        col[2 * LDP] = o.z;
+        col[3 * LDP] = o.w;
       }
     }
     __syncthreads();  // s^T complete; the raw buffers are free for the next tile
@@ -728,7 +742,7 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
 }
 
 // ---- pieces of the tensor-core kernel (v5) ------------------------------------------------------
-// s[p][c] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2, the same expression as v1-v3, from the raw
+// s[p][c] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2 (sym_ln4, as v1-v3 and v7) from the raw
 // tile (rows p and PAIRS + p) and its statistics into act (PAIRS x lds, row-major). Consecutive
 // threads take consecutive float4s of a row: conflict-free reads and writes when CP % 32 == 0
 // (2-way at CP = 8, 16, 24, 48, ...: a quarter-warp then spans two rows).
@@ -743,12 +757,7 @@ __device__ __forceinline__ void build_s(const float* raw, int raw_ld, const floa
     const float4 vb = *reinterpret_cast<const float4*>(raw + (PAIRS + p) * raw_ld + c);
     const float4 gg = *reinterpret_cast<const float4*>(gam + c);
     const float4 be = *reinterpret_cast<const float4*>(bet + c);
-    float4 o;
-    o.x = 0.5f * (((va.x - ma) * ra * gg.x + be.x) + ((vb.x - mb) * rb * gg.x + be.x));
-    o.y = 0.5f * (((va.y - ma) * ra * gg.y + be.y) + ((vb.y - mb) * rb * gg.y + be.y));
-    o.z = 0.5f * (((va.z - ma) * ra * gg.z + be.z) + ((vb.z - mb) * rb * gg.z + be.z));
-    o.w = 0.5f * (((va.w - ma) * ra * gg.w + be.w) + ((vb.w - mb) * rb * gg.w + be.w));
-    *reinterpret_cast<float4*>(act + p * lds + c) = o;
+    *reinterpret_cast<float4*>(act + p * lds + c) = sym_ln4(va, vb, ma, ra, mb, rb, gg, be);
   }
 }
 
@@ -816,12 +825,7 @@ __device__ __forceinline__ void stats_build_fused(const float* raw, int raw_ld, 
         const float4 va = half ? oth : own, vb = half ? own : oth;
         const float4 gg = *reinterpret_cast<const float4*>(gam + 4 * q);
         const float4 be = *reinterpret_cast<const float4*>(bet + 4 * q);
-        float4 o;
-        o.x = 0.5f * (((va.x - ma) * ra * gg.x + be.x) + ((vb.x - mb) * rb * gg.x + be.x));
-        o.y = 0.5f * (((va.y - ma) * ra * gg.y + be.y) + ((vb.y - mb) * rb * gg.y + be.y));
-        o.z = 0.5f * (((va.z - ma) * ra * gg.z + be.z) + ((vb.z - mb) * rb * gg.z + be.z));
-        o.w = 0.5f * (((va.w - ma) * ra * gg.w + be.w) + ((vb.w - mb) * rb * gg.w + be.w));
-        *reinterpret_cast<float4*>(act + p * lds + 4 * q) = o;
+        *reinterpret_cast<float4*>(act + p * lds + 4 * q) = sym_ln4(va, vb, ma, ra, mb, rb, gg, be);
       }
     }
 }

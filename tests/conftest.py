@@ -6,10 +6,12 @@
   so importing a kernel file still builds its extension with nvcc.
 * fixtures: `repo_root` (absolute path of the repository), `load_module` (imports a Python file by
   path, relative to the repository root or absolute: `mod = load_module("contact_map.py")`; the
-  same function as harness.load_module, so importing a kernel file builds it), `run_harness`
+  same function as harness.load_module, so importing a kernel file builds it), `kernel_module`
+  (load_module for a kernel file, skipping the test when no CUDA toolkit is found), `run_harness`
   (harness.main(argv) in-process, returns (exit code, captured stdout)).
 """
 import os
+import shutil
 import sys
 
 import pytest
@@ -47,6 +49,19 @@ def repo_root():
 def load_module():
     """harness.load_module(path, name=None): import a file by path (relative to the repo root or absolute)."""
     return harness.load_module
+
+
+@pytest.fixture(scope="session")
+def kernel_module():
+    """kernel_module(path, name): import a kernel file (builds its CUDA extension, a minute or more the
+    first time); skips the test when there is no CUDA toolkit (no CUDA_HOME, no nvcc on PATH)."""
+
+    def load(path, name):
+        if not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
+            pytest.skip("no CUDA toolkit (set CUDA_HOME): cannot build the kernel")
+        return harness.load_module(path, name)
+
+    return load
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ CPU tests (run in CI): the CUDA source builds with nvcc, and bad inputs raise cl
 GPU tests (marker `gpu`, skipped without CUDA): every kernel variant on the harness's named shapes
 and on awkward sizes, distributions, strides and parameter values, at atol = rtol = 1e-4.
 """
-import os
-import shutil
 
 import pytest
 import torch
@@ -16,11 +14,8 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
-def cm(load_module):
-    """The kernel module (importing it builds the CUDA extension, about a minute the first time)."""
-    if not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
-        pytest.skip("no CUDA toolkit (set CUDA_HOME): cannot build the kernel")
-    return load_module("contact_map.py", "contact_map_under_test")
+def cm(kernel_module):
+    return kernel_module("contact_map.py", "contact_map_under_test")
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ atol = rtol = 1e-4 on the named shapes (except "huge"), awkward sizes, hidden_di
 pair_dim not a multiple of 4, float/bool/integer masks, fully masked positions, non-contiguous
 inputs, empty sizes, a > 2^31-element output, state_dict loading, and forward-only backward.
 """
-import os
-import shutil
 
 import pytest
 import torch
@@ -20,11 +18,8 @@ TOL = dict(atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
-def opm(load_module):
-    """The kernel module (importing it builds the CUDA extension, about a minute the first time)."""
-    if not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
-        pytest.skip("no CUDA toolkit (set CUDA_HOME): cannot build the kernel")
-    return load_module("outer_product_mean.py", "outer_product_mean_under_test")
+def opm(kernel_module):
+    return kernel_module("outer_product_mean.py", "outer_product_mean_under_test")
 
 
 @pytest.fixture(scope="module")
