@@ -945,10 +945,18 @@ struct SmemTC {
 // on the tensor cores in split TF32 (mlp_tc), weights staged once per block as split fragments. One
 // raw buffer: the next tile's copies are queued once s is built (the mirror half after GEMM1) and
 // overlap the products.
+// MINB: the blocks per SM the registers are budgeted for (__launch_bounds__): 2 (v5 at HP <= 64;
+// v7 at HP <= 32 when two blocks' shared memory fits on an SM: 64 registers per thread at 512
+// threads), else 1. kMinBlocksTC gives v5's and v7's default; v7's launcher picks 1 at HP <= 32
+// when only one block fits anyway (batch: pair_dim 128, 146 KB), which lets the fused statistics
+// pass (FM = 2) run there.
 // Assumptions: C = pair_dim <= 256, CP = round_up(C, 8); H = hidden_dim <= HP (HP in 16..256, a
 // power of two); vec => C % 4 == 0 and x 16-byte aligned. Shared memory: SmemTC(CP, HP, WF).total.
-template <int HP, WFormat WF, int NTHR>
-__global__ void __launch_bounds__(NTHR, (NTHR == 256 && HP <= 64) || (NTHR == 512 && HP <= 32) ? 2 : 1)
+template <int HP, int NTHR>
+constexpr int kMinBlocksTC = (NTHR == 256 && HP <= 64) || (NTHR == 512 && HP <= 32) ? 2 : 1;
+
+template <int HP, WFormat WF, int NTHR, int MINB = kMinBlocksTC<HP, NTHR>>
+__global__ void __launch_bounds__(NTHR, MINB)
 contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
                       float* __restrict__ out,           // (B, N, N)
                       const float* __restrict__ ln_w,    // (C)
@@ -1000,8 +1008,8 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
     cp_async_wait_all();
     __syncthreads();  // this tile's copies (all threads') and the parameters are in shared memory
     // v7: statistics and s fused at pair_dim <= 64 FM (with the weights from global memory that
-    // happens only at HP = 128).
-    constexpr int FM = HP <= 32 ? 1 : 2;
+    // happens only at HP = 128). FM = 2 needs more than 64 registers (it spilled 12 bytes there).
+    constexpr int FM = MINB == 2 ? 1 : 2;
     bool fused = false;
     if constexpr (NTHR == 512 && (WF == WFormat::kSplit || HP == 128)) fused = CP <= 64 * FM;
     if (fused) {
@@ -1052,12 +1060,17 @@ struct Args {
 using KernelFn = void (*)(const float*, float*, const float*, const float*, const float*, const float*,
                           const float*, const float*, const float*, const float*, float, int, int, int, int,
                           int, bool);
-void launch_persistent(KernelFn kernel, int threads, size_t smem, const Args& a, cudaStream_t stream,
-                       int num_sms) {
+int blocks_per_sm(KernelFn kernel, int threads, size_t smem) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return per_sm;
+}
+
+void launch_persistent(KernelFn kernel, int threads, size_t smem, const Args& a, cudaStream_t stream,
+                       int num_sms) {
+  const int per_sm = blocks_per_sm(kernel, threads, smem);
   TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
               " bytes of shared memory)");
   const int nT = cdiv(a.N, TILE);
@@ -1094,10 +1107,18 @@ void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
 
 // v5 / v7 (contact_map_tc_kernel with 256 / 512 threads): weights as split fragments in shared memory
 // when they fit beside the tile, else read from global memory.
+// v7 at HP <= 32: the 2-blocks-per-SM build (64 registers) only where two blocks fit by shared memory,
+// else the 1-block build with the fused statistics pass (MINB above).
 template <int HP, WFormat WF, int NTHR>
 void launch_tc(const Args& a, cudaStream_t stream, int num_sms) {
-  launch_persistent(contact_map_tc_kernel<HP, WF, NTHR>, NTHR, sizeof(float) * SmemTC(a.CP, HP, WF).total, a,
-                    stream, num_sms);
+  const size_t smem = sizeof(float) * SmemTC(a.CP, HP, WF).total;
+  if constexpr (kMinBlocksTC<HP, NTHR> == 2 && NTHR == 512) {
+    if (blocks_per_sm(contact_map_tc_kernel<HP, WF, NTHR, 2>, NTHR, smem) < 2) {
+      launch_persistent(contact_map_tc_kernel<HP, WF, NTHR, 1>, NTHR, smem, a, stream, num_sms);
+      return;
+    }
+  }
+  launch_persistent(contact_map_tc_kernel<HP, WF, NTHR>, NTHR, smem, a, stream, num_sms);
 }
 
 template <WFormat WF>

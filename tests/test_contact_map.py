@@ -167,6 +167,8 @@ def test_named_shapes(cm, ref, name):
     (1, 160, 96, 200),
     # v7's fused statistics pass with the weights from global memory (pair_dim 41-128, hidden 65-128)
     (1, 160, 96, 100), (2, 67, 128, 128),
+    # v7 at hidden <= 32 where one block fits per SM (the 1-block build with the fused pass)
+    (2, 100, 128, 32), (1, 90, 104, 20), (1, 150, 120, 16),
 ])
 @pytest.mark.parametrize("dist", ["normal", "offset"])
 def test_awkward_sizes(cm, ref, B, N, C, H, dist):
