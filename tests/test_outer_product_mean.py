@@ -122,11 +122,11 @@ def _run(new, msa, mask, variant):
         out = new(msa, mask)
     if variant != "auto":
         assert new.last_variant == variant
-    assert new.last_variant in ("outer_first", "w_first", "w_first_small")
+    assert new.last_variant in ORDERS
     return out
 
 
-ORDERS = ("outer_first", "w_first", "w_first_small")  # every forced variant
+ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc")  # every forced variant
 
 
 def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=0, variants=ORDERS,
