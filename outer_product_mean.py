@@ -36,7 +36,7 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   outer_first, shallow ones w_first (shallow) or w_first_small (seed). After each call
   `model.last_variant` names the variant that ran.
 
-Kernels (all FP32 FMA, no tensor cores):
+Kernels (FP32 FMA except opm_wfirst_tc_kernel):
   opm_prep_kernel        one launch, three block roles: (1) 64 rows of msa per block: x staged in
                          shared memory once, two-pass LayerNorm statistics from shared memory, both
                          projections as one [64 x c_m] x [c_m x 2CP] register-tiled GEMM (4 x 2CP/16
@@ -55,6 +55,9 @@ Kernels (all FP32 FMA, no tensor cores):
                          shallow; replaced, not kept: it was a stage, not a contraction order.)
   opm_wfirst_gemm_kernel w_first stage 2: the same 128 x 128 / 8 x 8 / cp.async main loop over
                          K = S*CP, epilogue bias + inv_denom.
+  opm_wfirst_tc_kernel   w_first_tc stage 2 (work in progress, not run on a GPU yet): the
+                         opm_wfirst_gemm_kernel product on the tensor cores in split TF32
+                         (mma.sync m16n8k8), 16 warps of 32 x 32 per 128 x 128 tile.
   opm_wfirst_small_kernel  w_first_small stage 2: 32 x 64 tiles, the 8 warps split K (64-row
                          stages, 8 rows per warp, 8 x 8 per lane), partials summed in shared memory
                          (deterministic): many more blocks than 128 x 128 tiles when N and N*c_z are
@@ -833,6 +836,8 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // TF32 mma needs sm_80+: never return a silently wrong product
 #endif
 }
 
