@@ -36,7 +36,7 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   outer_first, shallow ones w_first (shallow) or w_first_small (seed). After each call
   `model.last_variant` names the variant that ran.
 
-Kernels (all FP32 FMA, no tensor cores):
+Kernels (FP32 FMA except opm_wfirst_tc_kernel):
   opm_prep_kernel        one launch, three block roles: (1) 64 rows of msa per block: x staged in
                          shared memory once, two-pass LayerNorm statistics from shared memory, both
                          projections as one [64 x c_m] x [c_m x 2CP] register-tiled GEMM (4 x 2CP/16
@@ -55,6 +55,9 @@ Kernels (all FP32 FMA, no tensor cores):
                          shallow; replaced, not kept: it was a stage, not a contraction order.)
   opm_wfirst_gemm_kernel w_first stage 2: the same 128 x 128 / 8 x 8 / cp.async main loop over
                          K = S*CP, epilogue bias + inv_denom.
+  opm_wfirst_tc_kernel   w_first_tc stage 2 (work in progress, not run on a GPU yet): the
+                         opm_wfirst_gemm_kernel product on the tensor cores in split TF32
+                         (mma.sync m16n8k8), 16 warps of 32 x 32 per 128 x 128 tile.
   opm_wfirst_small_kernel  w_first_small stage 2: 32 x 64 tiles, the 8 warps split K (64-row
                          stages, 8 rows per warp, 8 x 8 per lane), partials summed in shared memory
                          (deterministic): many more blocks than 128 x 128 tiles when N and N*c_z are
@@ -69,8 +72,10 @@ Limits: forward only (backward raises); FP32 only for msa_repr and the parameter
 (a block keeps 64 rows of msa in shared memory); hidden_dim <= 128; hidden_dim 64 and 128 run the
 same code with smaller residue tiles and are slower per FLOP.
 
-Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first", "w_first_small"); set `model.variant`
-(w_first and w_first_small differ only in the stage-2 kernel).
+Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc"); set
+`model.variant` (the w_first ones differ only in the stage-2 kernel). w_first_tc (branch
+opm-tf32-wip, work in progress): stage 2 on the tensor cores in split TF32 (opm_wfirst_tc_kernel,
+mma.sync m16n8k8); built with 0 spills, NOT YET RUN ON A GPU; "auto" never picks it.
 Run:   python harness.py outer_product_mean
 Build: about a minute the first time (cached afterwards; rebuilds when this source changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
@@ -812,6 +817,165 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Split TF32 on the tensor cores (issue 5; variant w_first_tc, UNTESTED on a GPU so far).
+// x = hi + lo: hi = x rounded to TF32 (add half a TF32 ulp to the magnitude, clear the low 13 bits),
+// lo = x - hi (exact in fp32) truncated to TF32; a*b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b, the dropped
+// lo_a lo_b ~2^-21 |a b|. The scheme and the accumulation are contact_map.py's v7 (measured there:
+// max error 0.75-1.03x the fp32 reference's at its named shapes).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
+}
+// d += A(16 x 8, row-major) * B(8 x 8, column-major), TF32 inputs, fp32 accumulate (sm_80+).
+// Fragments (g = lane / 4, t = lane % 4): a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]},
+// b = {B[t][g], B[t+4][g]}, d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // TF32 mma needs sm_80+: never return a silently wrong product
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_wfirst_tc_kernel: opm_wfirst_gemm_kernel's product (w_first stage 2 for the j-chunk
+//   [j0, j0 + JCv): out[b,i,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_{k=(s,h)} aT[b][k][i] P[b][k][n],
+//   n = jl*CZP4 + z) on the tensor cores in split TF32.
+// Block tile 128 (i) x 128 (n), 16 warps of 32 x 32 (2 m16 blocks x 4 n8 tiles each; with 8 warps of
+//   64 x 32 the accumulators alone took 128 registers and ptxas spilled), K in stages
+//   of kTcKC rows, double-buffered cp.async; the stage rows are kTcLd = 136 floats apart, so the
+//   scalar fragment loads (lanes g = 0..7 along i or n, t = 0..3 along k) hit 32 distinct banks.
+// Accumulation: each k step's hi*hi into a zeroed set, promoted into acc by an fp32 add (the tensor
+//   cores' own accumulation truncates); lo*hi + hi*lo accumulated on the tensor cores over all of K
+//   (sm), added at the end.
+// Assumptions: kTcThreads = 512 threads; Npad % 4 == 0; ldp % 4 == 0; JCv*CZP4 % 4 == 0.
+// Shared memory (dynamic): As [2][kTcKC][kTcLd], Bs [2][kTcKC][kTcLd] (68 KB).
+// ---------------------------------------------------------------------------------------------
+constexpr int kTcThreads = 512, kTcKC = 32, kTcLd = kTile + 8;
+constexpr size_t kTcSmemBytes = 4 * 2 * 2 * kTcKC * kTcLd;
+
+__global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
+    const float* __restrict__ aT, const float* __restrict__ P, const float* __restrict__ inv_denom,
+    const float* __restrict__ bo, float* __restrict__ out,
+    int64_t B, int64_t S, int64_t N, int64_t Npad, int CP, int64_t j0, int64_t JCv, int64_t ldp, int cz, int CZP4) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* As = smem;                          // [2][kTcKC][kTcLd]: As[k][i]
+  float* Bs = smem + 2 * kTcKC * kTcLd;      // [2][kTcKC][kTcLd]: Bs[k][n]
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
+  const int wm = warp / 4, wn = warp % 4;    // warp tile: rows 32 wm.., columns 32 wn..
+  const int64_t K = S * CP;
+  const int64_t ncols = JCv * CZP4;
+  const int64_t tm = cdiv(N, kTile), tn = cdiv(ncols, kTile);
+  const int64_t total = B * tm * tn;
+  const int64_t nchunks = cdiv(K, kTcKC);
+  for (int64_t tt = blockIdx.x; tt < total; tt += gridDim.x) {
+    const int64_t tcol = tt % tn, trow = (tt / tn) % tm, b = tt / (tn * tm);
+    const int64_t i0 = trow * kTile, n0 = tcol * kTile;
+    // Copies: column c4 fixed per thread, rows k = ch*kTcKC + kl0 + 16u (kl0 = warp).
+    const int c4 = (tid % 32) * 4, kl0 = tid / 32;
+    const int nva = static_cast<int>(max64(0, min64(4, N - (i0 + c4))));
+    const bool okn = n0 + c4 < ncols;
+    const float* a_src = aT + (b * K + kl0) * Npad + i0 + c4;
+    const float* p_src = P + (b * K + kl0) * ldp + n0 + c4;
+    auto load_stage = [&](int buf, int64_t ch) {
+      float* as = As + buf * kTcKC * kTcLd;
+      float* bs = Bs + buf * kTcKC * kTcLd;
+#pragma unroll
+      for (int u = 0; u < kTcKC / 16; ++u) {
+        const int64_t dk = ch * kTcKC + u * 16;  // k - kl0
+        const bool in_k = kl0 + dk < K;
+        const bool oka = in_k && nva > 0, okb = in_k && okn;
+        cp_async<16>(as + (kl0 + u * 16) * kTcLd + c4, oka ? a_src + dk * Npad : aT, oka ? nva * 4 : 0);
+        cp_async<16>(bs + (kl0 + u * 16) * kTcLd + c4, okb ? p_src + dk * ldp : P, okb ? 16 : 0);
+      }
+    };
+    float acc[2][4][4], sm[2][4][4];
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[mb][nt][q] = sm[mb][nt][q] = 0.f;
+
+    if (nchunks > 0) {
+      load_stage(0, 0);
+      cp_async_commit();
+    }
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
+      const int buf = static_cast<int>(ch & 1);
+      if (ch + 1 < nchunks) {
+        load_stage(buf ^ 1, ch + 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();  // every thread's copies of chunk ch are visible to all threads
+      const float* a = As + buf * kTcKC * kTcLd + wm * 32 + g;
+      const float* bm = Bs + buf * kTcKC * kTcLd + wn * 32 + g;
+#pragma unroll 1  // one k step's fragments live at a time (register budget: 128 at 512 threads)
+      for (int ks = 0; ks < kTcKC / 8; ++ks) {
+        const int r0 = (ks * 8 + t4) * kTcLd, r1 = r0 + 4 * kTcLd;  // k = 8 ks + t, 8 ks + t + 4
+        uint32_t ah[2][4], al[2][4], bh[4][2], bl[4][2];
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb) {
+          split_tf32(a[r0 + mb * 16], ah[mb][0], al[mb][0]);
+          split_tf32(a[r0 + mb * 16 + 8], ah[mb][1], al[mb][1]);
+          split_tf32(a[r1 + mb * 16], ah[mb][2], al[mb][2]);
+          split_tf32(a[r1 + mb * 16 + 8], ah[mb][3], al[mb][3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          split_tf32(bm[r0 + nt * 8], bh[nt][0], bl[nt][0]);
+          split_tf32(bm[r1 + nt * 8], bh[nt][1], bl[nt][1]);
+        }
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_tf32(d, ah[mb], bh[nt][0], bh[nt][1]);
+            mma_tf32(sm[mb][nt], al[mb], bh[nt][0], bh[nt][1]);
+            mma_tf32(sm[mb][nt], ah[mb], bl[nt][0], bl[nt][1]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[mb][nt][q] += d[q];
+          }
+      }
+      __syncthreads();  // stage buf fully read before iteration ch+1 prefetches chunk ch+2 into it
+    }
+
+    // Epilogue: d[q] of (mb, nt) is row i0 + 32 wm + 16 mb + g + 8 (q / 2), column
+    // n0 + 32 wn + 8 nt + 2 t + (q % 2).
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int64_t i = i0 + wm * 32 + mb * 16 + g + 8 * hr;
+        if (i >= N) continue;
+        const float inv = inv_denom[b * N + i];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int hc = 0; hc < 2; ++hc) {
+            const int64_t n = n0 + wn * 32 + nt * 8 + 2 * t4 + hc;
+            if (n >= ncols) continue;
+            const int64_t jl = n / CZP4;
+            const int z = static_cast<int>(n - jl * CZP4);
+            if (z >= cz) continue;
+            const int q = 2 * hr + hc;
+            out[((b * N + i) * N + j0 + jl) * cz + z] = __ldg(bo + z) + inv * (acc[mb][nt][q] + sm[mb][nt][q]);
+          }
+      }
+    // (the K loop ends with a barrier, so the next tile's first copies cannot race this one's reads)
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // opm_wfirst_small_kernel: w_first stage 2 for small problems (variant w_first_small), same math as
 //   opm_wfirst_gemm_kernel: out[b,i,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_k aT[b][k][i] P[b][k][n],
 //   n = jl*CZP4 + z, k = (s, h) < K = S*CP.
@@ -1015,10 +1179,11 @@ static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::T
 template <int CP>
 static void launch_wfirst(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
                           const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& P, int64_t JC,
-                          int64_t B, int64_t S, int64_t N, int64_t Npad, int cz, int CZP4, bool small,
+                          int64_t B, int64_t S, int64_t N, int64_t Npad, int cz, int CZP4, bool small, bool tc,
                           const DevInfo& d, cudaStream_t stream) {
-  const size_t smem2 = small ? 4 * kSmallSmemFloats : 4 * 2 * 2 * kKC * kTile;  // see each kernel's comment
+  const size_t smem2 = small ? 4 * kSmallSmemFloats : tc ? kTcSmemBytes : 4 * 2 * 2 * kKC * kTile;  // see each kernel
   if (small) set_smem(opm_wfirst_small_kernel, smem2, d, "the small w-first GEMM kernel");
+  else if (tc) set_smem(opm_wfirst_tc_kernel, smem2, d, "the split-TF32 w-first GEMM kernel");
   else set_smem(opm_wfirst_gemm_kernel, smem2, d, "the w-first GEMM kernel");
   const int64_t ldp = JC * CZP4;
   const int64_t ncol1 = static_cast<int64_t>(CP) * CZP4;  // stage-1 columns (h, z)
@@ -1031,7 +1196,12 @@ static void launch_wfirst(const at::Tensor& aT, const at::Tensor& bq, const at::
                                                              P.data_ptr<float>(), B, S, N, j0, JCv, ldp, CZP4);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (small) {
+    if (tc) {
+      const int g2 = grid_for(B * cdiv(N, kTile) * cdiv(JCv * CZP4, kTile));
+      opm_wfirst_tc_kernel<<<g2, kTcThreads, smem2, stream>>>(
+          aT.data_ptr<float>(), Pp, inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(),
+          B, S, N, Npad, CP, j0, JCv, ldp, cz, CZP4);
+    } else if (small) {
       const int g2 = grid_for(B * cdiv(N, kSmM) * cdiv(JCv * CZP4, kSmN));
       opm_wfirst_small_kernel<<<g2, kThreads, smem2, stream>>>(
           aT.data_ptr<float>(), Pp, inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(),
@@ -1077,7 +1247,8 @@ static int mask_kind_of(at::ScalarType st) {
   }
 }
 
-// variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small.  Returns (out, variant that ran: 1, 2 or 3).
+// variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc.  Returns (out, variant that
+// ran: 1-4; auto never picks 4 yet).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -1114,7 +1285,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
     TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
                 dtype_str(*p));
-  TORCH_CHECK(variant >= 0 && variant <= 3, "outer_product_mean: variant code must be 0, 1, 2 or 3, got ", num(variant));
+  TORCH_CHECK(variant >= 0 && variant <= 4, "outer_product_mean: variant code must be 0-4, got ", num(variant));
 
   // ---- device checks ----
   TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
@@ -1181,7 +1352,8 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   } else {
     at::Tensor P = at::empty({B * S * CP * JC * CZP4}, f32);
     OPM_DISPATCH(CP, launch_wfirst<kCP>(aT, bq, inv_denom, wpack, bo_c, out, P, JC, B, S, N, Npad,
-                                        static_cast<int>(cz), static_cast<int>(CZP4), used == 3, d, stream));
+                                        static_cast<int>(cz), static_cast<int>(CZP4), used == 3, used == 4, d,
+                                        stream));
   }
 #undef OPM_DISPATCH
   return {out, used};
@@ -1267,7 +1439,7 @@ class _ForwardOnly(torch.autograd.Function):
 class ModelNew(nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
 
-    VARIANTS = ("auto", "outer_first", "w_first", "w_first_small")
+    VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc")
 
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
         super().__init__()

@@ -117,11 +117,11 @@ def _run(new, msa, mask, variant):
         out = new(msa, mask)
     if variant != "auto":
         assert new.last_variant == variant
-    assert new.last_variant in ("outer_first", "w_first", "w_first_small")
+    assert new.last_variant in ORDERS
     return out
 
 
-ORDERS = ("outer_first", "w_first", "w_first_small")  # every forced variant
+ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc")  # every forced variant
 
 
 def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=0, variants=ORDERS,
@@ -402,7 +402,7 @@ def test_current_stream_and_device(opm, ref):
 
 @gpu
 def test_output_over_2_31_elements(opm, ref):
-    """Output of 4100^2 * 128 > 2^31 elements (8.6 GB): 64-bit offsets in both epilogues."""
+    """Output of 4100^2 * 128 > 2^31 elements (8.6 GB): 64-bit offsets in every epilogue."""
     B, S, N, cm, c, cz = 1, 2, 4100, 16, 32, 128
     free, _ = torch.cuda.mem_get_info()
     if free < 24 * 2**30:
@@ -416,7 +416,7 @@ def test_output_over_2_31_elements(opm, ref):
     m64 = copy.deepcopy(m_ref).double().cpu()
     with torch.no_grad():
         expect = ref.forward_rows(m64, msa.double(), mask.double(), rows).cuda()
-    for v in ("w_first", "outer_first"):
+    for v in ("w_first", "outer_first", "w_first_tc"):
         out = _run(new, msa.cuda(), mask.cuda(), v)
         assert out.numel() > 2**31
         _check(out[:, rows], expect, f"{v} sampled rows")
