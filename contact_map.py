@@ -27,21 +27,22 @@ runs the two products on the tensor cores in split TF32 ("3xTF32": each fp32 ope
 lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM), with every k step's
 hi*hi product promoted into an fp32 accumulator by an ordinary add (the tensor cores' own
 accumulation truncates). Measured against an fp64 evaluation on the H200 (harness, every
-distribution): max error 0.75-1.03x that of the fp32 PyTorch reference itself at the seed, crop,
-batch and long shapes (v7, device run 5), 1.0x at awkward_37 (run 5) and 1.4x at awkward_129 (run 4),
-and 1.95x at N = 1 in the two trials of run 5 that reached it, where every variant and the reference
-are within one rounding of the output (3.9e-8 vs 2.0e-8; NOTES.md).
+distribution, 2026-11-29): max error 0.75-1.03x that of the fp32 PyTorch reference itself at the
+seed, crop, batch and long shapes, 1.0x at awkward_37, 1.1x at N = 1 (awkward_1) and 1.36x at
+awkward_129 (v7, fourth session's device run 4; one earlier run's two trials at N = 1 gave 1.95x,
+where every variant and the reference are within one rounding of the output: 3.9e-8 vs 2.0e-8;
+NOTES.md).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
     "v7"  (default) v5 with 16 warps per tile (4 blocks of 16 pairs x 4 groups of the hidden units;
           the statistics, s build and copies spread over twice the threads) and the A operands
-          split in 4 instructions instead of 9; at pair_dim <= 128 (64 at hidden_dim <= 32) with the
-          weights in shared memory (always at hidden_dim 65-128) the LayerNorm statistics and s in
-          one pass over the tile, read once into registers.
-          1.11-1.15x faster than v5 at crop, batch and long before that fused pass (which is
-          GPU-tested but not yet timed: NOTES.md). At hidden_dim > 128 it runs v5's kernel (16
-          warps would need more than the 128 registers per thread they may have;
-          `last_variant` still says "v7").
+          split in 4 instructions instead of 9; at pair_dim <= 128 with the weights in shared
+          memory (always at hidden_dim 65-128) the LayerNorm statistics and s in one pass over the
+          tile, read once into registers (at hidden_dim <= 32 only where one block fits per SM,
+          e.g. pair_dim > ~100; where two fit, their 64-register budget allows it at pair_dim <= 64).
+          1.24-1.32x faster than v5 at crop, batch and long (harness, H200, 2026-11-29). At
+          hidden_dim > 128 it runs v5's kernel (16 warps would need more than the 128 registers per
+          thread they may have; `last_variant` still says "v7").
     "v5"  the products on the tensor cores (mma.sync m16n8k8 TF32, sm_80+) in split TF32:
           8 warps = 4 blocks of 16 pairs x 2 halves of the hidden units, weights staged as split
           fragments. 1.06-1.22x faster than v3 at crop, batch and long (NOTES.md says why not more).

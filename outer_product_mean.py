@@ -28,12 +28,13 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
                  2 B S N c^2 c_z + 2 B N^2 S c c_z
   variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
-  32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile) / 25 (small) TFLOP/s; on
-  the H200 on 2026-11-29 the choice was the fastest measured variant at seed, shallow, crop and
-  long, see NOTES.md). w_first needs one j
+  32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 42 (128-tile split
+  TF32) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest measured variant
+  at seed, shallow, crop and long, see NOTES.md). w_first needs one j
   column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
-  kernel when the 128 x 128 grid would not fill one block per SM. Deep MSAs (crop, long, huge) take
-  outer_first, shallow ones w_first (shallow) or w_first_small (seed). After each call
+  kernel when the 128 x 128 grid would not fill one block per SM, else (sm_80+) the split-TF32
+  kernel (w_first_tc). Deep MSAs (crop, long, huge) take outer_first, shallow ones w_first_tc
+  (shallow) or w_first_small (seed). After each call
   `model.last_variant` names the variant that ran.
 
 Kernels (FP32 FMA except opm_wfirst_tc_kernel):
@@ -55,7 +56,7 @@ Kernels (FP32 FMA except opm_wfirst_tc_kernel):
                          shallow; replaced, not kept: it was a stage, not a contraction order.)
   opm_wfirst_gemm_kernel w_first stage 2: the same 128 x 128 / 8 x 8 / cp.async main loop over
                          K = S*CP, epilogue bias + inv_denom.
-  opm_wfirst_tc_kernel   w_first_tc stage 2 (work in progress, not run on a GPU yet): the
+  opm_wfirst_tc_kernel   w_first_tc stage 2 (sm_80+; "auto"'s stage 2 at 128 x 128 tiles): the
                          opm_wfirst_gemm_kernel product on the tensor cores in split TF32
                          (mma.sync m16n8k8), 16 warps of 32 x 32 per 128 x 128 tile.
   opm_wfirst_small_kernel  w_first_small stage 2: 32 x 64 tiles, the 8 warps split K (64-row
@@ -73,9 +74,10 @@ Limits: forward only (backward raises); FP32 only for msa_repr and the parameter
 same code with smaller residue tiles and are slower per FLOP.
 
 Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc"); set
-`model.variant` (the w_first ones differ only in the stage-2 kernel). w_first_tc (branch
-opm-tf32-wip, work in progress): stage 2 on the tensor cores in split TF32 (opm_wfirst_tc_kernel,
-mma.sync m16n8k8); built with 0 spills, NOT YET RUN ON A GPU; "auto" never picks it.
+`model.variant` (the w_first ones differ only in the stage-2 kernel). w_first_tc: stage 2 on the
+tensor cores in split TF32 (opm_wfirst_tc_kernel, mma.sync m16n8k8, sm_80+; an older GPU raises):
+at shallow on the H200 1.84 ms against w_first's 1.97 (harness, 2026-11-29; NOTES.md has why not
+more), max error against fp64 within the fp32 reference's own.
 Run:   python harness.py outer_product_mean
 Build: about a minute the first time (cached afterwards; rebuilds when this source changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
@@ -120,8 +122,11 @@ constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
 // "auto" time model (seconds = FLOPs / efficiency + launches * kLaunchS). kEffOuter measured on the
 // H200 (crop: 86 GFLOP in 2.70 ms, 2026-11-29); the w_first ones are predictions for the rewritten
 // stage 1 (2026-11-29) until measured: stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM
-// 38 TFLOP/s (the outer kernel's main loop without its epilogue), small kernel 25 TFLOP/s.
-constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kLaunchS = 2e-6;
+// 38 TFLOP/s (the outer kernel's main loop without its epilogue), small kernel 25 TFLOP/s. kEffWTc:
+// the split-TF32 stage 2 (w_first_tc), from shallow on the H200 on 2026-11-29 (1.842 ms against
+// w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work).
+constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 42e12,
+                 kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -817,7 +822,7 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Split TF32 on the tensor cores (issue 5; variant w_first_tc, UNTESTED on a GPU so far).
+// Split TF32 on the tensor cores (issue 5; variant w_first_tc; GPU-tested on the H200, 2026-11-29).
 // x = hi + lo: hi = x rounded to TF32 (add half a TF32 ulp to the magnitude, clear the low 13 bits),
 // lo = x - hi (exact in fp32) truncated to TF32; a*b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b, the dropped
 // lo_a lo_b ~2^-21 |a b|. The scheme and the accumulation are contact_map.py's v7 (measured there:
@@ -1104,6 +1109,7 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_small_kernel(
 struct DevInfo {
   int sms = 0;
   int smem_optin = 0;
+  int major = 0;  // compute capability major (w_first_tc needs 8+)
 };
 static DevInfo dev_info(int dev) {
   static DevInfo cache[64];
@@ -1112,6 +1118,7 @@ static DevInfo dev_info(int dev) {
   DevInfo d;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
   if (dev >= 0 && dev < 64) { cache[dev] = d; have[dev] = true; }
   return d;
 }
@@ -1248,7 +1255,7 @@ static int mask_kind_of(at::ScalarType st) {
 }
 
 // variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc.  Returns (out, variant that
-// ran: 1-4; auto never picks 4 yet).
+// ran: 1-4).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -1299,6 +1306,8 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const c10::cuda::CUDAGuard guard(msa.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(msa.get_device());
+  TORCH_CHECK(variant != 4 || d.major >= 8, "outer_product_mean: variant w_first_tc needs an sm_80+ GPU "
+              "(TF32 mma.sync); this one has compute capability ", num(d.major), ".x");
   const int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
   const int64_t Npad = round_up(N, 4);
   const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
@@ -1314,9 +1323,12 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const double cp = CP, nn = static_cast<double>(B) * N * N, bsn = static_cast<double>(B) * S * N;
     const double t_outer = 2.0 * nn * cp * cp * (S + cz) / kEffOuter + kLaunchS;
     const double nchunk = static_cast<double>(cdiv(N, JC));
-    const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj + 2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : kEffW) +
+    // stage 2: the small kernel under one wave of 128 x 128 tiles, else split TF32 on sm_80+
+    const bool w_tc = !w_small && d.major >= 8;
+    const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj +
+                       2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : w_tc ? kEffWTc : kEffW) +
                        2.0 * nchunk * kLaunchS;
-    used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : 2) : 1;
+    used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : w_tc ? 4 : 2) : 1;
   }
 
   auto f32 = msa.options().dtype(at::kFloat);

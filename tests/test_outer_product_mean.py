@@ -235,10 +235,11 @@ def test_named_shapes_both_orders(opm, ref, name):
     # the orders agree with each other far inside the tolerance
     torch.testing.assert_close(outs["outer_first"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_small"], outs["w_first"], **TOL)
+    torch.testing.assert_close(outs["w_first_tc"], outs["w_first"], **TOL)
 
 
 @gpu
-@pytest.mark.parametrize("name, expected", [("seed", "w_first_small"), ("shallow", "w_first"), ("crop", "outer_first"),
+@pytest.mark.parametrize("name, expected", [("seed", "w_first_small"), ("shallow", "w_first_tc"), ("crop", "outer_first"),
                                             ("long", "outer_first")])
 def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     sh = ref.SHAPES[name]
