@@ -29,7 +29,7 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
   32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 42 (128-tile split
-  TF32) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest measured variant
+  TF32, w_first_tc) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest measured variant
   at seed, shallow, crop and long, see NOTES.md). w_first needs one j
   column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
   kernel when the 128 x 128 grid would not fill one block per SM, else (sm_80+) the split-TF32
@@ -56,9 +56,12 @@ Kernels (FP32 FMA except opm_wfirst_tc_kernel):
                          shallow; replaced, not kept: it was a stage, not a contraction order.)
   opm_wfirst_gemm_kernel w_first stage 2: the same 128 x 128 / 8 x 8 / cp.async main loop over
                          K = S*CP, epilogue bias + inv_denom.
-  opm_wfirst_tc_kernel   w_first_tc stage 2 (sm_80+; "auto"'s stage 2 at 128 x 128 tiles): the
-                         opm_wfirst_gemm_kernel product on the tensor cores in split TF32
-                         (mma.sync m16n8k8), 16 warps of 32 x 32 per 128 x 128 tile.
+  opm_wfirst_tc_kernel<VER>  w_first_tc (VER 1, "auto"'s stage 2 at 128 x 128 tiles on sm_80+) /
+                         w_first_tc2 (VER 2) stage 2: the opm_wfirst_gemm_kernel product on the tensor
+                         cores in split TF32 (mma.sync m16n8k8), 16 warps of 32 x 32 per 128 x 128
+                         tile; VER 2 adds the small terms into each k step's fresh accumulator (no
+                         second accumulator set), prefetches the next k step's fragments and takes
+                         K stages of 64 rows instead of 32.
   opm_wfirst_small_kernel  w_first_small stage 2: 32 x 64 tiles, the 8 warps split K (64-row
                          stages, 8 rows per warp, 8 x 8 per lane), partials summed in shared memory
                          (deterministic): many more blocks than 128 x 128 tiles when N and N*c_z are
@@ -73,11 +76,12 @@ Limits: forward only (backward raises); FP32 only for msa_repr and the parameter
 (a block keeps 64 rows of msa in shared memory); hidden_dim <= 128; hidden_dim 64 and 128 run the
 same code with smaller residue tiles and are slower per FLOP.
 
-Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc"); set
-`model.variant` (the w_first ones differ only in the stage-2 kernel). w_first_tc: stage 2 on the
-tensor cores in split TF32 (opm_wfirst_tc_kernel, mma.sync m16n8k8, sm_80+; an older GPU raises):
-at shallow on the H200 1.84 ms against w_first's 1.97 (harness, 2026-11-29; NOTES.md has why not
-more), max error against fp64 within the fp32 reference's own.
+Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc",
+"w_first_tc2"); set `model.variant` (the w_first ones differ only in the stage-2 kernel).
+w_first_tc, w_first_tc2: stage 2 on the tensor cores in split TF32 (opm_wfirst_tc_kernel<1 / 2>,
+mma.sync m16n8k8, sm_80+; an older GPU raises): at shallow on the H200 1.85 / 1.81 ms against
+w_first's 1.97 (harness, 2026-11-29; NOTES.md has why not more); max error against fp64 at most
+the fp32 reference's own at shallow and seed, 1.8x it at deep (S = 2048).
 Run:   python harness.py outer_product_mean
 Build: about a minute the first time (cached afterwards; rebuilds when this source changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
@@ -123,8 +127,9 @@ constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
 // H200 (crop: 86 GFLOP in 2.70 ms, 2026-11-29); the w_first ones are predictions for the rewritten
 // stage 1 (2026-11-29) until measured: stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM
 // 38 TFLOP/s (the outer kernel's main loop without its epilogue), small kernel 25 TFLOP/s. kEffWTc:
-// the split-TF32 stage 2 (w_first_tc), from shallow on the H200 on 2026-11-29 (1.842 ms against
-// w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work).
+// the split-TF32 stage 2 (w_first_tc, "auto"'s choice), from shallow on the H200 on 2026-11-29
+// (1.842 ms against w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work). (w_first_tc2
+// measured 2% faster in a later run; "auto" switching to it is not yet GPU-tested: NOTES.md.)
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 42e12,
                  kLaunchS = 2e-6;
 
@@ -822,7 +827,7 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Split TF32 on the tensor cores (issue 5; variant w_first_tc; GPU-tested on the H200, 2026-11-29).
+// Split TF32 on the tensor cores (issue 5; variants w_first_tc, w_first_tc2; GPU-tested on the H200).
 // x = hi + lo: hi = x rounded to TF32 (add half a TF32 ulp to the magnitude, clear the low 13 bits),
 // lo = x - hi (exact in fp32) truncated to TF32; a*b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b, the dropped
 // lo_a lo_b ~2^-21 |a b|. The scheme and the accumulation are contact_map.py's v7 (measured there:
@@ -831,6 +836,11 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
+}
+__device__ __forceinline__ float lds_volatile(const float* p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))));
+  return v;
 }
 // d += A(16 x 8, row-major) * B(8 x 8, column-major), TF32 inputs, fp32 accumulate (sm_80+).
 // Fragments (g = lane / 4, t = lane % 4): a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]},
@@ -857,42 +867,55 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 // Accumulation: each k step's hi*hi into a zeroed set, promoted into acc by an fp32 add (the tensor
 //   cores' own accumulation truncates); lo*hi + hi*lo accumulated on the tensor cores over all of K
 //   (sm), added at the end.
+// VER 2 (variant w_first_tc2): the ncu profile of VER 1 at shallow (tensor pipe 41% busy, issue slots
+//   49%, 1.2 of 4 warps eligible) says latency: each k step was one dependent chain from the
+//   fragment loads to the promoting adds. VER 2 (a) folds lo*hi and hi*lo into the k step's fresh
+//   accumulator before hi*hi (d = lo_a hi_b + hi_a lo_b, then d += hi_a hi_b, then acc += d: the
+//   tensor cores' truncation is relative to |d| once per k step, as in VER 1, the small terms first),
+//   which frees the 32 registers of sm; (b) loads the next k step's fragments into registers
+//   before the current one's splits (ptxas moves them after the products, though); (c) takes K
+//   stages of 64 rows (half the barriers). Measured at shallow: 2% faster than VER 1 (NOTES.md).
 // Assumptions: kTcThreads = 512 threads; Npad % 4 == 0; ldp % 4 == 0; JCv*CZP4 % 4 == 0.
-// Shared memory (dynamic): As [2][kTcKC][kTcLd], Bs [2][kTcKC][kTcLd] (68 KB).
+// Shared memory (dynamic): As [2][KC][kTcLd], Bs [2][KC][kTcLd] (68 KB at KC = 32, 136 KB at 64).
 // ---------------------------------------------------------------------------------------------
-constexpr int kTcThreads = 512, kTcKC = 32, kTcLd = kTile + 8;
-constexpr size_t kTcSmemBytes = 4 * 2 * 2 * kTcKC * kTcLd;
+constexpr int kTcThreads = 512, kTcLd = kTile + 8;
+template <int VER>
+constexpr int kTcKC = VER == 1 ? 32 : 64;
+template <int VER>
+constexpr size_t kTcSmemBytes = 4 * 2 * 2 * kTcKC<VER> * kTcLd;
 
+template <int VER>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
     const float* __restrict__ aT, const float* __restrict__ P, const float* __restrict__ inv_denom,
     const float* __restrict__ bo, float* __restrict__ out,
     int64_t B, int64_t S, int64_t N, int64_t Npad, int CP, int64_t j0, int64_t JCv, int64_t ldp, int cz, int CZP4) {
+  constexpr int KC = kTcKC<VER>;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
-  float* As = smem;                          // [2][kTcKC][kTcLd]: As[k][i]
-  float* Bs = smem + 2 * kTcKC * kTcLd;      // [2][kTcKC][kTcLd]: Bs[k][n]
+  float* As = smem;                          // [2][KC][kTcLd]: As[k][i]
+  float* Bs = smem + 2 * KC * kTcLd;         // [2][KC][kTcLd]: Bs[k][n]
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
   const int wm = warp / 4, wn = warp % 4;    // warp tile: rows 32 wm.., columns 32 wn..
   const int64_t K = S * CP;
   const int64_t ncols = JCv * CZP4;
   const int64_t tm = cdiv(N, kTile), tn = cdiv(ncols, kTile);
   const int64_t total = B * tm * tn;
-  const int64_t nchunks = cdiv(K, kTcKC);
+  const int64_t nchunks = cdiv(K, KC);
   for (int64_t tt = blockIdx.x; tt < total; tt += gridDim.x) {
     const int64_t tcol = tt % tn, trow = (tt / tn) % tm, b = tt / (tn * tm);
     const int64_t i0 = trow * kTile, n0 = tcol * kTile;
-    // Copies: column c4 fixed per thread, rows k = ch*kTcKC + kl0 + 16u (kl0 = warp).
+    // Copies: column c4 fixed per thread, rows k = ch*KC + kl0 + 16u (kl0 = warp).
     const int c4 = (tid % 32) * 4, kl0 = tid / 32;
     const int nva = static_cast<int>(max64(0, min64(4, N - (i0 + c4))));
     const bool okn = n0 + c4 < ncols;
     const float* a_src = aT + (b * K + kl0) * Npad + i0 + c4;
     const float* p_src = P + (b * K + kl0) * ldp + n0 + c4;
     auto load_stage = [&](int buf, int64_t ch) {
-      float* as = As + buf * kTcKC * kTcLd;
-      float* bs = Bs + buf * kTcKC * kTcLd;
+      float* as = As + buf * KC * kTcLd;
+      float* bs = Bs + buf * KC * kTcLd;
 #pragma unroll
-      for (int u = 0; u < kTcKC / 16; ++u) {
-        const int64_t dk = ch * kTcKC + u * 16;  // k - kl0
+      for (int u = 0; u < KC / 16; ++u) {
+        const int64_t dk = ch * KC + u * 16;  // k - kl0
         const bool in_k = kl0 + dk < K;
         const bool oka = in_k && nva > 0, okb = in_k && okn;
         cp_async<16>(as + (kl0 + u * 16) * kTcLd + c4, oka ? a_src + dk * Npad : aT, oka ? nva * 4 : 0);
@@ -921,10 +944,68 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
         cp_async_wait<0>();
       }
       __syncthreads();  // every thread's copies of chunk ch are visible to all threads
-      const float* a = As + buf * kTcKC * kTcLd + wm * 32 + g;
-      const float* bm = Bs + buf * kTcKC * kTcLd + wn * 32 + g;
+      const float* a = As + buf * KC * kTcLd + wm * 32 + g;
+      const float* bm = Bs + buf * KC * kTcLd + wn * 32 + g;
+      if constexpr (VER == 2) {
+        // fragments of k step ks (raw fp32): fa[mb] = A rows g, g+8 at k = t, t+4; fb[nt] = B at k = t, t+4.
+        // Volatile loads: an attempt to keep the next step's loads ahead of this step's products.
+        // It did not take: in the SASS ptxas still issues them after the HMMAs, among the
+        // promoting adds (so the loads overlap the adds, not the products; NOTES.md).
+        auto load_frag = [&](int ks, float (&fa)[2][4], float (&fb)[4][2]) {
+          const int r0 = (ks * 8 + t4) * kTcLd, r1 = r0 + 4 * kTcLd;
+#pragma unroll
+          for (int mb = 0; mb < 2; ++mb) {
+            fa[mb][0] = lds_volatile(a + r0 + mb * 16);
+            fa[mb][1] = lds_volatile(a + r0 + mb * 16 + 8);
+            fa[mb][2] = lds_volatile(a + r1 + mb * 16);
+            fa[mb][3] = lds_volatile(a + r1 + mb * 16 + 8);
+          }
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            fb[nt][0] = lds_volatile(bm + r0 + nt * 8);
+            fb[nt][1] = lds_volatile(bm + r1 + nt * 8);
+          }
+        };
+        float fa[2][4], fb[4][2];
+        load_frag(0, fa, fb);
+#pragma unroll 1
+        for (int ks = 0; ks < KC / 8; ++ks) {
+          float na[2][4], nb[4][2];
+          load_frag(ks + 1 < KC / 8 ? ks + 1 : ks, na, nb);  // in flight during this step's products
+          uint32_t ah[2][4], al[2][4], bh[4][2], bl[4][2];
+#pragma unroll
+          for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) split_tf32(fa[mb][q], ah[mb][q], al[mb][q]);
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            split_tf32(fb[nt][0], bh[nt][0], bl[nt][0]);
+            split_tf32(fb[nt][1], bh[nt][1], bl[nt][1]);
+          }
+#pragma unroll
+          for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              float d[4] = {0.f, 0.f, 0.f, 0.f};
+              mma_tf32(d, al[mb], bh[nt][0], bh[nt][1]);  // the small terms first
+              mma_tf32(d, ah[mb], bl[nt][0], bl[nt][1]);
+              mma_tf32(d, ah[mb], bh[nt][0], bh[nt][1]);
+#pragma unroll
+              for (int q = 0; q < 4; ++q) acc[mb][nt][q] += d[q];
+            }
+#pragma unroll
+          for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) fa[mb][q] = na[mb][q];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            fb[nt][0] = nb[nt][0];
+            fb[nt][1] = nb[nt][1];
+          }
+        }
+      } else {
 #pragma unroll 1  // one k step's fragments live at a time (register budget: 128 at 512 threads)
-      for (int ks = 0; ks < kTcKC / 8; ++ks) {
+      for (int ks = 0; ks < KC / 8; ++ks) {
         const int r0 = (ks * 8 + t4) * kTcLd, r1 = r0 + 4 * kTcLd;  // k = 8 ks + t, 8 ks + t + 4
         uint32_t ah[2][4], al[2][4], bh[4][2], bl[4][2];
 #pragma unroll
@@ -951,6 +1032,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
             for (int q = 0; q < 4; ++q) acc[mb][nt][q] += d[q];
           }
       }
+      }  // VER 1
       __syncthreads();  // stage buf fully read before iteration ch+1 prefetches chunk ch+2 into it
     }
 
@@ -1109,7 +1191,7 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_small_kernel(
 struct DevInfo {
   int sms = 0;
   int smem_optin = 0;
-  int major = 0;  // compute capability major (w_first_tc needs 8+)
+  int major = 0;  // compute capability major (w_first_tc, w_first_tc2 need 8+)
 };
 static DevInfo dev_info(int dev) {
   static DevInfo cache[64];
@@ -1182,15 +1264,19 @@ static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::T
 }
 
 // small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the
-// 128 x 128 opm_wfirst_gemm_kernel.
+// 128 x 128 opm_wfirst_gemm_kernel; tc (1 or 2): by opm_wfirst_tc_kernel<tc> (split TF32).
 template <int CP>
 static void launch_wfirst(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
                           const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& P, int64_t JC,
-                          int64_t B, int64_t S, int64_t N, int64_t Npad, int cz, int CZP4, bool small, bool tc,
+                          int64_t B, int64_t S, int64_t N, int64_t Npad, int cz, int CZP4, bool small, int tc,
                           const DevInfo& d, cudaStream_t stream) {
-  const size_t smem2 = small ? 4 * kSmallSmemFloats : tc ? kTcSmemBytes : 4 * 2 * 2 * kKC * kTile;  // see each kernel
+  const size_t smem2 = small ? 4 * kSmallSmemFloats
+                       : tc == 1 ? kTcSmemBytes<1>
+                       : tc == 2 ? kTcSmemBytes<2>
+                                 : 4 * 2 * 2 * kKC * kTile;  // see each kernel
   if (small) set_smem(opm_wfirst_small_kernel, smem2, d, "the small w-first GEMM kernel");
-  else if (tc) set_smem(opm_wfirst_tc_kernel, smem2, d, "the split-TF32 w-first GEMM kernel");
+  else if (tc == 1) set_smem(opm_wfirst_tc_kernel<1>, smem2, d, "the split-TF32 w-first GEMM kernel");
+  else if (tc == 2) set_smem(opm_wfirst_tc_kernel<2>, smem2, d, "the split-TF32 w-first GEMM kernel (v2)");
   else set_smem(opm_wfirst_gemm_kernel, smem2, d, "the w-first GEMM kernel");
   const int64_t ldp = JC * CZP4;
   const int64_t ncol1 = static_cast<int64_t>(CP) * CZP4;  // stage-1 columns (h, z)
@@ -1205,7 +1291,8 @@ static void launch_wfirst(const at::Tensor& aT, const at::Tensor& bq, const at::
     }
     if (tc) {
       const int g2 = grid_for(B * cdiv(N, kTile) * cdiv(JCv * CZP4, kTile));
-      opm_wfirst_tc_kernel<<<g2, kTcThreads, smem2, stream>>>(
+      auto kernel = tc == 1 ? opm_wfirst_tc_kernel<1> : opm_wfirst_tc_kernel<2>;
+      kernel<<<g2, kTcThreads, smem2, stream>>>(
           aT.data_ptr<float>(), Pp, inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(),
           B, S, N, Npad, CP, j0, JCv, ldp, cz, CZP4);
     } else if (small) {
@@ -1254,8 +1341,8 @@ static int mask_kind_of(at::ScalarType st) {
   }
 }
 
-// variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc.  Returns (out, variant that
-// ran: 1-4).
+// variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc, 5 w_first_tc2.  Returns
+// (out, variant that ran: 1-5).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -1292,7 +1379,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
     TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
                 dtype_str(*p));
-  TORCH_CHECK(variant >= 0 && variant <= 4, "outer_product_mean: variant code must be 0-4, got ", num(variant));
+  TORCH_CHECK(variant >= 0 && variant <= 5, "outer_product_mean: variant code must be 0-5, got ", num(variant));
 
   // ---- device checks ----
   TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
@@ -1306,8 +1393,8 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const c10::cuda::CUDAGuard guard(msa.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(msa.get_device());
-  TORCH_CHECK(variant != 4 || d.major >= 8, "outer_product_mean: variant w_first_tc needs an sm_80+ GPU "
-              "(TF32 mma.sync); this one has compute capability ", num(d.major), ".x");
+  TORCH_CHECK(variant < 4 || d.major >= 8, "outer_product_mean: variants w_first_tc and w_first_tc2 need an "
+              "sm_80+ GPU (TF32 mma.sync); this one has compute capability ", num(d.major), ".x");
   const int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
   const int64_t Npad = round_up(N, 4);
   const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
@@ -1364,8 +1451,8 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   } else {
     at::Tensor P = at::empty({B * S * CP * JC * CZP4}, f32);
     OPM_DISPATCH(CP, launch_wfirst<kCP>(aT, bq, inv_denom, wpack, bo_c, out, P, JC, B, S, N, Npad,
-                                        static_cast<int>(cz), static_cast<int>(CZP4), used == 3, used == 4, d,
-                                        stream));
+                                        static_cast<int>(cz), static_cast<int>(CZP4), used == 3,
+                                        used >= 4 ? static_cast<int>(used) - 3 : 0, d, stream));
   }
 #undef OPM_DISPATCH
   return {out, used};
@@ -1451,7 +1538,7 @@ class _ForwardOnly(torch.autograd.Function):
 class ModelNew(nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
 
-    VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc")
+    VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2")
 
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
         super().__init__()

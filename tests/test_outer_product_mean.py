@@ -121,7 +121,7 @@ def _run(new, msa, mask, variant):
     return out
 
 
-ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc")  # every forced variant
+ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2")  # every forced variant
 
 
 def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=0, variants=ORDERS,
@@ -236,6 +236,7 @@ def test_named_shapes_both_orders(opm, ref, name):
     torch.testing.assert_close(outs["outer_first"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_small"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc"], outs["w_first"], **TOL)
+    torch.testing.assert_close(outs["w_first_tc2"], outs["w_first"], **TOL)
 
 
 @gpu
@@ -417,7 +418,7 @@ def test_output_over_2_31_elements(opm, ref):
     m64 = copy.deepcopy(m_ref).double().cpu()
     with torch.no_grad():
         expect = ref.forward_rows(m64, msa.double(), mask.double(), rows).cuda()
-    for v in ("w_first", "outer_first", "w_first_tc"):
+    for v in ("w_first", "outer_first", "w_first_tc", "w_first_tc2"):
         out = _run(new, msa.cuda(), mask.cuda(), v)
         assert out.numel() > 2**31
         _check(out[:, rows], expect, f"{v} sampled rows")
