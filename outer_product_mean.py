@@ -744,6 +744,41 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
+// WfirstCopy: the copy side of the w-first GEMM main loops (opm_wfirst_gemm_kernel, opm_wfirst_tc_kernel).
+//   Thread tid copies columns c4 = 4 (tid % 32) .. c4 + 3 of the tile's 128 columns of aT (i, from i0)
+//   and P (n, from n0), rows k = ch KCH + tid / 32 + RSTEP u (u < KCH / RSTEP, RSTEP = threads / 32)
+//   of K chunk ch, into stage rows LD floats apart, by 16-byte cp.async; rows past K, aT columns past
+//   N (nva < 4 valid floats) and P columns past ncols are zero-filled.
+// Assumptions: Npad % 4 == 0; ldp % 4 == 0; ncols % 4 == 0 (whole 16-byte pieces of P).
+// ---------------------------------------------------------------------------------------------
+struct WfirstCopy {
+  const float *aT, *P, *a_src, *p_src;
+  int64_t K, Npad, ldp;
+  int c4, kl0, nva;
+  bool okn;
+  __device__ __forceinline__ WfirstCopy(const float* aT_, const float* P_, int tid, int64_t b, int64_t i0,
+                                        int64_t n0, int64_t N, int64_t K_, int64_t Npad_, int64_t ldp_,
+                                        int64_t ncols)
+      : aT(aT_), P(P_), K(K_), Npad(Npad_), ldp(ldp_), c4((tid % 32) * 4), kl0(tid / 32) {
+    nva = static_cast<int>(max64(0, min64(4, N - (i0 + c4))));
+    okn = n0 + c4 < ncols;
+    a_src = aT + (b * K + kl0) * Npad + i0 + c4;
+    p_src = P + (b * K + kl0) * ldp + n0 + c4;
+  }
+  template <int KCH, int RSTEP, int LD>
+  __device__ __forceinline__ void stage(float* as, float* bs, int64_t ch) const {
+#pragma unroll
+    for (int u = 0; u < KCH / RSTEP; ++u) {
+      const int64_t dk = ch * KCH + u * RSTEP;  // k - kl0
+      const bool in_k = kl0 + dk < K;
+      const bool oka = in_k && nva > 0, okb = in_k && okn;
+      cp_async<16>(as + (kl0 + u * RSTEP) * LD + c4, oka ? a_src + dk * Npad : aT, oka ? nva * 4 : 0);
+      cp_async<16>(bs + (kl0 + u * RSTEP) * LD + c4, okb ? p_src + dk * ldp : P, okb ? 16 : 0);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
 // opm_wfirst_gemm_kernel: w_first stage 2 for the j-chunk [j0, j0 + JCv):
 //   out[b,i,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_{k=(s,h)} aT[b][k][i] * P[b][k][jl*CZP4 + z]
 //   GEMM with M = N (i), columns n = jl*CZP4 + z (< JCv*CZP4), K = S*CP; both operands k-major, so
@@ -767,23 +802,9 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t tcol = t % tn, trow = (t / tn) % tm, b = t / (tn * tm);
     const int64_t i0 = trow * kTile, n0 = tcol * kTile;
-    // Per-thread copy assignment: column c4 fixed, rows k = ch*16 + kl0 + u*8.
-    const int c4 = (tid % 32) * 4, kl0 = tid / 32;
-    const int nva = static_cast<int>(max64(0, min64(4, N - (i0 + c4))));
-    const bool okn = n0 + c4 < ncols;  // ncols % 4 == 0: whole 16-byte pieces
-    const float* a_src = aT + (b * K + kl0) * Npad + i0 + c4;
-    const float* p_src = P + (b * K + kl0) * ldp + n0 + c4;
+    const WfirstCopy copy(aT, P, tid, b, i0, n0, N, K, Npad, ldp, ncols);
     auto load_stage = [&](int buf, int64_t ch) {
-      float* as = As + buf * kKC * kTile;
-      float* bs = Bs + buf * kKC * kTile;
-#pragma unroll
-      for (int u = 0; u < kKC / 8; ++u) {
-        const int64_t dk = ch * kKC + u * 8;  // k - kl0
-        const bool in_k = kl0 + dk < K;
-        const bool oka = in_k && nva > 0, okb = in_k && okn;
-        cp_async<16>(as + (kl0 + u * 8) * kTile + c4, oka ? a_src + dk * Npad : aT, oka ? nva * 4 : 0);
-        cp_async<16>(bs + (kl0 + u * 8) * kTile + c4, okb ? p_src + dk * ldp : P, okb ? 16 : 0);
-      }
+      copy.stage<kKC, kThreads / 32, kTile>(As + buf * kKC * kTile, Bs + buf * kKC * kTile, ch);
     };
     float acc[8][8];
 #pragma unroll
@@ -904,23 +925,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
   for (int64_t tt = blockIdx.x; tt < total; tt += gridDim.x) {
     const int64_t tcol = tt % tn, trow = (tt / tn) % tm, b = tt / (tn * tm);
     const int64_t i0 = trow * kTile, n0 = tcol * kTile;
-    // Copies: column c4 fixed per thread, rows k = ch*KC + kl0 + 16u (kl0 = warp).
-    const int c4 = (tid % 32) * 4, kl0 = tid / 32;
-    const int nva = static_cast<int>(max64(0, min64(4, N - (i0 + c4))));
-    const bool okn = n0 + c4 < ncols;
-    const float* a_src = aT + (b * K + kl0) * Npad + i0 + c4;
-    const float* p_src = P + (b * K + kl0) * ldp + n0 + c4;
+    const WfirstCopy copy(aT, P, tid, b, i0, n0, N, K, Npad, ldp, ncols);
     auto load_stage = [&](int buf, int64_t ch) {
-      float* as = As + buf * KC * kTcLd;
-      float* bs = Bs + buf * KC * kTcLd;
-#pragma unroll
-      for (int u = 0; u < KC / 16; ++u) {
-        const int64_t dk = ch * KC + u * 16;  // k - kl0
-        const bool in_k = kl0 + dk < K;
-        const bool oka = in_k && nva > 0, okb = in_k && okn;
-        cp_async<16>(as + (kl0 + u * 16) * kTcLd + c4, oka ? a_src + dk * Npad : aT, oka ? nva * 4 : 0);
-        cp_async<16>(bs + (kl0 + u * 16) * kTcLd + c4, okb ? p_src + dk * ldp : P, okb ? 16 : 0);
-      }
+      copy.stage<KC, kTcThreads / 32, kTcLd>(As + buf * KC * kTcLd, Bs + buf * KC * kTcLd, ch);
     };
     float acc[2][4][4], sm[2][4][4];
 #pragma unroll
