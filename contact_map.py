@@ -39,7 +39,8 @@ Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
           split in 4 instructions instead of 9; at pair_dim <= 128 with the weights in shared
           memory (always at hidden_dim 65-128) the LayerNorm statistics and s in one pass over the
           tile, read once into registers (at hidden_dim <= 32 only where one block fits per SM,
-          e.g. pair_dim > ~100; where two fit, their 64-register budget allows it at pair_dim <= 64).
+          on the H200 pair_dim >= 97 at hidden_dim 17-32 and >= 113 at hidden_dim <= 16; where two
+          fit, their 64-register budget allows it at pair_dim <= 64).
           1.24-1.32x faster than v5 at crop, batch and long (harness, H200, 2026-11-29). At
           hidden_dim > 128 it runs v5's kernel (16 warps would need more than the 128 registers per
           thread they may have; `last_variant` still says "v7").

@@ -29,11 +29,12 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
   32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 42 (128-tile split
-  TF32, w_first_tc) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest measured variant
-  at seed, shallow, crop and long, see NOTES.md). w_first needs one j
+  TF32, w_first_tc) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest measured
+  variant at seed, shallow, crop and long, except that the forced w_first_tc2 measured 2% faster
+  than it at shallow, see NOTES.md). w_first needs one j
   column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
-  kernel when the 128 x 128 grid would not fill one block per SM, else (sm_80+) the split-TF32
-  kernel (w_first_tc). Deep MSAs (crop, long, huge) take outer_first, shallow ones w_first_tc
+  kernel when the 128 x 128 grid would not fill one block per SM, else (sm_80+, and the extension
+  built for sm_80+) the split-TF32 kernel (w_first_tc). Deep MSAs (crop, long, huge) take outer_first, shallow ones w_first_tc
   (shallow) or w_first_small (seed). After each call
   `model.last_variant` names the variant that ran.
 
@@ -60,8 +61,9 @@ Kernels (FP32 FMA except opm_wfirst_tc_kernel):
                          w_first_tc2 (VER 2) stage 2: the opm_wfirst_gemm_kernel product on the tensor
                          cores in split TF32 (mma.sync m16n8k8), 16 warps of 32 x 32 per 128 x 128
                          tile; VER 2 adds the small terms into each k step's fresh accumulator (no
-                         second accumulator set), prefetches the next k step's fragments and takes
-                         K stages of 64 rows instead of 32.
+                         second accumulator set), loads the next k step's fragments early in the
+                         source (ptxas still schedules them after the products) and takes K stages
+                         of 64 rows instead of 32 (136 KB of shared memory per block).
   opm_wfirst_small_kernel  w_first_small stage 2: 32 x 64 tiles, the 8 warps split K (64-row
                          stages, 8 rows per warp, 8 x 8 per lane), partials summed in shared memory
                          (deterministic): many more blocks than 128 x 128 tiles when N and N*c_z are
@@ -79,9 +81,13 @@ same code with smaller residue tiles and are slower per FLOP.
 Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc",
 "w_first_tc2"); set `model.variant` (the w_first ones differ only in the stage-2 kernel).
 w_first_tc, w_first_tc2: stage 2 on the tensor cores in split TF32 (opm_wfirst_tc_kernel<1 / 2>,
-mma.sync m16n8k8, sm_80+; an older GPU raises): at shallow on the H200 1.85 / 1.81 ms against
-w_first's 1.97 (harness, 2026-11-29; NOTES.md has why not more); max error against fp64 at most
-the fp32 reference's own at shallow and seed, 1.8x it at deep (S = 2048).
+mma.sync m16n8k8; sm_80+ and the extension built for sm_80+, else they raise; w_first_tc2 needs
+136 KB of shared memory per block: A100, H100, H200, not the 100 KB parts): at shallow on the H200
+1.85 / 1.81 ms against w_first's 1.97 (harness, 2026-11-29; NOTES.md has why not more). Max error
+against fp64, as the maximum over the harness's trials against the fp32 reference's maximum: at
+most 1.0x at shallow, 1.27x at seed (every variant, the FMA ones too), 1.8x at deep (S = 2048); per
+trial at deep up to 2.2x (w_first_tc) and 2.5x (w_first_tc2), where the FMA w_first reaches 5.3x
+(7.9x per trial) and "auto" takes outer_first (0.5x).
 Run:   python harness.py outer_product_mean
 Build: about a minute the first time (cached afterwards; rebuilds when this source changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
@@ -852,7 +858,7 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
 // x = hi + lo: hi = x rounded to TF32 (add half a TF32 ulp to the magnitude, clear the low 13 bits),
 // lo = x - hi (exact in fp32) truncated to TF32; a*b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b, the dropped
 // lo_a lo_b ~2^-21 |a b|. The scheme and the accumulation are contact_map.py's v7 (measured there:
-// max error 0.75-1.03x the fp32 reference's at its named shapes).
+// max error 0.75-1.03x the fp32 reference's at seed, crop, batch, long).
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
@@ -1198,7 +1204,10 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_small_kernel(
 struct DevInfo {
   int sms = 0;
   int smem_optin = 0;
-  int major = 0;  // compute capability major (w_first_tc, w_first_tc2 need 8+)
+  int major = 0;       // compute capability major
+  bool tc_ok = false;  // w_first_tc/_tc2 can run: an sm_80+ device and their code built from sm_80+
+                       // PTX (an extension built for older targets runs them JIT-compiled from
+                       // that PTX, where the mma is a trap)
 };
 static DevInfo dev_info(int dev) {
   static DevInfo cache[64];
@@ -1208,6 +1217,9 @@ static DevInfo dev_info(int dev) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
+  cudaFuncAttributes fa;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, opm_wfirst_tc_kernel<1>));
+  d.tc_ok = d.major >= 8 && fa.ptxVersion >= 80;
   if (dev >= 0 && dev < 64) { cache[dev] = d; have[dev] = true; }
   return d;
 }
@@ -1400,8 +1412,9 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const c10::cuda::CUDAGuard guard(msa.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(msa.get_device());
-  TORCH_CHECK(variant < 4 || d.major >= 8, "outer_product_mean: variants w_first_tc and w_first_tc2 need an "
-              "sm_80+ GPU (TF32 mma.sync); this one has compute capability ", num(d.major), ".x");
+  TORCH_CHECK(variant < 4 || d.tc_ok, "outer_product_mean: variants w_first_tc and w_first_tc2 need an "
+              "sm_80+ GPU (TF32 mma.sync) and this extension built for sm_80+ (TORCH_CUDA_ARCH_LIST); "
+              "this GPU has compute capability ", num(d.major), ".x");
   const int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
   const int64_t Npad = round_up(N, 4);
   const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
@@ -1418,7 +1431,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const double t_outer = 2.0 * nn * cp * cp * (S + cz) / kEffOuter + kLaunchS;
     const double nchunk = static_cast<double>(cdiv(N, JC));
     // stage 2: the small kernel under one wave of 128 x 128 tiles, else split TF32 on sm_80+
-    const bool w_tc = !w_small && d.major >= 8;
+    const bool w_tc = !w_small && d.tc_ok;
     const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj +
                        2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : w_tc ? kEffWTc : kEffW) +
                        2.0 * nchunk * kLaunchS;
