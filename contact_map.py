@@ -46,7 +46,7 @@ Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
           thread they may have; `last_variant` still says "v7").
     "v5"  the products on the tensor cores (mma.sync m16n8k8 TF32, sm_80+) in split TF32:
           8 warps = 4 blocks of 16 pairs x 2 halves of the hidden units, weights staged as split
-          fragments. 1.06-1.22x faster than v3 at crop, batch and long (NOTES.md says why not more).
+          fragments. 1.05-1.22x faster than v3 at crop, batch and long (NOTES.md says why not more).
     "v3"  v2 with the FMA products software-pipelined: the shared-memory operands of the next 4
           values of k are loaded into registers while the current 4 are multiplied.
     "v2"   v1 with the LayerNorm statistics computed by two threads per vector (v1's one

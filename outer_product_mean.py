@@ -89,7 +89,7 @@ most 1.0x at shallow, 1.27x at seed (every variant, the FMA ones too), 1.8x at d
 trial at deep up to 2.2x (w_first_tc) and 2.5x (w_first_tc2), where the FMA w_first reaches 5.3x
 (7.9x per trial) and "auto" takes outer_first (0.5x).
 Run:   python harness.py outer_product_mean
-Build: about a minute the first time (cached afterwards; rebuilds when this source changes).
+Build: 1-2 minutes the first time (cached afterwards; rebuilds when this source changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
 """
 import hashlib
@@ -130,10 +130,11 @@ constexpr int kMaxHidden = 128;
 constexpr int kMaxMsaDim = 768;
 constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
 // "auto" time model (seconds = FLOPs / efficiency + launches * kLaunchS). kEffOuter measured on the
-// H200 (crop: 86 GFLOP in 2.70 ms, 2026-11-29); the w_first ones are predictions for the rewritten
-// stage 1 (2026-11-29) until measured: stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM
-// 38 TFLOP/s (the outer kernel's main loop without its epilogue), small kernel 25 TFLOP/s. kEffWTc:
-// the split-TF32 stage 2 (w_first_tc, "auto"'s choice), from shallow on the H200 on 2026-11-29
+// H200 (crop: 86 GFLOP in 2.70 ms, 2026-11-29); the w_first ones were predictions for the rewritten
+// stage 1 (stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM 38 TFLOP/s: the outer kernel's
+// main loop without its epilogue, small kernel 25 TFLOP/s); measured since: shallow 1.97 ms against
+// 2.06 modelled; the choices matched the fastest variant at seed, shallow, crop, long (NOTES.md).
+// kEffWTc: the split-TF32 stage 2 (w_first_tc, "auto"'s choice), from shallow on the H200 on 2026-11-29
 // (1.842 ms against w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work). (w_first_tc2
 // measured 2% faster in a later run; "auto" switching to it is not yet GPU-tested: NOTES.md.)
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 42e12,
@@ -1523,7 +1524,7 @@ if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
 
 def _build():
     if not _is_cached(_EXT_NAME):
-        print(f"building outer_product_mean CUDA extension ({_EXT_NAME}), about a minute the first time",
+        print(f"building outer_product_mean CUDA extension ({_EXT_NAME}), 1-2 minutes the first time",
               file=sys.stderr, flush=True)
     try:
         return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
