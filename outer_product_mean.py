@@ -985,7 +985,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
 #pragma unroll 1
         for (int ks = 0; ks < KC / 8; ++ks) {
           float na[2][4], nb[4][2];
-          load_frag(ks + 1 < KC / 8 ? ks + 1 : ks, na, nb);  // in flight during this step's products
+          load_frag(ks + 1 < KC / 8 ? ks + 1 : ks, na, nb);  // the next step's (last step: reloaded)
           uint32_t ah[2][4], al[2][4], bh[4][2], bl[4][2];
 #pragma unroll
           for (int mb = 0; mb < 2; ++mb)
@@ -1019,33 +1019,33 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
         }
       } else {
 #pragma unroll 1  // one k step's fragments live at a time (register budget: 128 at 512 threads)
-      for (int ks = 0; ks < KC / 8; ++ks) {
-        const int r0 = (ks * 8 + t4) * kTcLd, r1 = r0 + 4 * kTcLd;  // k = 8 ks + t, 8 ks + t + 4
-        uint32_t ah[2][4], al[2][4], bh[4][2], bl[4][2];
+        for (int ks = 0; ks < KC / 8; ++ks) {
+          const int r0 = (ks * 8 + t4) * kTcLd, r1 = r0 + 4 * kTcLd;  // k = 8 ks + t, 8 ks + t + 4
+          uint32_t ah[2][4], al[2][4], bh[4][2], bl[4][2];
 #pragma unroll
-        for (int mb = 0; mb < 2; ++mb) {
-          split_tf32(a[r0 + mb * 16], ah[mb][0], al[mb][0]);
-          split_tf32(a[r0 + mb * 16 + 8], ah[mb][1], al[mb][1]);
-          split_tf32(a[r1 + mb * 16], ah[mb][2], al[mb][2]);
-          split_tf32(a[r1 + mb * 16 + 8], ah[mb][3], al[mb][3]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          split_tf32(bm[r0 + nt * 8], bh[nt][0], bl[nt][0]);
-          split_tf32(bm[r1 + nt * 8], bh[nt][1], bl[nt][1]);
-        }
-#pragma unroll
-        for (int mb = 0; mb < 2; ++mb)
+          for (int mb = 0; mb < 2; ++mb) {
+            split_tf32(a[r0 + mb * 16], ah[mb][0], al[mb][0]);
+            split_tf32(a[r0 + mb * 16 + 8], ah[mb][1], al[mb][1]);
+            split_tf32(a[r1 + mb * 16], ah[mb][2], al[mb][2]);
+            split_tf32(a[r1 + mb * 16 + 8], ah[mb][3], al[mb][3]);
+          }
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_tf32(d, ah[mb], bh[nt][0], bh[nt][1]);
-            mma_tf32(sm[mb][nt], al[mb], bh[nt][0], bh[nt][1]);
-            mma_tf32(sm[mb][nt], ah[mb], bl[nt][0], bl[nt][1]);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[mb][nt][q] += d[q];
+            split_tf32(bm[r0 + nt * 8], bh[nt][0], bl[nt][0]);
+            split_tf32(bm[r1 + nt * 8], bh[nt][1], bl[nt][1]);
           }
-      }
+#pragma unroll
+          for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              float d[4] = {0.f, 0.f, 0.f, 0.f};
+              mma_tf32(d, ah[mb], bh[nt][0], bh[nt][1]);
+              mma_tf32(sm[mb][nt], al[mb], bh[nt][0], bh[nt][1]);
+              mma_tf32(sm[mb][nt], ah[mb], bl[nt][0], bl[nt][1]);
+#pragma unroll
+              for (int q = 0; q < 4; ++q) acc[mb][nt][q] += d[q];
+            }
+        }
       }  // VER 1
       __syncthreads();  // stage buf fully read before iteration ch+1 prefetches chunk ch+2 into it
     }
