@@ -751,6 +751,20 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
+// WfirstTiles: the 128 x 128 output tiles (rows i, columns n = jl*CZP4 + z < ncols) of w_first stage
+// 2 for one j-chunk, K = S*CP; tile t -> (b, i0, n0), columns fastest.
+struct WfirstTiles {
+  int64_t K, ncols, tm, tn, total;
+  __device__ __forceinline__ WfirstTiles(int64_t B, int64_t S, int64_t N, int CP, int64_t JCv, int CZP4)
+      : K(S * CP), ncols(JCv * CZP4), tm(cdiv(N, kTile)), tn(cdiv(ncols, kTile)), total(B * tm * tn) {}
+  __device__ __forceinline__ void tile(int64_t t, int64_t& b, int64_t& i0, int64_t& n0) const {
+    const int64_t tcol = t % tn, trow = (t / tn) % tm;
+    b = t / (tn * tm);
+    i0 = trow * kTile;
+    n0 = tcol * kTile;
+  }
+};
+
 // WfirstCopy: the copy side of the w-first GEMM main loops (opm_wfirst_gemm_kernel, opm_wfirst_tc_kernel).
 //   Thread tid copies columns c4 = 4 (tid % 32) .. c4 + 3 of the tile's 128 columns of aT (i, from i0)
 //   and P (n, from n0), rows k = ch KCH + tid / 32 + RSTEP u (u < KCH / RSTEP, RSTEP = threads / 32)
@@ -801,15 +815,13 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
   float* As = smem;
   float* Bs = smem + 2 * kKC * kTile;
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-  const int64_t K = S * CP;
-  const int64_t ncols = JCv * CZP4;
-  const int64_t tm = cdiv(N, kTile), tn = cdiv(ncols, kTile);
-  const int64_t total = B * tm * tn;
-  const int64_t nchunks = cdiv(K, kKC);
-  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const int64_t tcol = t % tn, trow = (t / tn) % tm, b = t / (tn * tm);
-    const int64_t i0 = trow * kTile, n0 = tcol * kTile;
-    const WfirstCopy copy(aT, P, tid, b, i0, n0, N, K, Npad, ldp, ncols);
+  const WfirstTiles tiles(B, S, N, CP, JCv, CZP4);
+  const int64_t ncols = tiles.ncols;
+  const int64_t nchunks = cdiv(tiles.K, kKC);
+  for (int64_t t = blockIdx.x; t < tiles.total; t += gridDim.x) {
+    int64_t b, i0, n0;
+    tiles.tile(t, b, i0, n0);
+    const WfirstCopy copy(aT, P, tid, b, i0, n0, N, tiles.K, Npad, ldp, ncols);
     auto load_stage = [&](int buf, int64_t ch) {
       copy.stage<kKC, kThreads / 32, kTile>(As + buf * kKC * kTile, Bs + buf * kKC * kTile, ch);
     };
@@ -924,15 +936,13 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
   float* Bs = smem + 2 * KC * kTcLd;         // [2][KC][kTcLd]: Bs[k][n]
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
   const int wm = warp / 4, wn = warp % 4;    // warp tile: rows 32 wm.., columns 32 wn..
-  const int64_t K = S * CP;
-  const int64_t ncols = JCv * CZP4;
-  const int64_t tm = cdiv(N, kTile), tn = cdiv(ncols, kTile);
-  const int64_t total = B * tm * tn;
-  const int64_t nchunks = cdiv(K, KC);
-  for (int64_t tt = blockIdx.x; tt < total; tt += gridDim.x) {
-    const int64_t tcol = tt % tn, trow = (tt / tn) % tm, b = tt / (tn * tm);
-    const int64_t i0 = trow * kTile, n0 = tcol * kTile;
-    const WfirstCopy copy(aT, P, tid, b, i0, n0, N, K, Npad, ldp, ncols);
+  const WfirstTiles tiles(B, S, N, CP, JCv, CZP4);
+  const int64_t ncols = tiles.ncols;
+  const int64_t nchunks = cdiv(tiles.K, KC);
+  for (int64_t tt = blockIdx.x; tt < tiles.total; tt += gridDim.x) {
+    int64_t b, i0, n0;
+    tiles.tile(tt, b, i0, n0);
+    const WfirstCopy copy(aT, P, tid, b, i0, n0, N, tiles.K, Npad, ldp, ncols);
     auto load_stage = [&](int buf, int64_t ch) {
       copy.stage<KC, kTcThreads / 32, kTcLd>(As + buf * KC * kTcLd, Bs + buf * KC * kTcLd, ch);
     };
