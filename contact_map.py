@@ -1070,9 +1070,11 @@ int blocks_per_sm(KernelFn kernel, int threads, size_t smem) {
   return per_sm;
 }
 
+// per_sm: the kernel's resident blocks per SM when the caller has just asked (blocks_per_sm, which
+// also sets its shared-memory attribute), else 0 and it is asked here.
 void launch_persistent(KernelFn kernel, int threads, size_t smem, const Args& a, cudaStream_t stream,
-                       int num_sms) {
-  const int per_sm = blocks_per_sm(kernel, threads, smem);
+                       int num_sms, int per_sm = 0) {
+  if (per_sm == 0) per_sm = blocks_per_sm(kernel, threads, smem);
   TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
               " bytes of shared memory)");
   const int nT = cdiv(a.N, TILE);
@@ -1115,10 +1117,12 @@ template <int HP, WFormat WF, int NTHR>
 void launch_tc(const Args& a, cudaStream_t stream, int num_sms) {
   const size_t smem = sizeof(float) * SmemTC(a.CP, HP, WF).total;
   if constexpr (kMinBlocksTC<HP, NTHR> == 2 && NTHR == 512) {
-    if (blocks_per_sm(contact_map_tc_kernel<HP, WF, NTHR, 2>, NTHR, smem) < 2) {
+    const int per_sm = blocks_per_sm(contact_map_tc_kernel<HP, WF, NTHR, 2>, NTHR, smem);
+    if (per_sm < 2)
       launch_persistent(contact_map_tc_kernel<HP, WF, NTHR, 1>, NTHR, smem, a, stream, num_sms);
-      return;
-    }
+    else
+      launch_persistent(contact_map_tc_kernel<HP, WF, NTHR, 2>, NTHR, smem, a, stream, num_sms, per_sm);
+    return;
   }
   launch_persistent(contact_map_tc_kernel<HP, WF, NTHR>, NTHR, smem, a, stream, num_sms);
 }
