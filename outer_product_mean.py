@@ -28,14 +28,14 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
                  2 B S N c^2 c_z + 2 B N^2 S c c_z
   variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
-  32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 42 (128-tile split
-  TF32, w_first_tc) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest measured
-  variant at seed, shallow, crop and long, except that the forced w_first_tc2 measured 2% faster
-  than it at shallow, see NOTES.md). w_first needs one j
+  32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 43 (128-tile split
+  TF32, w_first_tc2) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest
+  measured variant at seed, shallow, crop and long, see NOTES.md). w_first needs one j
   column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
   kernel when the 128 x 128 grid would not fill one block per SM, else (sm_80+, and the extension
-  built for sm_80+) the split-TF32 kernel (w_first_tc). Deep MSAs (crop, long, huge) take outer_first, shallow ones w_first_tc
-  (shallow) or w_first_small (seed). After each call
+  built for sm_80+) the split-TF32 kernel (w_first_tc2; w_first_tc where less than 136 KB of shared
+  memory per block is available). Deep MSAs (crop, long, huge) take outer_first,
+  shallow ones w_first_tc2 (shallow) or w_first_small (seed). After each call
   `model.last_variant` names the variant that ran.
 
 Kernels (FP32 FMA except opm_wfirst_tc_kernel):
@@ -57,8 +57,8 @@ Kernels (FP32 FMA except opm_wfirst_tc_kernel):
                          shallow; replaced, not kept: it was a stage, not a contraction order.)
   opm_wfirst_gemm_kernel w_first stage 2: the same 128 x 128 / 8 x 8 / cp.async main loop over
                          K = S*CP, epilogue bias + inv_denom.
-  opm_wfirst_tc_kernel<VER>  w_first_tc (VER 1, "auto"'s stage 2 at 128 x 128 tiles on sm_80+) /
-                         w_first_tc2 (VER 2) stage 2: the opm_wfirst_gemm_kernel product on the tensor
+  opm_wfirst_tc_kernel<VER>  w_first_tc (VER 1) / w_first_tc2 (VER 2, "auto"'s stage 2 at 128 x 128
+                         tiles on sm_80+) stage 2: the opm_wfirst_gemm_kernel product on the tensor
                          cores in split TF32 (mma.sync m16n8k8), 16 warps of 32 x 32 per 128 x 128
                          tile; VER 2 adds the small terms into each k step's fresh accumulator (no
                          second accumulator set), loads the next k step's fragments early in the
@@ -134,10 +134,10 @@ constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
 // stage 1 (stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM 38 TFLOP/s: the outer kernel's
 // main loop without its epilogue, small kernel 25 TFLOP/s); measured since: shallow 1.97 ms against
 // 2.06 modelled; the choices matched the fastest variant at seed, shallow, crop, long (NOTES.md).
-// kEffWTc: the split-TF32 stage 2 (w_first_tc, "auto"'s choice), from shallow on the H200 on 2026-11-29
-// (1.842 ms against w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work). (w_first_tc2
-// measured 2% faster in a later run; "auto" switching to it is not yet GPU-tested: NOTES.md.)
-constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 42e12,
+// kEffWTc: the split-TF32 stage 2 (w_first_tc2, "auto"'s choice), from shallow on the H200 on 2026-11-29
+// (w_first_tc 1.842 ms against w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work;
+// w_first_tc2 1.803 ms).
+constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
                  kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -1442,11 +1442,13 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const double t_outer = 2.0 * nn * cp * cp * (S + cz) / kEffOuter + kLaunchS;
     const double nchunk = static_cast<double>(cdiv(N, JC));
     // stage 2: the small kernel under one wave of 128 x 128 tiles, else split TF32 on sm_80+
+    // (w_first_tc2 where its shared memory fits, else w_first_tc)
     const bool w_tc = !w_small && d.tc_ok;
+    const bool tc2_fits = kTcSmemBytes<2> <= static_cast<size_t>(d.smem_optin);  // 136 KB: not the 100 KB parts
     const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj +
                        2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : w_tc ? kEffWTc : kEffW) +
                        2.0 * nchunk * kLaunchS;
-    used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : w_tc ? 4 : 2) : 1;
+    used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
   }
 
   auto f32 = msa.options().dtype(at::kFloat);

@@ -240,7 +240,7 @@ def test_named_shapes_both_orders(opm, ref, name):
 
 
 @gpu
-@pytest.mark.parametrize("name, expected", [("seed", "w_first_small"), ("shallow", "w_first_tc"), ("crop", "outer_first"),
+@pytest.mark.parametrize("name, expected", [("seed", "w_first_small"), ("shallow", "w_first_tc2"), ("crop", "outer_first"),
                                             ("long", "outer_first")])
 def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     sh = ref.SHAPES[name]
