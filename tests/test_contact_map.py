@@ -91,7 +91,7 @@ def _copy64(m_ref):
 # CPU: build and input checks
 # ------------------------------------------------------------------------------------------------
 def test_builds_and_has_variants(cm):
-    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7"}
+    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9"}
     assert cm.ModelNew(8, 4).variant == cm.ModelNew.VARIANTS[0]
 
 
@@ -129,7 +129,7 @@ def test_input_on_other_device_than_parameters(cm):
 
 def test_unknown_variant(cm):
     model = cm.ModelNew(16, 8)
-    model.variant = "v9"
+    model.variant = "v0"
     with pytest.raises(ValueError, match="unknown variant"):
         model(torch.randn(1, 3, 3, 16))
 
@@ -167,10 +167,12 @@ def test_named_shapes(cm, ref, name):
     (1, 160, 96, 200),
     # v7's fused statistics pass with the weights from global memory (pair_dim 41-128, hidden 65-128)
     (1, 160, 96, 100), (2, 67, 128, 128),
-    # v7 at hidden <= 32 where one block fits per SM (the 1-block build with the fused pass); the
-    # last two (added after the last device run, not yet run on a GPU): pair_dim not a multiple of
-    # 4 (4-byte copies, padding columns in the fused pass's second half)
+    # v7 at hidden <= 32 where one block fits per SM (the 1-block build with the fused pass; v9: the
+    # producer warps queue the next tile); the last two: pair_dim not a multiple of 4 (4-byte
+    # copies, padding columns in the fused pass's second half)
     (2, 100, 128, 32), (1, 90, 104, 20), (1, 150, 120, 16), (1, 150, 117, 16), (2, 100, 101, 32),
+    # v9's producer warps with the weights from global memory (pair_dim > 208 at hidden 17-32)
+    (1, 200, 240, 24),
 ])
 @pytest.mark.parametrize("dist", ["normal", "offset"])
 def test_awkward_sizes(cm, ref, B, N, C, H, dist):
