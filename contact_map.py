@@ -29,16 +29,19 @@ hi*hi product promoted into an fp32 accumulator by an ordinary add (the tensor c
 accumulation truncates). Measured against an fp64 evaluation on the H200 (harness, every
 distribution, 2026-11-29): max error 0.75-1.03x that of the fp32 PyTorch reference itself at the
 seed, crop, batch and long shapes, 1.0x at awkward_37, 1.1x at N = 1 (awkward_1) and 1.36x at
-awkward_129 (v7, fourth session's device run 4; one earlier run's two trials at N = 1 gave 1.95x,
-where every variant and the reference are within one rounding of the output: 3.9e-8 vs 2.0e-8;
-NOTES.md).
+awkward_129 (v7 in the fourth session's device run 4, v9 the same in the fifth session's runs 3 and
+4b; one earlier run's two trials at N = 1 gave 1.95x, where every variant and the reference are
+within one rounding of the output: 3.9e-8 vs 2.0e-8; NOTES.md).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v9"  (default) v7 where hidden_dim <= 32 and one block fits per SM (batch): the hidden units in
-          2 column groups instead of 4, so 8 of the 16 warps are free during the first product and
-          queue the first 64 rows of the next tile then (issuing a copy stalls the issuing warp for
-          ~340 cycles); the other rows after it by all 16 warps. 0.198 against v7's 0.215 ms at
-          batch (harness, H200, 2026-11-29); everywhere else v7's kernel (`last_variant` says "v9").
+    "v9"  (default) v7 where hidden_dim <= 32 and one block fits per SM (batch; on the H200
+          pair_dim >= 97 at hidden_dim 17-32, >= 113 at hidden_dim <= 16): the hidden units in 2
+          column groups (at hidden_dim 17-32; v7 has 4, and 2 already at <= 16), so 8 of the 16
+          warps are free during the first product and queue the first 64 rows of the next tile
+          then (issuing a copy stalls the issuing warp for ~340 cycles); the other rows after it
+          by all 16 warps. 0.198 against v7's 0.215 ms at batch (harness, H200, 2026-11-29; not
+          timed at hidden_dim <= 16). Everywhere else it runs what v7 runs (`last_variant` says
+          "v9").
     "v7"  v5 with 16 warps per tile (4 blocks of 16 pairs x 4 groups of the hidden units;
           the statistics, s build and copies spread over twice the threads) and the A operands
           split in 4 instructions instead of 9; at pair_dim <= 128 with the weights in shared
@@ -63,7 +66,7 @@ Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
 
 Limits: pair_dim up to 256 and hidden_dim up to 256 (larger raises a clear error). hidden_dim is
 zero-padded to 16/32/64/128/256 inside the kernel. The weights are staged in shared memory when
-they fit beside the tile (227 KB per block on the H200; v5, v7: pair_dim <= 248 / 208 / 144 / 40 at
+they fit beside the tile (227 KB per block on the H200; v5, v7, v9: pair_dim <= 248 / 208 / 144 / 40 at
 hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
 are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
 Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
@@ -966,10 +969,11 @@ struct SmemTC {
   }
 };
 
-// v5 (NTHR = 256) and v7 (NTHR = 512): the tile walk, loader and statistics of v2/v3, the two products
-// on the tensor cores in split TF32 (mlp_tc), weights staged once per block as split fragments. One
-// raw buffer: the next tile's copies are queued once s is built (the mirror half after GEMM1) and
-// overlap the products.
+// v5 (NTHR = 256), v7 (NTHR = 512) and v9 (v7's with PROD): the tile walk, loader and statistics of
+// v2/v3, the two products on the tensor cores in split TF32 (mlp_tc), weights staged once per block
+// as split fragments. One raw buffer: the next tile's copies are queued once s is built (v5/v7: the
+// mirror half after GEMM1; v9: rows 0..kProdRows-1 by the warps idle in GEMM1, the rest after it)
+// and overlap the products.
 // MINB: the blocks per SM the registers are budgeted for (__launch_bounds__): 2 (v5 at HP <= 64;
 // v7 at HP <= 32 when two blocks' shared memory fits on an SM: 64 registers per thread at 512
 // threads), else 1. kMinBlocksTC gives v5's and v7's default; v7's launcher picks 1 at HP <= 32
@@ -1144,8 +1148,8 @@ void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
 // when they fit beside the tile, else read from global memory.
 // v7 at HP <= 32: the 2-blocks-per-SM build (64 registers) only where two blocks fit by shared memory,
 // else the 1-block build with the fused statistics pass (MINB above).
-// v9 (PROD): the producer-warp build where one block fits per SM; where two fit (64 registers per
-// thread: its 2 n tiles per warp spilled there) v7's 2-block build.
+// v9 (PROD): the producer-warp build where one block fits per SM; where two fit, v7's 2-block build
+// (under 64 registers per thread the PROD build at HP = 32, 2 n tiles per warp, spilled 8 bytes).
 template <int HP, WFormat WF, int NTHR, bool PROD = false>
 void launch_tc(const Args& a, cudaStream_t stream, int num_sms) {
   const size_t smem = sizeof(float) * SmemTC(a.CP, HP, WF).total;
@@ -1320,7 +1324,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest at crop, batch, long)
+_VARIANT_IDS = {"v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest at batch; = v7 elsewhere)
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -221,6 +221,8 @@ def resolve_target(target, ref):
     sol = _abs(target)
     if ref:
         return sol, _abs(ref)
+    if not os.path.isfile(sol):  # main() reports the missing solution file (exit 2)
+        return sol, ""
     stem = os.path.splitext(os.path.basename(sol))[0]
     refdir = os.path.join(ROOT, "reference")
     names = sorted(reference_names(), key=len, reverse=True)

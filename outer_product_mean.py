@@ -134,11 +134,11 @@ constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
 // stage 1 (stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM 38 TFLOP/s: the outer kernel's
 // main loop without its epilogue, small kernel 25 TFLOP/s); measured since: shallow 1.97 ms against
 // 2.06 modelled; the choices matched the fastest variant at seed, shallow, crop, long (NOTES.md).
-// kEffWTc: the split-TF32 stage 2 (w_first_tc2, "auto"'s choice), from shallow on the H200 on 2026-11-29
-// (w_first_tc 1.842 ms against w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work;
-// w_first_tc2 1.803 ms).
+// kEffWTc, kEffWTc1: the split-TF32 stage 2, w_first_tc2 ("auto"'s choice) and w_first_tc (where
+// w_first_tc2's 136 KB do not fit), from shallow on the H200 on 2026-11-29 (w_first_tc 1.842 ms against
+// w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work; w_first_tc2 1.803 ms: ~43).
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
-                 kLaunchS = 2e-6;
+                 kEffWTc1 = 42e12, kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -1446,7 +1446,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const bool w_tc = !w_small && d.tc_ok;
     const bool tc2_fits = kTcSmemBytes<2> <= static_cast<size_t>(d.smem_optin);  // 136 KB: not the 100 KB parts
     const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj +
-                       2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : w_tc ? kEffWTc : kEffW) +
+                       2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : w_tc ? (tc2_fits ? kEffWTc : kEffWTc1) : kEffW) +
                        2.0 * nchunk * kLaunchS;
     used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
   }

@@ -167,12 +167,14 @@ def test_named_shapes(cm, ref, name):
     (1, 160, 96, 200),
     # v7's fused statistics pass with the weights from global memory (pair_dim 41-128, hidden 65-128)
     (1, 160, 96, 100), (2, 67, 128, 128),
-    # v7 at hidden <= 32 where one block fits per SM (the 1-block build with the fused pass; v9: the
-    # producer warps queue the next tile); the last two: pair_dim not a multiple of 4 (4-byte
-    # copies, padding columns in the fused pass's second half)
-    (2, 100, 128, 32), (1, 90, 104, 20), (1, 150, 120, 16), (1, 150, 117, 16), (2, 100, 101, 32),
-    # v9's producer warps with the weights from global memory (pair_dim > 208 at hidden 17-32)
-    (1, 200, 240, 24),
+    # v7 at hidden <= 32 where one block fits per SM on an H200 (the 1-block build with the fused
+    # pass; v9: its producer warps, which copy only where a block has a next tile: more than 132
+    # tiles); pair_dim not a multiple of 4 (4-byte copies, padding columns in the fused pass's
+    # second half); hidden 16 at pair_dim >= 136 (at 113-120 one block per SM holds by 256 bytes)
+    (2, 100, 128, 32), (1, 90, 104, 20), (1, 150, 160, 16), (1, 150, 157, 16), (2, 100, 101, 32),
+    # v9's producers with the weights from global memory (pair_dim > 208 at hidden 17-32, > 248 at
+    # hidden 16; 4-byte copies) and in shared memory without the fused pass (pair_dim 129-208)
+    (1, 200, 240, 24), (1, 200, 237, 24), (1, 200, 256, 16), (1, 160, 160, 32),
 ])
 @pytest.mark.parametrize("dist", ["normal", "offset"])
 def test_awkward_sizes(cm, ref, B, N, C, H, dist):

@@ -133,6 +133,9 @@ def test_usage_errors(run_harness, tmp_path):
     code, out = run_harness("contact_mpa", *CPU)
     assert code == harness.EXIT_USAGE and "valid names: contact_map, outer_product_mean" in out, out[-2000:]
     assert run_harness(os.path.join(SOL, "broken_build.py"), *CPU)[0] == harness.EXIT_USAGE  # no --ref
+    # a missing solution file is exit 2 ("no such file") with or without --ref
+    code, out = run_harness(os.path.join(SOL, "does_not_exist.py"), *CPU)
+    assert code == harness.EXIT_BUILD and "no such file" in out, out[-2000:]
     with pytest.raises(SystemExit) as e:
         harness.main(["--bogus-option"])
     assert e.value.code == harness.EXIT_USAGE
