@@ -29,7 +29,7 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
   32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 43 (128-tile split
-  TF32, w_first_tc2) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest
+  TF32, w_first_tc2; 42 for w_first_tc) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest
   measured variant at seed, shallow, crop and long, see NOTES.md). w_first needs one j
   column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
   kernel when the 128 x 128 grid would not fill one block per SM, else (sm_80+, and the extension
