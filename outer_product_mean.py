@@ -129,6 +129,7 @@ constexpr int kR2 = 32;            // outer epilogue: rows of packed Wo per cp.a
 constexpr int kMaxHidden = 128;
 constexpr int kMaxMsaDim = 768;
 constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
+constexpr int64_t kPChunkBytesWg = 64ll << 20; // w_first_wg: cap of one chunk of P's hi + lo planes
 // "auto" time model (seconds = FLOPs / efficiency + launches * kLaunchS). kEffOuter measured on the
 // H200 (crop: 86 GFLOP in 2.70 ms, 2026-11-29); the w_first ones were predictions for the rewritten
 // stage 1 (stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM 38 TFLOP/s: the outer kernel's
@@ -137,8 +138,11 @@ constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
 // kEffWTc, kEffWTc1: the split-TF32 stage 2, w_first_tc2 ("auto"'s choice) and w_first_tc (where
 // w_first_tc2's 136 KB do not fit), from shallow on the H200 on 2026-11-29 (w_first_tc 1.842 ms against
 // w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work; w_first_tc2 1.803 ms: ~43).
+// kEffWg, kEffProjWg (w_first_wg2, Hopper): its stage 2 and its stage 1 (which writes the split
+// planes, twice w_first's bytes) at shallow on the H200 on 2026-11-29, from w_first_wg's profile
+// (stage 2 68.7 GFLOP in 0.734 ms = 94 TFLOP/s of fp32 work; stage 1 4.3 GFLOP in 0.300 ms).
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
-                 kEffWTc1 = 42e12, kLaunchS = 2e-6;
+                 kEffWTc1 = 42e12, kEffWg = 94e12, kEffProjWg = 14e12, kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -249,6 +253,103 @@ __device__ __forceinline__ void gemm_mainloop(float (&acc)[8][8], const float* A
     __syncthreads();  // stage buf fully read before iteration ch+1 prefetches chunk ch+2 into it
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Split TF32 on the tensor cores (issue 5; variants w_first_tc, w_first_tc2, w_first_wg).
+// x = hi + lo: hi = x rounded to TF32 (add half a TF32 ulp to the magnitude, clear the low 13 bits),
+// lo = x - hi (exact in fp32) truncated to TF32; a*b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b, the dropped
+// lo_a lo_b ~2^-21 |a b|. The scheme and the accumulation are contact_map.py's v7 (measured there:
+// max error 0.75-1.03x the fp32 reference's at seed, crop, batch, long).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
+}
+
+// ---------------------------------------------------------------------------------------------
+// w_first_wg (Hopper, sm_90a): w_first's stage 2 on wgmma (NOTES.md, "w_first_wg").
+// Operands in *tile order*, pre-split: each 64-row (A = a, rows i) or 128-row (B = P, rows n) by
+// kWgBK-deep block of an operand is one contiguous run: the hi plane, then the lo plane, each in the
+// unswizzled K-major core-matrix layout wgmma reads (8 rows x 16 bytes per core matrix; element
+// (r, k) at float wg_tile_off(r, k); leading-dimension byte offset 128 between the core matrices
+// along k, stride byte offset 1024 between 8-row groups). One 1-D bulk copy (TMA engine) moves a
+// block into shared memory: no per-thread copy instructions and no splits in the main loop.
+//   At[((b*MB64 + mb)*KB + kb)*2*kWgAPlane + plane*kWgAPlane + wg_tile_off(i % 64, k % 32)],  i = 64 mb + r
+//   Pt[((b*NB + nb)*KB + kb)*2*kWgBPlane + plane*kWgBPlane + wg_tile_off(n % 128, k % 32)], n = 128 nb + r
+// (k = s*CP + h, n = jl*CZP4 + z as in w_first; zeros past N, K = S*CP and the chunk's columns).
+// ---------------------------------------------------------------------------------------------
+constexpr int kWgBK = 32;                        // k per pipeline stage (4 wgmma k steps of 8)
+constexpr int kWgARows = 64, kWgBRows = 128;     // rows of an A block (one warpgroup's), of a B block
+constexpr int kWgAPlane = kWgARows * kWgBK;      // floats of one plane of an A block (8 KB)
+constexpr int kWgBPlane = kWgBRows * kWgBK;      // floats of one plane of a B block (16 KB)
+constexpr int kWgStages = 3;
+constexpr int kWgStage = 2 * 2 * kWgAPlane + 2 * kWgBPlane;  // floats per stage: 2 A blocks + 1 B block (64 KB)
+constexpr int kWgThreads = 288;                  // 2 consumer warpgroups + 1 producer warp
+constexpr int kWgPromo = 8;                      // k steps (of 8) per promotion into fp32 (64 k)
+constexpr size_t kWgSmemBytes = 4ull * kWgStages * kWgStage + 16 * kWgStages;  // + full/empty mbarriers
+struct WgGeom {  // tile-order geometry of one j-chunk (0 when unused)
+  int64_t NB = 0, KB = 0;  // 128-row blocks of P's columns n; kWgBK-deep blocks of K
+};
+__host__ __device__ __forceinline__ int wg_tile_off(int r, int k) {
+  return (r >> 3) * 256 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3);
+}
+// Four consecutive k of one row, split: 16 bytes into each plane (k % 4 == 0 at dst).
+__device__ __forceinline__ void store_split4(float* hi_dst, float* lo_dst, float v0, float v1, float v2, float v3) {
+  uint32_t h[4], l[4];
+  split_tf32(v0, h[0], l[0]);
+  split_tf32(v1, h[1], l[1]);
+  split_tf32(v2, h[2], l[2]);
+  split_tf32(v3, h[3], l[3]);
+  *reinterpret_cast<uint4*>(hi_dst) = make_uint4(h[0], h[1], h[2], h[3]);
+  *reinterpret_cast<uint4*>(lo_dst) = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
+// sm_90a-only instructions (wgmma, bulk copies, mbarriers), compiled where nvcc targets sm_90a
+// (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere the kernel using them is a trap, never launched (the host
+// runs w_first_wg only when the extension was built with sm_90a, OPM_SM90A, on a 9.0 device).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define OPM_WG_DEVICE 1
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+// Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride byte
+// offsets, each >> 4 in 14 bits; swizzle mode 0 (none) in bits 62-63.
+__device__ __forceinline__ uint64_t wg_desc(const float* p) {
+  return static_cast<uint64_t>((smem_u32(p) & 0x3ffff) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32);
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // until the phase of this parity completes
+  unsigned done = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+// bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
+__device__ __forceinline__ void bulk_copy(float* smem, const float* gmem, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+// d (64 x 128, fp32, this warpgroup's accumulator fragment) = A (64 x 8) B^T (8 x 128) + (acc ? d : 0),
+// TF32 operands K-major in shared memory. d[4 j + q]: row 16 (warp % 4) + lane / 4 + 8 (q / 2),
+// column 8 j + 2 (lane % 4) + q % 2.
+__device__ __forceinline__ void wgmma_tf32_m64n128k8(float (&d)[64], uint64_t da, uint64_t db, int acc) {
+@WGMMA_M64N128K8@}
+// Compiler fence on the accumulator registers (CUTLASS's warpgroup_fence_operand): the asynchronous
+// wgmma reads and writes them behind the compiler's back, so no access may move across the
+// wgmma.fence / wait_group points this is placed at.
+__device__ __forceinline__ void wg_fence_acc(float (&d)[64]) {
+#pragma unroll
+  for (int q = 0; q < 64; ++q) asm volatile("" : "+f"(d[q])::"memory");
+}
+#endif
 
 // =============================================================================================
 // Kernels
@@ -679,10 +780,10 @@ __global__ void __launch_bounds__(kThreads, 2) opm_outer_kernel(
 //  the k loop: 16 blocks x 1024 dependent L2 loads at the seed shape = 150 us; 32 blocks at shallow.)
 // Assumptions: 256 threads; CZP4 % 4 == 0; ldp % 4 == 0.
 // ---------------------------------------------------------------------------------------------
-template <int CP>
+template <int CP, bool TILED = false>
 __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
     const float* __restrict__ bq, const float* __restrict__ wk, float* __restrict__ P,
-    int64_t B, int64_t S, int64_t N, int64_t j0, int64_t JCv, int64_t ldp, int CZP4) {
+    int64_t B, int64_t S, int64_t N, int64_t j0, int64_t JCv, int64_t ldp, int CZP4, WgGeom wg = WgGeom{}) {
   constexpr int KC1 = CP < 32 ? CP : 32;
   constexpr int LDB = 64 + 4;
   constexpr int TN = 128;
@@ -690,11 +791,19 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
   __shared__ __align__(16) float Wsm[KC1 * TN];
   const int tid = threadIdx.x, tj = tid / 16, tz = tid % 16;
   const int64_t NCOL = static_cast<int64_t>(CP) * CZP4;
-  const int64_t njt = cdiv(JCv, 64), nct = cdiv(NCOL, TN);
-  const int64_t total = B * S * njt * nct;
+  // TILED (w_first_wg): s runs to Spad, j to JCpad (zero rows: the planes' padding), and a column
+  // tile is 4 h x 32 z (nzg groups of 32 z), so a thread's 4 columns of one float4 are 4 k of one n.
+  const int64_t Sx = TILED ? wg.KB * kWgBK / CP : S;
+  const int64_t JCx = TILED ? cdiv(wg.NB * kWgBRows, CZP4) : JCv;
+  const int64_t nzg = cdiv(CZP4, 32);
+  const int64_t njt = cdiv(JCx, 64), nct = TILED ? (CP / 4) * nzg : cdiv(NCOL, TN);
+  const int64_t total = B * Sx * njt * nct;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const int64_t ct = t % nct, jt = (t / nct) % njt, bs = t / (nct * njt);  // bs = b*S + s
+    const int64_t ct = t % nct, jt = (t / nct) % njt, bsx = t / (nct * njt);  // bsx = b*Sx + s
+    const int64_t b_ = bsx / Sx, s_ = bsx - b_ * Sx;
+    const int64_t bs = TILED ? b_ * S + s_ : bsx;  // row block of bq (valid for s_ < S)
     const int64_t n0 = ct * TN;
+    const int64_t h0 = TILED ? 4 * (ct / nzg) : 0, z0 = TILED ? 32 * (ct % nzg) : 0;
     float acc[4][8];
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -706,18 +815,28 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
         const int jl = q / (KC1 / 4), k4 = (q % (KC1 / 4)) * 4;
         const int64_t jc = jt * 64 + jl;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (jc < JCv) v = __ldg(reinterpret_cast<const float4*>(bq + (bs * N + j0 + jc) * CP + k0 + k4));
+        if (jc < JCv && (!TILED || s_ < S))
+          v = __ldg(reinterpret_cast<const float4*>(bq + (bs * N + j0 + jc) * CP + k0 + k4));
         Bt[(k4 + 0) * LDB + jl] = v.x;
         Bt[(k4 + 1) * LDB + jl] = v.y;
         Bt[(k4 + 2) * LDB + jl] = v.z;
         Bt[(k4 + 3) * LDB + jl] = v.w;
       }
-      // Wsm[kk][nl] = Wk[k0 + kk][n0 + nl]  (zero past NCOL; NCOL % 4 == 0)
-      for (int q = tid; q < KC1 * TN / 4; q += kThreads) {
-        const int kk = q / (TN / 4), c4 = (q % (TN / 4)) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (n0 + c4 < NCOL) v = __ldg(reinterpret_cast<const float4*>(wk + (k0 + kk) * NCOL + n0 + c4));
-        *reinterpret_cast<float4*>(Wsm + kk * TN + c4) = v;
+      if constexpr (TILED) {
+        // Wsm[kk][zz*4 + hh] = Wk[k0 + kk][(h0 + hh)*CZP4 + z0 + zz]  (zero past CZP4)
+        for (int q = tid; q < KC1 * TN; q += kThreads) {
+          const int kk = q / TN, hh = (q / 32) % 4, zz = q % 32;
+          Wsm[kk * TN + zz * 4 + hh] =
+              z0 + zz < CZP4 ? __ldg(wk + (k0 + kk) * NCOL + (h0 + hh) * CZP4 + z0 + zz) : 0.f;
+        }
+      } else {
+        // Wsm[kk][nl] = Wk[k0 + kk][n0 + nl]  (zero past NCOL; NCOL % 4 == 0)
+        for (int q = tid; q < KC1 * TN / 4; q += kThreads) {
+          const int kk = q / (TN / 4), c4 = (q % (TN / 4)) * 4;
+          float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (n0 + c4 < NCOL) v = __ldg(reinterpret_cast<const float4*>(wk + (k0 + kk) * NCOL + n0 + c4));
+          *reinterpret_cast<float4*>(Wsm + kk * TN + c4) = v;
+        }
       }
       __syncthreads();  // Bt and Wsm complete before the products read them
 #pragma unroll 8
@@ -734,17 +853,36 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
       }
       __syncthreads();  // Bt and Wsm read by all before the next chunk / tile overwrites them
     }
+    if constexpr (TILED) {
+      // acc[r][hb*4 + hh] = P at n = jc*CZP4 + z (z = z0 + tz + 16 hb), k = s*CP + h0 + hh: one
+      // 16-byte row of a core matrix in each plane (wg_tile_off), zeros included (padding).
+      const int64_t k = s_ * CP + h0, kb = k / kWgBK;
+      const int kk = static_cast<int>(k % kWgBK);
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t jc = jt * 64 + tj * 4 + r;
-      if (jc >= JCv) continue;
+      for (int r = 0; r < 4; ++r) {
+        const int64_t jc = jt * 64 + tj * 4 + r;
 #pragma unroll
-      for (int hb = 0; hb < 2; ++hb) {
-        const int64_t n = n0 + hb * 64 + tz * 4;
-        if (n >= NCOL) continue;
-        const int64_t h = n / CZP4, z = n - h * CZP4;
-        *reinterpret_cast<float4*>(P + (bs * CP + h) * ldp + jc * CZP4 + z) =
-            make_float4(acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
+        for (int hb = 0; hb < 2; ++hb) {
+          const int64_t z = z0 + tz + 16 * hb, n = jc * CZP4 + z;
+          if (z >= CZP4 || n >= wg.NB * kWgBRows) continue;
+          float* dst = P + ((b_ * wg.NB + n / kWgBRows) * wg.KB + kb) * (2 * kWgBPlane) +
+                       wg_tile_off(static_cast<int>(n % kWgBRows), kk);
+          store_split4(dst, dst + kWgBPlane, acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int64_t jc = jt * 64 + tj * 4 + r;
+        if (jc >= JCv) continue;
+#pragma unroll
+        for (int hb = 0; hb < 2; ++hb) {
+          const int64_t n = n0 + hb * 64 + tz * 4;
+          if (n >= NCOL) continue;
+          const int64_t h = n / CZP4, z = n - h * CZP4;
+          *reinterpret_cast<float4*>(P + (bs * CP + h) * ldp + jc * CZP4 + z) =
+              make_float4(acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
+        }
       }
     }
   }
@@ -867,16 +1005,8 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_gemm_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Split TF32 on the tensor cores (issue 5; variants w_first_tc, w_first_tc2; GPU-tested on the H200).
-// x = hi + lo: hi = x rounded to TF32 (add half a TF32 ulp to the magnitude, clear the low 13 bits),
-// lo = x - hi (exact in fp32) truncated to TF32; a*b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b, the dropped
-// lo_a lo_b ~2^-21 |a b|. The scheme and the accumulation are contact_map.py's v7 (measured there:
-// max error 0.75-1.03x the fp32 reference's at seed, crop, batch, long).
+// mma.sync split-TF32 pieces (w_first_tc, w_first_tc2; split_tf32 itself is with the wgmma pieces above).
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
-}
 __device__ __forceinline__ float lds_volatile(const float* p) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))));
@@ -1209,6 +1339,171 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_small_kernel(
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// opm_pack_a_kernel: aT (B, S, CP, Npad) = [b][k][i] -> At, the tile-order hi / lo planes of the A
+//   operand of w_first_wg (rows i < MB64*64, k < KB*kWgBK; zeros past N and K = S*CP). One thread per
+//   4 consecutive k of one row (i fastest: coalesced reads of aT, 16-byte writes).
+// ---------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) opm_pack_a_kernel(const float* __restrict__ aT, float* __restrict__ At,
+                                                              int64_t B, int64_t N, int64_t Npad, int64_t K,
+                                                              int64_t MB64, int64_t KB) {
+  const int64_t rows = MB64 * kWgARows, quads = KB * (kWgBK / 4), total = B * quads * rows;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e % rows, q = (e / rows) % quads, b = e / (rows * quads);
+    float v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t k = 4 * q + u;
+      v[u] = (i < N && k < K) ? __ldg(aT + (b * K + k) * Npad + i) : 0.f;
+    }
+    float* dst = At + ((b * MB64 + i / kWgARows) * KB + q / (kWgBK / 4)) * (2 * kWgAPlane) +
+                 wg_tile_off(static_cast<int>(i % kWgARows), static_cast<int>(4 * (q % (kWgBK / 4))));
+    store_split4(dst, dst + kWgAPlane, v[0], v[1], v[2], v[3]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_wfirst_wg_kernel: w_first stage 2 for the j-chunk [j0, j0 + ncols / CZP4) on Hopper wgmma
+//   (variants w_first_wg, w_first_wg2): out[b,i,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_k At[i][k] Pt[n][k],
+//   n = jl*CZP4 + z, in split TF32: per k step of 8, d = lo_a hi_b + hi_a lo_b + hi_a hi_b on the
+//   tensor cores (the small terms first, as w_first_tc2), d promoted into the fp32 acc by ordinary
+//   adds every kWgPromo k steps (the tensor cores' accumulation truncates: without promotion the
+//   error at K = 2048 was 41x the fp32 reference's, in the probe of NOTES.md).
+// Tiles of 128 (i) x 128 (n), t -> (row tile t % MB128, column tile, b): the row tiles that read
+//   one P block are neighbours and share it in L2. Block b takes tiles b, b + grid, ...: w_first_wg
+//   launches one block per tile, w_first_wg2 one per SM (persistent: the producer fetches the next
+//   tile's first stages during this tile's epilogue).
+// Warp-specialised: warps 0-7 are two consumer warpgroups (rows 64 wg .. 64 wg + 63, one m64n128k8
+//   wgmma per product per k step); warp 8's lane 0 is the producer: per stage of kWgBK k, three bulk
+//   copies (the two 16 KB A blocks, the 32 KB P block) completing on the stage's `full` mbarrier;
+//   consumers release a stage on its `empty` mbarrier (one arrival per consumer warp) once their
+//   wgmmas on it have completed (wait_group 0). Stage use u = running count over the block's tiles:
+//   buffer u % kWgStages, mbarrier phase parity (u / kWgStages) & 1.
+// Shared memory (dynamic, kWgSmemBytes = 192 KB + 48 B): kWgStages stages of [A0 hi, A0 lo, A1 hi,
+//   A1 lo, P hi, P lo], then full[kWgStages], empty[kWgStages].
+// Assumptions: kWgThreads threads; ncols <= NB * 128 < 2^31; At, Pt as opm_pack_a_kernel and the
+//   TILED stage 1 write them; 16-byte aligned.
+// ---------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
+    const float* __restrict__ At, const float* __restrict__ Pt, const float* __restrict__ inv_denom,
+    const float* __restrict__ bo, float* __restrict__ out, int64_t B, int64_t N, int64_t MB128, int64_t NB,
+    int64_t KB, int64_t j0, int64_t ncols, int cz, int CZP4) {
+#if defined(OPM_WG_DEVICE)
+  extern __shared__ float4 smem_f4[];
+  float* sm = reinterpret_cast<float*>(smem_f4);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + kWgStages * kWgStage);
+  uint64_t* empty = full + kWgStages;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t total = B * MB128 * NB;
+  if (tid == 0) {
+    for (int st = 0; st < kWgStages; ++st) {
+      mbar_init(full + st, 1);
+      mbar_init(empty + st, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 2) {  // producer warp
+    if (tid == 256) {
+      const int64_t MB64 = 2 * MB128;
+      int64_t u = 0;  // stage uses so far
+      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+        const int64_t mblk = t % MB128, nb = (t / MB128) % NB, b = t / (MB128 * NB);
+        const float* a0 = At + (b * MB64 + 2 * mblk) * KB * (2 * kWgAPlane);
+        const float* a1 = a0 + KB * (2 * kWgAPlane);
+        const float* p = Pt + (b * NB + nb) * KB * (2 * kWgBPlane);
+        for (int64_t kb = 0; kb < KB; ++kb, ++u) {
+          const int st = static_cast<int>(u % kWgStages);
+          if (u >= kWgStages) mbar_wait(empty + st, static_cast<unsigned>((u / kWgStages - 1) & 1));
+          mbar_expect_tx(full + st, 4 * kWgStage);
+          float* dst = sm + st * kWgStage;
+          bulk_copy(dst, a0 + kb * (2 * kWgAPlane), 4 * 2 * kWgAPlane, full + st);
+          bulk_copy(dst + 2 * kWgAPlane, a1 + kb * (2 * kWgAPlane), 4 * 2 * kWgAPlane, full + st);
+          bulk_copy(dst + 4 * kWgAPlane, p + kb * (2 * kWgBPlane), 4 * 2 * kWgBPlane, full + st);
+        }
+      }
+    }
+    return;  // (no block-wide barrier after this point)
+  }
+  const int lane = tid % 32, g = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
+  const bool pair = (cz & 1) == 0;  // then CZP4 is even, z even, and z + 1 < c_z whenever z < c_z
+  int64_t u = 0;
+  float acc[64], d[64];
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int64_t mblk = t % MB128, nb = (t / MB128) % NB, b = t / (MB128 * NB);
+#pragma unroll
+    for (int q = 0; q < 64; ++q) acc[q] = d[q] = 0.f;
+    for (int64_t kb = 0; kb < KB; ++kb, ++u) {
+      const int st = static_cast<int>(u % kWgStages);
+      mbar_wait(full + st, static_cast<unsigned>((u / kWgStages) & 1));
+      const float* a_hi = sm + st * kWgStage + wg * 2 * kWgAPlane;
+      const float* a_lo = a_hi + kWgAPlane;
+      const float* b_hi = sm + st * kWgStage + 4 * kWgAPlane;
+      const float* b_lo = b_hi + kWgBPlane;
+      wg_fence_acc(d);
+#pragma unroll
+      for (int ks = 0; ks < kWgBK / 8; ++ks) {
+        const int off = ks * 64;  // 8 k = two core matrices along k = 256 bytes
+        const int fresh = (kb * (kWgBK / 8) + ks) % kWgPromo == 0;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off), wg_desc(b_hi + off), fresh ? 0 : 1);  // the small terms first
+        wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off), wg_desc(b_lo + off), 1);
+        wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off), wg_desc(b_hi + off), 1);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      wg_fence_acc(d);
+      if (lane == 0) mbar_arrive(empty + st);  // this warp is done with the stage
+      if (((kb + 1) * (kWgBK / 8)) % kWgPromo == 0) {
+#pragma unroll
+        for (int q = 0; q < 64; ++q) acc[q] += d[q];
+      }
+    }
+    if ((KB * (kWgBK / 8)) % kWgPromo != 0) {  // the last, partial promotion period
+#pragma unroll
+      for (int q = 0; q < 64; ++q) acc[q] += d[q];
+    }
+    // Epilogue: acc[4 j + q] is row 128 mblk + 64 wg + 16 w4 + g + 8 (q / 2), column
+    // 128 nb + 8 j + 2 t4 + q % 2; (jl, z) of the column stepped by 8 per j (no divisions in the
+    // loop); pairs of columns as one 8-byte store where c_z is even.
+    const int n0 = static_cast<int>(nb * kWgBRows) + 2 * t4, nc = static_cast<int>(ncols);
+    int jl0 = n0 / CZP4, z00 = n0 - jl0 * CZP4;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t i = mblk * 128 + 64 * wg + 16 * w4 + g + 8 * hr;
+      if (i >= N) continue;
+      const float inv = inv_denom[b * N + i];
+      float* orow = out + ((b * N + i) * N + j0) * cz;
+      int jl = jl0, z = z00;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int n = n0 + 8 * j;
+        const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
+        if (n < nc) {
+          if (pair) {
+            if (z < cz)
+              *reinterpret_cast<float2*>(orow + static_cast<int64_t>(jl) * cz + z) =
+                  make_float2(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
+          } else {
+            if (z < cz) orow[static_cast<int64_t>(jl) * cz + z] = __ldg(bo + z) + inv * v0;
+            const int z1 = z + 1 < CZP4 ? z + 1 : 0, jl1 = z + 1 < CZP4 ? jl : jl + 1;  // column n + 1
+            if (n + 1 < nc && z1 < cz) orow[static_cast<int64_t>(jl1) * cz + z1] = __ldg(bo + z1) + inv * v1;
+          }
+        }
+        z += 8;
+        while (z >= CZP4) {
+          z -= CZP4;
+          ++jl;
+        }
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the host never launches this (DevInfo::wg_ok)
+#endif
+}
+
 // =============================================================================================
 // Launchers
 // =============================================================================================
@@ -1219,6 +1514,9 @@ struct DevInfo {
   bool tc_ok = false;  // w_first_tc/_tc2 can run: an sm_80+ device and their code built from sm_80+
                        // PTX (an extension built for older targets runs them JIT-compiled from
                        // that PTX, where the mma is a trap)
+  bool wg_ok = false;  // w_first_wg can run: a compute capability 9.0 device, this extension built
+                       // with sm_90a code (OPM_SM90A: the Python side turns 9.0 into 9.0a), and its
+                       // kWgSmemBytes of shared memory per block available
 };
 static DevInfo dev_info(int dev) {
   static DevInfo cache[64];
@@ -1231,6 +1529,11 @@ static DevInfo dev_info(int dev) {
   cudaFuncAttributes fa;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, opm_wfirst_tc_kernel<1>));
   d.tc_ok = d.major >= 8 && fa.ptxVersion >= 80;
+  int minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+#if defined(OPM_SM90A)
+  d.wg_ok = d.major == 9 && minor == 0 && kWgSmemBytes <= static_cast<size_t>(d.smem_optin);
+#endif
   if (dev >= 0 && dev < 64) { cache[dev] = d; have[dev] = true; }
   return d;
 }
@@ -1291,6 +1594,47 @@ static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::T
       aT.data_ptr<float>(), bq.data_ptr<float>(), inv_denom.data_ptr<float>(), wt.data_ptr<float>(),
       bo.data_ptr<float>(), out.data_ptr<float>(), B, S, N, Npad, cz, CZP);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// w_first_wg / w_first_wg2 (Hopper): aT packed into At (opm_pack_a_kernel), then per j-chunk stage 1
+// writing the tile-order planes (TILED) and opm_wfirst_wg_kernel, one block per tile or (persistent)
+// one per SM. Pt holds one chunk (wg_chunk_floats).
+static int64_t wg_chunk_floats(int64_t B, int64_t JC, int64_t KB, int CZP4) {
+  return B * cdiv(JC * CZP4, kWgBRows) * KB * 2 * kWgBPlane;
+}
+template <int CP>
+static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
+                             const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& At,
+                             at::Tensor& Pt, int64_t JC, int64_t B, int64_t S, int64_t N, int64_t Npad, int cz,
+                             int CZP4, bool persistent, const DevInfo& d, cudaStream_t stream) {
+  const int64_t K = S * CP, KB = cdiv(K, kWgBK), MB128 = cdiv(N, 128);
+  set_smem(opm_wfirst_wg_kernel, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
+  const int ga = grid_for(std::min<int64_t>(cdiv(B * KB * (kWgBK / 4) * 2 * MB128 * kWgARows, kThreads), 8ll * d.sms));
+  if (ga > 0) {
+    opm_pack_a_kernel<<<ga, kThreads, 0, stream>>>(aT.data_ptr<float>(), At.data_ptr<float>(), B, N, Npad, K,
+                                                   2 * MB128, KB);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  for (int64_t j0 = 0; j0 < N; j0 += JC) {
+    const int64_t JCv = std::min<int64_t>(JC, N - j0), ncols = JCv * CZP4;
+    WgGeom geom;
+    geom.NB = cdiv(ncols, kWgBRows);
+    geom.KB = KB;
+    const int64_t Sx = KB * kWgBK / CP, JCx = cdiv(geom.NB * kWgBRows, CZP4);
+    const int g1 = grid_for(B * Sx * cdiv(JCx, 64) * (CP / 4) * cdiv(CZP4, 32));
+    if (g1 > 0) {
+      opm_wfirst_proj_kernel<CP, true><<<g1, kThreads, 0, stream>>>(bq.data_ptr<float>(), wk.data_ptr<float>(),
+                                                                   Pt.data_ptr<float>(), B, S, N, j0, JCv, 0, CZP4, geom);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const int64_t tiles = B * MB128 * geom.NB;
+    const int g2 = grid_for(persistent ? std::min<int64_t>(tiles, d.sms) : tiles);  // the kernel loops over the rest
+    opm_wfirst_wg_kernel<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
+        At.numel() ? At.data_ptr<float>() : aT.data_ptr<float>(), Pt.numel() ? Pt.data_ptr<float>() : aT.data_ptr<float>(),
+        inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(), B, N, MB128, geom.NB, KB, j0,
+        ncols, cz, CZP4);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 // small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the
@@ -1371,8 +1715,8 @@ static int mask_kind_of(at::ScalarType st) {
   }
 }
 
-// variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc, 5 w_first_tc2.  Returns
-// (out, variant that ran: 1-5).
+// variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc, 5 w_first_tc2, 6 w_first_wg,
+// 7 w_first_wg2. Returns (out, variant that ran: 1-7).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -1409,7 +1753,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
     TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
                 dtype_str(*p));
-  TORCH_CHECK(variant >= 0 && variant <= 5, "outer_product_mean: variant code must be 0-5, got ", num(variant));
+  TORCH_CHECK(variant >= 0 && variant <= 7, "outer_product_mean: variant code must be 0-7, got ", num(variant));
 
   // ---- device checks ----
   TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
@@ -1423,9 +1767,13 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const c10::cuda::CUDAGuard guard(msa.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(msa.get_device());
-  TORCH_CHECK(variant < 4 || d.tc_ok, "outer_product_mean: variants w_first_tc and w_first_tc2 need an "
+  TORCH_CHECK(variant < 4 || variant >= 6 || d.tc_ok, "outer_product_mean: variants w_first_tc and w_first_tc2 need an "
               "sm_80+ GPU (TF32 mma.sync) and this extension built for sm_80+ (TORCH_CUDA_ARCH_LIST); "
               "this GPU has compute capability ", num(d.major), ".x");
+  TORCH_CHECK(variant < 6 || d.wg_ok, "outer_product_mean: variants w_first_wg and w_first_wg2 need a compute capability 9.0 GPU "
+              "(H100/H200: wgmma), this extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0, which "
+              "the build turns into 9.0a) and ", num(kWgSmemBytes), " bytes of shared memory per block; this GPU "
+              "has compute capability ", num(d.major), ".x and ", num(d.smem_optin), " bytes");
   const int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
   const int64_t Npad = round_up(N, 4);
   const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
@@ -1435,6 +1783,10 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   // w_first only if one j column of P fits the chunk cap. Constants: see kEff* above.
   const int64_t p_col_bytes = 4 * B * S * CP * CZP4;
   const int64_t JC = std::max<int64_t>(1, std::min<int64_t>(N, kPChunkBytes / std::max<int64_t>(p_col_bytes, 1)));
+  // w_first_wg: a chunk of the tile-order planes (hi and lo, K padded to kWgBK) up to kPChunkBytesWg
+  const int64_t KB = cdiv(S * CP, kWgBK);
+  const int64_t wg_col_bytes = 8 * B * KB * kWgBK * CZP4;
+  const int64_t JCw = std::max<int64_t>(1, std::min<int64_t>(N, kPChunkBytesWg / std::max<int64_t>(wg_col_bytes, 1)));
   const bool w_small = B * cdiv(N, kTile) * cdiv(JC * CZP4, kTile) < d.sms;  // 128-tile grid under one wave
   int64_t used = variant;
   if (variant == 0) {
@@ -1448,7 +1800,13 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj +
                        2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : w_tc ? (tc2_fits ? kEffWTc : kEffWTc1) : kEffW) +
                        2.0 * nchunk * kLaunchS;
+    // w_first_wg (Hopper): stage 1 writing the split planes, stage 2 on wgmma; any grid size
+    const double t_wg = d.wg_ok && wg_col_bytes <= kPChunkBytesWg
+                            ? 2.0 * bsn * cp * cp * CZP4 / kEffProjWg + 2.0 * nn * S * cp * CZP4 / kEffWg +
+                                  2.0 * static_cast<double>(cdiv(N, JCw)) * kLaunchS + kLaunchS
+                            : 1e30;
     used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
+    if (!w_small && t_wg < std::min(t_outer, t_w)) used = 7;
   }
 
   auto f32 = msa.options().dtype(at::kFloat);
@@ -1481,6 +1839,11 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   if (used == 1) {
     OPM_DISPATCH(CP, launch_outer<kCP>(aT, bq, inv_denom, wpack, bo_c, out, B, S, N, Npad, static_cast<int>(cz),
                                        static_cast<int>(CZP), d, stream));
+  } else if (used >= 6) {
+    at::Tensor At = at::empty({B * 2 * cdiv(N, 128) * KB * 2 * kWgAPlane}, f32);
+    at::Tensor Pt = at::empty({wg_chunk_floats(B, JCw, KB, static_cast<int>(CZP4))}, f32);
+    OPM_DISPATCH(CP, launch_wfirst_wg<kCP>(aT, bq, inv_denom, wpack, bo_c, out, At, Pt, JCw, B, S, N, Npad,
+                                           static_cast<int>(cz), static_cast<int>(CZP4), used == 7, d, stream));
   } else {
     at::Tensor P = at::empty({B * S * CP * JC * CZP4}, f32);
     OPM_DISPATCH(CP, launch_wfirst<kCP>(aT, bq, inv_denom, wpack, bo_c, out, P, JC, B, S, N, Npad,
@@ -1491,7 +1854,15 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   return {out, used};
 }
 
+// (tc_ok, wg_ok) of a CUDA device: whether w_first_tc/_tc2 and w_first_wg can run there.
+std::tuple<bool, bool> device_caps(int64_t device) {
+  const DevInfo d = dev_info(static_cast<int>(device));
+  return {d.tc_ok, d.wg_ok};
+}
+
 }  // namespace opm
+
+std::tuple<bool, bool> opm_device_caps(int64_t device) { return opm::device_caps(device); }
 
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
@@ -1506,16 +1877,57 @@ _CPP_SRC = r"""
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant);
+std::tuple<bool, bool> opm_device_caps(int64_t device);
 """
+
+
+def _wgmma_asm():
+    """Body of wgmma_tf32_m64n128k8: the inline PTX with its 64 accumulator operands spelled out."""
+    regs = ", ".join(f"%{i}" for i in range(64))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(64))
+    return ('  asm volatile("{\\n .reg .pred p;\\n setp.ne.b32 p, %66, 0;\\n"\n'
+            f'               "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {{{regs}}}, %64, %65, p, 1, 1;\\n}}\\n"\n'
+            f"               : {outs}\n"
+            '               : "l"(da), "l"(db), "r"(acc));\n')
+
+
+_CUDA_SRC = _CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm())
 
 # =============================================================================================
 # Build (load_inline at import; name carries a hash of the source and flags: edit -> rebuild)
 # =============================================================================================
+# With no GPU to detect (a CI machine, a laptop), PyTorch cannot pick the architecture to build
+# for and fails inside load_inline; build for the H100/H200 (sm_90) unless told otherwise.
+if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+
+
+def _arch_list():
+    """TORCH_CUDA_ARCH_LIST for this build: the user's, or (none set, or "native") the visible GPUs'
+    compute capabilities as PyTorch picks them, with 9.0 built as 9.0a, so that w_first_wg's wgmma
+    kernel (sm_90a-only instructions) exists on the H100 / H200; 9.0a code runs on compute
+    capability 9.0 devices, as 9.0 code does. Named lists ("Hopper") are passed on unchanged (no
+    w_first_wg then)."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if env and env != "native":
+        archs = env.replace(" ", ";").split(";")
+    else:
+        archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        archs[-1:] = [a + "+PTX" for a in archs[-1:]]
+    out = []
+    for a in filter(None, archs):
+        base, ptx = (a[:-4], "+PTX") if a.endswith("+PTX") else (a, "")
+        out.append(("9.0a" if base == "9.0" else base) + ptx)
+    return ";".join(out)
+
+
+_ARCHS = _arch_list()
 _VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
-_CUDA_FLAGS = ["-O3"] + (["-Xptxas", "-v"] if _VERBOSE else [])
+_CUDA_FLAGS = (["-O3"] + (["-DOPM_SM90A"] if "9.0a" in _ARCHS.split(";") or "9.0a+PTX" in _ARCHS.split(";") else [])
+               + (["-Xptxas", "-v"] if _VERBOSE else []))
 _CXX_FLAGS = ["-O3"]
 _HASH = hashlib.sha256(
-    (_CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS)).encode()).hexdigest()[:12]
+    (_CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS) + _ARCHS).encode()).hexdigest()[:12]
 _EXT_NAME = f"outer_product_mean_{_HASH}"
 
 
@@ -1528,23 +1940,24 @@ def _is_cached(name):
         return False
 
 
-# With no GPU to detect (a CI machine, a laptop), PyTorch cannot pick the architecture to build
-# for and fails inside load_inline; build for the H100/H200 (sm_90) unless told otherwise.
-if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-
-
 def _build():
     if not _is_cached(_EXT_NAME):
         print(f"building outer_product_mean CUDA extension ({_EXT_NAME}), 1-2 minutes the first time",
               file=sys.stderr, flush=True)
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = _ARCHS  # for this build only (restored below)
     try:
         return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
-                           functions=["opm_forward"], extra_cuda_cflags=_CUDA_FLAGS,
+                           functions=["opm_forward", "opm_device_caps"], extra_cuda_cflags=_CUDA_FLAGS,
                            extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
     except Exception as e:  # show the compiler output (it is in the exception text), then re-raise
         print(f"outer_product_mean: building the CUDA extension failed:\n{e}", file=sys.stderr, flush=True)
         raise
+    finally:
+        if saved is None:
+            del os.environ["TORCH_CUDA_ARCH_LIST"]
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
 
 _ext = _build()
@@ -1571,7 +1984,8 @@ class _ForwardOnly(torch.autograd.Function):
 class ModelNew(nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
 
-    VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2")
+    VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
+                "w_first_wg2")
 
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
         super().__init__()

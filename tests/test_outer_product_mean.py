@@ -121,11 +121,24 @@ def _run(new, msa, mask, variant):
     return out
 
 
-ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2")  # every forced variant
+ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
+          "w_first_wg2")  # every forced variant
 
 
-def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=0, variants=ORDERS,
+def _wg_ok(opm):
+    """w_first_wg runs here: a compute capability 9.0 GPU and the extension built with sm_90a."""
+    return HAS_CUDA and opm._ext.opm_device_caps(torch.cuda.current_device())[1]
+
+
+def _orders(opm):
+    """Every forced variant this GPU runs (w_first_wg, w_first_wg2: H100 / H200 only)."""
+    return tuple(v for v in ORDERS if not v.startswith("w_first_wg") or _wg_ok(opm))
+
+
+def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=0, variants=None,
           full_mask=True):
+    if variants is None:
+        variants = _orders(opm)
     gen = torch.Generator().manual_seed(seed)
     m_ref, new = _pair(opm, ref, cm, cz, c, seed)
     msa = _msa((B, S, N, cm), dist, gen)
@@ -149,6 +162,17 @@ def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=
 def test_builds_for_sm90(opm):
     assert hasattr(opm, "ModelNew") and hasattr(opm._ext, "opm_forward")
     assert opm.ModelNew.VARIANTS == ("auto",) + ORDERS
+    # built for sm_90a where 9.0 was asked for (w_first_wg's wgmma), with the host flag that enables it
+    archs = opm._ARCHS.split(";")
+    assert "9.0" not in archs and "9.0+PTX" not in archs
+    assert ("-DOPM_SM90A" in opm._CUDA_FLAGS) == any(a.startswith("9.0a") for a in archs)
+
+
+@pytest.mark.parametrize("given, built", [("9.0", "9.0a"), ("8.0;9.0+PTX", "8.0;9.0a+PTX"), ("8.0 8.6", "8.0;8.6"),
+                                          ("9.0a", "9.0a"), ("Hopper", "Hopper")])
+def test_arch_list_builds_sm90a(opm, monkeypatch, given, built):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
+    assert opm._arch_list() == built
 
 
 def test_same_submodules_and_init(opm, ref):
@@ -237,6 +261,9 @@ def test_named_shapes_both_orders(opm, ref, name):
     torch.testing.assert_close(outs["w_first_small"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc2"], outs["w_first"], **TOL)
+    for v in ("w_first_wg", "w_first_wg2"):
+        if v in outs:
+            torch.testing.assert_close(outs[v], outs["w_first"], **TOL)
 
 
 @gpu
@@ -247,9 +274,9 @@ def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     B, S, N, c, cz = sh["B"], sh["S"], sh["N"], sh["hidden_dim"], sh["pair_dim"]
     new = opm.ModelNew(sh["msa_dim"], cz, c).cuda()
     msa = torch.randn(B, S, N, sh["msa_dim"], device="cuda")
-    if expected == "w_first_tc2":  # its 136 KB (139264 bytes) of shared memory per block, else w_first_tc
+    if expected == "w_first_tc2":  # w_first_wg on the H100/H200; else w_first_tc2 where its 136 KB
         optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 1 << 20)
-        expected = "w_first_tc2" if optin >= 139264 else "w_first_tc"
+        expected = "w_first_wg2" if _wg_ok(opm) else "w_first_tc2" if optin >= 139264 else "w_first_tc"
     _run(new, msa, torch.ones(B, S, N, device="cuda"), "auto")
     assert new.last_variant == expected
     with torch.enable_grad():  # the autograd path (KernelBench times without no_grad) reports it too
@@ -275,6 +302,8 @@ def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     (1, 2, 6, 16, 128, 4),      # hidden 128
     (1, 37, 131, 3, 32, 128),   # tiny c_m, S not a multiple of 16, N > one 128-row tile
     (3, 17, 64, 1, 16, 1),      # c_m = 1 (LayerNorm gives beta), c_z = 1
+    (1, 128, 40, 16, 32, 128),  # 3 j-chunks (w_first: 16 j of 2 MB; w_first_wg: 16 j of 4 MB)
+    (2, 5, 200, 24, 16, 33),    # hidden 16 with S odd (w_first_wg: K padded to 32), odd c_z, N > 128
 ])
 def test_awkward_sizes(opm, ref, B, S, N, cm, c, cz):
     _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", seed=B * 1000 + S * 10 + N)
@@ -299,14 +328,14 @@ def test_fully_masked_positions_get_bias(opm, ref):
     msa = torch.randn(B, S, N, cm, device="cuda")
     mask = torch.ones(B, S, N, device="cuda")
     mask[:, :, 3] = 0
-    for v in ORDERS:
+    for v in _orders(opm):
         out = _run(new, msa, mask, v)
         bias = new.out_proj.bias.detach()
         torch.testing.assert_close(out[0, 3], bias.expand(N, cz), atol=1e-6, rtol=0)
         torch.testing.assert_close(out[0, :, 3], bias.expand(N, cz), atol=1e-6, rtol=0)
         _check(out, _ref64(m_ref, msa.cpu(), mask.cpu()).cuda(), v)
     mask.zero_()  # everything masked: bias everywhere
-    for v in ORDERS:
+    for v in _orders(opm):
         out = _run(new, msa, mask, v)
         torch.testing.assert_close(out, new.out_proj.bias.detach().expand(B, N, N, cz), atol=1e-6, rtol=0)
 
@@ -322,13 +351,13 @@ def test_non_contiguous_inputs(opm, ref):
     mask = maskt.permute(1, 2, 0)                          # (B, S, N), strided
     assert not msa.is_contiguous() and not mask.is_contiguous()
     expect = _ref64(m_ref, msa, mask).cuda()
-    for v in ORDERS:
+    for v in _orders(opm):
         _check(_run(new, msa.cuda(), mask.cuda(), v), expect, v)
     # non-contiguous parameters too (a transposed view of a weight)
     with torch.no_grad():
         w = new.proj_a.weight.detach().t().contiguous().t()
         new.proj_a.weight = torch.nn.Parameter(w)
-    for v in ORDERS:
+    for v in _orders(opm):
         _check(_run(new, msa.cuda(), mask.cuda(), v), expect, v + " strided parameter")
 
 
@@ -341,7 +370,7 @@ def test_empty_sizes(opm, ref, B, S, N):
     _, new = _pair(opm, ref, cm, cz, c, 41)
     msa = torch.randn(B, S, N, cm, device="cuda")
     mask = torch.ones(B, S, N, device="cuda")
-    for v in ("auto",) + ORDERS:
+    for v in ("auto",) + _orders(opm):
         out = _run(new, msa, mask, v)
         assert out.shape == (B, N, N, cz) and out.dtype == torch.float32 and out.device == msa.device
         if out.numel():
@@ -421,7 +450,7 @@ def test_output_over_2_31_elements(opm, ref):
     m64 = copy.deepcopy(m_ref).double().cpu()
     with torch.no_grad():
         expect = ref.forward_rows(m64, msa.double(), mask.double(), rows).cuda()
-    for v in ("w_first", "outer_first", "w_first_tc", "w_first_tc2"):
+    for v in ("w_first", "outer_first", "w_first_tc", "w_first_tc2") + (("w_first_wg", "w_first_wg2") if _wg_ok(opm) else ()):
         out = _run(new, msa.cuda(), mask.cuda(), v)
         assert out.numel() > 2**31
         _check(out[:, rows], expect, f"{v} sampled rows")
