@@ -129,7 +129,7 @@ constexpr int kR2 = 32;            // outer epilogue: rows of packed Wo per cp.a
 constexpr int kMaxHidden = 128;
 constexpr int kMaxMsaDim = 768;
 constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
-constexpr int64_t kPChunkBytesWg = 64ll << 20; // w_first_wg: cap of one chunk of P's hi + lo planes
+constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg: cap of one chunk of P's hi + lo planes
 // "auto" time model (seconds = FLOPs / efficiency + launches * kLaunchS). kEffOuter measured on the
 // H200 (crop: 86 GFLOP in 2.70 ms, 2026-11-29); the w_first ones were predictions for the rewritten
 // stage 1 (stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM 38 TFLOP/s: the outer kernel's
@@ -138,11 +138,12 @@ constexpr int64_t kPChunkBytesWg = 64ll << 20; // w_first_wg: cap of one chunk o
 // kEffWTc, kEffWTc1: the split-TF32 stage 2, w_first_tc2 ("auto"'s choice) and w_first_tc (where
 // w_first_tc2's 136 KB do not fit), from shallow on the H200 on 2026-11-29 (w_first_tc 1.842 ms against
 // w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work; w_first_tc2 1.803 ms: ~43).
-// kEffWg, kEffProjWg (w_first_wg2, Hopper): its stage 2 and its stage 1 (which writes the split
-// planes, twice w_first's bytes) at shallow on the H200 on 2026-11-29, from w_first_wg's profile
-// (stage 2 68.7 GFLOP in 0.734 ms = 94 TFLOP/s of fp32 work; stage 1 4.3 GFLOP in 0.300 ms).
+// kEffWg, kEffProjWg (w_first_wg2, Hopper): its stage 2 and its stage 1 (opm_wfirst_proj_wg_kernel,
+// which writes the split planes, twice w_first's bytes) at shallow on the H200 on 2026-11-29
+// (profile with 128 MB chunks: stage 2 68.7 GFLOP in 0.634 ms = 108 TFLOP/s of fp32 work, stage 1
+// 4.3 GFLOP in 0.199 ms = 21.6 TFLOP/s).
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
-                 kEffWTc1 = 42e12, kEffWg = 94e12, kEffProjWg = 14e12, kLaunchS = 2e-6;
+                 kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -287,9 +288,6 @@ constexpr int kWgStage = 2 * 2 * kWgAPlane + 2 * kWgBPlane;  // floats per stage
 constexpr int kWgThreads = 288;                  // 2 consumer warpgroups + 1 producer warp
 constexpr int kWgPromo = 8;                      // k steps (of 8) per promotion into fp32 (64 k)
 constexpr size_t kWgSmemBytes = 4ull * kWgStages * kWgStage + 16 * kWgStages;  // + full/empty mbarriers
-struct WgGeom {  // tile-order geometry of one j-chunk (0 when unused)
-  int64_t NB = 0, KB = 0;  // 128-row blocks of P's columns n; kWgBK-deep blocks of K
-};
 __host__ __device__ __forceinline__ int wg_tile_off(int r, int k) {
   return (r >> 3) * 256 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3);
 }
@@ -780,10 +778,10 @@ __global__ void __launch_bounds__(kThreads, 2) opm_outer_kernel(
 //  the k loop: 16 blocks x 1024 dependent L2 loads at the seed shape = 150 us; 32 blocks at shallow.)
 // Assumptions: 256 threads; CZP4 % 4 == 0; ldp % 4 == 0.
 // ---------------------------------------------------------------------------------------------
-template <int CP, bool TILED = false>
+template <int CP>
 __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
     const float* __restrict__ bq, const float* __restrict__ wk, float* __restrict__ P,
-    int64_t B, int64_t S, int64_t N, int64_t j0, int64_t JCv, int64_t ldp, int CZP4, WgGeom wg = WgGeom{}) {
+    int64_t B, int64_t S, int64_t N, int64_t j0, int64_t JCv, int64_t ldp, int CZP4) {
   constexpr int KC1 = CP < 32 ? CP : 32;
   constexpr int LDB = 64 + 4;
   constexpr int TN = 128;
@@ -791,19 +789,11 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
   __shared__ __align__(16) float Wsm[KC1 * TN];
   const int tid = threadIdx.x, tj = tid / 16, tz = tid % 16;
   const int64_t NCOL = static_cast<int64_t>(CP) * CZP4;
-  // TILED (w_first_wg): s runs to Spad, j to JCpad (zero rows: the planes' padding), and a column
-  // tile is 4 h x 32 z (nzg groups of 32 z), so a thread's 4 columns of one float4 are 4 k of one n.
-  const int64_t Sx = TILED ? wg.KB * kWgBK / CP : S;
-  const int64_t JCx = TILED ? cdiv(wg.NB * kWgBRows, CZP4) : JCv;
-  const int64_t nzg = cdiv(CZP4, 32);
-  const int64_t njt = cdiv(JCx, 64), nct = TILED ? (CP / 4) * nzg : cdiv(NCOL, TN);
-  const int64_t total = B * Sx * njt * nct;
+  const int64_t njt = cdiv(JCv, 64), nct = cdiv(NCOL, TN);
+  const int64_t total = B * S * njt * nct;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const int64_t ct = t % nct, jt = (t / nct) % njt, bsx = t / (nct * njt);  // bsx = b*Sx + s
-    const int64_t b_ = bsx / Sx, s_ = bsx - b_ * Sx;
-    const int64_t bs = TILED ? b_ * S + s_ : bsx;  // row block of bq (valid for s_ < S)
+    const int64_t ct = t % nct, jt = (t / nct) % njt, bs = t / (nct * njt);  // bs = b*S + s
     const int64_t n0 = ct * TN;
-    const int64_t h0 = TILED ? 4 * (ct / nzg) : 0, z0 = TILED ? 32 * (ct % nzg) : 0;
     float acc[4][8];
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -815,28 +805,18 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
         const int jl = q / (KC1 / 4), k4 = (q % (KC1 / 4)) * 4;
         const int64_t jc = jt * 64 + jl;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (jc < JCv && (!TILED || s_ < S))
-          v = __ldg(reinterpret_cast<const float4*>(bq + (bs * N + j0 + jc) * CP + k0 + k4));
+        if (jc < JCv) v = __ldg(reinterpret_cast<const float4*>(bq + (bs * N + j0 + jc) * CP + k0 + k4));
         Bt[(k4 + 0) * LDB + jl] = v.x;
         Bt[(k4 + 1) * LDB + jl] = v.y;
         Bt[(k4 + 2) * LDB + jl] = v.z;
         Bt[(k4 + 3) * LDB + jl] = v.w;
       }
-      if constexpr (TILED) {
-        // Wsm[kk][zz*4 + hh] = Wk[k0 + kk][(h0 + hh)*CZP4 + z0 + zz]  (zero past CZP4)
-        for (int q = tid; q < KC1 * TN; q += kThreads) {
-          const int kk = q / TN, hh = (q / 32) % 4, zz = q % 32;
-          Wsm[kk * TN + zz * 4 + hh] =
-              z0 + zz < CZP4 ? __ldg(wk + (k0 + kk) * NCOL + (h0 + hh) * CZP4 + z0 + zz) : 0.f;
-        }
-      } else {
-        // Wsm[kk][nl] = Wk[k0 + kk][n0 + nl]  (zero past NCOL; NCOL % 4 == 0)
-        for (int q = tid; q < KC1 * TN / 4; q += kThreads) {
-          const int kk = q / (TN / 4), c4 = (q % (TN / 4)) * 4;
-          float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (n0 + c4 < NCOL) v = __ldg(reinterpret_cast<const float4*>(wk + (k0 + kk) * NCOL + n0 + c4));
-          *reinterpret_cast<float4*>(Wsm + kk * TN + c4) = v;
-        }
+      // Wsm[kk][nl] = Wk[k0 + kk][n0 + nl]  (zero past NCOL; NCOL % 4 == 0)
+      for (int q = tid; q < KC1 * TN / 4; q += kThreads) {
+        const int kk = q / (TN / 4), c4 = (q % (TN / 4)) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (n0 + c4 < NCOL) v = __ldg(reinterpret_cast<const float4*>(wk + (k0 + kk) * NCOL + n0 + c4));
+        *reinterpret_cast<float4*>(Wsm + kk * TN + c4) = v;
       }
       __syncthreads();  // Bt and Wsm complete before the products read them
 #pragma unroll 8
@@ -853,36 +833,17 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_proj_kernel(
       }
       __syncthreads();  // Bt and Wsm read by all before the next chunk / tile overwrites them
     }
-    if constexpr (TILED) {
-      // acc[r][hb*4 + hh] = P at n = jc*CZP4 + z (z = z0 + tz + 16 hb), k = s*CP + h0 + hh: one
-      // 16-byte row of a core matrix in each plane (wg_tile_off), zeros included (padding).
-      const int64_t k = s_ * CP + h0, kb = k / kWgBK;
-      const int kk = static_cast<int>(k % kWgBK);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int64_t jc = jt * 64 + tj * 4 + r;
+    for (int r = 0; r < 4; ++r) {
+      const int64_t jc = jt * 64 + tj * 4 + r;
+      if (jc >= JCv) continue;
 #pragma unroll
-        for (int hb = 0; hb < 2; ++hb) {
-          const int64_t z = z0 + tz + 16 * hb, n = jc * CZP4 + z;
-          if (z >= CZP4 || n >= wg.NB * kWgBRows) continue;
-          float* dst = P + ((b_ * wg.NB + n / kWgBRows) * wg.KB + kb) * (2 * kWgBPlane) +
-                       wg_tile_off(static_cast<int>(n % kWgBRows), kk);
-          store_split4(dst, dst + kWgBPlane, acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int64_t jc = jt * 64 + tj * 4 + r;
-        if (jc >= JCv) continue;
-#pragma unroll
-        for (int hb = 0; hb < 2; ++hb) {
-          const int64_t n = n0 + hb * 64 + tz * 4;
-          if (n >= NCOL) continue;
-          const int64_t h = n / CZP4, z = n - h * CZP4;
-          *reinterpret_cast<float4*>(P + (bs * CP + h) * ldp + jc * CZP4 + z) =
-              make_float4(acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
-        }
+      for (int hb = 0; hb < 2; ++hb) {
+        const int64_t n = n0 + hb * 64 + tz * 4;
+        if (n >= NCOL) continue;
+        const int64_t h = n / CZP4, z = n - h * CZP4;
+        *reinterpret_cast<float4*>(P + (bs * CP + h) * ldp + jc * CZP4 + z) =
+            make_float4(acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
       }
     }
   }
@@ -1340,6 +1301,108 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_small_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
+// opm_wfirst_proj_wg_kernel<CP>: w_first_wg stage 1 for the j-chunk [j0, j0 + JCv): the products of
+//   opm_wfirst_proj_kernel (P[s,j,h,z] = sum_k bq[b,s,j,k] Wk[k][h*CZP4 + z]) written as P's
+//   tile-order hi / lo planes (Pt, see "w_first_wg" above), padding included: s runs to
+//   Sx = KB*kWgBK/CP, jl to JCx = ceil(NB*128 / CZP4), with zero rows of bq past S and JCv.
+// Block: (b, group of kProjWgSG s, 64-row jl tile, column tile of 4 h x 32 z). The block's W tile
+//   (all CP k of its 128 columns, Wsm[k][zz*4 + hh]) is loaded once; then per s the b tile (64 jl x
+//   CP, rows LDR = CP + 4 floats apart) by 16-byte cp.async into one of two buffers, the next s's
+//   copies in flight during this s's products. Thread (tj = tid/16, tz = tid%16) owns 4 jl x (4 h at
+//   z = z0 + tz, 4 h at z0 + tz + 16): one float4 per (jl, z) holds 4 consecutive k = s*CP + h0 .. +3,
+//   i.e. one 16-byte row of a core matrix in each plane (store_split4).
+// (A first version was a TILED mode of opm_wfirst_proj_kernel: one block per (s, 64 jl, 128
+//  columns), the W tile reloaded by every block: 0.300 ms at shallow, NOTES.md.)
+// Shared memory (dynamic): Wsm [CP][128], Bt [2][64][CP + 4] floats.
+// Assumptions: 256 threads; CP % 16 == 0; CZP4 % 4 == 0; bq 16-byte aligned.
+// ---------------------------------------------------------------------------------------------
+constexpr int kProjWgSG = 8;  // s per block
+template <int CP>
+constexpr size_t kProjWgSmemBytes = 4ull * (CP * 128 + 2 * 64 * (CP + 4));
+template <int CP>
+__global__ void __launch_bounds__(kThreads, 2) opm_wfirst_proj_wg_kernel(
+    const float* __restrict__ bq, const float* __restrict__ wk, float* __restrict__ Pt, int64_t B, int64_t S,
+    int64_t N, int64_t j0, int64_t JCv, int CZP4, int64_t NB, int64_t KB) {
+  constexpr int LDR = CP + 4, TN = 128;
+  constexpr int NV = 64 * (CP / 4) / kThreads;  // 16-byte copies of one b tile per thread
+  static_assert(NV >= 1 && NV * kThreads == 64 * (CP / 4), "b tile: whole 16-byte copies per thread");
+  extern __shared__ float4 smem_f4[];
+  float* Wsm = reinterpret_cast<float*>(smem_f4);  // [CP][TN]
+  float* Bt = Wsm + CP * TN;                       // [2][64][LDR]
+  const int tid = threadIdx.x, tj = tid / 16, tz = tid % 16;
+  const int64_t NCOL = static_cast<int64_t>(CP) * CZP4;
+  const int64_t Sx = KB * kWgBK / CP, JCx = cdiv(NB * kWgBRows, CZP4), nzg = cdiv(CZP4, 32);
+  const int64_t njt = cdiv(JCx, 64), nct = (CP / 4) * nzg, nsg = cdiv(Sx, kProjWgSG);
+  const int64_t total = B * nsg * njt * nct;
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int64_t ct = t % nct, jt = (t / nct) % njt, sg = (t / (nct * njt)) % nsg, b = t / (nct * njt * nsg);
+    const int64_t h0 = 4 * (ct / nzg), z0 = 32 * (ct % nzg);
+    const int64_t s_begin = sg * kProjWgSG, s_end = min64(Sx, s_begin + kProjWgSG);
+    auto load_b = [&](int buf, int64_t s) {  // b tile of s (zero past S and JCv) into Bt[buf]
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        const int q = tid + v * kThreads, jl = q / (CP / 4), k4 = (q % (CP / 4)) * 4;
+        const int64_t jc = jt * 64 + jl;
+        const bool ok = jc < JCv && s < S;
+        cp_async<16>(Bt + (buf * 64 + jl) * LDR + k4, ok ? bq + ((b * S + s) * N + j0 + jc) * CP + k4 : bq, ok ? 16 : 0);
+      }
+      cp_async_commit();
+    };
+    // this thread's 8 output rows n = jc*CZP4 + z of P: offset of row n's k block 0 (-1: not stored)
+    int64_t row_off[4][2];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int hb = 0; hb < 2; ++hb) {
+        const int64_t z = z0 + tz + 16 * hb, n = (jt * 64 + tj * 4 + r) * CZP4 + z;
+        row_off[r][hb] = z < CZP4 && n < NB * kWgBRows
+                             ? (b * NB + n / kWgBRows) * KB * (2 * kWgBPlane) + wg_tile_off(static_cast<int>(n % kWgBRows), 0)
+                             : -1;
+      }
+    __syncthreads();  // the previous tile's readers of Wsm and Bt are done
+    load_b(0, s_begin);
+    for (int q = tid; q < CP * TN; q += kThreads) {
+      const int kk = q / TN, hh = (q / 32) % 4, zz = q % 32;
+      Wsm[kk * TN + zz * 4 + hh] = z0 + zz < CZP4 ? __ldg(wk + kk * NCOL + (h0 + hh) * CZP4 + z0 + zz) : 0.f;
+    }
+    for (int64_t s = s_begin; s < s_end; ++s) {
+      const int buf = static_cast<int>((s - s_begin) & 1);
+      cp_async_wait<0>();
+      __syncthreads();  // Bt[buf] (and Wsm) complete for all; Bt[buf ^ 1]'s readers (s - 1) are done
+      if (s + 1 < s_end) load_b(buf ^ 1, s + 1);
+      const float* bt = Bt + (buf * 64 + tj * 4) * LDR;
+      float acc[4][8];
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
+#pragma unroll 4
+      for (int kk = 0; kk < CP; ++kk) {
+        const float b4[4] = {bt[kk], bt[LDR + kk], bt[2 * LDR + kk], bt[3 * LDR + kk]};
+        const float4 w0 = *reinterpret_cast<const float4*>(Wsm + kk * TN + tz * 4);
+        const float4 w1 = *reinterpret_cast<const float4*>(Wsm + kk * TN + 64 + tz * 4);
+        const float w8[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(b4[r], w8[e], acc[r][e]);
+      }
+      // k = s*CP + h0 .. + 3 lies in k block kb at k % kWgBK = kq (a multiple of 4)
+      const int64_t k = s * CP + h0;
+      float* pk = Pt + (k / kWgBK) * (2 * kWgBPlane) + wg_tile_off(0, static_cast<int>(k % kWgBK));
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int hb = 0; hb < 2; ++hb)
+          if (row_off[r][hb] >= 0) {
+            float* dst = pk + row_off[r][hb];
+            store_split4(dst, dst + kWgBPlane, acc[r][hb * 4], acc[r][hb * 4 + 1], acc[r][hb * 4 + 2], acc[r][hb * 4 + 3]);
+          }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // opm_pack_a_kernel: aT (B, S, CP, Npad) = [b][k][i] -> At, the tile-order hi / lo planes of the A
 //   operand of w_first_wg (rows i < MB64*64, k < KB*kWgBK; zeros past N and K = S*CP). One thread per
 //   4 consecutive k of one row (i fastest: coalesced reads of aT, 16-byte writes).
@@ -1609,6 +1672,8 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
                              int CZP4, bool persistent, const DevInfo& d, cudaStream_t stream) {
   const int64_t K = S * CP, KB = cdiv(K, kWgBK), MB128 = cdiv(N, 128);
   set_smem(opm_wfirst_wg_kernel, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
+  const size_t smem1 = kProjWgSmemBytes<CP>;
+  set_smem(opm_wfirst_proj_wg_kernel<CP>, smem1, d, "the w_first_wg stage-1 kernel");
   const int ga = grid_for(std::min<int64_t>(cdiv(B * KB * (kWgBK / 4) * 2 * MB128 * kWgARows, kThreads), 8ll * d.sms));
   if (ga > 0) {
     opm_pack_a_kernel<<<ga, kThreads, 0, stream>>>(aT.data_ptr<float>(), At.data_ptr<float>(), B, N, Npad, K,
@@ -1617,21 +1682,20 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
   }
   for (int64_t j0 = 0; j0 < N; j0 += JC) {
     const int64_t JCv = std::min<int64_t>(JC, N - j0), ncols = JCv * CZP4;
-    WgGeom geom;
-    geom.NB = cdiv(ncols, kWgBRows);
-    geom.KB = KB;
-    const int64_t Sx = KB * kWgBK / CP, JCx = cdiv(geom.NB * kWgBRows, CZP4);
-    const int g1 = grid_for(B * Sx * cdiv(JCx, 64) * (CP / 4) * cdiv(CZP4, 32));
+    const int64_t NB = cdiv(ncols, kWgBRows);  // 128-column blocks of P in this chunk
+    const int64_t Sx = KB * kWgBK / CP, JCx = cdiv(NB * kWgBRows, CZP4);
+    const int g1 = grid_for(B * cdiv(Sx, kProjWgSG) * cdiv(JCx, 64) * (CP / 4) * cdiv(CZP4, 32));
     if (g1 > 0) {
-      opm_wfirst_proj_kernel<CP, true><<<g1, kThreads, 0, stream>>>(bq.data_ptr<float>(), wk.data_ptr<float>(),
-                                                                   Pt.data_ptr<float>(), B, S, N, j0, JCv, 0, CZP4, geom);
+      opm_wfirst_proj_wg_kernel<CP><<<g1, kThreads, smem1, stream>>>(bq.data_ptr<float>(), wk.data_ptr<float>(),
+                                                                    Pt.data_ptr<float>(), B, S, N, j0, JCv, CZP4,
+                                                                    NB, KB);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    const int64_t tiles = B * MB128 * geom.NB;
+    const int64_t tiles = B * MB128 * NB;
     const int g2 = grid_for(persistent ? std::min<int64_t>(tiles, d.sms) : tiles);  // the kernel loops over the rest
     opm_wfirst_wg_kernel<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
         At.numel() ? At.data_ptr<float>() : aT.data_ptr<float>(), Pt.numel() ? Pt.data_ptr<float>() : aT.data_ptr<float>(),
-        inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(), B, N, MB128, geom.NB, KB, j0,
+        inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(), B, N, MB128, NB, KB, j0,
         ncols, cz, CZP4);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -1800,13 +1864,15 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj +
                        2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : w_tc ? (tc2_fits ? kEffWTc : kEffWTc1) : kEffW) +
                        2.0 * nchunk * kLaunchS;
-    // w_first_wg (Hopper): stage 1 writing the split planes, stage 2 on wgmma; any grid size
-    const double t_wg = d.wg_ok && wg_col_bytes <= kPChunkBytesWg
+    // w_first_wg2 (Hopper): stage 1 writing the split planes, stage 2 on wgmma; not where its first
+    // chunk has fewer 128 x 128 tiles than SMs (those go to w_first_small, as for w_first)
+    const bool wg_small = B * cdiv(N, kTile) * cdiv(JCw * CZP4, kTile) < d.sms;
+    const double t_wg = d.wg_ok && !wg_small && wg_col_bytes <= kPChunkBytesWg
                             ? 2.0 * bsn * cp * cp * CZP4 / kEffProjWg + 2.0 * nn * S * cp * CZP4 / kEffWg +
                                   2.0 * static_cast<double>(cdiv(N, JCw)) * kLaunchS + kLaunchS
                             : 1e30;
     used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
-    if (!w_small && t_wg < std::min(t_outer, t_w)) used = 7;
+    if (t_wg < std::min(t_outer, t_w)) used = 7;
   }
 
   auto f32 = msa.options().dtype(at::kFloat);
