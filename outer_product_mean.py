@@ -17,7 +17,9 @@ Tensors (all float32 unless said):
     out       (B, N, N, c_z)
   Internal (allocated per call, freed after): aT (B, S, CP, ceil4(N)) = a transposed so that i is
   contiguous, bq (B, S, N, CP), inv_denom (B, N), a packed copy of Wo (<= CP*CP*ceil64(c_z) floats),
-  where CP = hidden_dim rounded up to 16, 32, 64 or 128 (zero padding: padded channels contribute 0).
+  where CP = hidden_dim rounded up to 16, 32, 64 or 128 (zero padding: padded channels contribute 0);
+  w_first: one j-chunk of P (<= 32 MB); w_first_wg/_wg2: a and one j-chunk of P as split-TF32 hi/lo
+  planes (P's chunk <= 512 MB: 512 MB at shallow and at long).
   The (B, N, N, c, c) outer product of the reference is never stored in global memory.
 
 Two contraction orders (FLOPs of the second stage; the LayerNorm + projections add 4 B S N c_m c):
@@ -29,16 +31,17 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
   32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 43 (128-tile split
-  TF32, w_first_tc2; 42 for w_first_tc) / 25 (small) TFLOP/s; on the H200 on 2026-11-29 the choice was the fastest
-  measured variant at seed, shallow, crop and long, see NOTES.md). w_first needs one j
-  column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap; its stage 2 runs the small
-  kernel when the 128 x 128 grid would not fill one block per SM, else (sm_80+, and the extension
-  built for sm_80+) the split-TF32 kernel (w_first_tc2; w_first_tc where less than 136 KB of shared
-  memory per block is available). Deep MSAs (crop, long, huge) take outer_first,
-  shallow ones w_first_tc2 (shallow) or w_first_small (seed). After each call
+  TF32, w_first_tc2; 42 for w_first_tc) / 25 (small) TFLOP/s; w_first_wg2 stage 1 21, stage 2 108
+  TFLOP/s). w_first needs one j column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap;
+  its stage 2 runs the small kernel when the 128 x 128 grid would not fill one block per SM, else
+  (sm_80+, and the extension built for sm_80+) the split-TF32 kernel (w_first_tc2; w_first_tc where
+  less than 136 KB of shared memory per block is available). On an H100 / H200 with the extension
+  built for sm_90a (the default there, see Build) w_first_wg2 competes too. On the H200 on
+  2026-11-29 "auto" took w_first_small at seed, w_first_wg2 at shallow, long and huge, and
+  outer_first at crop: the fastest measured variant at each (NOTES.md). After each call
   `model.last_variant` names the variant that ran.
 
-Kernels (FP32 FMA except opm_wfirst_tc_kernel):
+Kernels (FP32 FMA except opm_wfirst_tc_kernel and opm_wfirst_wg_kernel):
   opm_prep_kernel        one launch, three block roles: (1) 64 rows of msa per block: x staged in
                          shared memory once, two-pass LayerNorm statistics from shared memory, both
                          projections as one [64 x c_m] x [c_m x 2CP] register-tiled GEMM (4 x 2CP/16
@@ -68,6 +71,18 @@ Kernels (FP32 FMA except opm_wfirst_tc_kernel):
                          stages, 8 rows per warp, 8 x 8 per lane), partials summed in shared memory
                          (deterministic): many more blocks than 128 x 128 tiles when N and N*c_z are
                          small (seed: 64 blocks of 32 x 64 instead of 32 blocks 3/4 empty).
+  Hopper (sm_90a; w_first_wg, w_first_wg2): both operands of w_first's stage 2 stored in "tile order":
+  every 64- or 128-row by 32-k block is one contiguous run holding its TF32 hi plane and lo plane,
+  each in the unswizzled K-major core-matrix layout wgmma reads, so one bulk copy (TMA engine)
+  moves a block into shared memory and the main loop has no split and no per-thread copy.
+  opm_pack_a_kernel      aT -> a's tile-order planes.
+  opm_wfirst_proj_wg_kernel<CP>  stage 1 (the opm_wfirst_proj_kernel product) writing P's tile-order
+                         planes, zero padding included; per block the W tile once and 8 s values.
+  opm_wfirst_wg_kernel   stage 2: 128 x 128 tiles; a producer lane issues three bulk copies per
+                         32-k stage (3 stages, full / empty mbarriers), two consumer warpgroups run
+                         wgmma m64n128k8 .tf32 (lo*hi, hi*lo, hi*hi into a fresh accumulator,
+                         promoted into fp32 by ordinary adds every 64 k). w_first_wg launches one
+                         block per tile, w_first_wg2 one per SM (persistent).
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
 launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (compiled for 16/32/64/128; others zero-padded to
@@ -78,8 +93,16 @@ Limits: forward only (backward raises); FP32 only for msa_repr and the parameter
 (a block keeps 64 rows of msa in shared memory); hidden_dim <= 128; hidden_dim 64 and 128 run the
 same code with smaller residue tiles and are slower per FLOP.
 
-Variants: ModelNew.VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc",
-"w_first_tc2"); set `model.variant` (the w_first ones differ only in the stage-2 kernel).
+Variants: "auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
+"w_first_wg2"; set `model.variant` (the w_first ones differ only in the stage-2 kernel, and the wg
+ones in stage 1's output layout). ModelNew.VARIANTS lists those that run on the current GPU at
+import (what the harness checks by default): all of them on an H100 / H200 with the sm_90a build,
+all but the two wg ones elsewhere (forcing one there raises with the reason).
+w_first_wg, w_first_wg2: stage 2 on Hopper wgmma in split TF32; compute capability 9.0 only, with the
+extension built for sm_90a (else they raise): at shallow on the H200 0.857 ms ("auto" -> w_first_wg2:
+4.34x eager, 3.00x torch.compile), long 10.54 ms (1.84x, 1.40x), huge 131.8 ms (outer_first: 333);
+error against fp64 0.9-1.0x the fp32 reference's at shallow and long, 0.75x at deep (harness,
+2026-11-29).
 w_first_tc, w_first_tc2: stage 2 on the tensor cores in split TF32 (opm_wfirst_tc_kernel<1 / 2>,
 mma.sync m16n8k8; sm_80+ and the extension built for sm_80+, else they raise; w_first_tc2 needs
 136 KB of shared memory per block: A100, H100, H200, not the 100 KB parts): at shallow on the H200
@@ -91,6 +114,10 @@ trial at deep up to 2.2x (w_first_tc) and 2.5x (w_first_tc2), where the FMA w_fi
 Run:   python harness.py outer_product_mean
 Build: 1-2 minutes the first time (cached afterwards; rebuilds when this source changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
+       Architectures: TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' (PyTorch's default), else
+       (no GPU) 9.0; 9.0 is built as 9.0a (wgmma exists only there; 9.0a code runs on 9.0 devices,
+       as 9.0 code does); named lists such as "Hopper" are passed on unchanged, which leaves
+       w_first_wg/_wg2 out. The setting applies to this build only (the variable is restored).
 """
 import hashlib
 import os
@@ -2028,6 +2055,19 @@ def _build():
 
 _ext = _build()
 
+# Every variant name, in the order of the extension's variant codes.
+_ALL_VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
+                 "w_first_wg2")
+
+
+def _hopper_variants_run_here():
+    """w_first_wg / w_first_wg2 can run on the current CUDA device (compute capability 9.0 and this
+    extension built with sm_90a code); False without CUDA."""
+    try:
+        return torch.cuda.is_available() and bool(_ext.opm_device_caps(torch.cuda.current_device())[1])
+    except Exception:  # no usable device: the variants are left out of VARIANTS (forcing one raises)
+        return False
+
 
 # =============================================================================================
 # Module
@@ -2050,8 +2090,10 @@ class _ForwardOnly(torch.autograd.Function):
 class ModelNew(nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
 
-    VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-                "w_first_wg2")
+    # The variants that run on this machine's current GPU (what the harness checks by default): the
+    # Hopper ones only where they can run. Any name of _ALL_VARIANTS may be set; one that cannot
+    # run here raises with the reason.
+    VARIANTS = tuple(v for v in _ALL_VARIANTS if not v.startswith("w_first_wg") or _hopper_variants_run_here())
 
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
         super().__init__()
@@ -2063,9 +2105,9 @@ class ModelNew(nn.Module):
         self.last_variant = None
 
     def forward(self, msa_repr, msa_mask):
-        if self.variant not in self.VARIANTS:
-            raise ValueError(f"variant must be one of {self.VARIANTS}, got {self.variant!r}")
-        code = self.VARIANTS.index(self.variant)
+        if self.variant not in _ALL_VARIANTS:
+            raise ValueError(f"variant must be one of {_ALL_VARIANTS}, got {self.variant!r}")
+        code = _ALL_VARIANTS.index(self.variant)
         eps = float(self.layer_norm.eps)
         params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,
                   self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
@@ -2073,10 +2115,10 @@ class ModelNew(nn.Module):
             # KernelBench times without no_grad: keep forward working, make backward fail loudly.
             used = []
             out = _ForwardOnly.apply(msa_repr, msa_mask, eps, code, used, *params)
-            self.last_variant = self.VARIANTS[used[0]]
+            self.last_variant = _ALL_VARIANTS[used[0]]
             return out
         out, used = _ext.opm_forward(msa_repr, msa_mask, *params, eps, code)
-        self.last_variant = self.VARIANTS[used]
+        self.last_variant = _ALL_VARIANTS[used]
         return out
 
 

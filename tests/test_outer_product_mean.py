@@ -161,7 +161,8 @@ def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=
 # ---------------------------------------------------------------------------------------------
 def test_builds_for_sm90(opm):
     assert hasattr(opm, "ModelNew") and hasattr(opm._ext, "opm_forward")
-    assert opm.ModelNew.VARIANTS == ("auto",) + ORDERS
+    assert opm._ALL_VARIANTS == ("auto",) + ORDERS
+    assert opm.ModelNew.VARIANTS == ("auto",) + _orders(opm)  # the Hopper ones only where they run
     # built for sm_90a where 9.0 was asked for (w_first_wg's wgmma), with the host flag that enables it
     archs = opm._ARCHS.split(";")
     assert "9.0" not in archs and "9.0+PTX" not in archs
@@ -195,6 +196,10 @@ def test_cpu_tensors_raise_device_error(opm):
     msa, mask = _cpu_args()
     with torch.no_grad(), pytest.raises(RuntimeError, match="must be a CUDA tensor.*cpu"):
         model(msa, mask)
+    model.variant = "w_first_wg2"  # a name outside VARIANTS here is still accepted (the device decides)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="must be a CUDA tensor.*cpu"):
+        model(msa, mask)
+    model.variant = "auto"
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):  # grad path too
         model(msa, mask)
 
