@@ -115,12 +115,15 @@ Run:   python harness.py outer_product_mean
 Build: 1-2 minutes the first time (cached afterwards; rebuilds when this source changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
        Architectures: TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' (PyTorch's default), else
-       (no GPU) 9.0; 9.0 is built as 9.0a (wgmma exists only there; 9.0a code runs on 9.0 devices,
-       as 9.0 code does); named lists such as "Hopper" are passed on unchanged, which leaves
-       w_first_wg/_wg2 out. The setting applies to this build only (the variable is restored).
+       (no GPU) 9.0; 9.0 is built as sm_90a (wgmma exists only there; sm_90a code runs on 9.0
+       devices, as sm_90 code does), "9.0+PTX" as sm_90a plus portable compute_90 PTX. The file
+       passes these as nvcc -gencode flags (`_gencode_flags`; TORCH_CUDA_ARCH_LIST is left as it
+       is); lists with names such as "Hopper" go to PyTorch unchanged, which leaves w_first_wg/_wg2
+       out.
 """
 import hashlib
 import os
+import re
 import sys
 
 import torch
@@ -1473,7 +1476,7 @@ __global__ void __launch_bounds__(kThreads) opm_pack_a_kernel(const float* __res
 // Shared memory (dynamic, kWgSmemBytes = 192 KB + 48 B): kWgStages stages of [A0 hi, A0 lo, A1 hi,
 //   A1 lo, P hi, P lo], then full[kWgStages], empty[kWgStages].
 // Assumptions: kWgThreads threads; ncols <= NB * 128 < 2^31; At, Pt as opm_pack_a_kernel and the
-//   TILED stage 1 write them; 16-byte aligned.
+//   stage-1 kernel opm_wfirst_proj_wg_kernel write them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
     const float* __restrict__ At, const float* __restrict__ Pt, const float* __restrict__ inv_denom,
@@ -1687,7 +1690,7 @@ static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::T
 }
 
 // w_first_wg / w_first_wg2 (Hopper): aT packed into At (opm_pack_a_kernel), then per j-chunk stage 1
-// writing the tile-order planes (TILED) and opm_wfirst_wg_kernel, one block per tile or (persistent)
+// writing the tile-order planes (opm_wfirst_proj_wg_kernel) and opm_wfirst_wg_kernel, one block per tile or (persistent)
 // one per SM. Pt holds one chunk (wg_chunk_floats).
 static int64_t wg_chunk_floats(int64_t B, int64_t JC, int64_t KB, int CZP4) {
   return B * cdiv(JC * CZP4, kWgBRows) * KB * 2 * kWgBPlane;
@@ -1874,10 +1877,13 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   // w_first only if one j column of P fits the chunk cap. Constants: see kEff* above.
   const int64_t p_col_bytes = 4 * B * S * CP * CZP4;
   const int64_t JC = std::max<int64_t>(1, std::min<int64_t>(N, kPChunkBytes / std::max<int64_t>(p_col_bytes, 1)));
-  // w_first_wg: a chunk of the tile-order planes (hi and lo, K padded to kWgBK) up to kPChunkBytesWg
+  // w_first_wg: a chunk of P's tile-order planes (hi and lo, K padded to kWgBK, columns to whole
+  // 128-column blocks) up to kPChunkBytesWg: as many j as fill whole blocks under the cap (>= 1)
   const int64_t KB = cdiv(S * CP, kWgBK);
-  const int64_t wg_col_bytes = 8 * B * KB * kWgBK * CZP4;
-  const int64_t JCw = std::max<int64_t>(1, std::min<int64_t>(N, kPChunkBytesWg / std::max<int64_t>(wg_col_bytes, 1)));
+  const int64_t wg_block_bytes = 4 * B * KB * 2 * kWgBPlane;  // one 128-column block of P, all K
+  const bool wg_fits = wg_block_bytes <= kPChunkBytesWg;
+  const int64_t JCw = std::max<int64_t>(
+      1, std::min<int64_t>(N, kPChunkBytesWg / std::max<int64_t>(wg_block_bytes, 1) * kWgBRows / CZP4));
   const bool w_small = B * cdiv(N, kTile) * cdiv(JC * CZP4, kTile) < d.sms;  // 128-tile grid under one wave
   int64_t used = variant;
   if (variant == 0) {
@@ -1894,12 +1900,13 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     // w_first_wg2 (Hopper): stage 1 writing the split planes, stage 2 on wgmma; not where its first
     // chunk has fewer 128 x 128 tiles than SMs (those go to w_first_small, as for w_first)
     const bool wg_small = B * cdiv(N, kTile) * cdiv(JCw * CZP4, kTile) < d.sms;
-    const double t_wg = d.wg_ok && !wg_small && wg_col_bytes <= kPChunkBytesWg
+    const double t_wg = d.wg_ok && !wg_small && wg_fits
                             ? 2.0 * bsn * cp * cp * CZP4 / kEffProjWg + 2.0 * nn * S * cp * CZP4 / kEffWg +
                                   2.0 * static_cast<double>(cdiv(N, JCw)) * kLaunchS + kLaunchS
                             : 1e30;
-    used = (t_w < t_outer && p_col_bytes <= kPChunkBytes) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
-    if (t_wg < std::min(t_outer, t_w)) used = 7;
+    const bool w_fits = p_col_bytes <= kPChunkBytes;
+    used = (t_w < t_outer && w_fits) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
+    if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = 7;
   }
 
   auto f32 = msa.options().dtype(at::kFloat);
@@ -1995,32 +2002,44 @@ if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
     os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
 
 
-def _arch_list():
-    """TORCH_CUDA_ARCH_LIST for this build: the user's, or (none set, or "native") the visible GPUs'
-    compute capabilities as PyTorch picks them, with 9.0 built as 9.0a, so that w_first_wg's wgmma
-    kernel (sm_90a-only instructions) exists on the H100 / H200; 9.0a code runs on compute
-    capability 9.0 devices, as 9.0 code does. Named lists ("Hopper") are passed on unchanged (no
-    w_first_wg then)."""
+def _gencode_flags():
+    """nvcc -gencode flags for this build. The architectures PyTorch would build for: TORCH_CUDA_ARCH_LIST
+    as PyTorch reads it or, none set (or "native"), the visible GPUs' compute capabilities capped at
+    the newest this PyTorch supports, the last with PTX. Except that 9.0 gets sm_90a code: wgmma
+    (w_first_wg/_wg2) exists only there, and sm_90a code runs on compute capability 9.0 devices as
+    sm_90 code does; "9.0+PTX" keeps its portable compute_90 PTX beside it. Flags naming an arch
+    replace PyTorch's own (torch.utils.cpp_extension). Returns [] for lists with names such as
+    "Hopper": PyTorch then builds as usual, without sm_90a (no w_first_wg/_wg2)."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":
-        archs = env.replace(" ", ";").split(";")
+        archs = [a for a in env.replace(" ", ";").split(";") if a]
     else:
-        archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
+        newest = max((sm // 10, sm % 10) for sm in sms)
+        archs = sorted({"%d.%d" % min(newest, torch.cuda.get_device_capability(i))
+                        for i in range(torch.cuda.device_count())})
         archs[-1:] = [a + "+PTX" for a in archs[-1:]]
-    out = []
-    for a in filter(None, archs):
-        base, ptx = (a[:-4], "+PTX") if a.endswith("+PTX") else (a, "")
-        out.append(("9.0a" if base == "9.0" else base) + ptx)
-    return ";".join(out)
+    flags = []
+    for a in archs:
+        m = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", a)
+        if m is None:
+            return []
+        num, suffix = m.group(1) + m.group(2), m.group(3)
+        if num == "90":
+            suffix = "a"
+        flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
+        if m.group(4):
+            ptx = num if num == "90" else num + suffix
+            flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
+    return list(dict.fromkeys(flags))
 
 
-_ARCHS = _arch_list()
+_GENCODE = _gencode_flags()
 _VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
-_CUDA_FLAGS = (["-O3"] + (["-DOPM_SM90A"] if "9.0a" in _ARCHS.split(";") or "9.0a+PTX" in _ARCHS.split(";") else [])
+_CUDA_FLAGS = (["-O3"] + _GENCODE + (["-DOPM_SM90A"] if any("code=sm_90a" in f for f in _GENCODE) else [])
                + (["-Xptxas", "-v"] if _VERBOSE else []))
 _CXX_FLAGS = ["-O3"]
-_HASH = hashlib.sha256(
-    (_CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS) + _ARCHS).encode()).hexdigest()[:12]
+_HASH = hashlib.sha256((_CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS)).encode()).hexdigest()[:12]
 _EXT_NAME = f"outer_product_mean_{_HASH}"
 
 
@@ -2037,8 +2056,6 @@ def _build():
     if not _is_cached(_EXT_NAME):
         print(f"building outer_product_mean CUDA extension ({_EXT_NAME}), 1-2 minutes the first time",
               file=sys.stderr, flush=True)
-    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = _ARCHS  # for this build only (restored below)
     try:
         return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
                            functions=["opm_forward", "opm_device_caps"], extra_cuda_cflags=_CUDA_FLAGS,
@@ -2046,11 +2063,6 @@ def _build():
     except Exception as e:  # show the compiler output (it is in the exception text), then re-raise
         print(f"outer_product_mean: building the CUDA extension failed:\n{e}", file=sys.stderr, flush=True)
         raise
-    finally:
-        if saved is None:
-            del os.environ["TORCH_CUDA_ARCH_LIST"]
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
 
 _ext = _build()
@@ -2067,6 +2079,15 @@ def _hopper_variants_run_here():
         return torch.cuda.is_available() and bool(_ext.opm_device_caps(torch.cuda.current_device())[1])
     except Exception:  # no usable device: the variants are left out of VARIANTS (forcing one raises)
         return False
+
+
+class _VariantsHere:
+    """ModelNew.VARIANTS: a tuple of the variant names that run on the current CUDA device, computed
+    at each access (class or instance)."""
+
+    def __get__(self, obj, owner=None):
+        wg = _hopper_variants_run_here()
+        return tuple(v for v in _ALL_VARIANTS if wg or not v.startswith("w_first_wg"))
 
 
 # =============================================================================================
@@ -2090,10 +2111,10 @@ class _ForwardOnly(torch.autograd.Function):
 class ModelNew(nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
 
-    # The variants that run on this machine's current GPU (what the harness checks by default): the
-    # Hopper ones only where they can run. Any name of _ALL_VARIANTS may be set; one that cannot
-    # run here raises with the reason.
-    VARIANTS = tuple(v for v in _ALL_VARIANTS if not v.startswith("w_first_wg") or _hopper_variants_run_here())
+    # The variants that run on the current GPU (what the harness checks by default): the Hopper ones
+    # only where they can run; evaluated at each access, so importing makes no CUDA call. Any name
+    # of _ALL_VARIANTS may be set; one that cannot run here raises with the reason.
+    VARIANTS = _VariantsHere()
 
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
         super().__init__()

@@ -9,6 +9,8 @@ pair_dim not a multiple of 4, float/bool/integer masks, fully masked positions, 
 inputs, empty sizes, a > 2^31-element output, state_dict loading, and forward-only backward.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -163,17 +165,43 @@ def test_builds_for_sm90(opm):
     assert hasattr(opm, "ModelNew") and hasattr(opm._ext, "opm_forward")
     assert opm._ALL_VARIANTS == ("auto",) + ORDERS
     assert opm.ModelNew.VARIANTS == ("auto",) + _orders(opm)  # the Hopper ones only where they run
-    # built for sm_90a where 9.0 was asked for (w_first_wg's wgmma), with the host flag that enables it
-    archs = opm._ARCHS.split(";")
-    assert "9.0" not in archs and "9.0+PTX" not in archs
-    assert ("-DOPM_SM90A" in opm._CUDA_FLAGS) == any(a.startswith("9.0a") for a in archs)
+    # sm_90a code where 9.0 was asked for (w_first_wg's wgmma), with the host flag that enables it
+    assert any("code=sm_90a" in f for f in opm._GENCODE)  # CI and the device build 9.0 / 9.0a
+    assert not any("code=sm_90," in f + "," for f in opm._GENCODE)
+    assert "-DOPM_SM90A" in opm._CUDA_FLAGS
 
 
-@pytest.mark.parametrize("given, built", [("9.0", "9.0a"), ("8.0;9.0+PTX", "8.0;9.0a+PTX"), ("8.0 8.6", "8.0;8.6"),
-                                          ("9.0a", "9.0a"), ("Hopper", "Hopper")])
-def test_arch_list_builds_sm90a(opm, monkeypatch, given, built):
+G = "-gencode=arch=compute_{0},code={1}_{0}"
+
+
+@pytest.mark.parametrize("given, flags", [
+    ("9.0", [G.format("90a", "sm")]),
+    ("8.0;9.0+PTX", [G.format("80", "sm"), G.format("90a", "sm"), G.format("90", "compute")]),  # portable PTX kept
+    ("8.0 8.6", [G.format("80", "sm"), G.format("86", "sm")]),
+    ("9.0a", [G.format("90a", "sm")]),
+    ("10.0+PTX", [G.format("100", "sm"), G.format("100", "compute")]),
+    ("Hopper", []),  # names: PyTorch's own flags, no sm_90a
+])
+def test_gencode_flags_build_sm90a(opm, monkeypatch, given, flags):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
-    assert opm._arch_list() == built
+    assert opm._gencode_flags() == flags
+
+
+def test_import_makes_no_cuda_call_and_keeps_the_environment(opm, repo_root):
+    """With TORCH_CUDA_ARCH_LIST set, importing the file (the extension cached by the `opm` fixture)
+    initialises no CUDA device (VARIANTS is evaluated on access) and leaves the variable as it was."""
+    import subprocess
+    import sys
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not archs:
+        pytest.skip("TORCH_CUDA_ARCH_LIST unset: the build asks the GPUs for their capabilities")
+    code = ("import os, torch, outer_product_mean as m\n"
+            f"assert os.environ['TORCH_CUDA_ARCH_LIST'] == {archs!r}, os.environ['TORCH_CUDA_ARCH_LIST']\n"
+            "assert not torch.cuda.is_initialized()\n"
+            "print(m.ModelNew.VARIANTS)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "'auto'" in r.stdout
 
 
 def test_same_submodules_and_init(opm, ref):
