@@ -339,6 +339,7 @@ def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     (3, 17, 64, 1, 16, 1),      # c_m = 1 (LayerNorm gives beta), c_z = 1
     (1, 1024, 40, 16, 32, 128), # j-chunks: w_first 20 (2 j of 16 MB), w_first_wg 3 (16 j of 32 MB)
     (2, 5, 200, 24, 16, 33),    # hidden 16 with S odd (w_first_wg: K padded to 32), odd c_z, N > 128
+    (1, 4096, 12, 8, 32, 100),  # w_first_wg: chunks of 5 j = 500 columns (4 blocks, the last 116 wide)
 ])
 def test_awkward_sizes(opm, ref, B, S, N, cm, c, cz):
     _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", seed=B * 1000 + S * 10 + N)
