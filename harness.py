@@ -50,7 +50,9 @@ time as a multiple of it, achieved TFLOP/s and TB/s, speedups over eager and ove
 torch.compile runs by default only for shapes not named awkward* and not reference_may_oom.
 
 Conventions honoured in the solution file: `ModelNew.VARIANTS` (optional tuple of str) lists kernel
-variants; `model.variant` selects one (its value after construction is the default, else VARIANTS[0]);
+variants (those that run on this machine); `ModelNew.ALL_VARIANTS` (optional) every variant the file
+has, for a clearer message when --variant names one that does not run here (e.g. a Hopper-only one);
+`model.variant` selects one (its value after construction is the default, else VARIANTS[0]);
 `model.last_variant` (optional str) after a forward says what actually ran (shown in the table).
 
 Reference module contract: Model, SHAPES {name: dict}, init_inputs_for(shape), input_shapes_for(shape),
@@ -1303,6 +1305,9 @@ def main(argv=None):
     elif not declared:
         return finish(EXIT_USAGE, f"usage: --variant {args.variant}: ModelNew declares no VARIANTS")
     elif args.variant not in declared:
+        if args.variant in tuple(getattr(NewModel, "ALL_VARIANTS", ()) or ()):
+            return finish(EXIT_USAGE, f"usage: --variant {args.variant}: in ModelNew.ALL_VARIANTS but it does not run "
+                                      f"on this machine (ModelNew.VARIANTS here: {declared})")
         return finish(EXIT_USAGE, f"usage: --variant {args.variant}: not in ModelNew.VARIANTS {declared}")
     else:
         variants = [args.variant]

@@ -19,7 +19,7 @@ Tensors (all float32 unless said):
   contiguous, bq (B, S, N, CP), inv_denom (B, N), a packed copy of Wo (<= CP*CP*ceil64(c_z) floats),
   where CP = hidden_dim rounded up to 16, 32, 64 or 128 (zero padding: padded channels contribute 0);
   w_first: one j-chunk of P (<= 32 MB); w_first_wg/_wg2: a and one j-chunk of P as split-TF32 hi/lo
-  planes (P's chunk <= 512 MB: 512 MB at shallow and at long).
+  planes (P's chunk <= 512 MB: 512 MB at shallow, long and huge; a's about 2x aT).
   The (B, N, N, c, c) outer product of the reference is never stored in global memory.
 
 Two contraction orders (FLOPs of the second stage; the LayerNorm + projections add 4 B S N c_m c):
@@ -1600,10 +1600,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
 // =============================================================================================
 // Launchers
 // =============================================================================================
+#if defined(OPM_SM90A)
+constexpr bool kBuiltSm90a = true;   // the build has sm_90a code (w_first_wg's wgmma)
+#else
+constexpr bool kBuiltSm90a = false;
+#endif
 struct DevInfo {
   int sms = 0;
   int smem_optin = 0;
   int major = 0;       // compute capability major
+  int minor = 0;
   bool tc_ok = false;  // w_first_tc/_tc2 can run: an sm_80+ device and their code built from sm_80+
                        // PTX (an extension built for older targets runs them JIT-compiled from
                        // that PTX, where the mma is a trap)
@@ -1622,11 +1628,8 @@ static DevInfo dev_info(int dev) {
   cudaFuncAttributes fa;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, opm_wfirst_tc_kernel<1>));
   d.tc_ok = d.major >= 8 && fa.ptxVersion >= 80;
-  int minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-#if defined(OPM_SM90A)
-  d.wg_ok = d.major == 9 && minor == 0 && kWgSmemBytes <= static_cast<size_t>(d.smem_optin);
-#endif
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, dev));
+  d.wg_ok = kBuiltSm90a && d.major == 9 && d.minor == 0 && kWgSmemBytes <= static_cast<size_t>(d.smem_optin);
   if (dev >= 0 && dev < 64) { cache[dev] = d; have[dev] = true; }
   return d;
 }
@@ -1864,10 +1867,11 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   TORCH_CHECK(variant < 4 || variant >= 6 || d.tc_ok, "outer_product_mean: variants w_first_tc and w_first_tc2 need an "
               "sm_80+ GPU (TF32 mma.sync) and this extension built for sm_80+ (TORCH_CUDA_ARCH_LIST); "
               "this GPU has compute capability ", num(d.major), ".x");
-  TORCH_CHECK(variant < 6 || d.wg_ok, "outer_product_mean: variants w_first_wg and w_first_wg2 need a compute capability 9.0 GPU "
-              "(H100/H200: wgmma), this extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0, which "
-              "the build turns into 9.0a) and ", num(kWgSmemBytes), " bytes of shared memory per block; this GPU "
-              "has compute capability ", num(d.major), ".x and ", num(d.smem_optin), " bytes");
+  TORCH_CHECK(variant < 6 || d.wg_ok, "outer_product_mean: variants w_first_wg and w_first_wg2 need a compute "
+              "capability 9.0 GPU (H100/H200: wgmma; this GPU: ", num(d.major), ".", num(d.minor), "), this "
+              "extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0 or 9.0a, not a name such as "
+              "Hopper; this build: ", kBuiltSm90a ? "yes" : "no", ") and ", num(kWgSmemBytes), " bytes of "
+              "shared memory per block (this GPU: ", num(d.smem_optin), ")");
   const int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
   const int64_t Npad = round_up(N, 4);
   const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
@@ -1996,23 +2000,21 @@ _CUDA_SRC = _CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm())
 # =============================================================================================
 # Build (load_inline at import; name carries a hash of the source and flags: edit -> rebuild)
 # =============================================================================================
-# With no GPU to detect (a CI machine, a laptop), PyTorch cannot pick the architecture to build
-# for and fails inside load_inline; build for the H100/H200 (sm_90) unless told otherwise.
-if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-
-
 def _gencode_flags():
     """nvcc -gencode flags for this build. The architectures PyTorch would build for: TORCH_CUDA_ARCH_LIST
     as PyTorch reads it or, none set (or "native"), the visible GPUs' compute capabilities capped at
     the newest this PyTorch supports, the last with PTX. Except that 9.0 gets sm_90a code: wgmma
     (w_first_wg/_wg2) exists only there, and sm_90a code runs on compute capability 9.0 devices as
-    sm_90 code does; "9.0+PTX" keeps its portable compute_90 PTX beside it. Flags naming an arch
-    replace PyTorch's own (torch.utils.cpp_extension). Returns [] for lists with names such as
-    "Hopper": PyTorch then builds as usual, without sm_90a (no w_first_wg/_wg2)."""
+    sm_90 code does; "9.0+PTX" keeps its portable compute_90 PTX beside it. With no GPU to detect
+    (a CI machine, a laptop) and no list, 9.0 (the H100/H200): PyTorch alone would fail there.
+    Flags naming an arch replace PyTorch's own (torch.utils.cpp_extension); TORCH_CUDA_ARCH_LIST
+    itself is not changed. Returns [] for lists with names such as "Hopper": PyTorch then builds
+    as usual, without sm_90a (no w_first_wg/_wg2)."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":
         archs = [a for a in env.replace(" ", ";").split(";") if a]
+    elif not torch.cuda.is_available():
+        archs = ["9.0"]
     else:
         sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
         newest = max((sm // 10, sm % 10) for sm in sms)
@@ -2111,6 +2113,8 @@ class _ForwardOnly(torch.autograd.Function):
 class ModelNew(nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
 
+    ALL_VARIANTS = _ALL_VARIANTS  # every name `variant` accepts (VARIANTS: those that run here)
+
     # The variants that run on the current GPU (what the harness checks by default): the Hopper ones
     # only where they can run; evaluated at each access, so importing makes no CUDA call. Any name
     # of _ALL_VARIANTS may be set; one that cannot run here raises with the reason.
@@ -2127,7 +2131,8 @@ class ModelNew(nn.Module):
 
     def forward(self, msa_repr, msa_mask):
         if self.variant not in _ALL_VARIANTS:
-            raise ValueError(f"variant must be one of {_ALL_VARIANTS}, got {self.variant!r}")
+            raise ValueError(f"variant must be one of {_ALL_VARIANTS} (those that run on this GPU: "
+                             f"{self.VARIANTS}), got {self.variant!r}")
         code = _ALL_VARIANTS.index(self.variant)
         eps = float(self.layer_norm.eps)
         params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,

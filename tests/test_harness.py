@@ -104,6 +104,9 @@ def test_variant_selection(run_harness):
     # an undeclared variant is a usage error before the device is looked at (exit 1, not 4, without a GPU)
     code, out = run_harness(f, "--shapes", "awkward_37", "--variant", "nope", "--no-timing")
     assert code == harness.EXIT_USAGE and "not in ModelNew.VARIANTS" in out
+    # one the file has (ALL_VARIANTS) but that does not run on this machine: said so
+    code, out = run_harness(f, "--shapes", "awkward_37", "--variant", "other_gpu", "--no-timing")
+    assert code == harness.EXIT_USAGE and "does not run on this machine" in out
     code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), *CPU, "--shapes", "awkward_37",
                             "--variant", "x")
     assert code == harness.EXIT_USAGE and "declares no VARIANTS" in out
