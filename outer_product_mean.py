@@ -95,9 +95,10 @@ same code with smaller residue tiles and are slower per FLOP.
 
 Variants: "auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
 "w_first_wg2"; set `model.variant` (the w_first ones differ only in the stage-2 kernel, and the wg
-ones in stage 1's output layout). ModelNew.VARIANTS lists those that run on the current GPU at
-import (what the harness checks by default): all of them on an H100 / H200 with the sm_90a build,
-all but the two wg ones elsewhere (forcing one there raises with the reason).
+ones in stage 1's output layout). ModelNew.VARIANTS lists those that run on the current GPU
+(evaluated on each access; what the harness checks by default): all of them on an H100 / H200 with
+the sm_90a build, all but the two wg ones elsewhere (forcing one there raises with the reason);
+ModelNew.ALL_VARIANTS lists every name.
 w_first_wg, w_first_wg2: stage 2 on Hopper wgmma in split TF32; compute capability 9.0 only, with the
 extension built for sm_90a (else they raise): at shallow on the H200 0.857 ms ("auto" -> w_first_wg2:
 4.34x eager, 3.00x torch.compile), long 10.54 ms (1.84x, 1.40x), huge 131.8 ms (outer_first: 333);
