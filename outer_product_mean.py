@@ -174,7 +174,7 @@ constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg: cap of one chunk 
 // (profile with 128 MB chunks: stage 2 68.7 GFLOP in 0.634 ms = 108 TFLOP/s of fp32 work, stage 1
 // 4.3 GFLOP in 0.199 ms = 21.6 TFLOP/s).
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
-                 kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kLaunchS = 2e-6;
+                 kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kEffOw = 100e12, kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -341,9 +341,10 @@ __device__ __forceinline__ void store_split4(float* hi_dst, float* lo_dst, float
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 // Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride byte
 // offsets, each >> 4 in 14 bits; swizzle mode 0 (none) in bits 62-63.
-__device__ __forceinline__ uint64_t wg_desc(const float* p) {
+// sbo: bytes between 8-row groups (1024 for 32-k blocks, 512 for outer_wg's 16-k blocks).
+__device__ __forceinline__ uint64_t wg_desc(const float* p, unsigned sbo = 1024) {
   return static_cast<uint64_t>((smem_u32(p) & 0x3ffff) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32);
+         (static_cast<uint64_t>(sbo >> 4) << 32);
 }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -374,10 +375,17 @@ __device__ __forceinline__ void wgmma_tf32_m64n128k8(float (&d)[64], uint64_t da
 // Compiler fence on the accumulator registers (CUTLASS's warpgroup_fence_operand): the asynchronous
 // wgmma reads and writes them behind the compiler's back, so no access may move across the
 // wgmma.fence / wait_group points this is placed at.
-__device__ __forceinline__ void wg_fence_acc(float (&d)[64]) {
+template <int NACC>
+__device__ __forceinline__ void wg_fence_acc(float (&d)[NACC]) {
 #pragma unroll
-  for (int q = 0; q < 64; ++q) asm volatile("" : "+f"(d[q])::"memory");
+  for (int q = 0; q < NACC; ++q) asm volatile("" : "+f"(d[q])::"memory");
 }
+// d (64 x 64, fp32) = A (64 x 8, TF32 in registers) B^T (8 x 64) + (acc ? d : 0); B K-major in shared
+// memory. A fragment (CUTLASS's ALayout_64x8): a[0] row 16 (warp % 4) + lane / 4, column lane % 4;
+// a[1] row + 8; a[2] column + 4; a[3] both. d[4 j + q]: row 16 (warp % 4) + lane / 4 + 8 (q / 2),
+// column 8 j + 2 (lane % 4) + q % 2 (as m64n128k8's).
+__device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
+@WGMMA_M64N64K8_RS@}
 #endif
 
 // =============================================================================================
@@ -1598,6 +1606,342 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// outer_wg (Hopper, sm_90a): outer_first on wgmma in split TF32, for CP = 32 (hidden_dim <= 32,
+// zero-padded to 32). A block owns a pair tile of kOwTI = 16 residues i x kOwTJ = 4 residues j
+// (64 pairs) and 128 pair channels z (zc = z chunk), and walks the hidden channels h in kOwNQ = 4
+// chunks q of kOwHC = 8:
+//   phase A (per q, K = S):  O_q[(il, hl), (jl, k)] = sum_s a[s, i, 8q + hl] b[s, j, k]
+//     M = 128 rows (il, hl) (warpgroup w: il in [8w, 8w + 8)), N = 128 columns (jl, k), one
+//     m64n128k8 wgmma per product per 8 s, operands from shared memory; promoted into fp32 every
+//     64 s as in w_first_wg.
+//   O_q -> Os[p][kk] in shared memory (fp32), p = il*4 + jl, kk = hl*32 + ((k + 8 hl) & 31) (the
+//     rotation by 8 hl makes the staging stores conflict-free; Wo's packed columns follow it).
+//   phase B (per q, K = 256):  acc_out[p, z] += sum_kk Os[p][kk] WoP_q[z][kk]
+//     M = 64 pairs, N = 64 z per warpgroup (w: z in [64w, 64w + 64)), A = Os from registers (each
+//     warpgroup loads and splits the fragments itself), B = Wo's packed planes from shared memory,
+//     m64n64k8; promoted every 64 kk.
+//   out[b, i, j, z] = bo[z] + inv_denom[b, i] * acc_out: the (i, j, c, c) block never leaves the SM.
+// FLOPs as executed (tensor cores, each x3 for the split): per tile and q, 2 * 128 * 128 * S16
+//   (phase A) + 2 * 64 * 128 * 256 (phase B): outer_first's 2 N^2 c^2 (S + c_z) with S, c, c_z
+//   padded to 16, 32, 128. Over w_first's stage 2 (2 N^2 S c c_z) that is c / c_z + c / S: fewer
+//   FLOPs where S > 43 at c = 32, c_z = 128 (crop, long, deep), more at shallow (S = 32).
+// Operands in tile order (opm_pack_ow_kernel), hi plane then lo plane per block:
+//   Aow[b][q][kb][mb] blocks of 64 rows x 16 s: row r = (i % 8) * 8 + hl of residues i in
+//     [8 mb, 8 mb + 8), element (r, s % 16) at wg_tile_off16(r, s % 16); the two blocks of one
+//     tile (mb = 2 it, 2 it + 1) are adjacent: one 16 KB bulk copy.
+//   Bow[b][nb][kb] blocks of 128 rows x 16 s: row r = (j % 4) * 32 + k, j in [4 nb, 4 nb + 4).
+//   WoP[zc][q][hl] blocks of 128 z x 32 kl (wg_tile_off): Wo[zc*128 + z, (8q + hl) c + ((kl - 8 hl) & 31)].
+//   Zeros past N, S, c, c_z.
+// Pipeline: one ring of kOwStages 32 KB stages fed by one producer lane (bulk copies on full
+//   mbarriers, empty mbarriers released by each consumer warp, as in w_first_wg); per tile and q
+//   the ring carries S16/16 phase-A stages (A blocks 16 KB + B block 16 KB) then 8 phase-B stages
+//   (one Wo block, 32 KB each, one per hl), in the same order for producer and consumers.
+// ---------------------------------------------------------------------------------------------
+constexpr int kOwTI = 16, kOwTJ = 4;     // residues i, j per tile
+constexpr int kOwHC = 8, kOwNQ = 4;      // h per chunk, chunks (CP = 32)
+constexpr int kOwSK = 16;                // s per phase-A stage (two wgmma k steps)
+constexpr int kOwZ = 128;                // pair channels per tile (two warpgroups of 64)
+constexpr int kOwAPlane = 64 * kOwSK;    // floats of one plane of an A block (4 KB)
+constexpr int kOwBPlane = 128 * kOwSK;   // floats of one plane of a B block (8 KB)
+constexpr int kOwWPlane = kOwZ * 32;     // floats of one plane of a Wo block (16 KB)
+constexpr int kOwStage = 2 * 2 * kOwAPlane + 2 * kOwBPlane;  // 32 KB: 2 A blocks + 1 B block
+static_assert(kOwStage == 2 * kOwWPlane, "a phase-B stage (one Wo block) fills a ring slot");
+constexpr int kOwStages = 5;
+constexpr int kOwLDO = kOwHC * 32 + 4;   // Os row stride: 4 mod 32 words, conflict-free fragment loads
+constexpr int kOwThreads = 384;          // 2 consumer warpgroups + 1 producer warpgroup (setmaxnreg)
+constexpr int kOwConsumerRegs = 232, kOwProducerRegs = 40;  // 2*128*232 + 128*40 <= 65536
+constexpr size_t kOwSmemBytes = 4ull * (kOwStages * kOwStage + 64 * kOwLDO) + 16 * kOwStages;
+// 16-k block (outer_wg's A and B blocks): 8-row groups 512 bytes apart
+__host__ __device__ __forceinline__ int wg_tile_off16(int r, int k) {
+  return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_pack_ow_kernel: aT (B, S, 32, Npad), bq (B, S, N, 32) and Wo (c_z, c*c) -> Aow, Bow, WoP (see
+//   "outer_wg" above). Three ranges of one grid-stride index, one thread per 4 consecutive k (s for
+//   Aow / Bow, kl for WoP) of one row: Aow with i fastest (coalesced reads of aT), Bow with (j, k)
+//   fastest (coalesced reads of bq and 16-byte writes), WoP with kl fastest.
+// ---------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) opm_pack_ow_kernel(
+    const float* __restrict__ aT, const float* __restrict__ bq, const float* __restrict__ wo, float* __restrict__ Aow,
+    float* __restrict__ Bow, float* __restrict__ WoP, int64_t B, int64_t S, int64_t N, int64_t Npad, int c, int cz,
+    int64_t KB16, int64_t NIT, int64_t NBB, int nzc) {
+  const int64_t NI = NIT * kOwTI, MBA = 2 * NIT;
+  const int64_t nA = B * kOwNQ * KB16 * (kOwSK / 4) * kOwHC * NI;
+  const int64_t nB = B * KB16 * (kOwSK / 4) * NBB * 128;
+  const int64_t nW = static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8;
+  const int64_t total = nA + nB + nW;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v[4];
+    float* dst;
+    int plane;
+    if (e < nA) {
+      const int64_t i = e % NI, hl = (e / NI) % kOwHC, quad = (e / (NI * kOwHC)) % (kOwSK / 4);
+      const int64_t kb = (e / (NI * kOwHC * (kOwSK / 4))) % KB16, qb = e / (NI * kOwHC * (kOwSK / 4) * KB16);
+      const int64_t q = qb % kOwNQ, b = qb / kOwNQ, h = q * kOwHC + hl;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t s = kb * kOwSK + quad * 4 + u;
+        v[u] = (i < N && s < S) ? __ldg(aT + ((b * S + s) * 32 + h) * Npad + i) : 0.f;
+      }
+      dst = Aow + (((b * kOwNQ + q) * KB16 + kb) * MBA + i / 8) * (2 * kOwAPlane) +
+            wg_tile_off16(static_cast<int>((i % 8) * kOwHC + hl), static_cast<int>(quad * 4));
+      plane = kOwAPlane;
+    } else if (e < nA + nB) {
+      const int64_t e2 = e - nA, r = e2 % (NBB * 128), quad = (e2 / (NBB * 128)) % (kOwSK / 4);
+      const int64_t kb = (e2 / (NBB * 128 * (kOwSK / 4))) % KB16, b = e2 / (NBB * 128 * (kOwSK / 4) * KB16);
+      const int64_t j = r / 32, k = r % 32;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t s = kb * kOwSK + quad * 4 + u;
+        v[u] = (j < N && s < S) ? __ldg(bq + ((b * S + s) * N + j) * 32 + k) : 0.f;
+      }
+      dst = Bow + ((b * NBB + r / 128) * KB16 + kb) * (2 * kOwBPlane) +
+            wg_tile_off16(static_cast<int>(r % 128), static_cast<int>(quad * 4));
+      plane = kOwBPlane;
+    } else {
+      const int64_t e3 = e - nA - nB;
+      const int m = static_cast<int>(e3 % 8), z = static_cast<int>((e3 / 8) % kOwZ);
+      const int hl = static_cast<int>((e3 / (8 * kOwZ)) % kOwHC), q = static_cast<int>((e3 / (8 * kOwZ * kOwHC)) % kOwNQ);
+      const int64_t zc = e3 / (8 * kOwZ * kOwHC * kOwNQ), zz = zc * kOwZ + z;
+      const int h = q * kOwHC + hl, k0 = (4 * m - 8 * hl) & 31;  // kl = 4m .. 4m+3 -> k = k0 .. k0+3
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        v[u] = (zz < cz && h < c && k0 + u < c) ? __ldg(wo + zz * c * c + h * c + k0 + u) : 0.f;
+      dst = WoP + ((zc * kOwNQ + q) * kOwHC + hl) * (2 * kOwWPlane) + wg_tile_off(z, 4 * m);
+      plane = kOwWPlane;
+    }
+    store_split4(dst, dst + plane, v[0], v[1], v[2], v[3]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_outer_wg_kernel: outer_wg's fused kernel (see "outer_wg" above). Persistent: block b takes
+//   tiles b, b + grid, ...; tile t -> (it = t % NIT, jt, zc, b): neighbouring blocks share the B
+//   blocks of one jt in L2.
+// Warps 0-7: two consumer warpgroups (setmaxnreg to kOwConsumerRegs: the 64 + 64 + 32 accumulators
+//   do not fit the 168 registers a 384-thread block starts with); warps 8-11: the producer
+//   warpgroup (down to kOwProducerRegs), of which thread 256 issues the copies. Stage use u counts ring slots
+//   over the block's whole walk: slot u % kOwStages, parity (u / kOwStages) & 1.
+// Per thread: phase A acc[64] (running) + d[64] (fresh); phase B o[32] (running, over all q) +
+//   d2[32] (fresh); o lives across the whole tile.
+// Shared memory (dynamic, kOwSmemBytes = 225 KB + 80 B): ring [kOwStages][kOwStage], Os [64][kOwLDO],
+//   full[kOwStages], empty[kOwStages].
+// Named barrier 1 (256 consumer threads) guards Os: before the staging (the previous q's phase-B
+//   loads are done) and after it.
+// VER 1 (outer_wg, the first cut): every stage's wgmmas waited for (wait_group 0) before the next
+//   stage's are issued. VER 2 (outer_wg2): one stage's wgmmas stay in flight while the next stage's
+//   are issued (wait_group 1, the previous slot released then); a full wait only where the
+//   accumulator is read (every promotion: 4 phase-A stages, 2 phase-B stages); phase B's fragments
+//   are loaded and split before the wait for their Wo block (Os is complete by then).
+// Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_pack_ow_kernel writes them; 16-byte aligned.
+// ---------------------------------------------------------------------------------------------
+template <int VER>
+__global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
+    const float* __restrict__ Aow, const float* __restrict__ Bow, const float* __restrict__ WoP,
+    const float* __restrict__ inv_denom, const float* __restrict__ bo, float* __restrict__ out, int64_t B, int64_t N,
+    int64_t KB16, int64_t NIT, int64_t NBB, int nzc, int cz) {
+#if defined(OPM_WG_DEVICE)
+  extern __shared__ float4 smem_f4[];
+  float* sm = reinterpret_cast<float*>(smem_f4);
+  float* Os = sm + kOwStages * kOwStage;
+  uint64_t* full = reinterpret_cast<uint64_t*>(Os + 64 * kOwLDO);
+  uint64_t* empty = full + kOwStages;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t MBA = 2 * NIT, total = B * nzc * NBB * NIT;
+  if (tid == 0) {
+    for (int st = 0; st < kOwStages; ++st) {
+      mbar_init(full + st, 1);
+      mbar_init(empty + st, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 2) {  // producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
+    if (tid == 256) {
+      int64_t u = 0;  // ring slots used so far
+      auto slot = [&]() -> float* {  // the next slot, once free; its full barrier expects 32 KB
+        const int st = static_cast<int>(u % kOwStages);
+        if (u >= kOwStages) mbar_wait(empty + st, static_cast<unsigned>((u / kOwStages - 1) & 1));
+        mbar_expect_tx(full + st, 4 * kOwStage);
+        ++u;
+        return sm + st * kOwStage;
+      };
+      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+        const int64_t it = t % NIT, jt = (t / NIT) % NBB, zc = (t / (NIT * NBB)) % nzc, b = t / (NIT * NBB * nzc);
+        for (int q = 0; q < kOwNQ; ++q) {
+          const float* a = Aow + ((b * kOwNQ + q) * KB16 * MBA + 2 * it) * (2 * kOwAPlane);
+          const float* bb = Bow + (b * NBB + jt) * KB16 * (2 * kOwBPlane);
+          for (int64_t kb = 0; kb < KB16; ++kb) {
+            const int st = static_cast<int>(u % kOwStages);
+            float* dst = slot();
+            bulk_copy(dst, a + kb * MBA * (2 * kOwAPlane), 4 * 4 * kOwAPlane, full + st);
+            bulk_copy(dst + 4 * kOwAPlane, bb + kb * (2 * kOwBPlane), 4 * 2 * kOwBPlane, full + st);
+          }
+          const float* w = WoP + (zc * kOwNQ + q) * kOwHC * (2 * kOwWPlane);
+          for (int hl = 0; hl < kOwHC; ++hl) {
+            const int st = static_cast<int>(u % kOwStages);
+            float* dst = slot();
+            bulk_copy(dst, w + hl * (2 * kOwWPlane), 4 * 2 * kOwWPlane, full + st);
+          }
+        }
+      }
+    }
+    return;  // (no block-wide barrier after this point: the consumers use named barrier 1)
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kOwConsumerRegs));
+  const int lane = tid % 32, g = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
+  const bool pair = (cz & 1) == 0;  // then z even and z + 1 < c_z whenever z < c_z
+  int64_t u = 0;
+  auto wait_full = [&]() -> const float* {  // slot use u, once its copies have landed; u advances
+    const int st = static_cast<int>(u % kOwStages);
+    mbar_wait(full + st, static_cast<unsigned>((u / kOwStages) & 1));
+    ++u;
+    return sm + st * kOwStage;
+  };
+  auto release = [&](int64_t us) {  // this warp is done with slot use us (its wgmmas have completed)
+    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kOwStages));
+  };
+  int64_t pend = -1;  // VER 2: the slot use whose wgmmas may still be in flight (-1: none)
+  auto release_pending = [&]() {
+    if (pend >= 0) release(pend);
+    pend = -1;
+  };
+  float acc[64], d[64], o[32], d2[32];
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int64_t it = t % NIT, jt = (t / NIT) % NBB, zc = (t / (NIT * NBB)) % nzc, b = t / (NIT * NBB * nzc);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) o[e] = 0.f;
+    for (int q = 0; q < kOwNQ; ++q) {
+      // ---- phase A: O_q (this warpgroup's 64 rows (il, hl) x 128 columns (jl, k)), K = S ----
+#pragma unroll
+      for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
+      for (int64_t kb = 0; kb < KB16; ++kb) {
+        const int64_t us = u;  // this stage's slot use
+        const float* stg = wait_full();
+        const float* a_hi = stg + wg * 2 * kOwAPlane;
+        const float* a_lo = a_hi + kOwAPlane;
+        const float* b_hi = stg + 4 * kOwAPlane;
+        const float* b_lo = b_hi + kOwBPlane;
+        wg_fence_acc(d);
+#pragma unroll
+        for (int ks = 0; ks < kOwSK / 8; ++ks) {
+          const int off = ks * 64;  // 8 k = two core matrices along k
+          const int fresh = (kb * (kOwSK / 8) + ks) % kWgPromo == 0;
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+          wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+          wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
+          wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        }
+        const bool promo = ((kb + 1) * (kOwSK / 8)) % kWgPromo == 0;  // a promotion period ends here
+        if (VER == 1 || promo || kb + 1 == KB16) {
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          wg_fence_acc(d);
+          release_pending();
+          release(us);
+          if (VER == 2 || promo) {  // (VER 2: the last, partial period too)
+#pragma unroll
+            for (int e = 0; e < 64; ++e) acc[e] += d[e];
+          }
+        } else {  // VER 2: this stage's wgmmas stay in flight, the previous stage's are done
+          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+          release_pending();
+          pend = us;
+        }
+      }
+      if (VER == 1 && (KB16 * (kOwSK / 8)) % kWgPromo != 0) {  // the last, partial promotion period
+#pragma unroll
+        for (int e = 0; e < 64; ++e) acc[e] += d[e];
+      }
+      // ---- O_q -> Os: acc[4 jj + 2 hr + e] is row 16 w4 + g + 8 hr = (il8 = 2 w4 + hr, hl = g),
+      //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-B loads of Os are done
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int p = (8 * wg + 2 * w4 + hr) * kOwTJ + jj / 4, k = 8 * (jj % 4) + 2 * t4;
+          *reinterpret_cast<float2*>(Os + p * kOwLDO + g * 32 + ((k + 8 * g) & 31)) =
+              make_float2(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1]);
+        }
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
+      // ---- phase B: o[p, z] += sum_kk Os[p][kk] WoP_q[z][kk], one Wo block (32 kk) per hl ----
+#pragma unroll
+      for (int e = 0; e < 32; ++e) d2[e] = 0.f;  // (overwritten: scale-d 0 first; zeroed here so that d2 is not live in phase A)
+      uint32_t ahi[2][4][4], alo[2][4][4];  // [hl % 2]: VER 2 keeps one stage's fragments in flight
+#pragma unroll
+      for (int hl = 0; hl < kOwHC; ++hl) {
+        const int fb = hl % 2;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          const float* r0 = Os + (16 * w4 + g) * kOwLDO + hl * 32 + ks * 8 + t4;
+          split_tf32(r0[0], ahi[fb][ks][0], alo[fb][ks][0]);
+          split_tf32(r0[8 * kOwLDO], ahi[fb][ks][1], alo[fb][ks][1]);
+          split_tf32(r0[4], ahi[fb][ks][2], alo[fb][ks][2]);
+          split_tf32(r0[8 * kOwLDO + 4], ahi[fb][ks][3], alo[fb][ks][3]);
+        }
+        const int64_t us = u;
+        const float* stg = wait_full();
+        const float* w_hi = stg + wg * (64 / 8) * 256;  // this warpgroup's 64 z of the 128-row block
+        const float* w_lo = w_hi + kOwWPlane;
+        wg_fence_acc(d2);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          const int off = ks * 64;
+          const int fresh = (hl % 2 == 0) && ks == 0;  // promotion every 64 kk
+          wgmma_tf32_m64n64k8_rs(d2, alo[fb][ks], wg_desc(w_hi + off), fresh ? 0 : 1);
+          wgmma_tf32_m64n64k8_rs(d2, ahi[fb][ks], wg_desc(w_lo + off), 1);
+          wgmma_tf32_m64n64k8_rs(d2, ahi[fb][ks], wg_desc(w_hi + off), 1);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if (VER == 1 || hl % 2 == 1) {
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          wg_fence_acc(d2);
+          release_pending();
+          release(us);
+          if (hl % 2 == 1) {
+#pragma unroll
+            for (int e = 0; e < 32; ++e) o[e] += d2[e];
+          }
+        } else {
+          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+          release_pending();
+          pend = us;
+        }
+      }
+    }
+    // ---- epilogue: o[4 jj + 2 hr + e] is pair p = 16 w4 + g + 8 hr (il = p / 4, jl = p % 4),
+    //      z = zc*128 + 64 wg + 8 jj + 2 t4 + e ----
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int p = 16 * w4 + g + 8 * hr;
+      const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
+      if (i >= N || j >= N) continue;
+      const float inv = inv_denom[b * N + i];
+      float* orow = out + ((b * N + i) * N + j) * cz;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4;
+        const float v0 = o[4 * jj + 2 * hr], v1 = o[4 * jj + 2 * hr + 1];
+        if (pair) {
+          if (z < cz) *reinterpret_cast<float2*>(orow + z) = make_float2(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
+        } else {
+          if (z < cz) orow[z] = __ldg(bo + z) + inv * v0;
+          if (z + 1 < cz) orow[z + 1] = __ldg(bo + z + 1) + inv * v1;
+        }
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the host never launches this (DevInfo::wg_ok)
+#endif
+}
+
 // =============================================================================================
 // Launchers
 // =============================================================================================
@@ -1617,6 +1961,7 @@ struct DevInfo {
   bool wg_ok = false;  // w_first_wg can run: a compute capability 9.0 device, this extension built
                        // with sm_90a code (OPM_SM90A: the Python side turns 9.0 into 9.0a), and its
                        // kWgSmemBytes of shared memory per block available
+  bool ow_ok = false;  // outer_wg can run: wg_ok and its kOwSmemBytes per block available
 };
 static DevInfo dev_info(int dev) {
   static DevInfo cache[64];
@@ -1631,6 +1976,7 @@ static DevInfo dev_info(int dev) {
   d.tc_ok = d.major >= 8 && fa.ptxVersion >= 80;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, dev));
   d.wg_ok = kBuiltSm90a && d.major == 9 && d.minor == 0 && kWgSmemBytes <= static_cast<size_t>(d.smem_optin);
+  d.ow_ok = d.wg_ok && kOwSmemBytes <= static_cast<size_t>(d.smem_optin);
   if (dev >= 0 && dev < 64) { cache[dev] = d; have[dev] = true; }
   return d;
 }
@@ -1735,6 +2081,40 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
   }
 }
 
+// outer_wg (Hopper): aT, bq, Wo packed into tile order (opm_pack_ow_kernel), then the fused kernel,
+// one block per SM (persistent). CP = 32.
+struct OwDims {
+  int64_t KB16, NIT, NBB;
+  int nzc;
+};
+static OwDims ow_dims(int64_t S, int64_t N, int64_t cz) {
+  return {cdiv(S, kOwSK), cdiv(N, kOwTI), cdiv(N, kOwTJ), static_cast<int>(cdiv(cz, kOwZ))};
+}
+static void launch_outer_wg(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
+                            const at::Tensor& wo, const at::Tensor& bo, at::Tensor& out, int64_t B, int64_t S,
+                            int64_t N, int64_t Npad, int c, int cz, int ver, const DevInfo& d, cudaStream_t stream) {
+  const OwDims od = ow_dims(S, N, cz);
+  auto f32 = aT.options();
+  at::Tensor Aow = at::empty({B * kOwNQ * od.KB16 * 2 * od.NIT * 2 * kOwAPlane}, f32);
+  at::Tensor Bow = at::empty({B * od.NBB * od.KB16 * 2 * kOwBPlane}, f32);
+  at::Tensor WoP = at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32);
+  const int64_t packs = B * kOwNQ * od.KB16 * (kOwSK / 4) * kOwHC * od.NIT * kOwTI +
+                        B * od.KB16 * (kOwSK / 4) * od.NBB * 128 + static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * kOwZ * 8;
+  const int gp = grid_for(std::min<int64_t>(cdiv(packs, kThreads), 8ll * d.sms));
+  opm_pack_ow_kernel<<<gp, kThreads, 0, stream>>>(aT.data_ptr<float>(), bq.data_ptr<float>(), wo.data_ptr<float>(),
+                                                  Aow.data_ptr<float>(), Bow.data_ptr<float>(), WoP.data_ptr<float>(),
+                                                  B, S, N, Npad, c, cz, od.KB16, od.NIT, od.NBB, od.nzc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto kernel = ver == 1 ? opm_outer_wg_kernel<1> : opm_outer_wg_kernel<2>;
+  set_smem(kernel, kOwSmemBytes, d, "the wgmma outer-first kernel");
+  const int64_t tiles = B * od.nzc * od.NBB * od.NIT;
+  const int g = grid_for(std::min<int64_t>(tiles, d.sms));
+  kernel<<<g, kOwThreads, kOwSmemBytes, stream>>>(
+      Aow.data_ptr<float>(), Bow.data_ptr<float>(), WoP.data_ptr<float>(), inv_denom.data_ptr<float>(),
+      bo.data_ptr<float>(), out.data_ptr<float>(), B, N, od.KB16, od.NIT, od.NBB, od.nzc, cz);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the
 // 128 x 128 opm_wfirst_gemm_kernel; tc (1 or 2): by opm_wfirst_tc_kernel<tc> (split TF32).
 template <int CP>
@@ -1814,7 +2194,7 @@ static int mask_kind_of(at::ScalarType st) {
 }
 
 // variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc, 5 w_first_tc2, 6 w_first_wg,
-// 7 w_first_wg2. Returns (out, variant that ran: 1-7).
+// 7 w_first_wg2, 8 outer_wg, 9 outer_wg2. Returns (out, variant that ran: 1-9).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -1851,7 +2231,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
     TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
                 dtype_str(*p));
-  TORCH_CHECK(variant >= 0 && variant <= 7, "outer_product_mean: variant code must be 0-7, got ", num(variant));
+  TORCH_CHECK(variant >= 0 && variant <= 9, "outer_product_mean: variant code must be 0-9, got ", num(variant));
 
   // ---- device checks ----
   TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
@@ -1868,12 +2248,16 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   TORCH_CHECK(variant < 4 || variant >= 6 || d.tc_ok, "outer_product_mean: variants w_first_tc and w_first_tc2 need an "
               "sm_80+ GPU (TF32 mma.sync) and this extension built for sm_80+ (TORCH_CUDA_ARCH_LIST); "
               "this GPU has compute capability ", num(d.major), ".x");
-  TORCH_CHECK(variant < 6 || d.wg_ok, "outer_product_mean: variants w_first_wg and w_first_wg2 need a compute "
+  TORCH_CHECK(variant < 6 || variant > 7 || d.wg_ok, "outer_product_mean: variants w_first_wg and w_first_wg2 need a compute "
               "capability 9.0 GPU (H100/H200: wgmma; this GPU: ", num(d.major), ".", num(d.minor), "), this "
               "extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0 or 9.0a, not a name such as "
               "Hopper; this build: ", kBuiltSm90a ? "yes" : "no", ") and ", num(kWgSmemBytes), " bytes of "
               "shared memory per block (this GPU: ", num(d.smem_optin), ")");
-  const int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
+  TORCH_CHECK(variant < 8 || (d.ow_ok && c <= 32), "outer_product_mean: variants outer_wg and outer_wg2 need hidden_dim <= 32 "
+              "(this model: ", num(c), "), a compute capability 9.0 GPU (this GPU: ", num(d.major), ".", num(d.minor),
+              "), this extension built with sm_90a code (this build: ", kBuiltSm90a ? "yes" : "no", ") and ",
+              num(kOwSmemBytes), " bytes of shared memory per block (this GPU: ", num(d.smem_optin), ")");
+  int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
   const int64_t Npad = round_up(N, 4);
   const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
 
@@ -1909,10 +2293,18 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
                             ? 2.0 * bsn * cp * cp * CZP4 / kEffProjWg + 2.0 * nn * S * cp * CZP4 / kEffWg +
                                   2.0 * static_cast<double>(cdiv(N, JCw)) * kLaunchS + kLaunchS
                             : 1e30;
+    // outer_wg (Hopper, hidden_dim <= 32): FLOPs with S, c, c_z padded to 16, 32, 128 (phase A
+    // repeated per 128 pair channels), plus the pack kernel's launch
+    const OwDims od = ow_dims(S, N, cz);
+    const double t_ow = d.ow_ok && c <= 32
+                            ? 2.0 * nn * 32.0 * 32.0 * od.nzc * (16.0 * od.KB16 + kOwZ) / kEffOw + 2 * kLaunchS
+                            : 1e30;
     const bool w_fits = p_col_bytes <= kPChunkBytes;
     used = (t_w < t_outer && w_fits) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
     if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = 7;
+    if (t_ow < std::min({t_outer, w_fits ? t_w : 1e30, t_wg})) used = 9;
   }
+  if (used >= 8) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 
   auto f32 = msa.options().dtype(at::kFloat);
   at::Tensor out = at::empty({B, N, N, cz}, f32);
@@ -1944,6 +2336,9 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   if (used == 1) {
     OPM_DISPATCH(CP, launch_outer<kCP>(aT, bq, inv_denom, wpack, bo_c, out, B, S, N, Npad, static_cast<int>(cz),
                                        static_cast<int>(CZP), d, stream));
+  } else if (used >= 8) {
+    launch_outer_wg(aT, bq, inv_denom, wo_c, bo_c, out, B, S, N, Npad, static_cast<int>(c), static_cast<int>(cz),
+                    static_cast<int>(used) - 7, d, stream);
   } else if (used >= 6) {
     at::Tensor At = at::empty({B * 2 * cdiv(N, 128) * KB * 2 * kWgAPlane}, f32);
     at::Tensor Pt = at::empty({wg_chunk_floats(B, JCw, KB, static_cast<int>(CZP4))}, f32);
@@ -1959,15 +2354,15 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   return {out, used};
 }
 
-// (tc_ok, wg_ok) of a CUDA device: whether w_first_tc/_tc2 and w_first_wg can run there.
-std::tuple<bool, bool> device_caps(int64_t device) {
+// (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg/_wg2 and outer_wg can run there.
+std::tuple<bool, bool, bool> device_caps(int64_t device) {
   const DevInfo d = dev_info(static_cast<int>(device));
-  return {d.tc_ok, d.wg_ok};
+  return {d.tc_ok, d.wg_ok, d.ow_ok};
 }
 
 }  // namespace opm
 
-std::tuple<bool, bool> opm_device_caps(int64_t device) { return opm::device_caps(device); }
+std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::device_caps(device); }
 
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
@@ -1982,7 +2377,7 @@ _CPP_SRC = r"""
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant);
-std::tuple<bool, bool> opm_device_caps(int64_t device);
+std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
 """
 
 
@@ -1996,7 +2391,17 @@ def _wgmma_asm():
             '               : "l"(da), "l"(db), "r"(acc));\n')
 
 
-_CUDA_SRC = _CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm())
+def _wgmma_rs_asm():
+    """Body of wgmma_tf32_m64n64k8_rs: A from registers, 32 accumulator operands spelled out."""
+    regs = ", ".join(f"%{i}" for i in range(32))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(32))
+    return ('  asm volatile("{\\n .reg .pred p;\\n setp.ne.b32 p, %37, 0;\\n"\n'
+            f'               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {{{regs}}}, {{%32, %33, %34, %35}}, %36, p, 1, 1;\\n}}\\n"\n'
+            f"               : {outs}\n"
+            '               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));\n')
+
+
+_CUDA_SRC = _CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm()).replace("@WGMMA_M64N64K8_RS@", _wgmma_rs_asm())
 
 # =============================================================================================
 # Build (load_inline at import; name carries a hash of the source and flags: edit -> rebuild)
@@ -2072,16 +2477,19 @@ _ext = _build()
 
 # Every variant name, in the order of the extension's variant codes.
 _ALL_VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-                 "w_first_wg2")
+                 "w_first_wg2", "outer_wg", "outer_wg2")
+# The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
+_HOPPER_CAP = {"w_first_wg": 1, "w_first_wg2": 1, "outer_wg": 2, "outer_wg2": 2}
 
 
-def _hopper_variants_run_here():
-    """w_first_wg / w_first_wg2 can run on the current CUDA device (compute capability 9.0 and this
-    extension built with sm_90a code); False without CUDA."""
+def _device_caps_here():
+    """opm_device_caps of the current CUDA device; all False without CUDA."""
     try:
-        return torch.cuda.is_available() and bool(_ext.opm_device_caps(torch.cuda.current_device())[1])
+        if torch.cuda.is_available():
+            return tuple(bool(x) for x in _ext.opm_device_caps(torch.cuda.current_device()))
     except Exception:  # no usable device: the variants are left out of VARIANTS (forcing one raises)
-        return False
+        pass
+    return (False, False, False)
 
 
 class _VariantsHere:
@@ -2089,8 +2497,8 @@ class _VariantsHere:
     at each access (class or instance)."""
 
     def __get__(self, obj, owner=None):
-        wg = _hopper_variants_run_here()
-        return tuple(v for v in _ALL_VARIANTS if wg or not v.startswith("w_first_wg"))
+        caps = _device_caps_here()
+        return tuple(v for v in _ALL_VARIANTS if v not in _HOPPER_CAP or caps[_HOPPER_CAP[v]])
 
 
 # =============================================================================================
