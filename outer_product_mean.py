@@ -143,6 +143,7 @@ _CUDA_SRC = r"""
 #include <tuple>
 #include <sstream>
 #include <algorithm>
+#include <cmath>
 
 namespace opm {
 
@@ -173,8 +174,13 @@ constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg: cap of one chunk 
 // which writes the split planes, twice w_first's bytes) at shallow on the H200 on 2026-11-29
 // (profile with 128 MB chunks: stage 2 68.7 GFLOP in 0.634 ms = 108 TFLOP/s of fp32 work, stage 1
 // 4.3 GFLOP in 0.199 ms = 21.6 TFLOP/s).
+// kEffOwA, kEffOwB (outer_wg, Hopper): its phase A and phase B, fitted to the fused kernel's time
+// at crop (profile: 0.721 ms) and shallow (~0.96 ms of a 0.99 ms forward) on the H200 on 2026-12-01
+// with the wave model of "auto" (whole waves of tiles; phase B, N = 64 per wgmma with A from
+// registers, runs at about 60% of phase A's rate).
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
-                 kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kEffOw = 100e12, kLaunchS = 2e-6;
+                 kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kEffOwA = 138e12, kEffOwB = 85e12,
+                 kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -297,6 +303,18 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
 }
+// d += A (16 x 8, row) B (8 x 8, col), TF32 operands, fp32 accumulator (mma.sync m16n8k8).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // TF32 mma needs sm_80+: never return a silently wrong product
+#endif
+}
+
 
 // ---------------------------------------------------------------------------------------------
 // w_first_wg (Hopper, sm_90a): w_first's stage 2 on wgmma (NOTES.md, "w_first_wg").
@@ -407,9 +425,15 @@ __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uin
 // RO = 2CP/16; o < CP are a-channels, o >= CP b-channels (RO divides CP, so never both).
 // LayerNorm is two-pass over the row held in shared memory: mean, then sum (x-mean)^2: stable for
 // large offsets (no E[x^2] - E[x]^2 cancellation).
+// TC (the tensor-core variants' prep, sm_80+): the projection on mma.sync m16n8k8 in split TF32
+// (per k step d = lo_x hi_w + hi_x lo_w + hi_x hi_w into a fresh fragment, promoted by fp32 adds),
+// the weights split once per K chunk into hi / lo planes; warp w owns rows 16 (w % 4) .. + 15 and
+// outputs CP (w / 4) .. + CP - 1 (the a or the b channels). xs rows are LDX = ceil8(c_m) + 4 floats
+// apart (conflict-free fragment loads; columns c_m .. ceil8(c_m) zeroed). (The FMA projection was
+// shared-memory bound: 255 us of a 1.0 ms forward at crop, NOTES.md.)
 // Assumptions: 256 threads; c_m <= kMaxMsaDim; dynamic smem as computed by prep_smem_bytes.
 // ---------------------------------------------------------------------------------------------
-template <int CP>
+template <int CP, bool TC>
 __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
     const float* __restrict__ x, const void* __restrict__ mask, int mask_kind,
     const float* __restrict__ ln_w, const float* __restrict__ ln_b,
@@ -458,11 +482,12 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
   // ---- role 1: LayerNorm + projections + mask for 64 rows per block iteration ----
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
-  const int LDX = static_cast<int>(round_up(cm, 4));
+  const int LDX = static_cast<int>(TC ? round_up(cm, 8) + 4 : round_up(cm, 4));
   const int xs_floats = static_cast<int>(round_up(max(kRows1 * LDX, CP * 65), 4));
   float* xs = smem;              // [64][LDX]
   float* ys = smem;              // [CP][65], aliases xs after the GEMM
-  float* ws = smem + xs_floats;  // [kKC1][LDW]
+  float* ws = smem + xs_floats;  // [kKC1][LDW] (TC: the hi plane)
+  float* wsl = ws + kKC1 * LDW;  // TC: [kKC1][LDW] lo plane
   __shared__ float s_mask[kRows1];
 
   const int64_t R = B * S * N;
@@ -506,8 +531,79 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
       }
       const float rstd = 1.f / sqrtf(warp_sum(s2) / cm + eps);
       for (int k = lane; k < cm; k += 32) row[k] = (row[k] - mean) * rstd * __ldg(ln_w + k) + __ldg(ln_b + k);
+      if (TC && lane < round_up(cm, 8) - cm) row[cm + lane] = 0.f;  // K padded to 8 with zeros
     }
 
+    if constexpr (TC) {
+      // y[r][o] = sum_m xs[r][m] Wcat[o][m] on the tensor cores (see the kernel comment)
+      constexpr int NT = CP / 8;  // n tiles of 8 outputs per warp
+      const int g = lane / 4, t4 = lane % 4, rw = 16 * (warp % 4), half = warp / 4;
+      float acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+      const int K8 = static_cast<int>(round_up(cm, 8));
+      for (int k0 = 0; k0 < K8; k0 += kKC1) {
+        __syncthreads();  // normalised rows visible (first chunk) / previous ws chunk fully read
+        {
+          const int kk = tid % kKC1, k = k0 + kk;
+#pragma unroll 4
+          for (int o = tid / kKC1; o < 2 * CP; o += kThreads / kKC1) {  // lanes along k: coalesced reads
+            const int h = o < CP ? o : o - CP;
+            const float* W = o < CP ? wa : wb;
+            uint32_t hi, lo;
+            split_tf32((h < c && k < cm) ? __ldg(W + static_cast<int64_t>(h) * cm + k) : 0.f, hi, lo);
+            ws[kk * LDW + o] = __uint_as_float(hi);
+            wsl[kk * LDW + o] = __uint_as_float(lo);
+          }
+        }
+        __syncthreads();  // ws chunk complete
+        const int kmax = min(kKC1, K8 - k0);
+        for (int ks = 0; ks < kmax; ks += 8) {
+          const float* xa = xs + (rw + g) * LDX + k0 + ks + t4;
+          uint32_t ahi[4], alo[4];
+          split_tf32(xa[0], ahi[0], alo[0]);
+          split_tf32(xa[8 * LDX], ahi[1], alo[1]);
+          split_tf32(xa[4], ahi[2], alo[2]);
+          split_tf32(xa[8 * LDX + 4], ahi[3], alo[3]);
+          const int wrow = (ks + t4) * LDW + half * CP + g;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const int wi = wrow + nt * 8;
+            const uint32_t bh0 = __float_as_uint(ws[wi]), bh1 = __float_as_uint(ws[wi + 4 * LDW]);
+            const uint32_t bl0 = __float_as_uint(wsl[wi]), bl1 = __float_as_uint(wsl[wi + 4 * LDW]);
+            float dd[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_tf32(dd, alo, bh0, bh1);  // the small terms first
+            mma_tf32(dd, ahi, bl0, bl1);
+            mma_tf32(dd, ahi, bh0, bh1);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] += dd[e];
+          }
+        }
+      }
+      // epilogue: acc[nt][2 hr + e] is row rw + g + 8 hr, output half*CP + 8 nt + 2 t4 + e;
+      // (y + bias) * mask: b-channels straight to bq, a-channels via ys to aT (transposed)
+      __syncthreads();  // every thread finished reading xs before it is overwritten as ys
+      const float* bvec = half == 0 ? ba : bb;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int h = 8 * nt + 2 * t4;
+        const float bias0 = h < c ? __ldg(bvec + h) : 0.f, bias1 = h + 1 < c ? __ldg(bvec + h + 1) : 0.f;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = rw + g + 8 * hr;
+          const float m = s_mask[r];
+          const float y0 = (acc[nt][2 * hr] + bias0) * m, y1 = (acc[nt][2 * hr + 1] + bias1) * m;
+          if (half == 0) {
+            ys[h * 65 + r] = y0;
+            ys[(h + 1) * 65 + r] = y1;
+          } else if (r < nrows) {
+            *reinterpret_cast<float2*>(bq + (r0 + r) * CP + h) = make_float2(y0, y1);
+          }
+        }
+      }
+    } else {
     // y[r][o] = sum_m xs[r][m] * Wcat[o][m],  Wcat = [Wa (padded to CP rows); Wb (padded)]
     float acc[4][RO];
 #pragma unroll
@@ -588,6 +684,7 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
         }
       }
     }
+    }  // (TC)
     __syncthreads();  // ys complete before the transposed store reads it
     for (int q = tid; q < CP * kRows1; q += kThreads) {
       const int h = q / kRows1, r = q % kRows1;  // lanes along rows: consecutive n, coalesced
@@ -1015,16 +1112,6 @@ __device__ __forceinline__ float lds_volatile(const float* p) {
 // d += A(16 x 8, row-major) * B(8 x 8, column-major), TF32 inputs, fp32 accumulate (sm_80+).
 // Fragments (g = lane / 4, t = lane % 4): a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]},
 // b = {B[t][g], B[t+4][g]}, d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __trap();  // TF32 mma needs sm_80+: never return a silently wrong product
-#endif
-}
 
 // ---------------------------------------------------------------------------------------------
 // opm_wfirst_tc_kernel: opm_wfirst_gemm_kernel's product (w_first stage 2 for the j-chunk
@@ -1731,14 +1818,11 @@ __global__ void __launch_bounds__(kThreads) opm_pack_ow_kernel(
 //   full[kOwStages], empty[kOwStages].
 // Named barrier 1 (256 consumer threads) guards Os: before the staging (the previous q's phase-B
 //   loads are done) and after it.
-// VER 1 (outer_wg, the first cut): every stage's wgmmas waited for (wait_group 0) before the next
-//   stage's are issued. VER 2 (outer_wg2): one stage's wgmmas stay in flight while the next stage's
-//   are issued (wait_group 1, the previous slot released then); a full wait only where the
-//   accumulator is read (every promotion: 4 phase-A stages, 2 phase-B stages); phase B's fragments
-//   are loaded and split before the wait for their Wo block (Os is complete by then).
+// Every stage's wgmmas are waited for (wait_group 0) before the next stage's are issued; the two
+//   warpgroups fill each other's waits. (Keeping one stage in flight, wait_group 1 with a full wait
+//   only at each promotion, measured no faster: commit 079ecf5, outer_wg2, NOTES.md.)
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_pack_ow_kernel writes them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <int VER>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const float* __restrict__ Aow, const float* __restrict__ Bow, const float* __restrict__ WoP,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, float* __restrict__ out, int64_t B, int64_t N,
@@ -1805,11 +1889,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   auto release = [&](int64_t us) {  // this warp is done with slot use us (its wgmmas have completed)
     if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kOwStages));
   };
-  int64_t pend = -1;  // VER 2: the slot use whose wgmmas may still be in flight (-1: none)
-  auto release_pending = [&]() {
-    if (pend >= 0) release(pend);
-    pend = -1;
-  };
   float acc[64], d[64], o[32], d2[32];
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t it = t % NIT, jt = (t / NIT) % NBB, zc = (t / (NIT * NBB)) % nzc, b = t / (NIT * NBB * nzc);
@@ -1837,23 +1916,15 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
-        const bool promo = ((kb + 1) * (kOwSK / 8)) % kWgPromo == 0;  // a promotion period ends here
-        if (VER == 1 || promo || kb + 1 == KB16) {
-          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          wg_fence_acc(d);
-          release_pending();
-          release(us);
-          if (VER == 2 || promo) {  // (VER 2: the last, partial period too)
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_acc(d);
+        release(us);
+        if (((kb + 1) * (kOwSK / 8)) % kWgPromo == 0) {  // a promotion period ends here
 #pragma unroll
-            for (int e = 0; e < 64; ++e) acc[e] += d[e];
-          }
-        } else {  // VER 2: this stage's wgmmas stay in flight, the previous stage's are done
-          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-          release_pending();
-          pend = us;
+          for (int e = 0; e < 64; ++e) acc[e] += d[e];
         }
       }
-      if (VER == 1 && (KB16 * (kOwSK / 8)) % kWgPromo != 0) {  // the last, partial promotion period
+      if ((KB16 * (kOwSK / 8)) % kWgPromo != 0) {  // the last, partial promotion period
 #pragma unroll
         for (int e = 0; e < 64; ++e) acc[e] += d[e];
       }
@@ -1872,17 +1943,15 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       // ---- phase B: o[p, z] += sum_kk Os[p][kk] WoP_q[z][kk], one Wo block (32 kk) per hl ----
 #pragma unroll
       for (int e = 0; e < 32; ++e) d2[e] = 0.f;  // (overwritten: scale-d 0 first; zeroed here so that d2 is not live in phase A)
-      uint32_t ahi[2][4][4], alo[2][4][4];  // [hl % 2]: VER 2 keeps one stage's fragments in flight
-#pragma unroll
       for (int hl = 0; hl < kOwHC; ++hl) {
-        const int fb = hl % 2;
+        uint32_t ahi[4][4], alo[4][4];  // this hl's A fragments (Os is complete: loaded before the wait)
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
           const float* r0 = Os + (16 * w4 + g) * kOwLDO + hl * 32 + ks * 8 + t4;
-          split_tf32(r0[0], ahi[fb][ks][0], alo[fb][ks][0]);
-          split_tf32(r0[8 * kOwLDO], ahi[fb][ks][1], alo[fb][ks][1]);
-          split_tf32(r0[4], ahi[fb][ks][2], alo[fb][ks][2]);
-          split_tf32(r0[8 * kOwLDO + 4], ahi[fb][ks][3], alo[fb][ks][3]);
+          split_tf32(r0[0], ahi[ks][0], alo[ks][0]);
+          split_tf32(r0[8 * kOwLDO], ahi[ks][1], alo[ks][1]);
+          split_tf32(r0[4], ahi[ks][2], alo[ks][2]);
+          split_tf32(r0[8 * kOwLDO + 4], ahi[ks][3], alo[ks][3]);
         }
         const int64_t us = u;
         const float* stg = wait_full();
@@ -1894,24 +1963,17 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         for (int ks = 0; ks < 4; ++ks) {
           const int off = ks * 64;
           const int fresh = (hl % 2 == 0) && ks == 0;  // promotion every 64 kk
-          wgmma_tf32_m64n64k8_rs(d2, alo[fb][ks], wg_desc(w_hi + off), fresh ? 0 : 1);
-          wgmma_tf32_m64n64k8_rs(d2, ahi[fb][ks], wg_desc(w_lo + off), 1);
-          wgmma_tf32_m64n64k8_rs(d2, ahi[fb][ks], wg_desc(w_hi + off), 1);
+          wgmma_tf32_m64n64k8_rs(d2, alo[ks], wg_desc(w_hi + off), fresh ? 0 : 1);
+          wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_lo + off), 1);
+          wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_hi + off), 1);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        if (VER == 1 || hl % 2 == 1) {
-          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          wg_fence_acc(d2);
-          release_pending();
-          release(us);
-          if (hl % 2 == 1) {
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_acc(d2);
+        release(us);
+        if (hl % 2 == 1) {
 #pragma unroll
-            for (int e = 0; e < 32; ++e) o[e] += d2[e];
-          }
-        } else {
-          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-          release_pending();
-          pend = us;
+          for (int e = 0; e < 32; ++e) o[e] += d2[e];
         }
       }
     }
@@ -1985,10 +2047,10 @@ static int grid_for(int64_t work_items) {  // grid-stride kernels: cap the grid,
   return static_cast<int>(std::min<int64_t>(work_items, 1ll << 30));
 }
 
-static size_t prep_smem_bytes(int cm, int CP) {
-  const int64_t LDX = round_up(cm, 4);
+static size_t prep_smem_bytes(int cm, int CP, bool tc) {
+  const int64_t LDX = tc ? round_up(cm, 8) + 4 : round_up(cm, 4);
   const int64_t xs_floats = round_up(std::max<int64_t>(kRows1 * LDX, static_cast<int64_t>(CP) * 65), 4);
-  const int64_t ws_floats = static_cast<int64_t>(kKC1) * (2 * CP + 4);
+  const int64_t ws_floats = static_cast<int64_t>(kKC1) * (2 * CP + 4) * (tc ? 2 : 1);
   return static_cast<size_t>(4 * (xs_floats + ws_floats));
 }
 
@@ -2005,17 +2067,26 @@ static void launch_prep(const at::Tensor& x, const at::Tensor& mask, int mask_ki
                         const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                         const at::Tensor& bb, const at::Tensor& wo, at::Tensor& aT, at::Tensor& bq,
                         at::Tensor& inv_denom, at::Tensor& wpack, int64_t B, int64_t S, int64_t N, int64_t Npad,
-                        int cm, int c, int cz, float eps, int pack_mode, int pack_zp, const DevInfo& d,
-                        cudaStream_t stream) {
+                        int cm, int c, int cz, float eps, int pack_mode, int pack_zp, bool tc_req,
+                        const DevInfo& d, cudaStream_t stream) {
   const int64_t n_row_blocks = cdiv(B * S * N, kRows1);
   const int n_den = static_cast<int>(std::min<int64_t>(cdiv(B * N, kThreads), 4 * d.sms));
   const int n_pack = static_cast<int>(std::min<int64_t>(cdiv(static_cast<int64_t>(CP) * CP * pack_zp, kThreads), 2 * d.sms));
   const int64_t row_grid = std::min<int64_t>(n_row_blocks, 64ll * d.sms);
-  const size_t smem = prep_smem_bytes(cm, CP);
-  set_smem(opm_prep_kernel<CP>, smem, d, "the LayerNorm/projection kernel (64 rows of msa_dim floats)");
+  // the tensor-core projection where asked for (the split-TF32 variants), possible (d.tc_ok) and its
+  // second weight plane fits; else the FMA one. Not at CP = 16 (its build spilled 12 bytes under the
+  // 64 registers ptxas chose; 2 CP = 32 outputs per row make the FMA projection cheap there).
+  constexpr bool kTcBuilt = CP >= 32;
+  const bool tc = kTcBuilt && tc_req && d.tc_ok && prep_smem_bytes(cm, CP, true) <= static_cast<size_t>(d.smem_optin);
+  const size_t smem = prep_smem_bytes(cm, CP, tc);
+  auto kernel = opm_prep_kernel<CP, false>;
+  if constexpr (kTcBuilt) {
+    if (tc) kernel = opm_prep_kernel<CP, true>;
+  }
+  set_smem(kernel, smem, d, "the LayerNorm/projection kernel (64 rows of msa_dim floats)");
   const int grid = grid_for(n_den + n_pack + row_grid);
   if (grid == 0) return;
-  opm_prep_kernel<CP><<<grid, kThreads, smem, stream>>>(
+  kernel<<<grid, kThreads, smem, stream>>>(
       x.data_ptr<float>(), mask.data_ptr(), mask_kind, ln_w.data_ptr<float>(), ln_b.data_ptr<float>(),
       wa.data_ptr<float>(), ba.data_ptr<float>(), wb.data_ptr<float>(), bb.data_ptr<float>(), wo.data_ptr<float>(),
       aT.data_ptr<float>(), bq.data_ptr<float>(), inv_denom.data_ptr<float>(), wpack.data_ptr<float>(), B, S, N,
@@ -2092,7 +2163,7 @@ static OwDims ow_dims(int64_t S, int64_t N, int64_t cz) {
 }
 static void launch_outer_wg(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
                             const at::Tensor& wo, const at::Tensor& bo, at::Tensor& out, int64_t B, int64_t S,
-                            int64_t N, int64_t Npad, int c, int cz, int ver, const DevInfo& d, cudaStream_t stream) {
+                            int64_t N, int64_t Npad, int c, int cz, const DevInfo& d, cudaStream_t stream) {
   const OwDims od = ow_dims(S, N, cz);
   auto f32 = aT.options();
   at::Tensor Aow = at::empty({B * kOwNQ * od.KB16 * 2 * od.NIT * 2 * kOwAPlane}, f32);
@@ -2105,11 +2176,10 @@ static void launch_outer_wg(const at::Tensor& aT, const at::Tensor& bq, const at
                                                   Aow.data_ptr<float>(), Bow.data_ptr<float>(), WoP.data_ptr<float>(),
                                                   B, S, N, Npad, c, cz, od.KB16, od.NIT, od.NBB, od.nzc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  auto kernel = ver == 1 ? opm_outer_wg_kernel<1> : opm_outer_wg_kernel<2>;
-  set_smem(kernel, kOwSmemBytes, d, "the wgmma outer-first kernel");
+  set_smem(opm_outer_wg_kernel, kOwSmemBytes, d, "the wgmma outer-first kernel");
   const int64_t tiles = B * od.nzc * od.NBB * od.NIT;
   const int g = grid_for(std::min<int64_t>(tiles, d.sms));
-  kernel<<<g, kOwThreads, kOwSmemBytes, stream>>>(
+  opm_outer_wg_kernel<<<g, kOwThreads, kOwSmemBytes, stream>>>(
       Aow.data_ptr<float>(), Bow.data_ptr<float>(), WoP.data_ptr<float>(), inv_denom.data_ptr<float>(),
       bo.data_ptr<float>(), out.data_ptr<float>(), B, N, od.KB16, od.NIT, od.NBB, od.nzc, cz);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -2194,7 +2264,7 @@ static int mask_kind_of(at::ScalarType st) {
 }
 
 // variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc, 5 w_first_tc2, 6 w_first_wg,
-// 7 w_first_wg2, 8 outer_wg, 9 outer_wg2. Returns (out, variant that ran: 1-9).
+// 7 w_first_wg2, 8 outer_wg. Returns (out, variant that ran: 1-8).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -2231,7 +2301,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
     TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
                 dtype_str(*p));
-  TORCH_CHECK(variant >= 0 && variant <= 9, "outer_product_mean: variant code must be 0-9, got ", num(variant));
+  TORCH_CHECK(variant >= 0 && variant <= 8, "outer_product_mean: variant code must be 0-8, got ", num(variant));
 
   // ---- device checks ----
   TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
@@ -2253,7 +2323,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
               "extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0 or 9.0a, not a name such as "
               "Hopper; this build: ", kBuiltSm90a ? "yes" : "no", ") and ", num(kWgSmemBytes), " bytes of "
               "shared memory per block (this GPU: ", num(d.smem_optin), ")");
-  TORCH_CHECK(variant < 8 || (d.ow_ok && c <= 32), "outer_product_mean: variants outer_wg and outer_wg2 need hidden_dim <= 32 "
+  TORCH_CHECK(variant < 8 || (d.ow_ok && c <= 32), "outer_product_mean: variant outer_wg needs hidden_dim <= 32 "
               "(this model: ", num(c), "), a compute capability 9.0 GPU (this GPU: ", num(d.major), ".", num(d.minor),
               "), this extension built with sm_90a code (this build: ", kBuiltSm90a ? "yes" : "no", ") and ",
               num(kOwSmemBytes), " bytes of shared memory per block (this GPU: ", num(d.smem_optin), ")");
@@ -2293,18 +2363,20 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
                             ? 2.0 * bsn * cp * cp * CZP4 / kEffProjWg + 2.0 * nn * S * cp * CZP4 / kEffWg +
                                   2.0 * static_cast<double>(cdiv(N, JCw)) * kLaunchS + kLaunchS
                             : 1e30;
-    // outer_wg (Hopper, hidden_dim <= 32): FLOPs with S, c, c_z padded to 16, 32, 128 (phase A
-    // repeated per 128 pair channels), plus the pack kernel's launch
+    // outer_wg (Hopper, hidden_dim <= 32): whole waves of tiles (one tile per SM at a time), each
+    // tile's phase-A and phase-B FLOPs (S, c, c_z padded to 16, 32, 128) at their own rates, plus
+    // the pack kernel's launch
     const OwDims od = ow_dims(S, N, cz);
-    const double t_ow = d.ow_ok && c <= 32
-                            ? 2.0 * nn * 32.0 * 32.0 * od.nzc * (16.0 * od.KB16 + kOwZ) / kEffOw + 2 * kLaunchS
-                            : 1e30;
+    const double ow_waves = std::ceil(static_cast<double>(B * od.nzc * od.NBB * od.NIT) / d.sms);
+    const double ow_tile_s = kOwNQ * (2.0 * 128 * 128 * kOwSK * od.KB16 / (kEffOwA / d.sms) +
+                                      2.0 * 64 * kOwZ * kOwHC * 32 / (kEffOwB / d.sms));
+    const double t_ow = d.ow_ok && c <= 32 ? ow_waves * ow_tile_s + 2 * kLaunchS : 1e30;
     const bool w_fits = p_col_bytes <= kPChunkBytes;
     used = (t_w < t_outer && w_fits) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
     if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = 7;
-    if (t_ow < std::min({t_outer, w_fits ? t_w : 1e30, t_wg})) used = 9;
+    if (t_ow < std::min({t_outer, w_fits ? t_w : 1e30, t_wg})) used = 8;
   }
-  if (used >= 8) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
+  if (used == 8) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 
   auto f32 = msa.options().dtype(at::kFloat);
   at::Tensor out = at::empty({B, N, N, cz}, f32);
@@ -2332,13 +2404,13 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
 
   OPM_DISPATCH(CP, launch_prep<kCP>(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, aT, bq, inv_denom, wpack,
                                     B, S, N, Npad, static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz),
-                                    static_cast<float>(eps), pack_mode, static_cast<int>(pack_zp), d, stream));
+                                    static_cast<float>(eps), pack_mode, static_cast<int>(pack_zp), used >= 4, d, stream));
   if (used == 1) {
     OPM_DISPATCH(CP, launch_outer<kCP>(aT, bq, inv_denom, wpack, bo_c, out, B, S, N, Npad, static_cast<int>(cz),
                                        static_cast<int>(CZP), d, stream));
-  } else if (used >= 8) {
-    launch_outer_wg(aT, bq, inv_denom, wo_c, bo_c, out, B, S, N, Npad, static_cast<int>(c), static_cast<int>(cz),
-                    static_cast<int>(used) - 7, d, stream);
+  } else if (used == 8) {
+    launch_outer_wg(aT, bq, inv_denom, wo_c, bo_c, out, B, S, N, Npad, static_cast<int>(c), static_cast<int>(cz), d,
+                    stream);
   } else if (used >= 6) {
     at::Tensor At = at::empty({B * 2 * cdiv(N, 128) * KB * 2 * kWgAPlane}, f32);
     at::Tensor Pt = at::empty({wg_chunk_floats(B, JCw, KB, static_cast<int>(CZP4))}, f32);
@@ -2477,9 +2549,9 @@ _ext = _build()
 
 # Every variant name, in the order of the extension's variant codes.
 _ALL_VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-                 "w_first_wg2", "outer_wg", "outer_wg2")
+                 "w_first_wg2", "outer_wg")
 # The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
-_HOPPER_CAP = {"w_first_wg": 1, "w_first_wg2": 1, "outer_wg": 2, "outer_wg2": 2}
+_HOPPER_CAP = {"w_first_wg": 1, "w_first_wg2": 1, "outer_wg": 2}
 
 
 def _device_caps_here():

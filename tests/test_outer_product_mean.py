@@ -124,23 +124,31 @@ def _run(new, msa, mask, variant):
 
 
 ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-          "w_first_wg2")  # every forced variant
+          "w_first_wg2", "outer_wg")  # every forced variant
+
+
+def _caps(opm):
+    """(tc_ok, wg_ok, ow_ok) of the current GPU; all False without CUDA."""
+    return tuple(opm._ext.opm_device_caps(torch.cuda.current_device())) if HAS_CUDA else (False, False, False)
 
 
 def _wg_ok(opm):
     """w_first_wg runs here: a compute capability 9.0 GPU and the extension built with sm_90a."""
-    return HAS_CUDA and opm._ext.opm_device_caps(torch.cuda.current_device())[1]
+    return _caps(opm)[1]
 
 
-def _orders(opm):
-    """Every forced variant this GPU runs (w_first_wg, w_first_wg2: H100 / H200 only)."""
-    return tuple(v for v in ORDERS if not v.startswith("w_first_wg") or _wg_ok(opm))
+def _orders(opm, c=None):
+    """Every forced variant this GPU runs (w_first_wg, w_first_wg2, outer_wg: H100 / H200 only;
+    outer_wg only for hidden_dim c <= 32 when c is given)."""
+    caps = _caps(opm)
+    hopper = {"w_first_wg": caps[1], "w_first_wg2": caps[1], "outer_wg": caps[2] and (c is None or c <= 32)}
+    return tuple(v for v in ORDERS if hopper.get(v, True))
 
 
 def _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", dist="normal", seed=0, variants=None,
           full_mask=True):
     if variants is None:
-        variants = _orders(opm)
+        variants = _orders(opm, c)
     gen = torch.Generator().manual_seed(seed)
     m_ref, new = _pair(opm, ref, cm, cz, c, seed)
     msa = _msa((B, S, N, cm), dist, gen)
@@ -296,7 +304,7 @@ def test_named_shapes_both_orders(opm, ref, name):
     torch.testing.assert_close(outs["w_first_small"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc2"], outs["w_first"], **TOL)
-    for v in ("w_first_wg", "w_first_wg2"):
+    for v in ("w_first_wg", "w_first_wg2", "outer_wg"):
         if v in outs:
             torch.testing.assert_close(outs[v], outs["w_first"], **TOL)
 
@@ -309,7 +317,9 @@ def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     B, S, N, c, cz = sh["B"], sh["S"], sh["N"], sh["hidden_dim"], sh["pair_dim"]
     new = opm.ModelNew(sh["msa_dim"], cz, c).cuda()
     msa = torch.randn(B, S, N, sh["msa_dim"], device="cuda")
-    if _wg_ok(opm) and name in ("shallow", "long"):  # the H100/H200: w_first on wgmma
+    if _caps(opm)[2] and name in ("crop", "long"):  # the H100/H200: outer_first on wgmma
+        expected = "outer_wg"
+    elif _wg_ok(opm) and name == "shallow":  # and w_first on wgmma at S = 32
         expected = "w_first_wg2"
     elif expected == "w_first_tc2":  # else w_first_tc2 where its 136 KB (139264 bytes) fit
         optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 1 << 20)
@@ -342,9 +352,24 @@ def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     (1, 1024, 40, 16, 32, 128), # j-chunks: w_first 20 (2 j of 16 MB), w_first_wg 3 (16 j of 32 MB)
     (2, 5, 200, 24, 16, 33),    # hidden 16 with S odd (w_first_wg: K padded to 32), odd c_z, N > 128
     (1, 4096, 12, 8, 32, 100),  # w_first_wg: chunks of 5 j = 500 columns (4 blocks, the last 116 wide)
+    (1, 3, 10, 768, 32, 8),     # c_m = 768: the tensor-core prep's largest shared-memory use
+    (1, 3, 10, 768, 100, 8),    # c_m = 768, hidden 128: the tensor-core variants fall back to the FMA prep
+    (2, 21, 70, 40, 32, 200),   # outer_wg: two z chunks (c_z > 128), S past a 16-s stage, N % 16 != 0
 ])
 def test_awkward_sizes(opm, ref, B, S, N, cm, c, cz):
     _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", seed=B * 1000 + S * 10 + N)
+
+
+@gpu
+def test_outer_wg_needs_hidden_dim_at_most_32(opm, ref):
+    if not _caps(opm)[2]:
+        pytest.skip("outer_wg runs on a compute capability 9.0 GPU with the sm_90a build only")
+    _, new = _pair(opm, ref, 16, 8, 64, 7)
+    msa, mask = torch.randn(1, 3, 9, 16, device="cuda"), torch.ones(1, 3, 9, device="cuda")
+    new.variant = "outer_wg"
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"outer_wg needs hidden_dim <= 32 \(this model: 64\)"):
+        new(msa, mask)
+    assert "outer_wg" not in _orders(opm, 64) and "outer_wg" in _orders(opm, 32)
 
 
 @gpu
@@ -488,7 +513,7 @@ def test_output_over_2_31_elements(opm, ref):
     m64 = copy.deepcopy(m_ref).double().cpu()
     with torch.no_grad():
         expect = ref.forward_rows(m64, msa.double(), mask.double(), rows).cuda()
-    for v in ("w_first", "outer_first", "w_first_tc", "w_first_tc2") + (("w_first_wg", "w_first_wg2") if _wg_ok(opm) else ()):
+    for v in ("w_first", "outer_first", "w_first_tc", "w_first_tc2") + tuple(v for v in _orders(opm) if v.startswith(("w_first_wg", "outer_wg"))):
         out = _run(new, msa.cuda(), mask.cuda(), v)
         assert out.numel() > 2**31
         _check(out[:, rows], expect, f"{v} sampled rows")
