@@ -303,17 +303,6 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
 }
-// d += A (16 x 8, row) B (8 x 8, col), TF32 operands, fp32 accumulator (mma.sync m16n8k8).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __trap();  // TF32 mma needs sm_80+: never return a silently wrong product
-#endif
-}
 
 
 // ---------------------------------------------------------------------------------------------
@@ -425,15 +414,9 @@ __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uin
 // RO = 2CP/16; o < CP are a-channels, o >= CP b-channels (RO divides CP, so never both).
 // LayerNorm is two-pass over the row held in shared memory: mean, then sum (x-mean)^2: stable for
 // large offsets (no E[x^2] - E[x]^2 cancellation).
-// TC (the tensor-core variants' prep, sm_80+): the projection on mma.sync m16n8k8 in split TF32
-// (per k step d = lo_x hi_w + hi_x lo_w + hi_x hi_w into a fresh fragment, promoted by fp32 adds),
-// the weights split once per K chunk into hi / lo planes; warp w owns rows 16 (w % 4) .. + 15 and
-// outputs CP (w / 4) .. + CP - 1 (the a or the b channels). xs rows are LDX = ceil8(c_m) + 4 floats
-// apart (conflict-free fragment loads; columns c_m .. ceil8(c_m) zeroed). (The FMA projection was
-// shared-memory bound: 255 us of a 1.0 ms forward at crop, NOTES.md.)
 // Assumptions: 256 threads; c_m <= kMaxMsaDim; dynamic smem as computed by prep_smem_bytes.
 // ---------------------------------------------------------------------------------------------
-template <int CP, bool TC>
+template <int CP>
 __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
     const float* __restrict__ x, const void* __restrict__ mask, int mask_kind,
     const float* __restrict__ ln_w, const float* __restrict__ ln_b,
@@ -482,12 +465,11 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
   // ---- role 1: LayerNorm + projections + mask for 64 rows per block iteration ----
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
-  const int LDX = static_cast<int>(TC ? round_up(cm, 8) + 4 : round_up(cm, 4));
+  const int LDX = static_cast<int>(round_up(cm, 4));
   const int xs_floats = static_cast<int>(round_up(max(kRows1 * LDX, CP * 65), 4));
   float* xs = smem;              // [64][LDX]
   float* ys = smem;              // [CP][65], aliases xs after the GEMM
-  float* ws = smem + xs_floats;  // [kKC1][LDW] (TC: the hi plane)
-  float* wsl = ws + kKC1 * LDW;  // TC: [kKC1][LDW] lo plane
+  float* ws = smem + xs_floats;  // [kKC1][LDW]
   __shared__ float s_mask[kRows1];
 
   const int64_t R = B * S * N;
@@ -531,79 +513,8 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
       }
       const float rstd = 1.f / sqrtf(warp_sum(s2) / cm + eps);
       for (int k = lane; k < cm; k += 32) row[k] = (row[k] - mean) * rstd * __ldg(ln_w + k) + __ldg(ln_b + k);
-      if (TC && lane < round_up(cm, 8) - cm) row[cm + lane] = 0.f;  // K padded to 8 with zeros
     }
 
-    if constexpr (TC) {
-      // y[r][o] = sum_m xs[r][m] Wcat[o][m] on the tensor cores (see the kernel comment)
-      constexpr int NT = CP / 8;  // n tiles of 8 outputs per warp
-      const int g = lane / 4, t4 = lane % 4, rw = 16 * (warp % 4), half = warp / 4;
-      float acc[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-      const int K8 = static_cast<int>(round_up(cm, 8));
-      for (int k0 = 0; k0 < K8; k0 += kKC1) {
-        __syncthreads();  // normalised rows visible (first chunk) / previous ws chunk fully read
-        {
-          const int kk = tid % kKC1, k = k0 + kk;
-#pragma unroll 4
-          for (int o = tid / kKC1; o < 2 * CP; o += kThreads / kKC1) {  // lanes along k: coalesced reads
-            const int h = o < CP ? o : o - CP;
-            const float* W = o < CP ? wa : wb;
-            uint32_t hi, lo;
-            split_tf32((h < c && k < cm) ? __ldg(W + static_cast<int64_t>(h) * cm + k) : 0.f, hi, lo);
-            ws[kk * LDW + o] = __uint_as_float(hi);
-            wsl[kk * LDW + o] = __uint_as_float(lo);
-          }
-        }
-        __syncthreads();  // ws chunk complete
-        const int kmax = min(kKC1, K8 - k0);
-        for (int ks = 0; ks < kmax; ks += 8) {
-          const float* xa = xs + (rw + g) * LDX + k0 + ks + t4;
-          uint32_t ahi[4], alo[4];
-          split_tf32(xa[0], ahi[0], alo[0]);
-          split_tf32(xa[8 * LDX], ahi[1], alo[1]);
-          split_tf32(xa[4], ahi[2], alo[2]);
-          split_tf32(xa[8 * LDX + 4], ahi[3], alo[3]);
-          const int wrow = (ks + t4) * LDW + half * CP + g;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const int wi = wrow + nt * 8;
-            const uint32_t bh0 = __float_as_uint(ws[wi]), bh1 = __float_as_uint(ws[wi + 4 * LDW]);
-            const uint32_t bl0 = __float_as_uint(wsl[wi]), bl1 = __float_as_uint(wsl[wi + 4 * LDW]);
-            float dd[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_tf32(dd, alo, bh0, bh1);  // the small terms first
-            mma_tf32(dd, ahi, bl0, bl1);
-            mma_tf32(dd, ahi, bh0, bh1);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[nt][e] += dd[e];
-          }
-        }
-      }
-      // epilogue: acc[nt][2 hr + e] is row rw + g + 8 hr, output half*CP + 8 nt + 2 t4 + e;
-      // (y + bias) * mask: b-channels straight to bq, a-channels via ys to aT (transposed)
-      __syncthreads();  // every thread finished reading xs before it is overwritten as ys
-      const float* bvec = half == 0 ? ba : bb;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int h = 8 * nt + 2 * t4;
-        const float bias0 = h < c ? __ldg(bvec + h) : 0.f, bias1 = h + 1 < c ? __ldg(bvec + h + 1) : 0.f;
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int r = rw + g + 8 * hr;
-          const float m = s_mask[r];
-          const float y0 = (acc[nt][2 * hr] + bias0) * m, y1 = (acc[nt][2 * hr + 1] + bias1) * m;
-          if (half == 0) {
-            ys[h * 65 + r] = y0;
-            ys[(h + 1) * 65 + r] = y1;
-          } else if (r < nrows) {
-            *reinterpret_cast<float2*>(bq + (r0 + r) * CP + h) = make_float2(y0, y1);
-          }
-        }
-      }
-    } else {
     // y[r][o] = sum_m xs[r][m] * Wcat[o][m],  Wcat = [Wa (padded to CP rows); Wb (padded)]
     float acc[4][RO];
 #pragma unroll
@@ -684,7 +595,6 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
         }
       }
     }
-    }  // (TC)
     __syncthreads();  // ys complete before the transposed store reads it
     for (int q = tid; q < CP * kRows1; q += kThreads) {
       const int h = q / kRows1, r = q % kRows1;  // lanes along rows: consecutive n, coalesced
@@ -1112,6 +1022,16 @@ __device__ __forceinline__ float lds_volatile(const float* p) {
 // d += A(16 x 8, row-major) * B(8 x 8, column-major), TF32 inputs, fp32 accumulate (sm_80+).
 // Fragments (g = lane / 4, t = lane % 4): a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]},
 // b = {B[t][g], B[t+4][g]}, d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // TF32 mma needs sm_80+: never return a silently wrong product
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // opm_wfirst_tc_kernel: opm_wfirst_gemm_kernel's product (w_first stage 2 for the j-chunk
@@ -2047,10 +1967,10 @@ static int grid_for(int64_t work_items) {  // grid-stride kernels: cap the grid,
   return static_cast<int>(std::min<int64_t>(work_items, 1ll << 30));
 }
 
-static size_t prep_smem_bytes(int cm, int CP, bool tc) {
-  const int64_t LDX = tc ? round_up(cm, 8) + 4 : round_up(cm, 4);
+static size_t prep_smem_bytes(int cm, int CP) {
+  const int64_t LDX = round_up(cm, 4);
   const int64_t xs_floats = round_up(std::max<int64_t>(kRows1 * LDX, static_cast<int64_t>(CP) * 65), 4);
-  const int64_t ws_floats = static_cast<int64_t>(kKC1) * (2 * CP + 4) * (tc ? 2 : 1);
+  const int64_t ws_floats = static_cast<int64_t>(kKC1) * (2 * CP + 4);
   return static_cast<size_t>(4 * (xs_floats + ws_floats));
 }
 
@@ -2067,26 +1987,17 @@ static void launch_prep(const at::Tensor& x, const at::Tensor& mask, int mask_ki
                         const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                         const at::Tensor& bb, const at::Tensor& wo, at::Tensor& aT, at::Tensor& bq,
                         at::Tensor& inv_denom, at::Tensor& wpack, int64_t B, int64_t S, int64_t N, int64_t Npad,
-                        int cm, int c, int cz, float eps, int pack_mode, int pack_zp, bool tc_req,
-                        const DevInfo& d, cudaStream_t stream) {
+                        int cm, int c, int cz, float eps, int pack_mode, int pack_zp, const DevInfo& d,
+                        cudaStream_t stream) {
   const int64_t n_row_blocks = cdiv(B * S * N, kRows1);
   const int n_den = static_cast<int>(std::min<int64_t>(cdiv(B * N, kThreads), 4 * d.sms));
   const int n_pack = static_cast<int>(std::min<int64_t>(cdiv(static_cast<int64_t>(CP) * CP * pack_zp, kThreads), 2 * d.sms));
   const int64_t row_grid = std::min<int64_t>(n_row_blocks, 64ll * d.sms);
-  // the tensor-core projection where asked for (the split-TF32 variants), possible (d.tc_ok) and its
-  // second weight plane fits; else the FMA one. Not at CP = 16 (its build spilled 12 bytes under the
-  // 64 registers ptxas chose; 2 CP = 32 outputs per row make the FMA projection cheap there).
-  constexpr bool kTcBuilt = CP >= 32;
-  const bool tc = kTcBuilt && tc_req && d.tc_ok && prep_smem_bytes(cm, CP, true) <= static_cast<size_t>(d.smem_optin);
-  const size_t smem = prep_smem_bytes(cm, CP, tc);
-  auto kernel = opm_prep_kernel<CP, false>;
-  if constexpr (kTcBuilt) {
-    if (tc) kernel = opm_prep_kernel<CP, true>;
-  }
-  set_smem(kernel, smem, d, "the LayerNorm/projection kernel (64 rows of msa_dim floats)");
+  const size_t smem = prep_smem_bytes(cm, CP);
+  set_smem(opm_prep_kernel<CP>, smem, d, "the LayerNorm/projection kernel (64 rows of msa_dim floats)");
   const int grid = grid_for(n_den + n_pack + row_grid);
   if (grid == 0) return;
-  kernel<<<grid, kThreads, smem, stream>>>(
+  opm_prep_kernel<CP><<<grid, kThreads, smem, stream>>>(
       x.data_ptr<float>(), mask.data_ptr(), mask_kind, ln_w.data_ptr<float>(), ln_b.data_ptr<float>(),
       wa.data_ptr<float>(), ba.data_ptr<float>(), wb.data_ptr<float>(), bb.data_ptr<float>(), wo.data_ptr<float>(),
       aT.data_ptr<float>(), bq.data_ptr<float>(), inv_denom.data_ptr<float>(), wpack.data_ptr<float>(), B, S, N,
@@ -2404,7 +2315,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
 
   OPM_DISPATCH(CP, launch_prep<kCP>(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, aT, bq, inv_denom, wpack,
                                     B, S, N, Npad, static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz),
-                                    static_cast<float>(eps), pack_mode, static_cast<int>(pack_zp), used >= 4, d, stream));
+                                    static_cast<float>(eps), pack_mode, static_cast<int>(pack_zp), d, stream));
   if (used == 1) {
     OPM_DISPATCH(CP, launch_outer<kCP>(aT, bq, inv_denom, wpack, bo_c, out, B, S, N, Npad, static_cast<int>(cz),
                                        static_cast<int>(CZP), d, stream));
