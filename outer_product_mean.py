@@ -19,7 +19,8 @@ Tensors (all float32 unless said):
   contiguous, bq (B, S, N, CP), inv_denom (B, N), a packed copy of Wo (<= CP*CP*ceil64(c_z) floats),
   where CP = hidden_dim rounded up to 16, 32, 64 or 128 (zero padding: padded channels contribute 0);
   w_first: one j-chunk of P (<= 32 MB); w_first_wg/_wg2: a and one j-chunk of P as split-TF32 hi/lo
-  planes (P's chunk <= 512 MB: 512 MB at shallow, long and huge; a's about 2x aT).
+  planes (P's chunk <= 512 MB: 512 MB at shallow, long and huge; a's about 2x aT); outer_wg: a, b
+  and Wo as split-TF32 hi/lo planes (2x aT + 2x bq + 1 MB per 128 pair channels).
   The (B, N, N, c, c) outer product of the reference is never stored in global memory.
 
 Two contraction orders (FLOPs of the second stage; the LayerNorm + projections add 4 B S N c_m c):
@@ -32,16 +33,17 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
   32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 43 (128-tile split
   TF32, w_first_tc2; 42 for w_first_tc) / 25 (small) TFLOP/s; w_first_wg2 stage 1 21, stage 2 108
-  TFLOP/s). w_first needs one j column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap;
+  TFLOP/s; outer_wg: whole waves of 16 i x 4 j tiles, its phase A at 138 and phase B at 85 TFLOP/s).
+  w_first needs one j column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap;
   its stage 2 runs the small kernel when the 128 x 128 grid would not fill one block per SM, else
   (sm_80+, and the extension built for sm_80+) the split-TF32 kernel (w_first_tc2; w_first_tc where
   less than 136 KB of shared memory per block is available). On an H100 / H200 with the extension
-  built for sm_90a (the default there, see Build) w_first_wg2 competes too. On the H200 on
-  2026-11-29 "auto" took w_first_small at seed, w_first_wg2 at shallow, long and huge, and
-  outer_first at crop: the fastest measured variant at each (NOTES.md). After each call
+  built for sm_90a (the default there, see Build) w_first_wg2 and outer_wg compete too. On the H200
+  on 2026-12-01 "auto" took w_first_small at seed, w_first_wg2 at shallow, and outer_wg at crop,
+  long, deep and huge: the fastest measured variant at each (NOTES.md). After each call
   `model.last_variant` names the variant that ran.
 
-Kernels (FP32 FMA except opm_wfirst_tc_kernel and opm_wfirst_wg_kernel):
+Kernels (FP32 FMA except opm_wfirst_tc_kernel, opm_wfirst_wg_kernel and opm_outer_wg_kernel):
   opm_prep_kernel        one launch, three block roles: (1) 64 rows of msa per block: x staged in
                          shared memory once, two-pass LayerNorm statistics from shared memory, both
                          projections as one [64 x c_m] x [c_m x 2CP] register-tiled GEMM (4 x 2CP/16
@@ -83,6 +85,14 @@ Kernels (FP32 FMA except opm_wfirst_tc_kernel and opm_wfirst_wg_kernel):
                          wgmma m64n128k8 .tf32 (lo*hi, hi*lo, hi*hi into a fresh accumulator,
                          promoted into fp32 by ordinary adds every 64 k). w_first_wg launches one
                          block per tile, w_first_wg2 one per SM (persistent).
+  opm_pack_ow_kernel     aT, bq, Wo -> outer_wg's tile-order hi / lo planes (a: 64 rows (i, h) x 16 s
+                         blocks; b: 128 rows (j, k) x 16 s; Wo: 128 z x 32 (h, k) blocks).
+  opm_outer_wg_kernel    outer_wg (outer_first on wgmma, hidden_dim <= 32 padded to 32): per block,
+                         persistent, tiles of 16 i x 4 j x 128 z; for each chunk of 8 h, phase A
+                         O[(i,h),(j,k)] = sum_s a b (m64n128k8, K = S) into fp32, O staged in shared
+                         memory, phase B out += O . Wo (m64n64k8, A from registers, K = 256); one
+                         producer warpgroup feeds a 5-slot ring of 32 KB bulk copies (both phases'
+                         operands in one sequence). Split TF32 with promotion every 64 k as above.
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
 launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (compiled for 16/32/64/128; others zero-padded to
@@ -94,11 +104,17 @@ Limits: forward only (backward raises); FP32 only for msa_repr and the parameter
 same code with smaller residue tiles and are slower per FLOP.
 
 Variants: "auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-"w_first_wg2"; set `model.variant` (the w_first ones differ only in the stage-2 kernel, and the wg
-ones in stage 1's output layout). ModelNew.VARIANTS lists those that run on the current GPU
-(evaluated on each access; what the harness checks by default): all of them on an H100 / H200 with
-the sm_90a build, all but the two wg ones elsewhere (forcing one there raises with the reason);
-ModelNew.ALL_VARIANTS lists every name.
+"w_first_wg2", "outer_wg"; set `model.variant` (the w_first ones differ only in the stage-2 kernel,
+and the wg ones in stage 1's output layout). ModelNew.VARIANTS lists those that run on the current
+GPU (evaluated on each access; what the harness checks by default): all of them on an H100 / H200
+with the sm_90a build, all but the three Hopper ones (w_first_wg, w_first_wg2, outer_wg) elsewhere
+(forcing one there raises with the reason); ModelNew.ALL_VARIANTS lists every name.
+outer_wg: outer_first on Hopper wgmma in split TF32 (compute capability 9.0, the sm_90a build and
+225 KB of shared memory per block; hidden_dim <= 32, else it raises: c = 64 or 128 would leave a
+tile fewer than 64 pairs). H200, harness, 2026-12-01 ("auto" -> outer_wg): crop 0.992 ms (2.58x eager,
+2.11x torch.compile; outer_first 2.62 ms), long 5.56 ms (3.50x, 2.66x; w_first_wg2 10.54), deep
+2.25 ms, huge 109.3 ms (w_first_wg2 131.8); error against fp64 0.6-0.93x the fp32 reference's. At
+crop a quarter of the time is the FMA LayerNorm/projection kernel (~255 us) and the pack (~67 us).
 w_first_wg, w_first_wg2: stage 2 on Hopper wgmma in split TF32; compute capability 9.0 only, with the
 extension built for sm_90a (else they raise): at shallow on the H200 0.857 ms ("auto" -> w_first_wg2:
 4.34x eager, 3.00x torch.compile), long 10.54 ms (1.84x, 1.40x), huge 131.8 ms (outer_first: 333);
@@ -120,7 +136,7 @@ Build: 1-2 minutes the first time (cached afterwards; rebuilds when this source 
        devices, as sm_90 code does), "9.0+PTX" as sm_90a plus portable compute_90 PTX. The file
        passes these as nvcc -gencode flags (`_gencode_flags`; TORCH_CUDA_ARCH_LIST is left as it
        is); lists with names such as "Hopper" go to PyTorch unchanged, which leaves w_first_wg/_wg2
-       out.
+       and outer_wg out.
 """
 import hashlib
 import os
@@ -1657,7 +1673,11 @@ static_assert(kOwStage == 2 * kOwWPlane, "a phase-B stage (one Wo block) fills a
 constexpr int kOwStages = 5;
 constexpr int kOwLDO = kOwHC * 32 + 4;   // Os row stride: 4 mod 32 words, conflict-free fragment loads
 constexpr int kOwThreads = 384;          // 2 consumer warpgroups + 1 producer warpgroup (setmaxnreg)
-constexpr int kOwConsumerRegs = 232, kOwProducerRegs = 40;  // 2*128*232 + 128*40 <= 65536
+constexpr int kOwConsumerRegs = 232, kOwProducerRegs = 40;
+// setmaxnreg moves registers within the block's allocation (384 threads x 168, the launch bound's
+// cap): more would leave setmaxnreg.inc waiting for registers that never come
+static_assert(2 * 128 * kOwConsumerRegs + 128 * kOwProducerRegs <= kOwThreads * ((65536 / kOwThreads) & ~7),
+              "outer_wg: register budget of the warpgroups");
 constexpr size_t kOwSmemBytes = 4ull * (kOwStages * kOwStage + 64 * kOwLDO) + 16 * kOwStages;
 // 16-k block (outer_wg's A and B blocks): 8-row groups 512 bytes apart
 __host__ __device__ __forceinline__ int wg_tile_off16(int r, int k) {
@@ -1878,6 +1898,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         const float* w_hi = stg + wg * (64 / 8) * 256;  // this warpgroup's 64 z of the 128-row block
         const float* w_lo = w_hi + kOwWPlane;
         wg_fence_acc(d2);
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)  // the A fragments are wgmma inputs too: written before the fence
+#pragma unroll
+          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
@@ -2281,7 +2305,9 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const double ow_waves = std::ceil(static_cast<double>(B * od.nzc * od.NBB * od.NIT) / d.sms);
     const double ow_tile_s = kOwNQ * (2.0 * 128 * 128 * kOwSK * od.KB16 / (kEffOwA / d.sms) +
                                       2.0 * 64 * kOwZ * kOwHC * 32 / (kEffOwB / d.sms));
-    const double t_ow = d.ow_ok && c <= 32 ? ow_waves * ow_tile_s + 2 * kLaunchS : 1e30;
+    // + the pack kernel: aT and bq read, twice their bytes written, at ~1.5 TB/s (67 us at crop)
+    const double ow_pack_s = 3.0 * 4 * B * 16.0 * od.KB16 * 32 * (16.0 * od.NIT + 4.0 * od.NBB) / 1.5e12;
+    const double t_ow = d.ow_ok && c <= 32 ? ow_waves * ow_tile_s + ow_pack_s + 2 * kLaunchS : 1e30;
     const bool w_fits = p_col_bytes <= kPChunkBytes;
     used = (t_w < t_outer && w_fits) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
     if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = 7;
@@ -2302,7 +2328,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   at::Tensor bq = at::empty({B, S, N, CP}, f32);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   const int pack_mode = used == 1 ? 0 : 1;
-  const int64_t pack_zp = used == 1 ? CZP : CZP4;
+  const int64_t pack_zp = used == 1 ? CZP : used == 8 ? 0 : CZP4;  // (outer_wg packs Wo itself)
   at::Tensor wpack = at::empty({static_cast<int64_t>(CP) * CP * pack_zp}, f32);
 
 #define OPM_DISPATCH(CPV, ...)                               \
