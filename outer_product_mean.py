@@ -385,6 +385,15 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // 
                  : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
   } while (!done);
 }
+// The full / empty mbarriers of a ring of `stages` slots (thread 0; the caller then syncs the block):
+// full: one producer arrival (plus the copies' bytes), empty: one arrival per consumer warp (8).
+__device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, int stages) {
+  for (int st = 0; st < stages; ++st) {
+    mbar_init(full + st, 1);
+    mbar_init(empty + st, 8);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 // bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
 __device__ __forceinline__ void bulk_copy(float* smem, const float* gmem, unsigned bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -1521,13 +1530,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
   uint64_t* empty = full + kWgStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t total = B * MB128 * NB;
-  if (tid == 0) {
-    for (int st = 0; st < kWgStages; ++st) {
-      mbar_init(full + st, 1);
-      mbar_init(empty + st, 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (tid == 0) mbar_ring_init(full, empty, kWgStages);
   __syncthreads();
   if (wg == 2) {  // producer warp
     if (tid == 256) {
@@ -1775,13 +1778,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   uint64_t* empty = full + kOwStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t MBA = 2 * NIT, total = B * nzc * NBB * NIT;
-  if (tid == 0) {
-    for (int st = 0; st < kOwStages; ++st) {
-      mbar_init(full + st, 1);
-      mbar_init(empty + st, 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (tid == 0) mbar_ring_init(full, empty, kOwStages);
   __syncthreads();
   if (wg == 2) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
