@@ -352,8 +352,8 @@ def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     (1, 1024, 40, 16, 32, 128), # j-chunks: w_first 20 (2 j of 16 MB), w_first_wg 3 (16 j of 32 MB)
     (2, 5, 200, 24, 16, 33),    # hidden 16 with S odd (w_first_wg: K padded to 32), odd c_z, N > 128
     (1, 4096, 12, 8, 32, 100),  # w_first_wg: chunks of 5 j = 500 columns (4 blocks, the last 116 wide)
-    (1, 3, 10, 768, 32, 8),     # c_m = 768: the tensor-core prep's largest shared-memory use
-    (1, 3, 10, 768, 100, 8),    # c_m = 768, hidden 128: the tensor-core variants fall back to the FMA prep
+    (1, 3, 10, 768, 32, 8),     # c_m = 768 at hidden 32 (outer_wg's prep: CP = 32)
+    (1, 3, 10, 768, 100, 8),    # c_m = 768 at hidden 128: the prep's largest shared memory (230 KB)
     (2, 21, 70, 40, 32, 200),   # outer_wg: two z chunks (c_z > 128), S past a 16-s stage, N % 16 != 0
 ])
 def test_awkward_sizes(opm, ref, B, S, N, cm, c, cz):
