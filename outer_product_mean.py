@@ -2387,27 +2387,25 @@ std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
 """
 
 
-def _wgmma_asm():
-    """Body of wgmma_tf32_m64n128k8: the inline PTX with its 64 accumulator operands spelled out."""
-    regs = ", ".join(f"%{i}" for i in range(64))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(64))
-    return ('  asm volatile("{\\n .reg .pred p;\\n setp.ne.b32 p, %66, 0;\\n"\n'
-            f'               "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {{{regs}}}, %64, %65, p, 1, 1;\\n}}\\n"\n'
+def _wgmma_asm(n, a_regs=0):
+    """Body of a wgmma_tf32_m64{n}k8 wrapper: the inline PTX with its n/2 accumulator operands spelled
+    out; A from shared memory (descriptor `da`) or, with a_regs = 4, from the registers a[0..3]."""
+    nacc = n // 2
+    regs = ", ".join(f"%{i}" for i in range(nacc))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nacc))
+    if a_regs:
+        a_ops = "{" + ", ".join(f"%{nacc + i}" for i in range(a_regs)) + "}"
+        ins = "".join(f'"r"(a[{i}]), ' for i in range(a_regs)) + '"l"(db), "r"(acc)'
+    else:
+        a_ops, ins = f"%{nacc}", '"l"(da), "l"(db), "r"(acc)'
+    nb, npred = nacc + max(a_regs, 1), nacc + max(a_regs, 1) + 1
+    return (f'  asm volatile("{{\\n .reg .pred p;\\n setp.ne.b32 p, %{npred}, 0;\\n"\n'
+            f'               "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {{{regs}}}, {a_ops}, %{nb}, p, 1, 1;\\n}}\\n"\n'
             f"               : {outs}\n"
-            '               : "l"(da), "l"(db), "r"(acc));\n')
+            f"               : {ins});\n")
 
 
-def _wgmma_rs_asm():
-    """Body of wgmma_tf32_m64n64k8_rs: A from registers, 32 accumulator operands spelled out."""
-    regs = ", ".join(f"%{i}" for i in range(32))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(32))
-    return ('  asm volatile("{\\n .reg .pred p;\\n setp.ne.b32 p, %37, 0;\\n"\n'
-            f'               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {{{regs}}}, {{%32, %33, %34, %35}}, %36, p, 1, 1;\\n}}\\n"\n'
-            f"               : {outs}\n"
-            '               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));\n')
-
-
-_CUDA_SRC = _CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm()).replace("@WGMMA_M64N64K8_RS@", _wgmma_rs_asm())
+_CUDA_SRC = _CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm(128)).replace("@WGMMA_M64N64K8_RS@", _wgmma_asm(64, 4))
 
 # =============================================================================================
 # Build (load_inline at import; name carries a hash of the source and flags: edit -> rebuild)
