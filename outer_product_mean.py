@@ -194,9 +194,13 @@ constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg: cap of one chunk 
 // at crop (profile: 0.721 ms) and shallow (~0.96 ms of a 0.99 ms forward) on the H200 on 2026-12-01
 // with the wave model of "auto" (whole waves of tiles; phase B, N = 64 per wgmma with A from
 // registers, runs at about 60% of phase A's rate).
+// kEffPrep: opm_prep_kernel (FMA LayerNorm + projections), 4.3 GFLOP in ~255 us at crop (profile,
+// 2026-12-01). kEffPrepOw, kBwPrepOw: outer_wg's tensor-core prep (opm_prep_ow_kernel): its tensor
+// FLOPs (x3 for the split) ran at ~90 TFLOP/s at crop (12.9 GFLOP in 146-151 us) and deep (51.5 in
+// 506-561 us) on the H200 on 2026-12-01, under the bytes at 3 TB/s.
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
                  kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kEffOwA = 138e12, kEffOwB = 85e12,
-                 kLaunchS = 2e-6;
+                 kEffPrep = 17e12, kEffPrepOw = 90e12, kBwPrepOw = 3e12, kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -257,6 +261,70 @@ __device__ __forceinline__ long long mask_int(const void* m, int64_t idx, int ki
     case kI32: return static_cast<const int32_t*>(m)[idx];
     default: return static_cast<const long long*>(m)[idx];
   }
+}
+
+// inv_denom[p] = 1 / max(sum_s mask[b,s,i], 1) for p = b*N + i in [start, B*N) with step `stride`
+// (coalesced over i): float masks summed in fp64 (closest to the exact sum the fp64 oracle sees;
+// NaN stays NaN like torch.clamp), bool/int masks in int64 as the reference does.
+__device__ __forceinline__ void inv_denom_range(const void* mask, int mask_kind, int64_t B, int64_t S, int64_t N,
+                                                float* inv_denom, int64_t start, int64_t stride) {
+  for (int64_t p = start; p < B * N; p += stride) {
+    const int64_t b = p / N, i = p - b * N;
+    float d;
+    if (mask_kind == kF32) {
+      double acc = 0.0;
+      for (int64_t s = 0; s < S; ++s) acc += static_cast<const float*>(mask)[(b * S + s) * N + i];
+      d = static_cast<float>(acc);
+      d = (d < 1.f) ? 1.f : d;  // clamp(min=1)
+    } else {
+      long long acc = 0;
+      for (int64_t s = 0; s < S; ++s) acc += mask_int(mask, (b * S + s) * N + i, mask_kind);
+      d = static_cast<float>(acc < 1 ? 1 : acc);
+    }
+    inv_denom[p] = 1.f / d;
+  }
+}
+
+// inv_denom (as inv_denom_range) for the 32-column blocks cb = first, first + step, ... of every b,
+// by one block of blockDim.x threads: thread (sl, il) sums s = sl, sl + SL, ... of column 32 cb + il
+// (SL = blockDim.x / 32: coalesced over i), and the SL partial sums are added in a fixed order.
+// red_f, red_i: shared arrays of blockDim.x elements. Every thread of the block calls this.
+__device__ __forceinline__ void inv_denom_cols(const void* mask, int mask_kind, int64_t B, int64_t S, int64_t N,
+                                               float* inv_denom, int64_t first, int64_t step, double* red_f,
+                                               long long* red_i) {
+  const int SL = blockDim.x / 32, sl = threadIdx.x / 32, il = threadIdx.x % 32;
+  const int64_t ncb = cdiv(N, 32);
+  for (int64_t b = 0; b < B; ++b)  // (nested, not one flat index: no 64-bit division)
+    for (int64_t cb = first; cb < ncb; cb += step) {
+      const int64_t i = cb * 32 + il;
+      double af = 0.0;
+      long long ai = 0;
+      if (i < N) {
+        if (mask_kind == kF32) {
+          for (int64_t s = sl; s < S; s += SL) af += static_cast<const float*>(mask)[(b * S + s) * N + i];
+        } else {
+          for (int64_t s = sl; s < S; s += SL) ai += mask_int(mask, (b * S + s) * N + i, mask_kind);
+        }
+      }
+      red_f[threadIdx.x] = af;
+      red_i[threadIdx.x] = ai;
+      __syncthreads();  // the SL partial sums of every column in shared memory
+      if (sl == 0 && i < N) {
+        float dn;
+        if (mask_kind == kF32) {  // fp64 sum, then clamp(min = 1); NaN stays NaN
+          double sum = 0.0;
+          for (int q = 0; q < SL; ++q) sum += red_f[q * 32 + il];
+          dn = static_cast<float>(sum);
+          dn = (dn < 1.f) ? 1.f : dn;
+        } else {
+          long long sum = 0;
+          for (int q = 0; q < SL; ++q) sum += red_i[q * 32 + il];
+          dn = static_cast<float>(sum < 1 ? 1 : sum);
+        }
+        inv_denom[b * N + i] = 1.f / dn;
+      }
+      __syncthreads();  // red_* read before the next column block overwrites them
+    }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -458,21 +526,7 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
 
   // ---- role 2: inv_denom[b,i] = 1 / max(sum_s mask[b,s,i], 1), coalesced over i ----
   if (blk < n_den) {
-    for (int64_t p = blk * kThreads + tid; p < B * N; p += static_cast<int64_t>(n_den) * kThreads) {
-      const int64_t b = p / N, i = p - b * N;
-      float d;
-      if (mask_kind == kF32) {
-        double acc = 0.0;  // fp64 accumulation: closest to the exact sum the fp64 oracle sees
-        for (int64_t s = 0; s < S; ++s) acc += static_cast<const float*>(mask)[(b * S + s) * N + i];
-        d = static_cast<float>(acc);
-        d = (d < 1.f) ? 1.f : d;  // clamp(min=1); NaN stays NaN like torch.clamp
-      } else {
-        long long acc = 0;         // the reference sums bool/int masks in int64
-        for (int64_t s = 0; s < S; ++s) acc += mask_int(mask, (b * S + s) * N + i, mask_kind);
-        d = static_cast<float>(acc < 1 ? 1 : acc);
-      }
-      inv_denom[p] = 1.f / d;
-    }
+    inv_denom_range(mask, mask_kind, B, S, N, inv_denom, blk * kThreads + tid, static_cast<int64_t>(n_den) * kThreads);
     return;
   }
   // ---- role 3: pack Wo ----
@@ -1687,6 +1741,21 @@ __host__ __device__ __forceinline__ int wg_tile_off16(int r, int k) {
   return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3);
 }
 
+// WoP's element group e3 in [0, nzc * kOwNQ * kOwHC * kOwZ * 8): 4 consecutive kl of one z row of
+// one Wo block, split into both planes (WoP: see "outer_wg" above; used by both outer_wg packs).
+__device__ __forceinline__ void pack_wop4(int64_t e3, const float* __restrict__ wo, float* __restrict__ WoP, int c,
+                                          int cz) {
+  const int m = static_cast<int>(e3 % 8), z = static_cast<int>((e3 / 8) % kOwZ);
+  const int hl = static_cast<int>((e3 / (8 * kOwZ)) % kOwHC), q = static_cast<int>((e3 / (8 * kOwZ * kOwHC)) % kOwNQ);
+  const int64_t zc = e3 / (8 * kOwZ * kOwHC * kOwNQ), zz = zc * kOwZ + z;
+  const int h = q * kOwHC + hl, k0 = (4 * m - 8 * hl) & 31;  // kl = 4m .. 4m+3 -> k = k0 .. k0+3
+  float v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) v[u] = (zz < cz && h < c && k0 + u < c) ? __ldg(wo + zz * c * c + h * c + k0 + u) : 0.f;
+  float* dst = WoP + ((zc * kOwNQ + q) * kOwHC + hl) * (2 * kOwWPlane) + wg_tile_off(z, 4 * m);
+  store_split4(dst, dst + kOwWPlane, v[0], v[1], v[2], v[3]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // opm_pack_ow_kernel: aT (B, S, 32, Npad), bq (B, S, N, 32) and Wo (c_z, c*c) -> Aow, Bow, WoP (see
 //   "outer_wg" above). Three ranges of one grid-stride index, one thread per 4 consecutive k (s for
@@ -1732,19 +1801,321 @@ __global__ void __launch_bounds__(kThreads) opm_pack_ow_kernel(
             wg_tile_off16(static_cast<int>(r % 128), static_cast<int>(quad * 4));
       plane = kOwBPlane;
     } else {
-      const int64_t e3 = e - nA - nB;
-      const int m = static_cast<int>(e3 % 8), z = static_cast<int>((e3 / 8) % kOwZ);
-      const int hl = static_cast<int>((e3 / (8 * kOwZ)) % kOwHC), q = static_cast<int>((e3 / (8 * kOwZ * kOwHC)) % kOwNQ);
-      const int64_t zc = e3 / (8 * kOwZ * kOwHC * kOwNQ), zz = zc * kOwZ + z;
-      const int h = q * kOwHC + hl, k0 = (4 * m - 8 * hl) & 31;  // kl = 4m .. 4m+3 -> k = k0 .. k0+3
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        v[u] = (zz < cz && h < c && k0 + u < c) ? __ldg(wo + zz * c * c + h * c + k0 + u) : 0.f;
-      dst = WoP + ((zc * kOwNQ + q) * kOwHC + hl) * (2 * kOwWPlane) + wg_tile_off(z, 4 * m);
-      plane = kOwWPlane;
+      pack_wop4(e - nA - nB, wo, WoP, c, cz);
+      continue;
     }
     store_split4(dst, dst + plane, v[0], v[1], v[2], v[3]);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// outer_wg's LayerNorm + projections on the tensor cores (mma.sync split TF32), writing Aow and Bow
+// directly: no aT / bq in global memory and no pack of them (opm_ow_params_kernel, opm_prep_ow_kernel).
+// The LayerNorm affine is folded into the weights:
+//   y[r, o] = rstd_r * sum_k (x[r, k] - mean_r) Wg[o, k] + bias'[o],    a / b = y * mask[r]
+//   Wg[o, k] = gamma[k] W[o, k],  bias'[o] = bias[o] + sum_k beta[k] W[o, k]   (fp64 sum)
+// with o < 32 the a channels (Wa row o) and o >= 32 the b channels (Wb row o - 32), zero where
+// o % 32 >= c: the reference's (x_hat gamma + beta) . W + bias, summed in another order.
+// Wf: Wg split into TF32 hi / lo planes in mma.sync B-fragment order, zero for k >= c_m:
+//   Wf[((u * 8 + nt) * 2 + plane) * 128 + lane * 4 + e] = plane of Wg[8 nt + lane / 4, 16 u + 4 (lane % 4) + e]
+// (the k order of opm_prep_ow_kernel: in each 16-k group u, lane t's k = 16u + 4t + {0, 1} make
+// mma step 0's columns t and t + 4, and 16u + 4t + {2, 3} step 1's).
+// ---------------------------------------------------------------------------------------------
+constexpr int kPoLDY = 64 * 4 + 4; // staging row (one n): 64 channels x 4 s, +4: conflict-free stores
+constexpr int kPoBiasBlocks = 8;   // opm_ow_params_kernel: 8 blocks x 8 warps, one warp per channel o
+
+// opm_ow_params_kernel: outer_wg's weight operands in one launch. Blocks [0, kPoBiasBlocks): bias'[o],
+//   one warp per o (lanes over k, fp64); the rest, one grid-stride index over Wf's 4-element groups
+//   (U * 8 * 32, U = ceil(c_m / 16)) then WoP's (pack_wop4).
+//   Wf: (U * 8 * 2 * 128) floats then bias' (64), as above.
+__global__ void __launch_bounds__(kThreads) opm_ow_params_kernel(
+    const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+    const float* __restrict__ wa, const float* __restrict__ ba, const float* __restrict__ wb,
+    const float* __restrict__ bb, const float* __restrict__ wo, float* __restrict__ Wf, float* __restrict__ biasf,
+    float* __restrict__ WoP, int cm, int c, int cz, int nzc) {
+  const int tid = threadIdx.x;
+  const int64_t blk = blockIdx.x;
+  if (blk < kPoBiasBlocks) {
+    const int o = static_cast<int>(blk) * (kThreads / 32) + tid / 32, lane = tid % 32, h = o % 32;
+    const float* W = o < 32 ? wa : wb;
+    double acc = 0.0;
+    if (h < c)
+      for (int k = lane; k < cm; k += 32) acc += static_cast<double>(__ldg(ln_b + k)) * __ldg(W + static_cast<int64_t>(h) * cm + k);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) biasf[o] = h < c ? static_cast<float>(static_cast<double>(__ldg((o < 32 ? ba : bb) + h)) + acc) : 0.f;
+    return;
+  }
+  const int64_t nF = static_cast<int64_t>(cdiv(cm, 16)) * 8 * 32;
+  const int64_t nW = static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8;
+  const int64_t stride = (gridDim.x - kPoBiasBlocks) * static_cast<int64_t>(kThreads);
+  for (int64_t e = (blk - kPoBiasBlocks) * kThreads + tid; e < nF + nW; e += stride) {
+    if (e >= nF) {
+      pack_wop4(e - nF, wo, WoP, c, cz);
+      continue;
+    }
+    const int ln = static_cast<int>(e % 32), nt = static_cast<int>((e / 32) % 8);
+    const int64_t u = e / 256;
+    const int o = 8 * nt + ln / 4, h = o % 32, k0 = static_cast<int>(16 * u) + 4 * (ln % 4);
+    const float* W = o < 32 ? wa : wb;
+    float v[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      v[q] = (h < c && k0 + q < cm) ? __ldg(ln_w + k0 + q) * __ldg(W + static_cast<int64_t>(h) * cm + k0 + q) : 0.f;
+    float* dst = Wf + (u * 8 + nt) * 256 + ln * 4;
+    store_split4(dst, dst + 128, v[0], v[1], v[2], v[3]);
+  }
+}
+
+// opm_prep_ow_kernel<MT>'s x tile: 16 MT rows of LDX floats (po_ldx: c_m rounded up to 4, then to
+// 16 mod 32 words), or the staging (4 MT rows of kPoLDY) that reuses it.
+__host__ __device__ __forceinline__ int po_ldx(int cm) {
+  const int l = (cm + 3) & ~3;
+  return l + ((16 - l % 32) + 32) % 32;
+}
+__host__ __device__ __forceinline__ int po_tile_floats(int cm, int MT) {
+  const int x = 16 * MT * po_ldx(cm), y = 4 * MT * kPoLDY;
+  return x > y ? x : y;
+}
+
+#if defined(OPM_WG_DEVICE)
+// Tile wt of opm_prep_ow_kernel (4 s x NW n) -> (b, n0, s0) and its valid s / n counts (rows past S or
+// N are zeros). 32-bit decode: the host keeps the tile count under 2^31 (64-bit division is a call).
+struct PoTile {
+  int64_t b, n0, s0;
+  int ns, nn;
+};
+__device__ __forceinline__ PoTile po_tile(int64_t wt, int64_t NNT, int64_t NSQ, int64_t S, int64_t N, int NW) {
+  const uint32_t w = static_cast<uint32_t>(wt), nnt = static_cast<uint32_t>(NNT), nsq = static_cast<uint32_t>(NSQ);
+  const uint32_t wq = w / nnt;
+  PoTile p;
+  p.b = wq / nsq;
+  p.n0 = static_cast<int64_t>(NW) * (w - wq * nnt);
+  p.s0 = 4 * static_cast<int64_t>(wq - static_cast<uint32_t>(p.b) * nsq);
+  p.ns = static_cast<int>(min64(4, max64(0, S - p.s0)));
+  p.nn = static_cast<int>(min64(NW, max64(0, N - p.n0)));
+  return p;
+}
+__device__ __forceinline__ bool po_row_ok(const PoTile& p, int rho) { return rho % 4 < p.ns && rho / 4 < p.nn; }
+__device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N, int rho) {  // msa row of rho
+  return (p.b * S + p.s0 + rho % 4) * N + p.n0 + rho / 4;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// opm_prep_ow_kernel<MT>: LayerNorm + both projections + mask for outer_wg, on mma.sync m16n8k8 in
+//   split TF32. A block (4 warps) takes tiles of 4 s x NW = 4 MT n (16 MT msa rows) of one b: s in
+//   [s0, s0 + 4) (s0 = 4 sq: one 16-byte quarter of a 16-s Aow / Bow block), n in [n0, n0 + NW);
+//   tiles cover s < 16 KB16 and n < 16 NIT; rows past S or N are zeros and give zeros (mask 0).
+//   Warp w computes channels o in [16 w, 16 w + 16) (two n8 tiles) for all the tile's rows, so each
+//   weight fragment feeds MT m16 tiles (a first version with one warp per 16 rows x 64 channels read
+//   all of Wf from L2 per 16 rows, 1 GB at crop, and ran about as fast: 148 us; NOTES.md). Per tile:
+//   (1) x rows -> shared memory, row rho = 4 n_l + s_l at rho * LDX (LDX = 16 mod 32 words: the
+//       fragment loads below are conflict-free): zeros for rows past S / N and columns [c_m, 16 U),
+//       then one bulk copy per row (thread rho) on one mbarrier when c_m % 4 == 0, else plain loads.
+//   (2) statistics, warp w < MT for rows [16 w, 16 w + 16) (the other warps wait): lane
+//       (g, t) sums the 16-byte chunks 4u + t of rows g and g + 8; two passes (mean, then the centred
+//       sum of squares: no cancellation at large offsets), 2 shuffles each; mean, rstd and the mask
+//       to st_s.
+//   (3) y = (x - mean) . Wg over K = 16 U: per 16-k group u the lane's x chunk holds its two
+//       A-fragment columns of two mma k steps (Wf's k order); B fragments from Wf (L1 / L2; a
+//       register ring: each slot is refilled with group u + 1's fragments once read); per k step
+//       the small terms, then hi*hi, into a fresh accumulator, promoted into fp32 by ordinary adds
+//       (promoting once per group instead measured no faster: 151 vs 146 us at crop).
+//   (4) y * rstd + bias', times the mask, staged as ys[n_l][o][s_l] (row kPoLDY) over the x tile,
+//       then read as 4 s of one (n, o) (16 bytes), split, and written to both planes of Aow (o < 32)
+//       or Bow (o >= 32; j < 4 NBB): 8 lanes write 128 contiguous bytes per plane.
+// Blocks [0, n_den) compute inv_denom instead (inv_denom_cols), concurrently with the tiles.
+// Shared memory (dynamic): po_tile_floats(c_m, MT) floats; static: the mbarrier, st_s.
+// Assumptions: 128 threads (kPoThreads); Wf, biasf as opm_ow_params_kernel writes them; c_m <= kMaxMsaDim.
+// ---------------------------------------------------------------------------------------------
+constexpr int kPoThreads = 128;
+template <int MT>
+__global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
+    const float* __restrict__ x, const void* __restrict__ mask, int mask_kind, const float* __restrict__ Wf,
+    const float* __restrict__ biasf, float* __restrict__ Aow, float* __restrict__ Bow, int64_t B, int64_t S,
+    int64_t N, int cm, float eps, int64_t KB16, int64_t NIT, int64_t NBB, float* __restrict__ inv_denom, int n_den) {
+#if defined(OPM_WG_DEVICE)
+  constexpr int RT = 16 * MT, NW = 4 * MT;  // rows, residues n per tile
+  if (blockIdx.x < n_den) {  // blocks [0, n_den): inv_denom, beside the tiles (the fused kernel needs it)
+    __shared__ double red_f[kPoThreads];
+    __shared__ long long red_i[kPoThreads];
+    inv_denom_cols(mask, mask_kind, B, S, N, inv_denom, blockIdx.x, n_den, red_f, red_i);
+    return;
+  }
+  extern __shared__ float4 smem_f4[];
+  float* xs = reinterpret_cast<float*>(smem_f4);
+  __shared__ uint64_t bar;
+  __shared__ float st_s[3][RT];  // per row rho: mean, rstd, mask
+  const int LDX = po_ldx(cm), U = static_cast<int>(cdiv(cm, 16)), K16 = 16 * U;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  if (tid == 0) {
+    mbar_init(&bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const bool bulk = (cm & 3) == 0;  // rows are 16-byte multiples at 16-byte aligned addresses
+  const int64_t NNT = 16 * NIT / NW, NSQ = 4 * KB16, ntiles = B * NSQ * NNT, MBA = 2 * NIT;
+  const float4* Wf4 = reinterpret_cast<const float4*>(Wf);
+  unsigned phase = 0;
+  for (int64_t wt = blockIdx.x - n_den; wt < ntiles; wt += gridDim.x - n_den) {
+    const PoTile p = po_tile(wt, NNT, NSQ, S, N, NW);
+    // ---- (1) x -> xs ----
+    for (int rho = warp; rho < RT; rho += kPoThreads / 32) {  // zeros: rows past S / N, columns [c_m, 16 U)
+      const int c0 = po_row_ok(p, rho) ? cm : 0;
+      for (int k = c0 + lane; k < K16; k += 32) xs[rho * LDX + k] = 0.f;
+    }
+    if (bulk) {
+      if (p.ns * p.nn > 0) {
+        if (tid == 0) mbar_expect_tx(&bar, static_cast<unsigned>(p.ns * p.nn * cm * 4));
+        __syncthreads();  // the expected bytes are set before any copy can complete
+        if (tid < RT && po_row_ok(p, tid))
+          bulk_copy(xs + tid * LDX, x + po_row(p, S, N, tid) * cm, static_cast<unsigned>(cm * 4), &bar);
+        mbar_wait(&bar, phase);
+        phase ^= 1;
+      }
+    } else {
+      for (int rho = warp; rho < RT; rho += kPoThreads / 32)
+        if (po_row_ok(p, rho)) {
+          const float* src = x + po_row(p, S, N, rho) * cm;
+          for (int k = lane; k < cm; k += 32) xs[rho * LDX + k] = __ldg(src + k);
+        }
+    }
+    __syncthreads();  // the tile (zeros and plain loads included) visible to every warp
+    // ---- (2) statistics of rows 16 warp + g (+ 8) ----
+    if (warp < MT) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int rho = 16 * warp + 8 * hf + g;
+        const float4* row = reinterpret_cast<const float4*>(xs + rho * LDX) + t;
+        float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int u = 0; u < U; ++u) {  // columns >= c_m are zero
+          const float4 v = row[4 * u];
+          s4.x += v.x; s4.y += v.y; s4.z += v.z; s4.w += v.w;
+        }
+        float s1 = (s4.x + s4.y) + (s4.z + s4.w);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+        const float mu = s1 / cm;
+        float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int u = 0; u < U; ++u) {
+          const float4 v = row[4 * u];
+          const int k = 16 * u + 4 * t;
+          const float d0 = k < cm ? v.x - mu : 0.f, d1 = k + 1 < cm ? v.y - mu : 0.f;
+          const float d2 = k + 2 < cm ? v.z - mu : 0.f, d3 = k + 3 < cm ? v.w - mu : 0.f;
+          q4.x = fmaf(d0, d0, q4.x); q4.y = fmaf(d1, d1, q4.y); q4.z = fmaf(d2, d2, q4.z); q4.w = fmaf(d3, d3, q4.w);
+        }
+        float s2 = (q4.x + q4.y) + (q4.z + q4.w);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
+        if (t == 0) {
+          st_s[0][rho] = mu;
+          st_s[1][rho] = 1.f / sqrtf(s2 / cm + eps);
+          st_s[2][rho] = po_row_ok(p, rho) ? mask_value(mask, po_row(p, S, N, rho), mask_kind) : 0.f;
+        }
+      }
+    }
+    __syncthreads();  // st_s complete
+    // ---- (3) acc[mt][j][2 hf + e] = sum_k (x - mean)[row 16 mt + 8 hf + g][k] Wg[16 warp + 8 j + 2 t + e][k] ----
+    float mean[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) mean[mt][hf] = st_s[0][16 * mt + 8 * hf + g];
+    float acc[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[mt][j][q] = 0.f;
+    const float4* wf = Wf4 + (2 * warp) * 64 + lane;  // this warp's n8 tiles 2 warp, 2 warp + 1
+    float4 wh[2], wl[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wh[j] = __ldg(wf + j * 64);
+      wl[j] = __ldg(wf + j * 64 + 32);
+    }
+#pragma unroll 1
+    for (int u = 0; u < U; ++u) {
+      const uint32_t bh[2][2][2] = {  // [j][k step][b register]
+          {{__float_as_uint(wh[0].x), __float_as_uint(wh[0].y)}, {__float_as_uint(wh[0].z), __float_as_uint(wh[0].w)}},
+          {{__float_as_uint(wh[1].x), __float_as_uint(wh[1].y)}, {__float_as_uint(wh[1].z), __float_as_uint(wh[1].w)}}};
+      const uint32_t bl[2][2][2] = {
+          {{__float_as_uint(wl[0].x), __float_as_uint(wl[0].y)}, {__float_as_uint(wl[0].z), __float_as_uint(wl[0].w)}},
+          {{__float_as_uint(wl[1].x), __float_as_uint(wl[1].y)}, {__float_as_uint(wl[1].z), __float_as_uint(wl[1].w)}}};
+      const int un = u + 1 < U ? u + 1 : u;  // the next group's fragments (the last group reloads itself)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        wh[j] = __ldg(wf + un * 512 + j * 64);
+        wl[j] = __ldg(wf + un * 512 + j * 64 + 32);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t ah[2][4], al[2][4];  // [k step][fragment register]
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          // columns >= c_m hold zeros, so -mean there; Wg is zero there (finite means give 0)
+          const float4 v = reinterpret_cast<const float4*>(xs + (16 * mt + 8 * hf + g) * LDX)[4 * u + t];
+          split_tf32(v.x - mean[mt][hf], ah[0][hf], al[0][hf]);
+          split_tf32(v.y - mean[mt][hf], ah[0][hf + 2], al[0][hf + 2]);
+          split_tf32(v.z - mean[mt][hf], ah[1][hf], al[1][hf]);
+          split_tf32(v.w - mean[mt][hf], ah[1][hf + 2], al[1][hf + 2]);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int st = 0; st < 2; ++st) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_tf32(d, al[st], bh[j][st][0], bh[j][st][1]);  // the small terms first
+            mma_tf32(d, ah[st], bl[j][st][0], bl[j][st][1]);
+            mma_tf32(d, ah[st], bh[j][st][0], bh[j][st][1]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[mt][j][q] += d[q];
+          }
+      }
+    }
+    // ---- (4) staging: ys[n_l * kPoLDY + 4 o + s_l], row rho = 16 mt + 8 hf + g -> n_l = rho / 4, s_l = g % 4 ----
+    __syncthreads();  // every warp's reads of xs are done: ys overwrites it
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int rho = 16 * mt + 8 * hf + g;
+        const float rs = st_s[1][rho], mr = st_s[2][rho];
+        float* yrow = xs + (rho / 4) * kPoLDY + rho % 4;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int o = 16 * warp + 8 * j + 2 * t + e;
+            yrow[4 * o] = (acc[mt][j][2 * hf + e] * rs + __ldg(biasf + o)) * mr;
+          }
+      }
+    __syncthreads();  // ys complete
+    const int64_t kb = p.s0 / kOwSK, quad = (p.s0 % kOwSK) / 4;
+#pragma unroll
+    for (int iu = 0; iu < NW * 64 / kPoThreads; ++iu) {  // unit e = (n_l, o): o = e % 64 (lanes along o)
+      const int e = tid + kPoThreads * iu, n_l = e / 64, o = e % 64;
+      const float4 v = *reinterpret_cast<const float4*>(xs + n_l * kPoLDY + 4 * o);
+      const int64_t n = p.n0 + n_l;
+      if (o < 32) {
+        const int q = o / 8, hl = o % 8;
+        float* dst = Aow + (((p.b * kOwNQ + q) * KB16 + kb) * MBA + n / 8) * (2 * kOwAPlane) + (n % 8) * 128 + quad * 32 + hl * 4;
+        store_split4(dst, dst + kOwAPlane, v.x, v.y, v.z, v.w);
+      } else if (n < 4 * NBB) {
+        const int k = o - 32;
+        float* dst = Bow + ((p.b * NBB + n / 4) * KB16 + kb) * (2 * kOwBPlane) + ((n % 4) * 4 + k / 8) * 128 + quad * 32 + (k % 8) * 4;
+        store_split4(dst, dst + kOwBPlane, v.x, v.y, v.z, v.w);
+      }
+    }
+    // every thread's generic accesses of xs ordered before the next tile's bulk copies
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+  }
+#else
+  __trap();  // built without sm_90a: the host never launches this (DevInfo::ow_ok)
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2084,8 +2455,12 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
   }
 }
 
-// outer_wg (Hopper): aT, bq, Wo packed into tile order (opm_pack_ow_kernel), then the fused kernel,
-// one block per SM (persistent). CP = 32.
+// outer_wg (Hopper), one block per SM (persistent) for the fused kernel; CP = 32.
+//   outer_wg:    opm_ow_params_kernel (inv_denom, Wf, bias', WoP), opm_prep_ow_kernel (msa -> Aow,
+//                Bow), opm_outer_wg_kernel.
+//   outer_wg_v1: opm_prep_kernel (aT, bq, inv_denom; FMA), opm_pack_ow_kernel (-> Aow, Bow, WoP),
+//                opm_outer_wg_kernel (session 7's version: the FMA prep and the pack took a quarter
+//                of crop's time).
 struct OwDims {
   int64_t KB16, NIT, NBB;
   int nzc;
@@ -2093,28 +2468,75 @@ struct OwDims {
 static OwDims ow_dims(int64_t S, int64_t N, int64_t cz) {
   return {cdiv(S, kOwSK), cdiv(N, kOwTI), cdiv(N, kOwTJ), static_cast<int>(cdiv(cz, kOwZ))};
 }
-static void launch_outer_wg(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
-                            const at::Tensor& wo, const at::Tensor& bo, at::Tensor& out, int64_t B, int64_t S,
-                            int64_t N, int64_t Npad, int c, int cz, const DevInfo& d, cudaStream_t stream) {
-  const OwDims od = ow_dims(S, N, cz);
-  auto f32 = aT.options();
-  at::Tensor Aow = at::empty({B * kOwNQ * od.KB16 * 2 * od.NIT * 2 * kOwAPlane}, f32);
-  at::Tensor Bow = at::empty({B * od.NBB * od.KB16 * 2 * kOwBPlane}, f32);
-  at::Tensor WoP = at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32);
-  const int64_t packs = B * kOwNQ * od.KB16 * (kOwSK / 4) * kOwHC * od.NIT * kOwTI +
-                        B * od.KB16 * (kOwSK / 4) * od.NBB * 128 + static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * kOwZ * 8;
-  const int gp = grid_for(std::min<int64_t>(cdiv(packs, kThreads), 8ll * d.sms));
-  opm_pack_ow_kernel<<<gp, kThreads, 0, stream>>>(aT.data_ptr<float>(), bq.data_ptr<float>(), wo.data_ptr<float>(),
-                                                  Aow.data_ptr<float>(), Bow.data_ptr<float>(), WoP.data_ptr<float>(),
-                                                  B, S, N, Npad, c, cz, od.KB16, od.NIT, od.NBB, od.nzc);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+struct OwPlanes {
+  at::Tensor Aow, Bow, WoP;
+};
+static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& f32) {
+  return {at::empty({B * kOwNQ * od.KB16 * 2 * od.NIT * 2 * kOwAPlane}, f32),
+          at::empty({B * od.NBB * od.KB16 * 2 * kOwBPlane}, f32),
+          at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
+}
+static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const at::Tensor& bo, at::Tensor& out,
+                                  int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream) {
   set_smem(opm_outer_wg_kernel, kOwSmemBytes, d, "the wgmma outer-first kernel");
   const int64_t tiles = B * od.nzc * od.NBB * od.NIT;
   const int g = grid_for(std::min<int64_t>(tiles, d.sms));
   opm_outer_wg_kernel<<<g, kOwThreads, kOwSmemBytes, stream>>>(
-      Aow.data_ptr<float>(), Bow.data_ptr<float>(), WoP.data_ptr<float>(), inv_denom.data_ptr<float>(),
+      p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), p.WoP.data_ptr<float>(), inv_denom.data_ptr<float>(),
       bo.data_ptr<float>(), out.data_ptr<float>(), B, N, od.KB16, od.NIT, od.NBB, od.nzc, cz);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+static void launch_outer_wg_v1(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
+                               const at::Tensor& wo, const at::Tensor& bo, at::Tensor& out, int64_t B, int64_t S,
+                               int64_t N, int64_t Npad, int c, int cz, const DevInfo& d, cudaStream_t stream) {
+  const OwDims od = ow_dims(S, N, cz);
+  const OwPlanes p = ow_planes(B, od, aT.options());
+  const int64_t packs = B * kOwNQ * od.KB16 * (kOwSK / 4) * kOwHC * od.NIT * kOwTI +
+                        B * od.KB16 * (kOwSK / 4) * od.NBB * 128 + static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * kOwZ * 8;
+  const int gp = grid_for(std::min<int64_t>(cdiv(packs, kThreads), 8ll * d.sms));
+  opm_pack_ow_kernel<<<gp, kThreads, 0, stream>>>(aT.data_ptr<float>(), bq.data_ptr<float>(), wo.data_ptr<float>(),
+                                                  p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), p.WoP.data_ptr<float>(),
+                                                  B, S, N, Npad, c, cz, od.KB16, od.NIT, od.NBB, od.nzc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, d, stream);
+}
+// opm_prep_ow_kernel's m16 tiles per warp: 2 (32 rows) up to c_m = 384, else 1 (16 rows: at c_m = 512
+// two would leave one block of 2 warps per SM).
+// opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1 (H200, 2026-12-01,
+// prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
+static int po_mt(int cm) { return cm <= 256 ? 2 : 1; }
+static size_t po_smem_bytes(int cm, int MT) { return 4ull * po_tile_floats(cm, MT); }
+static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
+                            const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
+                            const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
+                            at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
+                            const DevInfo& d, cudaStream_t stream) {
+  const OwDims od = ow_dims(S, N, cz);
+  const OwPlanes p = ow_planes(B, od, x.options());
+  const int64_t U = cdiv(cm, 16);
+  at::Tensor Wf = at::empty({U * 8 * 256 + 64}, x.options());  // Wf, then bias' (64)
+  float* biasf = Wf.data_ptr<float>() + U * 8 * 256;
+  const int64_t nrest = U * 8 * 32 + static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * kOwZ * 8;
+  const int gpar = grid_for(kPoBiasBlocks + std::min<int64_t>(cdiv(nrest, kThreads), 2ll * d.sms));
+  opm_ow_params_kernel<<<gpar, kThreads, 0, stream>>>(
+      ln_w.data_ptr<float>(), ln_b.data_ptr<float>(), wa.data_ptr<float>(), ba.data_ptr<float>(), wb.data_ptr<float>(),
+      bb.data_ptr<float>(), wo.data_ptr<float>(), Wf.data_ptr<float>(), biasf, p.WoP.data_ptr<float>(), cm, c, cz,
+      od.nzc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int MT = po_mt(cm);
+  const int64_t ntiles = B * 4 * od.KB16 * (16 * od.NIT / (4 * MT));  // < 2^31 (opm_forward's ow_tiles_ok)
+  const size_t smem = po_smem_bytes(cm, MT);
+  const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), 2 * d.sms));  // inv_denom blocks
+  const int gprep = grid_for(n_den + ntiles);  // (ntiles = 0 when S = 0: inv_denom still runs)
+  if (gprep > 0) {
+    auto kernel = MT == 2 ? opm_prep_ow_kernel<2> : opm_prep_ow_kernel<1>;
+    set_smem(kernel, smem, d, "the tensor-core LayerNorm/projection kernel of outer_wg");
+    kernel<<<gprep, kPoThreads, smem, stream>>>(
+        x.data_ptr<float>(), mask.data_ptr(), mask_kind, Wf.data_ptr<float>(), biasf, p.Aow.data_ptr<float>(),
+        p.Bow.data_ptr<float>(), B, S, N, cm, eps, od.KB16, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, d, stream);
 }
 
 // small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the
@@ -2196,7 +2618,7 @@ static int mask_kind_of(at::ScalarType st) {
 }
 
 // variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc, 5 w_first_tc2, 6 w_first_wg,
-// 7 w_first_wg2, 8 outer_wg. Returns (out, variant that ran: 1-8).
+// 7 w_first_wg2, 8 outer_wg, 9 outer_wg_v1. Returns (out, variant that ran: 1-9).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -2233,7 +2655,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
     TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
                 dtype_str(*p));
-  TORCH_CHECK(variant >= 0 && variant <= 8, "outer_product_mean: variant code must be 0-8, got ", num(variant));
+  TORCH_CHECK(variant >= 0 && variant <= 9, "outer_product_mean: variant code must be 0-9, got ", num(variant));
 
   // ---- device checks ----
   TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
@@ -2255,7 +2677,12 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
               "extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0 or 9.0a, not a name such as "
               "Hopper; this build: ", kBuiltSm90a ? "yes" : "no", ") and ", num(kWgSmemBytes), " bytes of "
               "shared memory per block (this GPU: ", num(d.smem_optin), ")");
-  TORCH_CHECK(variant < 8 || (d.ow_ok && c <= 32), "outer_product_mean: variant outer_wg needs hidden_dim <= 32 "
+  // outer_wg's prep decodes its warp tiles (4 s x 4 n each, S and N padded to 16) in 32 bits
+  const bool ow_tiles_ok = B * round_up(S, 16) * round_up(N, 16) / 16 < (1ll << 31);
+  TORCH_CHECK(variant != 8 || ow_tiles_ok, "outer_product_mean: variant outer_wg needs B * S * N / 16 < 2^31 (S, N "
+              "rounded up to 16), got B = ", num(B), ", S = ", num(S), ", N = ", num(N), "; use outer_wg_v1");
+  TORCH_CHECK(variant < 8 || (d.ow_ok && c <= 32), "outer_product_mean: variant ", variant == 8 ? "outer_wg" : "outer_wg_v1",
+              " needs hidden_dim <= 32 "
               "(this model: ", num(c), "), a compute capability 9.0 GPU (this GPU: ", num(d.major), ".", num(d.minor),
               "), this extension built with sm_90a code (this build: ", kBuiltSm90a ? "yes" : "no", ") and ",
               num(kOwSmemBytes), " bytes of shared memory per block (this GPU: ", num(d.smem_optin), ")");
@@ -2279,20 +2706,22 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   int64_t used = variant;
   if (variant == 0) {
     const double cp = CP, nn = static_cast<double>(B) * N * N, bsn = static_cast<double>(B) * S * N;
-    const double t_outer = 2.0 * nn * cp * cp * (S + cz) / kEffOuter + kLaunchS;
+    // every path but outer_wg starts with opm_prep_kernel (FMA): 2 B S N c_m 2CP FLOPs at kEffPrep
+    const double t_prep = 2.0 * bsn * cm * 2 * cp / kEffPrep + kLaunchS;
+    const double t_outer = t_prep + 2.0 * nn * cp * cp * (S + cz) / kEffOuter + kLaunchS;
     const double nchunk = static_cast<double>(cdiv(N, JC));
     // stage 2: the small kernel under one wave of 128 x 128 tiles, else split TF32 on sm_80+
     // (w_first_tc2 where its shared memory fits, else w_first_tc)
     const bool w_tc = !w_small && d.tc_ok;
     const bool tc2_fits = kTcSmemBytes<2> <= static_cast<size_t>(d.smem_optin);  // 136 KB: not the 100 KB parts
-    const double t_w = 2.0 * bsn * cp * cp * CZP4 / kEffProj +
+    const double t_w = t_prep + 2.0 * bsn * cp * cp * CZP4 / kEffProj +
                        2.0 * nn * S * cp * CZP4 / (w_small ? kEffSmall : w_tc ? (tc2_fits ? kEffWTc : kEffWTc1) : kEffW) +
                        2.0 * nchunk * kLaunchS;
     // w_first_wg2 (Hopper): stage 1 writing the split planes, stage 2 on wgmma; not where its first
     // chunk has fewer 128 x 128 tiles than SMs (those go to w_first_small, as for w_first)
     const bool wg_small = B * cdiv(N, kTile) * cdiv(JCw * CZP4, kTile) < d.sms;
     const double t_wg = d.wg_ok && !wg_small && wg_fits
-                            ? 2.0 * bsn * cp * cp * CZP4 / kEffProjWg + 2.0 * nn * S * cp * CZP4 / kEffWg +
+                            ? t_prep + 2.0 * bsn * cp * cp * CZP4 / kEffProjWg + 2.0 * nn * S * cp * CZP4 / kEffWg +
                                   2.0 * static_cast<double>(cdiv(N, JCw)) * kLaunchS + kLaunchS
                             : 1e30;
     // outer_wg (Hopper, hidden_dim <= 32): whole waves of tiles (one tile per SM at a time), each
@@ -2302,15 +2731,19 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const double ow_waves = std::ceil(static_cast<double>(B * od.nzc * od.NBB * od.NIT) / d.sms);
     const double ow_tile_s = kOwNQ * (2.0 * 128 * 128 * kOwSK * od.KB16 / (kEffOwA / d.sms) +
                                       2.0 * 64 * kOwZ * kOwHC * 32 / (kEffOwB / d.sms));
-    // + the pack kernel: aT and bq read, twice their bytes written, at ~1.5 TB/s (67 us at crop)
-    const double ow_pack_s = 3.0 * 4 * B * 16.0 * od.KB16 * 32 * (16.0 * od.NIT + 4.0 * od.NBB) / 1.5e12;
-    const double t_ow = d.ow_ok && c <= 32 ? ow_waves * ow_tile_s + ow_pack_s + 2 * kLaunchS : 1e30;
+    // + its tensor-core prep (opm_prep_ow_kernel): the larger of its bytes (msa read, the Aow / Bow
+    // planes written) at kBwPrepOw and its tensor-core FLOPs (x3 for the split; rows and K padded
+    // as executed) at kEffPrepOw
+    const double ow_prep_bytes = 4.0 * bsn * cm + 2 * 4.0 * B * 16.0 * od.KB16 * 32 * (16.0 * od.NIT + 4.0 * od.NBB);
+    const double ow_prep_flops = 3 * 2.0 * B * 16.0 * od.KB16 * 16.0 * od.NIT * 16.0 * cdiv(cm, 16) * 64;
+    const double ow_prep_s = std::max(ow_prep_bytes / kBwPrepOw, ow_prep_flops / kEffPrepOw);
+    const double t_ow = d.ow_ok && c <= 32 && ow_tiles_ok ? ow_waves * ow_tile_s + ow_prep_s + 3 * kLaunchS : 1e30;
     const bool w_fits = p_col_bytes <= kPChunkBytes;
     used = (t_w < t_outer && w_fits) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
     if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = 7;
     if (t_ow < std::min({t_outer, w_fits ? t_w : 1e30, t_wg})) used = 8;
   }
-  if (used == 8) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
+  if (used >= 8) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 
   auto f32 = msa.options().dtype(at::kFloat);
   at::Tensor out = at::empty({B, N, N, cz}, f32);
@@ -2321,11 +2754,16 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const at::Tensor lw = ln_w.contiguous(), lb = ln_b.contiguous();
   const at::Tensor wa_c = wa.contiguous(), ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();
   const at::Tensor wo_c = wo.contiguous(), bo_c = bo.contiguous();
+  at::Tensor inv_denom = at::empty({B, N}, f32);
+  if (used == 8) {  // outer_wg: its own prep (no aT, bq)
+    launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
+                    static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps), d, stream);
+    return {out, used};
+  }
   at::Tensor aT = at::empty({B, S, CP, Npad}, f32);
   at::Tensor bq = at::empty({B, S, N, CP}, f32);
-  at::Tensor inv_denom = at::empty({B, N}, f32);
   const int pack_mode = used == 1 ? 0 : 1;
-  const int64_t pack_zp = used == 1 ? CZP : used == 8 ? 0 : CZP4;  // (outer_wg packs Wo itself)
+  const int64_t pack_zp = used == 1 ? CZP : used == 9 ? 0 : CZP4;  // (outer_wg_v1 packs Wo itself)
   at::Tensor wpack = at::empty({static_cast<int64_t>(CP) * CP * pack_zp}, f32);
 
 #define OPM_DISPATCH(CPV, ...)                               \
@@ -2342,9 +2780,9 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   if (used == 1) {
     OPM_DISPATCH(CP, launch_outer<kCP>(aT, bq, inv_denom, wpack, bo_c, out, B, S, N, Npad, static_cast<int>(cz),
                                        static_cast<int>(CZP), d, stream));
-  } else if (used == 8) {
-    launch_outer_wg(aT, bq, inv_denom, wo_c, bo_c, out, B, S, N, Npad, static_cast<int>(c), static_cast<int>(cz), d,
-                    stream);
+  } else if (used == 9) {
+    launch_outer_wg_v1(aT, bq, inv_denom, wo_c, bo_c, out, B, S, N, Npad, static_cast<int>(c), static_cast<int>(cz), d,
+                       stream);
   } else if (used >= 6) {
     at::Tensor At = at::empty({B * 2 * cdiv(N, 128) * KB * 2 * kWgAPlane}, f32);
     at::Tensor Pt = at::empty({wg_chunk_floats(B, JCw, KB, static_cast<int>(CZP4))}, f32);
@@ -2481,9 +2919,9 @@ _ext = _build()
 
 # Every variant name, in the order of the extension's variant codes.
 _ALL_VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-                 "w_first_wg2", "outer_wg")
+                 "w_first_wg2", "outer_wg", "outer_wg_v1")
 # The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
-_HOPPER_CAP = {"w_first_wg": 1, "w_first_wg2": 1, "outer_wg": 2}
+_HOPPER_CAP = {"w_first_wg": 1, "w_first_wg2": 1, "outer_wg": 2, "outer_wg_v1": 2}
 
 
 def _device_caps_here():

@@ -124,7 +124,7 @@ def _run(new, msa, mask, variant):
 
 
 ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-          "w_first_wg2", "outer_wg")  # every forced variant
+          "w_first_wg2", "outer_wg", "outer_wg_v1")  # every forced variant
 
 
 def _caps(opm):
@@ -138,10 +138,11 @@ def _wg_ok(opm):
 
 
 def _orders(opm, c=None):
-    """Every forced variant this GPU runs (w_first_wg, w_first_wg2, outer_wg: H100 / H200 only;
-    outer_wg only for hidden_dim c <= 32 when c is given)."""
+    """Every forced variant this GPU runs (w_first_wg, w_first_wg2, outer_wg, outer_wg_v1: H100 / H200
+    only; the outer_wg ones only for hidden_dim c <= 32 when c is given)."""
     caps = _caps(opm)
-    hopper = {"w_first_wg": caps[1], "w_first_wg2": caps[1], "outer_wg": caps[2] and (c is None or c <= 32)}
+    ow = caps[2] and (c is None or c <= 32)
+    hopper = {"w_first_wg": caps[1], "w_first_wg2": caps[1], "outer_wg": ow, "outer_wg_v1": ow}
     return tuple(v for v in ORDERS if hopper.get(v, True))
 
 
@@ -304,9 +305,11 @@ def test_named_shapes_both_orders(opm, ref, name):
     torch.testing.assert_close(outs["w_first_small"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc2"], outs["w_first"], **TOL)
-    for v in ("w_first_wg", "w_first_wg2", "outer_wg"):
+    for v in ("w_first_wg", "w_first_wg2", "outer_wg", "outer_wg_v1"):
         if v in outs:
             torch.testing.assert_close(outs[v], outs["w_first"], **TOL)
+    if "outer_wg" in outs:  # the tensor-core prep against the FMA one, same fused kernel
+        torch.testing.assert_close(outs["outer_wg"], outs["outer_wg_v1"], **TOL)
 
 
 @gpu
@@ -355,6 +358,8 @@ def test_auto_picks_by_estimated_time(opm, ref, name, expected):
     (1, 3, 10, 768, 32, 8),     # c_m = 768 at hidden 32 (outer_wg's prep: CP = 32)
     (1, 3, 10, 768, 100, 8),    # c_m = 768 at hidden 128: the prep's largest shared memory (230 KB)
     (2, 21, 70, 40, 32, 200),   # outer_wg: two z chunks (c_z > 128), S past a 16-s stage, N % 16 != 0
+    (1, 13, 23, 300, 32, 64),   # outer_wg's prep with 16-row tiles (c_m > 256), S % 4 and N % 4 != 0
+    (2, 6, 9, 52, 24, 16),      # outer_wg's prep: c_m % 16 != 0 (zero columns of the last k group), B = 2
 ])
 def test_awkward_sizes(opm, ref, B, S, N, cm, c, cz):
     _case(opm, ref, B, S, N, cm, c, cz, mask_kind="binary", seed=B * 1000 + S * 10 + N)
@@ -368,6 +373,9 @@ def test_outer_wg_needs_hidden_dim_at_most_32(opm, ref):
     msa, mask = torch.randn(1, 3, 9, 16, device="cuda"), torch.ones(1, 3, 9, device="cuda")
     new.variant = "outer_wg"
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"outer_wg needs hidden_dim <= 32 \(this model: 64\)"):
+        new(msa, mask)
+    new.variant = "outer_wg_v1"
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"outer_wg_v1 needs hidden_dim <= 32 \(this model: 64\)"):
         new(msa, mask)
     assert "outer_wg" not in _orders(opm, 64) and "outer_wg" in _orders(opm, 32)
 
