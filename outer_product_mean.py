@@ -19,8 +19,10 @@ Tensors (all float32 unless said):
   contiguous, bq (B, S, N, CP), inv_denom (B, N), a packed copy of Wo (<= CP*CP*ceil64(c_z) floats),
   where CP = hidden_dim rounded up to 16, 32, 64 or 128 (zero padding: padded channels contribute 0);
   w_first: one j-chunk of P (<= 32 MB); w_first_wg/_wg2: a and one j-chunk of P as split-TF32 hi/lo
-  planes (P's chunk <= 512 MB: 512 MB at shallow, long and huge; a's about 2x aT); outer_wg: a, b
-  and Wo as split-TF32 hi/lo planes (2x aT + 2x bq + 1 MB per 128 pair channels).
+  planes (P's chunk <= 512 MB: 512 MB at shallow, long and huge; a's about 2x aT); outer_wg and
+  outer_wg_v1: a, b and Wo as split-TF32 hi/lo planes (2x aT + 2x bq + 1 MB per 128 pair channels),
+  outer_wg without aT and bq (its prep writes the planes) and with the projection weights as split
+  planes (64 x ceil16(c_m) x 2 floats).
   The (B, N, N, c, c) outer product of the reference is never stored in global memory.
 
 Two contraction orders (FLOPs of the second stage; the LayerNorm + projections add 4 B S N c_m c):
@@ -33,18 +35,22 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
   to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
   32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 43 (128-tile split
   TF32, w_first_tc2; 42 for w_first_tc) / 25 (small) TFLOP/s; w_first_wg2 stage 1 21, stage 2 108
-  TFLOP/s; outer_wg: whole waves of 16 i x 4 j tiles, its phase A at 138 and phase B at 85 TFLOP/s).
+  TFLOP/s; outer_wg: whole waves of 16 i x 4 j tiles, its phase A at 138 and phase B at 85 TFLOP/s,
+  plus its prep's split-TF32 FLOPs at 90 TFLOP/s; every other path: plus opm_prep_kernel's 2 B S N c_m
+  2CP FLOPs at 17 TFLOP/s).
   w_first needs one j column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap;
   its stage 2 runs the small kernel when the 128 x 128 grid would not fill one block per SM, else
   (sm_80+, and the extension built for sm_80+) the split-TF32 kernel (w_first_tc2; w_first_tc where
   less than 136 KB of shared memory per block is available). On an H100 / H200 with the extension
-  built for sm_90a (the default there, see Build) w_first_wg2 and outer_wg compete too. On the H200
-  on 2026-12-01 "auto" took w_first_small at seed, w_first_wg2 at shallow, and outer_wg at crop,
-  long, deep and huge: the fastest measured variant at each (NOTES.md). After each call
+  built for sm_90a (the default there, see Build) w_first_wg2 and outer_wg compete too (never
+  outer_wg_v1, which differs from outer_wg only in its slower prep). On the H200 on 2026-12-01
+  "auto" took w_first_small at seed, w_first_wg2 at shallow, and outer_wg at crop, long, deep and
+  huge: the fastest measured variant at each (NOTES.md). After each call
   `model.last_variant` names the variant that ran.
 
-Kernels (FP32 FMA except opm_wfirst_tc_kernel, opm_wfirst_wg_kernel and opm_outer_wg_kernel):
-  opm_prep_kernel        one launch, three block roles: (1) 64 rows of msa per block: x staged in
+Kernels (FP32 FMA except opm_wfirst_tc_kernel, opm_wfirst_wg_kernel, opm_prep_ow_kernel and
+opm_outer_wg_kernel):
+  opm_prep_kernel        (every variant but outer_wg) one launch, three block roles: (1) 64 rows of msa per block: x staged in
                          shared memory once, two-pass LayerNorm statistics from shared memory, both
                          projections as one [64 x c_m] x [c_m x 2CP] register-tiled GEMM (4 x 2CP/16
                          outputs per thread), bias, mask, writes aT and bq; (2) inv_denom from the mask
@@ -87,6 +93,14 @@ Kernels (FP32 FMA except opm_wfirst_tc_kernel, opm_wfirst_wg_kernel and opm_oute
                          block per tile, w_first_wg2 one per SM (persistent).
   opm_pack_ow_kernel     aT, bq, Wo -> outer_wg's tile-order hi / lo planes (a: 64 rows (i, h) x 16 s
                          blocks; b: 128 rows (j, k) x 16 s; Wo: 128 z x 32 (h, k) blocks).
+  opm_ow_params_kernel   outer_wg: the projection weights with the LayerNorm affine folded in,
+                         Wg[o, k] = gamma[k] W[o, k] and bias'[o] = bias[o] + sum_k beta[k] W[o, k]
+                         (fp64), Wg split into hi / lo planes in mma.sync fragment order; Wo's planes.
+  opm_prep_ow_kernel<MT> outer_wg's LayerNorm + projections + mask on mma.sync m16n8k8 in split TF32:
+                         blocks of 4 warps on tiles of 4 s x 4 MT n (MT = 2 to c_m = 256, else 1),
+                         x by one bulk copy per row, two-pass statistics, y = rstd (x - mean) . Wg +
+                         bias' (warp w: channels 16 w .. 16 w + 15 of a and b), staged in shared memory
+                         and written as Aow / Bow's split planes; extra blocks compute inv_denom.
   opm_outer_wg_kernel    outer_wg (outer_first on wgmma, hidden_dim <= 32 padded to 32): per block,
                          persistent, tiles of 16 i x 4 j x 128 z; for each chunk of 8 h, phase A
                          O[(i,h),(j,k)] = sum_s a b (m64n128k8, K = S) into fp32, O staged in shared
@@ -104,17 +118,22 @@ Limits: forward only (backward raises); FP32 only for msa_repr and the parameter
 same code with smaller residue tiles and are slower per FLOP.
 
 Variants: "auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-"w_first_wg2", "outer_wg"; set `model.variant` (the w_first ones differ only in the stage-2 kernel,
+"w_first_wg2", "outer_wg", "outer_wg_v1"; set `model.variant` (the w_first ones differ only in the stage-2 kernel,
 and the wg ones in stage 1's output layout). ModelNew.VARIANTS lists those that run on the current
 GPU (evaluated on each access; what the harness checks by default): all of them on an H100 / H200
-with the sm_90a build, all but the three Hopper ones (w_first_wg, w_first_wg2, outer_wg) elsewhere
+with the sm_90a build, all but the four Hopper ones (w_first_wg, w_first_wg2, outer_wg, outer_wg_v1) elsewhere
 (forcing one there raises with the reason); ModelNew.ALL_VARIANTS lists every name.
 outer_wg: outer_first on Hopper wgmma in split TF32 (compute capability 9.0, the sm_90a build and
 225 KB of shared memory per block; hidden_dim <= 32, else it raises: c = 64 or 128 would leave a
-tile fewer than 64 pairs). H200, harness, 2026-12-01 ("auto" -> outer_wg): crop 0.992 ms (2.58x eager,
-2.11x torch.compile; outer_first 2.62 ms), long 5.56 ms (3.50x, 2.66x; w_first_wg2 10.54), deep
-2.25 ms, huge 109.3 ms (w_first_wg2 131.8); error against fp64 0.6-0.93x the fp32 reference's. At
-crop a quarter of the time is the FMA LayerNorm/projection kernel (~255 us) and the pack (~67 us).
+tile fewer than 64 pairs; and B * S * N / 16 < 2^31, S and N rounded up to 16, for its prep's 32-bit
+tile index: outer_wg_v1 has no such limit). H200, harness, 2026-12-01 ("auto" -> outer_wg): crop
+0.820 ms (3.13x eager, 2.55x torch.compile; outer_first 2.62 ms), long 5.51 ms (3.52x, 2.68x;
+w_first_wg2 10.54), deep 1.10 ms, huge 110.5 ms (w_first_wg2 131.8); error against fp64, as the
+maximum over the harness's trials, 0.58-1.09x the fp32 reference's (every harness shape, forced
+too). Its prep (opm_ow_params_kernel + opm_prep_ow_kernel) takes ~150 us at crop, 18% of the
+forward; the fused kernel ~670 us.
+outer_wg_v1: outer_wg with session 7's prep: opm_prep_kernel (FMA, aT and bq) and opm_pack_ow_kernel
+(-> the planes): crop 0.992 ms, deep 2.25 ms (harness, 2026-12-01, before outer_wg's prep).
 w_first_wg, w_first_wg2: stage 2 on Hopper wgmma in split TF32; compute capability 9.0 only, with the
 extension built for sm_90a (else they raise): at shallow on the H200 0.857 ms ("auto" -> w_first_wg2:
 4.34x eager, 3.00x torch.compile), long 10.54 ms (1.84x, 1.40x), huge 131.8 ms (outer_first: 333);
