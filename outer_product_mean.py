@@ -50,10 +50,11 @@ Two contraction orders (FLOPs of the second stage; the LayerNorm + projections a
 
 Kernels (FP32 FMA except opm_wfirst_tc_kernel, opm_wfirst_wg_kernel, opm_prep_ow_kernel and
 opm_outer_wg_kernel):
-  opm_prep_kernel        (every variant but outer_wg) one launch, three block roles: (1) 64 rows of msa per block: x staged in
-                         shared memory once, two-pass LayerNorm statistics from shared memory, both
-                         projections as one [64 x c_m] x [c_m x 2CP] register-tiled GEMM (4 x 2CP/16
-                         outputs per thread), bias, mask, writes aT and bq; (2) inv_denom from the mask
+  opm_prep_kernel        (every variant but outer_wg) one launch, three block roles: (1) 64 rows
+                         of msa per block: x staged in shared memory once, two-pass LayerNorm
+                         statistics from shared memory, both projections as one [64 x c_m] x
+                         [c_m x 2CP] register-tiled GEMM (4 x 2CP/16 outputs per thread), bias, mask,
+                         writes aT and bq; (2) inv_denom from the mask
                          (exact: integer masks summed in int64, float masks in fp64); (3) packs Wo.
   opm_outer_kernel<CP>   outer_first: per block a 128 x 128 tile O[(h,il),(jl,k)] (TI = TJ = 128/CP
                          residues), 8 x 8 register micro-tile per thread, S streamed in chunks of 16
@@ -118,11 +119,12 @@ Limits: forward only (backward raises); FP32 only for msa_repr and the parameter
 same code with smaller residue tiles and are slower per FLOP.
 
 Variants: "auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-"w_first_wg2", "outer_wg", "outer_wg_v1"; set `model.variant` (the w_first ones differ only in the stage-2 kernel,
-and the wg ones in stage 1's output layout). ModelNew.VARIANTS lists those that run on the current
-GPU (evaluated on each access; what the harness checks by default): all of them on an H100 / H200
-with the sm_90a build, all but the four Hopper ones (w_first_wg, w_first_wg2, outer_wg, outer_wg_v1) elsewhere
-(forcing one there raises with the reason); ModelNew.ALL_VARIANTS lists every name.
+"w_first_wg2", "outer_wg", "outer_wg_v1"; set `model.variant` (the w_first ones differ only in the
+stage-2 kernel, the w_first_wg ones in stage 1's output layout, the outer_wg ones in their prep).
+ModelNew.VARIANTS lists those that run on the current GPU (evaluated on each access; what the
+harness checks by default): all of them on an H100 / H200 with the sm_90a build, all but the four
+Hopper ones (w_first_wg, w_first_wg2, outer_wg, outer_wg_v1) elsewhere (forcing one there raises
+with the reason); ModelNew.ALL_VARIANTS lists every name.
 outer_wg: outer_first on Hopper wgmma in split TF32 (compute capability 9.0, the sm_90a build and
 225 KB of shared memory per block; hidden_dim <= 32, else it raises: c = 64 or 128 would leave a
 tile fewer than 64 pairs; and B * S * N / 16 < 2^31, S and N rounded up to 16, for its prep's 32-bit
