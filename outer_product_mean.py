@@ -1927,7 +1927,7 @@ __device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N,
 // opm_prep_ow_kernel<MT>: LayerNorm + both projections + mask for outer_wg, on mma.sync m16n8k8 in
 //   split TF32. A block (4 warps) takes tiles of 4 s x NW = 4 MT n (16 MT msa rows) of one b: s in
 //   [s0, s0 + 4) (s0 = 4 sq: one 16-byte quarter of a 16-s Aow / Bow block), n in [n0, n0 + NW);
-//   tiles cover s < 16 KB16 and n < 16 NIT; rows past S or N are zeros and give zeros (mask 0).
+//   tiles cover s < 16 KB16 and n < 16 NIT; rows past S or N are zeros and give zeros (mask 0, rstd 0).
 //   Warp w computes channels o in [16 w, 16 w + 16) (two n8 tiles) for all the tile's rows, so each
 //   weight fragment feeds MT m16 tiles (a first version with one warp per 16 rows x 64 channels read
 //   all of Wf from L2 per 16 rows, 1 GB at crop, and ran about as fast: 148 us; NOTES.md). Per tile:
@@ -2031,7 +2031,8 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
         s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
         if (t == 0) {
           st_s[0][rho] = mu;
-          st_s[1][rho] = 1.f / sqrtf(s2 / cm + eps);
+          // rows past S / N: rstd 0, so their y is 0 * 0 + bias' times mask 0 (1 / sqrt(eps) is inf at eps = 0)
+          st_s[1][rho] = po_row_ok(p, rho) ? 1.f / sqrtf(s2 / cm + eps) : 0.f;
           st_s[2][rho] = po_row_ok(p, rho) ? mask_value(mask, po_row(p, S, N, rho), mask_kind) : 0.f;
         }
       }
@@ -2521,8 +2522,6 @@ static void launch_outer_wg_v1(const at::Tensor& aT, const at::Tensor& bq, const
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, d, stream);
 }
-// opm_prep_ow_kernel's m16 tiles per warp: 2 (32 rows) up to c_m = 384, else 1 (16 rows: at c_m = 512
-// two would leave one block of 2 warps per SM).
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1 (H200, 2026-12-01,
 // prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
 static int po_mt(int cm) { return cm <= 256 ? 2 : 1; }
@@ -2747,7 +2746,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
                             : 1e30;
     // outer_wg (Hopper, hidden_dim <= 32): whole waves of tiles (one tile per SM at a time), each
     // tile's phase-A and phase-B FLOPs (S, c, c_z padded to 16, 32, 128) at their own rates, plus
-    // the pack kernel's launch
+    // its prep and its three launches
     const OwDims od = ow_dims(S, N, cz);
     const double ow_waves = std::ceil(static_cast<double>(B * od.nzc * od.NBB * od.NIT) / d.sms);
     const double ow_tile_s = kOwNQ * (2.0 * 128 * 128 * kOwSK * od.KB16 / (kEffOwA / d.sms) +
@@ -2770,7 +2769,10 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   at::Tensor out = at::empty({B, N, N, cz}, f32);
   if (out.numel() == 0) return {out, used};
 
-  const at::Tensor x = msa.contiguous();
+  // contiguous and 16-byte aligned (the prep kernels' 16-byte loads and bulk copies): a contiguous view
+  // at an odd storage offset is copied
+  at::Tensor x = msa.contiguous();
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
   const at::Tensor m = mask.contiguous();
   const at::Tensor lw = ln_w.contiguous(), lb = ln_b.contiguous();
   const at::Tensor wa_c = wa.contiguous(), ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();

@@ -473,10 +473,31 @@ def test_state_dict_after_construction(opm, ref):
 def test_layer_norm_eps_from_module(opm, ref):
     B, S, N, cm, c, cz = 1, 3, 9, 16, 16, 8
     m_ref, new = _pair(opm, ref, cm, cz, c, 61)
-    m_ref.layer_norm.eps = new.layer_norm.eps = 0.5
     msa = torch.randn(B, S, N, cm) * 0.3
     mask = torch.ones(B, S, N)
-    _check(_run(new, msa.cuda(), mask.cuda(), "auto"), _ref64(m_ref, msa, mask).cuda(), "eps = 0.5")
+    # eps = 0 is legal (non-constant rows stay finite); S and N are padded by every tile, and padding
+    # rows must not turn into 1 / sqrt(0 + eps) (outer_wg's prep once gave NaN everywhere there)
+    for eps in (0.5, 0.0):
+        m_ref.layer_norm.eps = new.layer_norm.eps = eps
+        expect = _ref64(m_ref, msa, mask).cuda()
+        for v in ("auto",) + _orders(opm, c):
+            _check(_run(new, msa.cuda(), mask.cuda(), v), expect, f"{v}, eps = {eps}")
+
+
+@gpu
+def test_misaligned_contiguous_msa(opm, ref):
+    """A contiguous msa_repr view at an odd storage offset (not 16-byte aligned; c_m % 4 == 0, so the
+    prep kernels would take their 16-byte loads / bulk copies): copied first, correct for every variant."""
+    B, S, N, cm, c, cz = 1, 5, 13, 32, 32, 16
+    m_ref, new = _pair(opm, ref, cm, cz, c, 67)
+    gen = torch.Generator().manual_seed(67)
+    big = torch.randn(B * S * N * cm + 1, generator=gen).cuda()
+    msa = big[1:].view(B, S, N, cm)
+    assert msa.is_contiguous() and msa.data_ptr() % 16 != 0
+    mask = (torch.rand(B, S, N, generator=gen) > 0.3).float().cuda()
+    expect = _ref64(m_ref, msa, mask)
+    for v in _orders(opm, c):
+        _check(_run(new, msa, mask, v), expect, v)
 
 
 @gpu
