@@ -55,7 +55,7 @@ opm_outer_wg_kernel):
                          statistics from shared memory, both projections as one [64 x c_m] x
                          [c_m x 2CP] register-tiled GEMM (4 x 2CP/16 outputs per thread), bias, mask,
                          writes aT and bq; (2) inv_denom from the mask
-                         (exact: integer masks summed in int64, float masks in fp64); (3) packs Wo.
+                         (inv_denom_cols: integer masks summed in int64, float masks in fp64); (3) packs Wo.
   opm_outer_kernel<CP>   outer_first: per block a 128 x 128 tile O[(h,il),(jl,k)] (TI = TJ = 128/CP
                          residues), 8 x 8 register micro-tile per thread, S streamed in chunks of 16
                          through double-buffered cp.async stages; epilogue stages O transposed in
@@ -133,7 +133,7 @@ tile index: outer_wg_v1 has no such limit). H200, harness, 2026-12-01 ("auto" ->
 w_first_wg2 10.54), deep 1.10 ms, huge 110.5 ms (w_first_wg2 131.8); error against fp64, as the
 maximum over the harness's trials, 0.58-1.09x the fp32 reference's (every harness shape, forced
 too). Its prep (opm_ow_params_kernel + opm_prep_ow_kernel) takes ~150 us at crop, 18% of the
-forward; the fused kernel ~670 us.
+forward; the fused kernel ~670 us (torch.profiler, quick script, H200, 2026-12-01; NOTES.md).
 outer_wg_v1: outer_wg with session 7's prep: opm_prep_kernel (FMA, aT and bq) and opm_pack_ow_kernel
 (-> the planes): crop 0.992 ms, deep 2.25 ms (harness, 2026-12-01, before outer_wg's prep).
 w_first_wg, w_first_wg2: stage 2 on Hopper wgmma in split TF32; compute capability 9.0 only, with the
@@ -284,31 +284,11 @@ __device__ __forceinline__ long long mask_int(const void* m, int64_t idx, int ki
   }
 }
 
-// inv_denom[p] = 1 / max(sum_s mask[b,s,i], 1) for p = b*N + i in [start, B*N) with step `stride`
-// (coalesced over i): float masks summed in fp64 (closest to the exact sum the fp64 oracle sees;
-// NaN stays NaN like torch.clamp), bool/int masks in int64 as the reference does.
-__device__ __forceinline__ void inv_denom_range(const void* mask, int mask_kind, int64_t B, int64_t S, int64_t N,
-                                                float* inv_denom, int64_t start, int64_t stride) {
-  for (int64_t p = start; p < B * N; p += stride) {
-    const int64_t b = p / N, i = p - b * N;
-    float d;
-    if (mask_kind == kF32) {
-      double acc = 0.0;
-      for (int64_t s = 0; s < S; ++s) acc += static_cast<const float*>(mask)[(b * S + s) * N + i];
-      d = static_cast<float>(acc);
-      d = (d < 1.f) ? 1.f : d;  // clamp(min=1)
-    } else {
-      long long acc = 0;
-      for (int64_t s = 0; s < S; ++s) acc += mask_int(mask, (b * S + s) * N + i, mask_kind);
-      d = static_cast<float>(acc < 1 ? 1 : acc);
-    }
-    inv_denom[p] = 1.f / d;
-  }
-}
-
-// inv_denom (as inv_denom_range) for the 32-column blocks cb = first, first + step, ... of every b,
-// by one block of blockDim.x threads: thread (sl, il) sums s = sl, sl + SL, ... of column 32 cb + il
-// (SL = blockDim.x / 32: coalesced over i), and the SL partial sums are added in a fixed order.
+// inv_denom[b, i] = 1 / max(sum_s mask[b, s, i], 1) for the 32-column blocks cb = first, first + step,
+// ... of every b, by one block of blockDim.x threads: thread (sl, il) sums s = sl, sl + SL, ... of
+// column 32 cb + il (SL = blockDim.x / 32: coalesced over i), and the SL partial sums are added in a
+// fixed order. Float masks summed in fp64 (closest to the exact sum the fp64 oracle sees), bool / int
+// masks in int64 as the reference does.
 // red_f, red_i: shared arrays of blockDim.x elements. Every thread of the block calls this.
 __device__ __forceinline__ void inv_denom_cols(const void* mask, int mask_kind, int64_t B, int64_t S, int64_t N,
                                                float* inv_denom, int64_t first, int64_t step, double* red_f,
@@ -545,9 +525,13 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
   const int tid = threadIdx.x;
   const int64_t blk = blockIdx.x;
 
-  // ---- role 2: inv_denom[b,i] = 1 / max(sum_s mask[b,s,i], 1), coalesced over i ----
+  extern __shared__ float4 smem_f4[];
+  // ---- role 2: inv_denom[b,i] = 1 / max(sum_s mask[b,s,i], 1), 32 columns per block iteration; its
+  //      partial sums in the dynamic shared memory (>= 4160 bytes: xs alone holds CP * 65 >= 1040 floats) ----
   if (blk < n_den) {
-    inv_denom_range(mask, mask_kind, B, S, N, inv_denom, blk * kThreads + tid, static_cast<int64_t>(n_den) * kThreads);
+    double* red_f = reinterpret_cast<double*>(smem_f4);
+    inv_denom_cols(mask, mask_kind, B, S, N, inv_denom, blk, n_den, red_f,
+                   reinterpret_cast<long long*>(red_f + kThreads));
     return;
   }
   // ---- role 3: pack Wo ----
@@ -563,7 +547,6 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
   }
 
   // ---- role 1: LayerNorm + projections + mask for 64 rows per block iteration ----
-  extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   const int LDX = static_cast<int>(round_up(cm, 4));
   const int xs_floats = static_cast<int>(round_up(max(kRows1 * LDX, CP * 65), 4));
@@ -2404,7 +2387,7 @@ static void launch_prep(const at::Tensor& x, const at::Tensor& mask, int mask_ki
                         int cm, int c, int cz, float eps, int pack_mode, int pack_zp, const DevInfo& d,
                         cudaStream_t stream) {
   const int64_t n_row_blocks = cdiv(B * S * N, kRows1);
-  const int n_den = static_cast<int>(std::min<int64_t>(cdiv(B * N, kThreads), 4 * d.sms));
+  const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), 4 * d.sms));  // 32-column blocks
   const int n_pack = static_cast<int>(std::min<int64_t>(cdiv(static_cast<int64_t>(CP) * CP * pack_zp, kThreads), 2 * d.sms));
   const int64_t row_grid = std::min<int64_t>(n_row_blocks, 64ll * d.sms);
   const size_t smem = prep_smem_bytes(cm, CP);
