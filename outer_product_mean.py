@@ -130,8 +130,8 @@ outer_wg: outer_first on Hopper wgmma in split TF32 (compute capability 9.0, the
 tile fewer than 64 pairs; and B * S * N / 16 < 2^31, S and N rounded up to 16, for its prep's 32-bit
 tile index: outer_wg_v1 has the hidden_dim limit but not this one). H200, harness, 2026-12-01
 ("auto" -> outer_wg): crop 0.820 ms (3.13x eager, 2.55x torch.compile; outer_first 2.62 ms), long
-5.51 ms (3.52x, 2.68x; w_first_wg2 10.54), deep 1.10 ms, huge 110.5 ms (w_first_wg2 131.8); error against fp64, as the
-maximum over the harness's trials, 0.58-1.09x the fp32 reference's (every harness shape, forced
+5.51 ms (3.52x, 2.68x; w_first_wg2 10.54), deep 1.10 ms, huge 110.5 ms (w_first_wg2 131.8); error
+against fp64, as the maximum over the harness's trials, 0.58-1.09x the fp32 reference's (every harness shape, forced
 too). Its prep (opm_ow_params_kernel + opm_prep_ow_kernel) takes ~150 us at crop, 18% of the
 forward; the fused kernel ~670 us (torch.profiler, quick script, H200, 2026-12-01; NOTES.md).
 outer_wg_v1: outer_wg with session 7's prep: opm_prep_kernel (FMA, aT and bq) and opm_pack_ow_kernel
