@@ -13,7 +13,7 @@ same device. Parameters: the reference's, read at every call (a later `load_stat
 update takes effect), all float32 on the input's device.
 
 How it runs: s is symmetric, so out is exactly symmetric (out[b,i,j] == out[b,j,i] bit for bit). One
-persistent kernel walks the tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
+persistent kernel (v1-v9; v10's differences are in the variant list below) walks the tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
 x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
 pair_dim % 4 == 0), computes the LayerNorm statistics of each vector two-pass from shared memory
 (exact mean first, then the mean of squared deviations: stable for any offset), builds s (64 pairs x
@@ -22,19 +22,30 @@ weights staged once per block in shared memory, and writes both out[b,i,j] and o
 device memory once, each unordered pair {i, j} off the diagonal tiles is computed once, and nothing
 but the output is written.
 
-Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The default variant
-runs the two products on the tensor cores in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, and a*b ~ hi*hi + hi*lo +
-lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM), with every k step's
-hi*hi product promoted into an fp32 accumulator by an ordinary add (the tensor cores' own
-accumulation truncates). Measured against an fp64 evaluation on the H200 (harness, every
-distribution, 2026-11-29): max error 0.75-1.03x that of the fp32 PyTorch reference itself at the
-seed, crop, batch and long shapes, 1.0x at awkward_37, 1.1x at N = 1 (awkward_1) and 1.36x at
-awkward_129 (v7 in the fourth session's device run 4, v9 the same in the fifth session's runs 3 and
-4b; one earlier run's two trials at N = 1 gave 1.95x, where every variant and the reference are
-within one rounding of the output: 3.9e-8 vs 2.0e-8; NOTES.md).
+Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core variants
+(v5 and later) run the two products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32,
+and a*b ~ hi*hi + hi*lo + lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM),
+promoting short partial sums into an fp32 accumulator by ordinary adds (the tensor cores' own
+accumulation truncates): v5-v9 every k step's hi*hi, v10 every 16 k. Measured against an fp64
+evaluation on the H200 (harness, every distribution, max over the trials): v10 (default) 1.0-1.15x
+the fp32 PyTorch reference's own max error at the seed, crop, batch and long shapes, 1.09x at
+awkward_37, 1.11x at N = 1 (awkward_1) and 1.36x at awkward_129 (2026-12-01, ninth session's device
+run 5; at most 1.55x over 40 more shape/distribution checks of run 3, x100 and offset inputs
+included); v9 0.75-1.03x, 1.0x, 1.1x and 1.36x (2026-11-29; NOTES.md).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v9"  (default) v7 where hidden_dim <= 32 and one block fits per SM (batch; on the H200
+    "v10" (default; Hopper) both products on wgmma (m64nNk8 TF32, A from registers) in split TF32,
+          GEMM1's accumulator chained in registers into GEMM2's A operand, the tiles brought in by
+          the TMA engine (a 2-D tensor map with 128-byte swizzle, a producer warp, a ring of
+          mbarrier slots), two consumer warpgroups each on its own tile, the LayerNorm affine folded
+          into W1 and b1 (a small per-call kernel packs the weights; the main kernel is launched as
+          its programmatic dependent). Harness, H200, 2026-12-01: crop 0.0399, batch 0.0885, long
+          0.4465 ms per call (v9: 0.084, 0.198, 1.136; 2.1-2.5x). Runs where the extension was built
+          with sm_90a code (9.0 in the arch list, or no list and an H100/H200: built as sm_90a),
+          on a compute capability 9.0 GPU, at 32 <= pair_dim <= 128 with pair_dim % 16 == 0,
+          hidden_dim <= 64, N >= 8 and a 16-byte aligned input; elsewhere it runs what v9 runs
+          (`last_variant` says "v10").
+    "v9"  v7 where hidden_dim <= 32 and one block fits per SM (batch; on the H200
           pair_dim >= 97 at hidden_dim 17-32, >= 113 at hidden_dim <= 16): the hidden units in 2
           column groups (at hidden_dim 17-32; v7 has 4, and 2 already at <= 16), so 8 of the 16
           warps are free during the first product and queue the first 64 rows of the next tile
@@ -70,7 +81,7 @@ they fit beside the tile (227 KB per block on the H200; v5, v7, v9: pair_dim <= 
 hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
 are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
 Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
-names.
+names (9.0 as sm_90a, for v10; no list and no GPU: 9.0).
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
 against eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2 minutes
@@ -80,6 +91,7 @@ output, including `ptxas -v` register and spill counts.
 """
 import hashlib
 import os
+import re
 import sys
 
 import torch
@@ -91,6 +103,7 @@ CUDA_SRC = r"""
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <cmath>
 
@@ -1082,6 +1095,481 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
 }
 
 // =============================================================================================
+// v10 (Hopper, sm_90a): both products on wgmma, tiles by the TMA engine, one producer warp
+// =============================================================================================
+// Per block (one per SM, kV10Threads = 384 threads):
+//   warpgroups 0, 1  consumers (setmaxnreg to kV10ConsumerRegs): warpgroup w takes the block's tiles
+//                    w, w + 2, w + 4, ... (block-local order), one 64-pair tile at a time:
+//                    statistics, s and its split into wgmma A fragments held in registers for all of
+//                    K (then the tile's two ring slots are released), GEMM1 = m64nHPk8 wgmma with A
+//                    from registers, GEMM1's accumulator turned in registers into GEMM2's A fragments,
+//                    GEMM2, layer 3 and the output. The two warpgroups overlap each other's phases.
+//   warpgroup 2      producer (setmaxnreg down to kV10ProducerRegs); thread 288 copies the packed
+//                    parameters (contact_map_v10_params_kernel's wpack, written by the same call just
+//                    before: this kernel is its programmatic dependent and waits for it there only,
+//                    griddepcontrol.wait) into shared memory on the `wbar` mbarrier; thread 256 queues every
+//                    tile as two half tiles (the tile x[b, 8I.., 8J.., :] and its mirror
+//                    x[b, 8J.., 8I.., :]) into a ring of R slots of 64 rows x KC channels: KC / 32
+//                    tensor-map copies (box 32 channels x 8 x 8 positions, 128-byte swizzle) per half,
+//                    completing on the slot's `full` mbarrier; a consumer warp arrives on the slot's
+//                    `empty` mbarrier once it has read it (4 arrivals free it). Slot use u counts the
+//                    block's half tiles: slot u % R, mbarrier parity (u / R) & 1; tile q of the block
+//                    uses u = 2q (tile) and 2q + 1 (mirror).
+// Both halves land with row p = 8 il + jl for pair p = (i, j) = (8I + il, 8J + jl): the mirror's
+// tensor map walks x with the two position strides swapped. Out-of-range positions are zero-filled
+// by the copy engine (edge tiles), channels C..KC-1 likewise.
+// Swizzle (the tensor map's 128B mode): channel c of row p sits at float
+//   (c / 32) * 2048 + 32 p + 4 ((c / 4 % 8) ^ (p % 8)) + c % 4
+// of its slot (each 32-channel box is 8 KB, 1024-byte aligned).
+// Fragment rows: warp w4 (of its warpgroup) owns the 16 pairs 16 w4 + lp, lp = v10_row(g) for the
+// fragment rows g = lane / 4 and g + 8 (lp + 8): rows g = 2m and 2m + 1 are pairs whose p % 8 differ
+// by 4, so a quarter-warp's 16-byte loads (two rows x lanes t = lane % 4) hit 8 distinct 16-byte bank
+// groups under the swizzle: conflict-free.
+// k order: lane t's 16-byte chunk 16 kk + 4 t of a row holds its A fragment columns of k steps 2 kk
+// (columns t, t + 4 = channels 16 kk + 4 t, + 1) and 2 kk + 1 (channels + 2, + 3); W1's planes are
+// packed in the same order (v10_k1). GEMM2's logical k (j, q) is hidden unit 8 j + 2 (q % 4) + q / 4
+// (v10_k2): GEMM1's accumulator register d[4 j + q'] (row g + 8 (q' / 2), unit 8 j + 2 t + q' % 2)
+// is then directly the A fragment register of GEMM2's k step j (FlashAttention-3's P.V chaining).
+// Weights: W1' = W1 diag(gamma) and b1' = b1 + W1 beta (the LayerNorm affine folded in, the latter in
+// fp64), split into TF32 hi / lo planes in the unswizzled K-major core-matrix layout (v10_woff), W2
+// likewise with v10_k2's row order; packed per call by contact_map_v10_params_kernel, resident in
+// shared memory for the block's life.
+// Accumulation: per k step lo*hi, hi*lo, hi*hi on the tensor cores, into a fresh accumulator per
+// kV10Promo k steps that is then added to an fp32 accumulator (alternating two, so that one chunk runs
+// while the other is promoted); both products.
+// Assumptions: C % 16 == 0, C <= KC (64 or 128), H <= HP (32 or 64); x 16-byte aligned, contiguous;
+// sm_90a (elsewhere the kernel is a trap that the host never launches).
+constexpr int kV10Threads = 384;
+constexpr int kV10ConsumerRegs = 232, kV10ProducerRegs = 40;
+static_assert(2 * 128 * kV10ConsumerRegs + 128 * kV10ProducerRegs <= kV10Threads * ((65536 / kV10Threads) & ~7),
+              "setmaxnreg budget");
+constexpr int kV10MaxSlots = 8;
+
+// Shared memory of v10 in bytes, from a 1024-byte aligned base: the ring, W1 and W2 planes, b1', b2,
+// w3, the mbarriers; plus 1024 for the alignment.
+struct SmemV10 {
+  int slot_floats, ring, w1, w2, vec, bars, total;
+  __host__ __device__ SmemV10(int KC, int HP, int R) {
+    slot_floats = PAIRS * KC;
+    ring = 4 * R * slot_floats;
+    w1 = 4 * 2 * HP * KC;
+    w2 = 4 * 2 * HP * HP;
+    vec = 4 * 3 * HP;
+    bars = 8 * (2 * R + 1);
+    total = ring + w1 + w2 + vec + bars + 1024;
+  }
+};
+
+__host__ __device__ __forceinline__ int v10_row(int g) { return ((g & 1) << 2) | (g >> 1); }
+// Physical channel of GEMM1's logical k = 8 ks + q (q < 8: fragment column).
+__host__ __device__ __forceinline__ int v10_k1(int k) {
+  const int ks = k >> 3, q = k & 7;
+  return 16 * (ks >> 1) + 4 * (q & 3) + 2 * (ks & 1) + (q >> 2);
+}
+// Hidden unit of GEMM2's logical k = 8 j + q.
+__host__ __device__ __forceinline__ int v10_k2(int k) { return (k & ~7) + 2 * (k & 3) + ((k >> 2) & 1); }
+// Float offset of B(n, k) in a plane of NR rows n (K-major, no swizzle): k step blocks of NR x 8,
+// 8-row core-matrix groups 256 bytes apart (SBO), the two 4-k halves 128 bytes apart (LBO).
+__host__ __device__ __forceinline__ int v10_woff(int n, int k, int NR) {
+  return (k >> 3) * (NR * 8) + (n >> 3) * 64 + ((k >> 2) & 1) * 32 + (n & 7) * 4 + (k & 3);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CM_WG_DEVICE 1
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // until the phase of this parity completes
+  unsigned done = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+// bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
+__device__ __forceinline__ void bulk_copy(float* smem, const float* gmem, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+// One box of a 4-D tensor map (coordinates innermost first) into shared memory, completing on bar.
+__device__ __forceinline__ void tma_load_4d(float* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+        "r"(smem_u32(bar))
+      : "memory");
+}
+// Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4, LBO = 128 bytes (the
+// two 4-k core matrices), SBO = 256 bytes (8-row groups), no swizzle.
+__device__ __forceinline__ uint64_t v10_desc(const float* p) {
+  return static_cast<uint64_t>((smem_u32(p) & 0x3ffff) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
+         (static_cast<uint64_t>(256 >> 4) << 32);
+}
+// d (64 x N, fp32, the warpgroup's accumulator fragment) = A (64 x 8, TF32 in registers) B^T (8 x N)
+// + (acc ? d : 0), B K-major in shared memory. A fragment: a[0] row 16 (warp % 4) + lane / 4, column
+// lane % 4; a[1] row + 8; a[2] column + 4; a[3] both. d[4 j + q]: row 16 (warp % 4) + lane / 4 + 8 (q / 2),
+// column 8 j + 2 (lane % 4) + q % 2.
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int acc) {
+  if constexpr (N == 64) {
+@WGMMA_RS_64@
+  } else {
+    static_assert(N == 32, "wgmma_rs: N = 32 or 64");
+@WGMMA_RS_32@
+  }
+}
+template <int NACC>
+__device__ __forceinline__ void wg_fence(float (&d)[NACC]) {  // CUTLASS's warpgroup_fence_operand
+#pragma unroll
+  for (int q = 0; q < NACC; ++q) asm volatile("" : "+f"(d[q])::"memory");
+}
+template <int KS>
+__device__ __forceinline__ void wg_fence(uint32_t (&a)[KS][4]) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[ks][e])::"memory");
+}
+#endif
+
+// One tile's LayerNorm statistics (consumer thread: pairs p0 = 16 w4 + v10_row(g), p1 = p0 + 8; rows r = 0, 1:
+// the tile's rows p0, p1, r = 2, 3: the mirror's). Two-pass per row from registers (the lane's KC / 4
+// values, the quad's sums by shuffles): the same arithmetic as v7's fused pass. Invalid pairs (edge
+// tiles) get rstd = 0, so that their s is 0.
+template <int KC>
+__device__ __forceinline__ float4 v10_chunk4(const float* base, int p, int kk, int t) {  // channels 16 kk + 4 t ..
+  const int phys = (4 * (kk & 1) + t) ^ (p & 7);
+  return reinterpret_cast<const float4*>(base)[(kk >> 1) * 512 + p * 8 + phys];
+}
+template <int KC>
+__device__ __forceinline__ void v10_stats(const float* tile, const float* mirror, int p0, int t, int C, float inv_c,
+                                          float eps, bool ok0, bool ok1, float (&mean)[4], float (&rstd)[4]) {
+  constexpr int NK = KC / 16;
+  const int nvalid = C / 16;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float* base = r < 2 ? tile : mirror;
+    const int p = p0 + 8 * (r & 1);
+    float4 v[NK];
+    float s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+      v[kk] = v10_chunk4<KC>(base, p, kk, t);
+      s4[kk & 3] += (v[kk].x + v[kk].y) + (v[kk].z + v[kk].w);
+    }
+    float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float m = sum * inv_c;
+    float m4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+      if (kk < nvalid) {  // channels >= C are zero-filled: (0 - mean)^2 must not count
+        const float dx = v[kk].x - m, dy = v[kk].y - m, dz = v[kk].z - m, dw = v[kk].w - m;
+        m4[kk & 3] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+      }
+    }
+    float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]);
+    m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+    m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+    mean[r] = m;
+    rstd[r] = ((r & 1) ? ok1 : ok0) ? rsqrtf(m2 * inv_c + eps) : 0.f;
+  }
+}
+// A fragments of k steps 2 kk and 2 kk + 1 (channels 16 kk + 4 t ..): s = ((xa - ma) ra + (xb - mb) rb) / 2
+// with the LayerNorm affine folded into W1, split into TF32 hi (rounded) and lo (truncated), as v7's
+// split_tf32_fast. Column t of k step 2 kk is channel + 0, column t + 4 channel + 1; k step 2 kk + 1: + 2, + 3.
+template <int KC>
+__device__ __forceinline__ void v10_build_kk(const float* tile, const float* mirror, int p0, int t, int kk,
+                                             const float (&mean)[4], const float (&rstd)[4],
+                                             uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // fragment rows g (h = 0) and g + 8
+    const int p = p0 + 8 * h;
+    const float4 va = v10_chunk4<KC>(tile, p, kk, t), vb = v10_chunk4<KC>(mirror, p, kk, t);
+    const float ma = mean[h], ra = 0.5f * rstd[h], mb = mean[2 + h], rb = 0.5f * rstd[2 + h];
+    // each product rounded on its own (no FMA contraction), so that s(i, j) == s(j, i) bit for bit
+    const float s0 = __fadd_rn(__fmul_rn(va.x - ma, ra), __fmul_rn(vb.x - mb, rb));
+    const float s1 = __fadd_rn(__fmul_rn(va.y - ma, ra), __fmul_rn(vb.y - mb, rb));
+    const float s2 = __fadd_rn(__fmul_rn(va.z - ma, ra), __fmul_rn(vb.z - mb, rb));
+    const float s3 = __fadd_rn(__fmul_rn(va.w - ma, ra), __fmul_rn(vb.w - mb, rb));
+    split_tf32_fast(s0, ah[2 * kk][h], al[2 * kk][h]);
+    split_tf32_fast(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
+    split_tf32_fast(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
+    split_tf32_fast(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+  }
+}
+
+// v10's parameters, packed once per call into the layout the kernel keeps in shared memory (one bulk
+// copy per block then): wpack = [W1' hi | W1' lo (HP x KC each, v10_woff order of rows n, logical k) |
+// W2 hi | W2 lo (HP x HP) | b1' | b2 | w3 (HP each)], zero outside n < H, c < C. One thread per
+// weight element, then one warp per hidden unit n for b1'[n] = b1[n] + sum_c W1[n][c] beta[c] (fp64).
+template <int KC, int HP>
+constexpr int kV10PackFloats = 2 * HP * KC + 2 * HP * HP + 3 * HP;
+template <int KC, int HP>
+__global__ void __launch_bounds__(256) contact_map_v10_params_kernel(
+    const float* __restrict__ ln_w, const float* __restrict__ ln_b, const float* __restrict__ w1,
+    const float* __restrict__ b1, const float* __restrict__ w2, const float* __restrict__ b2,
+    const float* __restrict__ w3, int C, int H, float* __restrict__ wpack) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // v10's kernel may start its tile copies
+#endif
+  const int e = blockIdx.x * 256 + threadIdx.x;
+  float* w2p = wpack + 2 * HP * KC;
+  float* vec = w2p + 2 * HP * HP;
+  if (e < HP * KC) {
+    const int n = e / KC, k = e % KC, c = v10_k1(k);
+    const float v = n < H && c < C ? __ldg(w1 + static_cast<long long>(n) * C + c) * __ldg(ln_w + c) : 0.f;
+    uint32_t hi, lo;
+    split_tf32(v, hi, lo);
+    wpack[v10_woff(n, k, HP)] = __uint_as_float(hi);
+    wpack[HP * KC + v10_woff(n, k, HP)] = __uint_as_float(lo);
+  } else if (e < HP * KC + HP * HP) {
+    const int ee = e - HP * KC, n = ee / HP, k = ee % HP, h = v10_k2(k);
+    const float v = n < H && h < H ? __ldg(w2 + static_cast<long long>(n) * H + h) : 0.f;
+    uint32_t hi, lo;
+    split_tf32(v, hi, lo);
+    w2p[v10_woff(n, k, HP)] = __uint_as_float(hi);
+    w2p[HP * HP + v10_woff(n, k, HP)] = __uint_as_float(lo);
+  } else {
+    const int n = (e - HP * KC - HP * HP) >> 5, lane = threadIdx.x & 31;  // whole warps (HP * KC + HP * HP % 32 == 0)
+    if (n >= HP) return;
+    double acc = 0.0;
+    if (n < H)
+      for (int c = lane; c < C; c += 32)
+        acc += static_cast<double>(__ldg(w1 + static_cast<long long>(n) * C + c)) * static_cast<double>(__ldg(ln_b + c));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) {
+      vec[n] = n < H ? static_cast<float>(static_cast<double>(__ldg(b1 + n)) + acc) : 0.f;
+      vec[HP + n] = n < H ? __ldg(b2 + n) : 0.f;
+      vec[2 * HP + n] = n < H ? __ldg(w3 + n) : 0.f;
+    }
+  }
+}
+
+#if defined(CM_WG_DEVICE)
+// k steps per promotion (16 k): the tensor cores' own accumulation truncates, so each chunk of
+// kV10Promo k steps (lo*hi, hi*lo, hi*hi each) goes into a fresh accumulator that is then added to acc
+// in fp32. (64 k per chunk, as outer_wg, measured up to 3.1x the fp32 reference's max error against
+// fp64 here; 16 k: at most 1.55x, NOTES.md.)
+constexpr int kV10Promo = 2;
+template <int NA>
+__device__ __forceinline__ void v10_promote(float (&acc)[NA], float (&d)[NA], bool first) {
+  wg_fence(d);
+#pragma unroll
+  for (int e = 0; e < NA; ++e) acc[e] = first ? d[e] : acc[e] + d[e];
+}
+template <int HP, int KS>
+__device__ __forceinline__ void v10_chunk(float (&d)[HP / 2], const uint32_t (&ah)[KS][4], const uint32_t (&al)[KS][4],
+                                          int c0, uint64_t dh, uint64_t dl) {
+  constexpr uint64_t kStep = (HP * 8 * 4) >> 4;  // descriptor increment per k step (HP x 8 floats)
+  wg_fence(d);
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+  for (int i = 0; i < kV10Promo; ++i) {
+    const int ks = c0 + i;
+    wgmma_rs<HP>(d, al[ks], dh + ks * kStep, i == 0 ? 0 : 1);  // the small terms first
+    wgmma_rs<HP>(d, ah[ks], dl + ks * kStep, 1);
+    wgmma_rs<HP>(d, ah[ks], dh + ks * kStep, 1);
+  }
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// acc = A B^T over KS k steps: chunks alternate between d0 and d1, so that one is on the tensor cores
+// while the other is promoted.
+template <int HP, int KS>
+__device__ __forceinline__ void v10_gemm(const uint32_t (&ah)[KS][4], const uint32_t (&al)[KS][4], uint64_t dh,
+                                         uint64_t dl, float (&d0)[HP / 2], float (&d1)[HP / 2], float (&acc)[HP / 2]) {
+  constexpr int NCH = KS / kV10Promo;
+  static_assert(KS % kV10Promo == 0, "k steps per chunk");
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+    if (c & 1) v10_chunk<HP, KS>(d1, ah, al, c * kV10Promo, dh, dl);
+    else v10_chunk<HP, KS>(d0, ah, al, c * kV10Promo, dh, dl);
+    if (c > 0) {
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // chunk c - 1 is done
+      if ((c - 1) & 1) v10_promote(acc, d1, c == 1);
+      else v10_promote(acc, d0, c == 1);
+    }
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  if ((NCH - 1) & 1) v10_promote(acc, d1, NCH == 1);
+  else v10_promote(acc, d0, NCH == 1);
+}
+#endif
+
+template <int KC, int HP>
+__global__ void __launch_bounds__(kV10Threads, 1)
+contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
+                       const __grid_constant__ CUtensorMap tm_mirror,  // x as (C, N (i), N (j), B)
+                       float* __restrict__ out,                        // (B, N, N)
+                       const float* __restrict__ wpack,                // kV10PackFloats<KC, HP>
+                       const float* __restrict__ b3,                   // (1)
+                       float eps, int B, int N, int C, int H, int R) {
+#if defined(CM_WG_DEVICE)
+  constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2;
+  extern __shared__ __align__(16) float smem_raw[];
+  const SmemV10 L(KC, HP, R);
+  float* sm = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  float* ring = sm;
+  float* w1s = ring + L.ring / 4;     // hi plane, then lo plane: 2 x HP x KC
+  float* w2s = w1s + L.w1 / 4;        // 2 x HP x HP
+  float* vec = w2s + L.w2 / 4;        // b1' | b2 | w3 (HP each)
+  uint64_t* full = reinterpret_cast<uint64_t*>(vec + 3 * HP);
+  uint64_t* empty = full + R;
+  uint64_t* wbar = empty + R;  // the parameters' bulk copies
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int nT = cdiv(N, TILE);
+  const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2;
+  const long long total = static_cast<long long>(B) * tiles_per_b;
+  if (tid == 0) {
+    for (int s = 0; s < R; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, 4);
+    }
+    mbar_init(wbar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // the mbarriers are initialised before anyone waits on them
+
+  if (wg == 2) {  // producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kV10ProducerRegs));
+    if (tid == 288) {  // the packed parameters (w1s, w2s, vec are contiguous), in pieces of <= 32 KB
+      constexpr int bytes = 4 * kV10PackFloats<KC, HP>;
+      // launched as a programmatic dependent of the params kernel: wait for its writes (the tile copies
+      // above do not depend on it)
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      mbar_expect_tx(wbar, bytes);
+      for (int off = 0; off < bytes; off += 32768)
+        bulk_copy(w1s + off / 4, wpack + off / 4, bytes - off < 32768 ? bytes - off : 32768, wbar);
+    } else if (tid == 256) {
+      const unsigned bytes = static_cast<unsigned>(4 * L.slot_floats);
+      unsigned u = 0;
+      for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+        int b, I, J;
+        decode_tile(t, tiles_per_b, b, I, J);
+        for (int half = 0; half < 2; ++half, ++u) {
+          const int s = static_cast<int>(u % R);
+          if (u >= static_cast<unsigned>(R)) mbar_wait(empty + s, ((u / R) - 1) & 1);
+          mbar_expect_tx(full + s, bytes);
+          float* dst = ring + s * L.slot_floats;
+#pragma unroll
+          for (int box = 0; box < KC / 32; ++box)
+            tma_load_4d(dst + box * 2048, half ? &tm_mirror : &tm_tile, 32 * box, TILE * J, TILE * I, b, full + s);
+        }
+      }
+    }
+    return;  // no block-wide barrier after this point
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kV10ConsumerRegs));
+
+  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3, w4 = (tid >> 5) & 3;
+  const int p0 = 16 * w4 + v10_row(g), p1 = p0 + 8;
+  const float inv_c = 1.f / static_cast<float>(C), bias3 = __ldg(b3);
+  const uint64_t d1h = v10_desc(w1s), d1l = v10_desc(w1s + HP * KC);
+  const uint64_t d2h = v10_desc(w2s), d2l = v10_desc(w2s + HP * HP);
+
+  float d0[NA], d1[NA];  // wgmma accumulators (each chunk starts with scale-d 0; zeroed once so they are defined)
+#pragma unroll
+  for (int e = 0; e < NA; ++e) d0[e] = d1[e] = 0.f;
+  bool staged = false;  // this thread has waited for the weights
+  unsigned q = wg;      // block-local tile index
+  for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; t < total;
+       t += 2ll * gridDim.x, q += 2) {
+    int b, I, J;
+    decode_tile(t, tiles_per_b, b, I, J);
+    const int i0 = TILE * I + (p0 >> 3), j0 = TILE * J + (p0 & 7);
+    const int i1 = i0 + 1;  // p1 = p0 + 8: next tile row, same column
+    const bool ok0 = i0 < N && j0 < N, ok1 = i1 < N && j0 < N;
+    const unsigned u0 = 2 * q, u1 = 2 * q + 1;
+    const int s0 = static_cast<int>(u0 % R), s1 = static_cast<int>(u1 % R);
+    mbar_wait(full + s0, (u0 / R) & 1);
+    mbar_wait(full + s1, (u1 / R) & 1);
+
+    float mean[4], rstd[4];
+    const float* tl = ring + s0 * L.slot_floats;
+    const float* mi = ring + s1 * L.slot_floats;
+    v10_stats<KC>(tl, mi, p0, t4, C, inv_c, eps, ok0, ok1, mean, rstd);
+    // ---- s split into A fragments for all of K (then both slots are free), GEMM1: h1 = s W1'^T ----
+    // (building chunk kk while chunk kk - 1 ran on the tensor cores measured slower at long: 507 vs 493 us)
+    uint32_t ah[KS1][4], al[KS1][4];
+#pragma unroll
+    for (int kk = 0; kk < KS1 / 2; ++kk) v10_build_kk<KC>(tl, mi, p0, t4, kk, mean, rstd, ah, al);
+    __syncwarp();
+    if (lane == 0) {  // this warp has read both slots
+      mbar_arrive(empty + s0);
+      mbar_arrive(empty + s1);
+    }
+    if (!staged) {  // the parameters are in shared memory
+      mbar_wait(wbar, 0);
+      staged = true;
+    }
+    float acc[NA];
+    wg_fence(ah);
+    wg_fence(al);
+    v10_gemm<HP, KS1>(ah, al, d1h, d1l, d0, d1, acc);
+    wg_fence(ah);  // the A registers stay live until every wgmma reading them has completed
+    wg_fence(al);
+
+    // ---- h1 = relu(acc + b1') in registers -> GEMM2's A fragments (v10_k2's order) ----
+    uint32_t bh[KS2][4], bl[KS2][4];
+#pragma unroll
+    for (int j = 0; j < KS2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int unit = 8 * j + 2 * t4 + (e & 1);
+        const float h = fmaxf(acc[4 * j + e] + vec[unit], 0.f);
+        const int slot = (e >> 1) | ((e & 1) << 1);  // d[4j + e]: row g + 8 (e / 2), unit + e % 2 -> a[(e/2) + 2 (e%2)]
+        split_tf32_fast(h, bh[j][slot], bl[j][slot]);
+      }
+    wg_fence(bh);
+    wg_fence(bl);
+    // ---- GEMM2: h2 = h1 W2^T (into acc) ----
+    v10_gemm<HP, KS2>(bh, bl, d2h, d2l, d0, d1, acc);
+    wg_fence(bh);
+    wg_fence(bl);
+
+    // ---- layer 3 and the output: z = sum_u w3[u] relu(h2[u] + b2[u]) ----
+    float z0 = 0.f, z1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < KS2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int unit = 8 * j + 2 * t4 + e;
+        const float bb = vec[HP + unit], ww = vec[2 * HP + unit];
+        z0 = fmaf(ww, fmaxf(acc[4 * j + e] + bb, 0.f), z0);
+        z1 = fmaf(ww, fmaxf(acc[4 * j + 2 + e] + bb, 0.f), z1);
+      }
+    z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
+    z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
+    z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
+    z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
+    // lanes t4 = 0 / 1 write pair p0 / p1 (both orientations)
+    if (t4 < 2) {
+      const bool ok = t4 == 0 ? ok0 : ok1;
+      if (ok) {
+        const int i = t4 == 0 ? i0 : i1;
+        const float o = 1.f / (1.f + expf(-((t4 == 0 ? z0 : z1) + bias3)));
+        out[(static_cast<long long>(b) * N + i) * N + j0] = o;
+        out[(static_cast<long long>(b) * N + j0) * N + i] = o;
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the host never launches this (v10_supported)
+#endif
+}
+
+// =============================================================================================
 // Launchers
 // =============================================================================================
 struct Args {
@@ -1196,6 +1684,107 @@ void dispatch_tc_hidden(const Args& a, int HP, int variant, cudaStream_t s, int 
   }
 }
 
+// v10's host side: sm_90a in this build and a compute capability 9.0 device; the shapes its tiles fit.
+#if defined(CM_SM90A)
+constexpr bool kBuiltSm90a = true;  // the build has sm_90a code (v10's wgmma)
+#else
+constexpr bool kBuiltSm90a = false;
+#endif
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once.
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = nullptr;
+  if (fn == nullptr) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
+#endif
+    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
+                "contact_map: the CUDA driver has no cuTensorMapEncodeTiled (v10 needs CUDA 12+)");
+    fn = reinterpret_cast<EncodeTiledFn>(p);
+  }
+  return fn;
+}
+
+// x (B, N, N, C) contiguous as a 4-D tensor map (C, N, N, B) with boxes of 32 channels x 8 x 8
+// positions, 128-byte swizzle, zero fill out of range. Tile map: dimension 1 is x's j (stride C),
+// dimension 2 its i (stride N C); mirror map: the two swapped, so that both land with row 8 il + jl.
+CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror) {
+  CUtensorMap m;
+  const cuuint64_t row = static_cast<cuuint64_t>(C) * 4, plane = static_cast<cuuint64_t>(N) * C * 4;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(C), static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(N),
+                              static_cast<cuuint64_t>(B)};
+  const cuuint64_t strides[3] = {mirror ? plane : row, mirror ? row : plane, plane * N};
+  const cuuint32_t box[4] = {32, TILE, TILE, 1}, elem[4] = {1, 1, 1, 1};
+  const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<float*>(x), dims, strides, box,
+                                    elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "contact_map: cuTensorMapEncodeTiled failed with CUresult " + num(static_cast<int>(r)));
+  return m;
+}
+
+// Where v10 runs (else v10 runs v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
+// with C % 16 == 0, H <= 64, N >= 8 (a box never exceeds the tensor), x 16-byte aligned.
+bool v10_supported(const Args& a, int device) {
+  if (!kBuiltSm90a) return false;
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0 && a.C % 16 == 0 && a.C >= 32 && a.C <= 128 && a.H <= 64 && a.N >= TILE &&
+         reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+}
+
+// As many ring slots as fit (2..kV10MaxSlots); one block per SM, at most one per tile.
+template <int KC, int HP>
+void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
+  int R = kV10MaxSlots;
+  while (R > 2 && SmemV10(KC, HP, R).total > max_smem) --R;
+  const int smem = SmemV10(KC, HP, R).total;
+  TORCH_CHECK(smem <= max_smem, "contact_map: v10 needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
+  auto kernel = contact_map_v10_kernel<KC, HP>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false), mm = make_tile_map(a.x, a.B, a.N, a.C, true);
+  constexpr int pack = kV10PackFloats<KC, HP>, pack_threads = HP * KC + HP * HP + 32 * HP;
+  float* wpack = wpack_buf.data_ptr<float>();
+  TORCH_CHECK(wpack_buf.numel() >= pack, "contact_map: internal error: v10 parameter buffer too small");
+  contact_map_v10_params_kernel<KC, HP><<<cdiv(pack_threads, 256), 256, 0, stream>>>(
+      a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.C, a.H, wpack);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int nT = cdiv(a.N, TILE);
+  const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
+  const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
+  // a programmatic dependent launch: the kernel starts (barriers, the first tiles' copies) while the params
+  // kernel runs, and waits for it (griddepcontrol.wait) only before copying wpack
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kV10Threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, mt, mm, a.out, static_cast<const float*>(wpack), a.b3, a.eps, a.B,
+                                    a.N, a.C, a.H, R));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// wpack_buf: float32 scratch of at least kV10PackFloats<128, 64> elements on the input's device.
+void dispatch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
+  const bool k64 = a.C <= 64, h32 = a.H <= 32;
+  if (k64 && h32) launch_v10<64, 32>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (k64) launch_v10<64, 64>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (h32) launch_v10<128, 32>(a, wpack_buf, stream, num_sms, max_smem);
+  else launch_v10<128, 64>(a, wpack_buf, stream, num_sms, max_smem);
+}
+
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
                  std::vector<int64_t> shape) {
   TORCH_CHECK(p.device() == x.device(), "contact_map: pair_repr is on ", x.device().str(),
@@ -1235,7 +1824,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || variant == 9,
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || variant == 9 || variant == 10,
               "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
@@ -1277,11 +1866,14 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  if (tc) {
+  if (variant == 10 && v10_supported(a, device)) {
+    const auto wpack = torch::empty({kV10PackFloats<128, 64>}, pair.options());
+    dispatch_v10(a, wpack, stream, num_sms, max_smem);
+  } else if (tc) {
     if (sizeof(float) * SmemTC(a.CP, HP, WFormat::kSplit).total <= static_cast<size_t>(max_smem))
-      dispatch_tc_hidden<WFormat::kSplit>(a, HP, static_cast<int>(variant), stream, num_sms);
+      dispatch_tc_hidden<WFormat::kSplit>(a, HP, variant == 10 ? 9 : static_cast<int>(variant), stream, num_sms);
     else
-      dispatch_tc_hidden<WFormat::kGlobal>(a, HP, static_cast<int>(variant), stream, num_sms);
+      dispatch_tc_hidden<WFormat::kGlobal>(a, HP, variant == 10 ? 9 : static_cast<int>(variant), stream, num_sms);
   }
   else if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
   else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
@@ -1297,16 +1889,69 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 
+
+def _wgmma_rs(n):
+    """Body of wgmma_rs<n>: the inline PTX of wgmma m64{n}k8 TF32 with A from the registers a[0..3],
+    B by descriptor `db`, its n/2 accumulator operands spelled out."""
+    nacc = n // 2
+    regs = ", ".join(f"%{i}" for i in range(nacc))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nacc))
+    a_ops = "{" + ", ".join(f"%{nacc + i}" for i in range(4)) + "}"
+    ins = "".join(f'"r"(a[{i}]), ' for i in range(4)) + '"l"(db), "r"(acc)'
+    return (f'    asm volatile("{{\\n .reg .pred p;\\n setp.ne.b32 p, %{nacc + 5}, 0;\\n"\n'
+            f'                 "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {{{regs}}}, {a_ops}, %{nacc + 4}, p, 1, 1;\\n}}\\n"\n'
+            f"                 : {outs}\n"
+            f"                 : {ins});")
+
+
+CUDA_SRC = CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_32@", _wgmma_rs(32))
+
 # With no GPU to detect (a CI machine, a laptop), PyTorch cannot pick the architecture to build
 # for and fails inside load_inline; build for the H100/H200 (sm_90) unless told otherwise.
 if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
     os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
 
 
+def _gencode_flags():
+    """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
+    reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
+    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's wgmma and
+    setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
+    does. Flags naming an arch replace PyTorch's own. Returns [] for lists it cannot parse (names
+    such as "Hopper"): PyTorch then builds as usual, without sm_90a (v10 then runs v9)."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if env and env != "native":
+        archs = [a for a in env.replace(" ", ";").split(";") if a]
+    elif not torch.cuda.is_available():
+        archs = ["9.0"]
+    else:
+        sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
+        newest = max((sm // 10, sm % 10) for sm in sms)
+        archs = sorted({"%d.%d" % min(newest, torch.cuda.get_device_capability(i))
+                        for i in range(torch.cuda.device_count())})
+        archs[-1:] = [a + "+PTX" for a in archs[-1:]]
+    flags = []
+    for a in archs:
+        m = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", a)
+        if m is None:
+            return []
+        num, suffix = m.group(1) + m.group(2), m.group(3)
+        if num == "90":
+            suffix = "a"
+        flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
+        if m.group(4):
+            ptx = num if num == "90" else num + suffix
+            flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
+    return list(dict.fromkeys(flags))
+
+
 def _build():
     """Compile CUDA_SRC with load_inline (cached by PyTorch under a name carrying the source hash)."""
     verbose = os.environ.get("CONTACT_MAP_VERBOSE", "") not in ("", "0")
-    digest = hashlib.sha1(CUDA_SRC.encode()).hexdigest()[:12]
+    gencode = _gencode_flags()
+    flags = (["-O3", "-lineinfo"] + gencode + (["-DCM_SM90A"] if any("code=sm_90a" in f for f in gencode) else [])
+             + (["-Xptxas", "-v"] if verbose else []))
+    digest = hashlib.sha1((CUDA_SRC + " ".join(flags)).encode()).hexdigest()[:12]
     name = f"contact_map_{digest}"
     try:
         from torch.utils.cpp_extension import _get_build_directory
@@ -1317,14 +1962,13 @@ def _build():
     if not cached:
         print("building contact_map CUDA extension, about 2-5 minutes the first time ...",
               file=sys.stderr, flush=True)
-    flags = ["-O3", "-lineinfo"] + (["-Xptxas", "-v"] if verbose else [])
     return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=flags,
                        verbose=verbose)
 
 
 _ext = _build()
 
-_VARIANT_IDS = {"v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest at batch; = v7 elsewhere)
+_VARIANT_IDS = {"v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -91,7 +91,7 @@ def _copy64(m_ref):
 # CPU: build and input checks
 # ------------------------------------------------------------------------------------------------
 def test_builds_and_has_variants(cm):
-    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9"}
+    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9", "v10"}
     assert cm.ModelNew(8, 4).variant == cm.ModelNew.VARIANTS[0]
 
 
@@ -175,6 +175,11 @@ def test_named_shapes(cm, ref, name):
     # v9's producers with the weights from global memory (pair_dim > 208 at hidden 17-32, > 248 at
     # hidden 16; 4-byte copies) and in shared memory without the fused pass (pair_dim 129-208)
     (1, 200, 240, 24), (1, 200, 237, 24), (1, 200, 256, 16), (1, 160, 160, 32),
+    # v10 (Hopper): its four builds (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8),
+    # N = 8 (one box), pair_dim 48 / 96 (zero-filled channel boxes), hidden 17 / 33 / 40 (padded units),
+    # and more tiles than 2 x 132 warpgroups (ring slots reused, both warpgroups walking tiles)
+    (1, 8, 32, 32), (1, 9, 48, 17), (2, 100, 64, 64), (1, 200, 96, 40), (3, 77, 128, 33), (1, 300, 128, 64),
+    (1, 250, 64, 20),
 ])
 @pytest.mark.parametrize("dist", ["normal", "offset"])
 def test_awkward_sizes(cm, ref, B, N, C, H, dist):
