@@ -41,7 +41,7 @@ input gives finite outputs where the reference gives NaN (the ReLUs are fmaxf).
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
     "v10" (default; Hopper) both products on wgmma (m64nNk8 TF32, A from registers) in split TF32,
           GEMM1's accumulator chained in registers into GEMM2's A operand, the tiles brought in by
-          the TMA engine (a 2-D tensor map with 128-byte swizzle, a producer warp, a ring of
+          the TMA engine (4-D tensor maps, boxes of 32 channels x 8 x 8 positions, 128-byte swizzle; a producer warp, a ring of
           mbarrier slots), two consumer warpgroups each on its own tile, the LayerNorm affine folded
           into W1 and b1 (a small per-call kernel packs the weights; the main kernel is launched as
           its programmatic dependent). Harness, H200, 2026-12-01: crop 0.0399, batch 0.0885, long
@@ -1451,7 +1451,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     if (tid == 288) {  // the packed parameters (w1s, w2s, vec are contiguous), in pieces of <= 32 KB
       constexpr int bytes = 4 * kV10PackFloats<KC, HP>;
       // launched as a programmatic dependent of the params kernel: wait for its writes (the tile copies
-      // above do not depend on it)
+      // by thread 256 do not depend on it)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       mbar_expect_tx(wbar, bytes);
       for (int off = 0; off < bytes; off += 32768)
@@ -1478,7 +1478,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kV10ConsumerRegs));
 
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3, w4 = (tid >> 5) & 3;
-  const int p0 = 16 * w4 + v10_row(g), p1 = p0 + 8;
+  const int p0 = 16 * w4 + v10_row(g);  // this thread's pairs: p0 (fragment row g) and p0 + 8 (row g + 8)
   const float inv_c = 1.f / static_cast<float>(C), bias3 = __ldg(b3);
   const uint64_t d1h = v10_desc(w1s), d1l = v10_desc(w1s + HP * KC);
   const uint64_t d2h = v10_desc(w2s), d2l = v10_desc(w2s + HP * HP);
