@@ -30,9 +30,9 @@ accumulation truncates): v5-v9 every k step's hi*hi, v10 every 16 k. Measured ag
 evaluation on the H200 (harness, every distribution, max over the trials): v10 (default) 1.0-1.15x
 the fp32 PyTorch reference's own max error at the seed, crop, batch and long shapes, 1.09x at
 awkward_37, 1.11x at N = 1 (awkward_1) and 1.36x at awkward_129 (2026-12-01, ninth session's device
-run 5; at most 1.55x over 37 more shape/distribution checks of run 3, x100 and offset inputs
-included); v9 0.75-1.03x, 1.0x, 1.1x and 1.36x (2026-11-29; NOTES.md). Known exceptions, found by a
-review's checks (run 6), v9 alike: up to 2.5x at some tiny shapes (N <= 17, errors <= 4e-7; v9 up to
+run 5; at most 1.55x over 37 more shape/distribution checks of run 3 with the scratch script
+.scratch/cm10.py, not the harness, x100 and offset inputs included); v9 0.75-1.03x, 1.0x, 1.1x and 1.36x (2026-11-29; NOTES.md). Known exceptions, found by a
+review helper's own script (run 6, not the harness), v9 alike: up to 2.5x at some tiny shapes (N <= 17, errors <= 4e-7; v9 up to
 3.2x there), 2.9x with per-row offsets of +-1000 (v9 2.3x), and on rows of one constant value at
 pair_dim 48 or 80 up to 160x: the mean, a rounded sum times a rounded 1 / pair_dim, misses the value
 by an ulp, and rstd = 1 / sqrt(eps) magnifies that (the reference's mean is exact there). A NaN in the
@@ -1249,7 +1249,6 @@ __device__ __forceinline__ void wg_fence(uint32_t (&a)[KS][4]) {
 // the tile's rows p0, p1, r = 2, 3: the mirror's). Two-pass per row from registers (the lane's KC / 4
 // values, the quad's sums by shuffles): the same arithmetic as v7's fused pass. Invalid pairs (edge
 // tiles) get rstd = 0, so that their s is 0.
-template <int KC>
 __device__ __forceinline__ float4 v10_chunk4(const float* base, int p, int kk, int t) {  // channels 16 kk + 4 t ..
   const int phys = (4 * (kk & 1) + t) ^ (p & 7);
   return reinterpret_cast<const float4*>(base)[(kk >> 1) * 512 + p * 8 + phys];
@@ -1267,7 +1266,7 @@ __device__ __forceinline__ void v10_stats(const float* tile, const float* mirror
     float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < NK; ++kk) {
-      v[kk] = v10_chunk4<KC>(base, p, kk, t);
+      v[kk] = v10_chunk4(base, p, kk, t);
       s4[kk & 3] += (v[kk].x + v[kk].y) + (v[kk].z + v[kk].w);
     }
     float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
@@ -1299,7 +1298,7 @@ __device__ __forceinline__ void v10_build_kk(const float* tile, const float* mir
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // fragment rows g (h = 0) and g + 8
     const int p = p0 + 8 * h;
-    const float4 va = v10_chunk4<KC>(tile, p, kk, t), vb = v10_chunk4<KC>(mirror, p, kk, t);
+    const float4 va = v10_chunk4(tile, p, kk, t), vb = v10_chunk4(mirror, p, kk, t);
     const float ma = mean[h], ra = 0.5f * rstd[h], mb = mean[2 + h], rb = 0.5f * rstd[2 + h];
     // each product rounded on its own (no FMA contraction), so that s(i, j) == s(j, i) bit for bit
     const float s0 = __fadd_rn(__fmul_rn(va.x - ma, ra), __fmul_rn(vb.x - mb, rb));
@@ -1365,7 +1364,7 @@ __global__ void __launch_bounds__(256) contact_map_v10_params_kernel(
 // k steps per promotion (16 k): the tensor cores' own accumulation truncates, so each chunk of
 // kV10Promo k steps (lo*hi, hi*lo, hi*hi each) goes into a fresh accumulator that is then added to acc
 // in fp32. (64 k per chunk, as outer_wg, measured up to 3.1x the fp32 reference's max error against
-// fp64 here; 16 k: at most 1.55x, NOTES.md.)
+// fp64 here; 16 k: at most 1.55x; scratch checks of device runs 1-2, NOTES.md.)
 constexpr int kV10Promo = 2;
 template <int NA>
 __device__ __forceinline__ void v10_promote(float (&acc)[NA], float (&d)[NA], bool first) {
@@ -1871,14 +1870,15 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
+  const int tc_variant = variant == 10 ? 9 : static_cast<int>(variant);  // v10 outside its tiles: v9
   if (variant == 10 && v10_supported(a, device)) {
     const auto wpack = torch::empty({kV10PackFloats<128, 64>}, pair.options());
     dispatch_v10(a, wpack, stream, num_sms, max_smem);
   } else if (tc) {
     if (sizeof(float) * SmemTC(a.CP, HP, WFormat::kSplit).total <= static_cast<size_t>(max_smem))
-      dispatch_tc_hidden<WFormat::kSplit>(a, HP, variant == 10 ? 9 : static_cast<int>(variant), stream, num_sms);
+      dispatch_tc_hidden<WFormat::kSplit>(a, HP, tc_variant, stream, num_sms);
     else
-      dispatch_tc_hidden<WFormat::kGlobal>(a, HP, variant == 10 ? 9 : static_cast<int>(variant), stream, num_sms);
+      dispatch_tc_hidden<WFormat::kGlobal>(a, HP, tc_variant, stream, num_sms);
   }
   else if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
   else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
@@ -1911,19 +1911,16 @@ def _wgmma_rs(n):
 
 CUDA_SRC = CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_32@", _wgmma_rs(32))
 
-# With no GPU to detect (a CI machine, a laptop), PyTorch cannot pick the architecture to build
-# for and fails inside load_inline; build for the H100/H200 (sm_90) unless told otherwise.
-if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-
-
 def _gencode_flags():
     """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
     reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
     this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's wgmma and
     setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
-    does. Flags naming an arch replace PyTorch's own. Returns [] for lists it cannot parse (names
-    such as "Hopper"): PyTorch then builds as usual, without sm_90a (v10 then runs v9)."""
+    does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
+    9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
+    Returns [] for lists it cannot parse (names such as "Hopper"): PyTorch then builds as usual,
+    without sm_90a (v10 then runs v9). The same function as outer_product_mean.py's: each kernel
+    file stands alone (one file to drop in), so it is not shared."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":
         archs = [a for a in env.replace(" ", ";").split(";") if a]
