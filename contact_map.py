@@ -13,10 +13,12 @@ same device. Parameters: the reference's, read at every call (a later `load_stat
 update takes effect), all float32 on the input's device.
 
 How it runs: s is symmetric, so out is exactly symmetric (out[b,i,j] == out[b,j,i] bit for bit). One
-persistent kernel (v1-v9; v10's differences are in the variant list below) walks the tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
+persistent kernel (v1-v9; v10's and v11's differences are in the variant list below) walks the
+tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
 x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
-pair_dim % 4 == 0), computes the LayerNorm statistics of each vector two-pass from shared memory
-(exact mean first, then the mean of squared deviations: stable for any offset), builds s (64 pairs x
+pair_dim % 4 == 0), computes the LayerNorm statistics of each vector by the corrected two-pass
+algorithm (Chan, Golub & LeVeque 1983: a first mean m, then with d = x - m, mean = m + sum d / C and
+var = (sum d^2 - (sum d)^2 / C) / C: stable for any offset, exact on rows of one value), builds s (64 pairs x
 pair_dim; v1-v3: its transpose) in shared memory, runs the MLP as two matrix products against
 weights staged once per block in shared memory, and writes both out[b,i,j] and out[b,j,i]. Each input element is read from
 device memory once, each unordered pair {i, j} off the diagonal tiles is computed once, and nothing
@@ -26,26 +28,38 @@ Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The 
 (v5 and later) run the two products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32,
 and a*b ~ hi*hi + hi*lo + lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM),
 promoting short partial sums into an fp32 accumulator by ordinary adds (the tensor cores' own
-accumulation truncates): v5-v9 every k step's hi*hi, v10 every 16 k. Measured against an fp64
-evaluation on the H200 (harness, every distribution, max over the trials): v10 (default) 1.0-1.15x
-the fp32 PyTorch reference's own max error at the seed, crop, batch and long shapes, 1.09x at
-awkward_37, 1.11x at N = 1 (awkward_1) and 1.36x at awkward_129 (2026-12-01, ninth session's device
-run 5; at most 1.55x over 37 more shape/distribution checks of run 3 with the scratch script
-.scratch/cm10.py, not the harness, x100 and offset inputs included); v9 0.75-1.03x, 1.0x, 1.1x and 1.36x (2026-11-29; NOTES.md). Known exceptions, found by a
-review helper's own script (run 6, not the harness), v9 alike: up to 2.5x at some tiny shapes (N <= 17, errors <= 4e-7; v9 up to
-3.2x there), 2.9x with per-row offsets of +-1000 (v9 2.3x), and on rows of one constant value at
-pair_dim 48 or 80 up to 160x: the mean, a rounded sum times a rounded 1 / pair_dim, misses the value
-by an ulp, and rstd = 1 / sqrt(eps) magnifies that (the reference's mean is exact there). A NaN in the
-input gives finite outputs where the reference gives NaN (the ReLUs are fmaxf).
+accumulation truncates): v5-v9 every k step's hi*hi, v10 and v11 every 16 k. Measured against an
+fp64 evaluation on the H200 (harness, every distribution, max over the trials): v11 (default)
+and v10 (the same arithmetic: bit-identical outputs) 0.73x the fp32 PyTorch reference's own max
+error at seed, 0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1
+(awkward_1) and 0.32x at awkward_129 (2026-12-01, tenth session's device run 4); at most 1.67x over
+37 more shape/distribution checks of run 3 with the scratch script .scratch/cm10.py, not the harness
+(x100, +100 offset and uniform inputs included; the worst at one 8 x 8 tile, errors <= 2.1e-7).
+A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are max.NaN, which keeps
+NaN). On a row of one constant value the centred values are exactly 0 (the corrected two-pass). The
+plain two-pass mean used until the tenth session, a rounded sum times a rounded 1 / pair_dim, missed
+the value by an ulp there, and rstd = 1 / sqrt(eps) turned that into up to 160x the reference's error
+at pair_dim 48 / 80. Known exceptions, found by a
+review helper's own script (ninth session's run 6, not the harness), v9 alike: up to 2.5x at some tiny
+shapes (N <= 17, errors <= 4e-7; v9 up to 3.2x there) and 2.9x with per-row offsets of +-1000 (v9
+2.3x), both measured before the corrected statistics.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v10" (default; Hopper) both products on wgmma (m64nNk8 TF32, A from registers) in split TF32,
+    "v11" (default; Hopper) v10 with each tile's rows read from the ring slots once, into registers
+          (128 per thread at pair_dim 128), the slots released at once, and the statistics and s
+          computed from the registers (v10 reads every row twice from the slots, for the statistics
+          and for s, and holds the slots until s is built). Harness, H200, 2026-12-01 (tenth
+          session, device runs 4 and 5): crop 0.0392-0.0398, batch 0.0879, long 0.4273 ms per
+          call against v10's 0.0398-0.0400, 0.0870 and 0.4392 in the same device runs: 2.7% faster
+          at long, within 1-2% of v10 at crop and batch. Runs where v10 runs (else what v9 runs;
+          `last_variant` says "v11").
+    "v10" (Hopper) both products on wgmma (m64nNk8 TF32, A from registers) in split TF32,
           GEMM1's accumulator chained in registers into GEMM2's A operand, the tiles brought in by
           the TMA engine (4-D tensor maps, boxes of 32 channels x 8 x 8 positions, 128-byte swizzle; a producer warp, a ring of
           mbarrier slots), two consumer warpgroups each on its own tile, the LayerNorm affine folded
           into W1 and b1 (a small per-call kernel packs the weights; the main kernel is launched as
           its programmatic dependent). Harness, H200, 2026-12-01: crop 0.0399, batch 0.0885, long
-          0.4465 ms per call (v9: 0.084, 0.198, 1.136; 2.1-2.5x). Runs where the extension was built
+          0.4465 ms per call (v9: 0.084, 0.198, 1.136; 2.1-2.5x; ninth session). Runs where the extension was built
           with sm_90a code (9.0 in the arch list, or no list and an H100/H200: built as sm_90a),
           on a compute capability 9.0 GPU, at 32 <= pair_dim <= 128 with pair_dim % 16 == 0,
           hidden_dim <= 64, N >= 8 and a 16-byte aligned input; elsewhere it runs what v9 runs
@@ -172,6 +186,24 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// ReLU that keeps NaN (fmaxf(NaN, 0) is 0; torch.relu gives NaN): max.NaN (sm_80+), one instruction.
+__device__ __forceinline__ float relu(float v) {
+  float r;
+  asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(r) : "f"(v));
+  return r;
+}
+
+// LayerNorm statistics by the corrected two-pass algorithm (Chan, Golub & LeVeque 1983): with the first
+// pass's mean m and d = x - m over the C valid channels, d1 = sum d, d2 = sum d^2:
+// mean = m + d1 / C, var = (d2 - d1^2 / C) / C. The correction absorbs the rounding of m, which a
+// plain two-pass keeps: on a row of one value at C = 48 or 80, m = sum * (1 / C) misses the value by an
+// ulp and rstd = 1 / sqrt(eps) turned that into 160x the reference's error (ninth session's review).
+__device__ __forceinline__ void ln_stats(float m, float d1, float d2, float inv_c, float eps, float& mean, float& rstd) {
+  mean = m + d1 * inv_c;
+  const float var = (d2 - d1 * d1 * inv_c) * inv_c;
+  rstd = rsqrtf((var < 0.f ? 0.f : var) + eps);
 }
 
 // Hidden unit owned by register r of the thread at hidden-group hg (0..15), RH = HP / 16 units per
@@ -522,7 +554,7 @@ __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq,
 #pragma unroll
   for (int o = RPW; o < 32; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   const float mean = s * inv_c;
-  float m4[4] = {0.f, 0.f, 0.f, 0.f};
+  float m4[4] = {0.f, 0.f, 0.f, 0.f}, e4[4] = {0.f, 0.f, 0.f, 0.f};
   for (int q0 = part; q0 < nq; q0 += 4 * TPR) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -535,15 +567,21 @@ __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq,
         const float dz = c + 2 < C ? v.z - mean : 0.f;
         const float dw = c + 3 < C ? v.w - mean : 0.f;
         m4[u] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+        e4[u] += (dx + dy) + (dz + dw);
       }
     }
   }
-  float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]);
+  float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]), d1 = (e4[0] + e4[1]) + (e4[2] + e4[3]);
 #pragma unroll
-  for (int o = RPW; o < 32; o <<= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
+  for (int o = RPW; o < 32; o <<= 1) {
+    m2 += __shfl_xor_sync(0xffffffffu, m2, o);
+    d1 += __shfl_xor_sync(0xffffffffu, d1, o);
+  }
   if (part == 0) {
-    stats[r] = mean;
-    stats[2 * PAIRS + r] = rsqrtf(m2 * inv_c + eps);
+    float mc, rs;
+    ln_stats(mean, d1, m2, inv_c, eps, mc, rs);
+    stats[r] = mc;
+    stats[2 * PAIRS + r] = rs;
   }
 }
 
@@ -674,15 +712,18 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
         float s = 0.f;
         for (int c = lane; c < C; c += 32) s += row[c];
         const float mean = warp_sum(s) * inv_c;
-        float v = 0.f;
+        float v = 0.f, e = 0.f;
         for (int c = lane; c < C; c += 32) {
           const float d = row[c] - mean;
           v = fmaf(d, d, v);
+          e += d;
         }
-        const float var = warp_sum(v) * inv_c;
+        const float d2 = warp_sum(v), d1 = warp_sum(e);
         if (lane == 0) {
-          stats[r] = mean;
-          stats[2 * PAIRS + r] = rsqrtf(var + eps);
+          float mc, rs;
+          ln_stats(mean, d1, d2, inv_c, eps, mc, rs);
+          stats[r] = mc;
+          stats[2 * PAIRS + r] = rs;
         }
       }
     } else {
@@ -735,10 +776,10 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
       const int h = hidden_of<RH>(r, hg);
       const float bb = b1s[h];
       float4 v;
-      v.x = fmaxf(acc[0][r] + bb, 0.f);
-      v.y = fmaxf(acc[1][r] + bb, 0.f);
-      v.z = fmaxf(acc[2][r] + bb, 0.f);
-      v.w = fmaxf(acc[3][r] + bb, 0.f);
+      v.x = relu(acc[0][r] + bb);
+      v.y = relu(acc[1][r] + bb);
+      v.z = relu(acc[2][r] + bb);
+      v.w = relu(acc[3][r] + bb);
       *reinterpret_cast<float4*>(st + h * LDP + pg * RM) = v;  // padded units: relu(0 + 0) = 0
     }
     __syncthreads();  // h1^T complete
@@ -757,7 +798,7 @@ contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
 #pragma unroll
       for (int r = 0; r < RH; ++r) {
         const int h = hidden_of<RH>(r, hg);
-        z[m] = fmaf(w3s[h], fmaxf(acc[m][r] + b2s[h], 0.f), z[m]);
+        z[m] = fmaf(w3s[h], relu(acc[m][r] + b2s[h]), z[m]);
       }
       // sum over the 16 hidden groups: lanes hg = 0..15 of this half-warp
 #pragma unroll
@@ -833,23 +874,27 @@ __device__ __forceinline__ void stats_build_fused(const float* raw, int raw_ld, 
   float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
   sum += __shfl_xor_sync(0xffffffffu, sum, 4);   // the 4 parts of the row
   sum += __shfl_xor_sync(0xffffffffu, sum, 16);
-  const float mean = sum * inv_c;
-  float m4[4] = {0.f, 0.f, 0.f, 0.f};
+  const float mean1 = sum * inv_c;
+  float m4[4] = {0.f, 0.f, 0.f, 0.f}, e4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int c = 4 * (16 * m + 4 * P + u);       // mask the padding: (0 - mean)^2 != 0
-      const float dx = c < C ? v[m][u].x - mean : 0.f;
-      const float dy = c + 1 < C ? v[m][u].y - mean : 0.f;
-      const float dz = c + 2 < C ? v[m][u].z - mean : 0.f;
-      const float dw = c + 3 < C ? v[m][u].w - mean : 0.f;
+      const float dx = c < C ? v[m][u].x - mean1 : 0.f;
+      const float dy = c + 1 < C ? v[m][u].y - mean1 : 0.f;
+      const float dz = c + 2 < C ? v[m][u].z - mean1 : 0.f;
+      const float dw = c + 3 < C ? v[m][u].w - mean1 : 0.f;
       m4[u] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+      e4[u] += (dx + dy) + (dz + dw);
     }
-  float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]);
+  float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]), d1 = (e4[0] + e4[1]) + (e4[2] + e4[3]);
   m2 += __shfl_xor_sync(0xffffffffu, m2, 4);
   m2 += __shfl_xor_sync(0xffffffffu, m2, 16);
-  const float rstd = rsqrtf(m2 * inv_c + eps);
+  d1 += __shfl_xor_sync(0xffffffffu, d1, 4);
+  d1 += __shfl_xor_sync(0xffffffffu, d1, 16);
+  float mean, rstd;
+  ln_stats(mean1, d1, m2, inv_c, eps, mean, rstd);
   const float mean_o = __shfl_xor_sync(0xffffffffu, mean, 8), rstd_o = __shfl_xor_sync(0xffffffffu, rstd, 8);
   const float ma = half ? mean_o : mean, ra = half ? rstd_o : rstd;  // row p
   const float mb = half ? mean : mean_o, rb = half ? rstd : rstd_o;  // row 64 + p
@@ -918,9 +963,9 @@ __device__ __forceinline__ void mlp_tc(float* act, int lds, int CP, const void* 
       const int h = (cg * NTW + nt) * 8 + 2 * t4;
       const float bb0 = b1s[h], bb1 = b1s[h + 1];
       float* r0 = act + (16 * mt + g) * ldh + h;
-      *reinterpret_cast<float2*>(r0) = make_float2(fmaxf(acc[nt][0] + bb0, 0.f), fmaxf(acc[nt][1] + bb1, 0.f));
+      *reinterpret_cast<float2*>(r0) = make_float2(relu(acc[nt][0] + bb0), relu(acc[nt][1] + bb1));
       *reinterpret_cast<float2*>(r0 + 8 * ldh) =
-          make_float2(fmaxf(acc[nt][2] + bb0, 0.f), fmaxf(acc[nt][3] + bb1, 0.f));
+          make_float2(relu(acc[nt][2] + bb0), relu(acc[nt][3] + bb1));
     }
   }
   __syncthreads();  // h1 complete (padded units: relu(0 + 0) = 0)
@@ -936,10 +981,10 @@ __device__ __forceinline__ void mlp_tc(float* act, int lds, int CP, const void* 
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
       const int h = (cg * NTW + nt) * 8 + 2 * t4;
-      z0 = fmaf(w3s[h], fmaxf(acc[nt][0] + b2s[h], 0.f), z0);
-      z0 = fmaf(w3s[h + 1], fmaxf(acc[nt][1] + b2s[h + 1], 0.f), z0);
-      z1 = fmaf(w3s[h], fmaxf(acc[nt][2] + b2s[h], 0.f), z1);
-      z1 = fmaf(w3s[h + 1], fmaxf(acc[nt][3] + b2s[h + 1], 0.f), z1);
+      z0 = fmaf(w3s[h], relu(acc[nt][0] + b2s[h]), z0);
+      z0 = fmaf(w3s[h + 1], relu(acc[nt][1] + b2s[h + 1]), z0);
+      z1 = fmaf(w3s[h], relu(acc[nt][2] + b2s[h]), z1);
+      z1 = fmaf(w3s[h + 1], relu(acc[nt][3] + b2s[h + 1]), z1);
     }
     z0 += __shfl_xor_sync(0xffffffffu, z0, 1);  // sum over the quad (t4 = 0..3)
     z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
@@ -1253,44 +1298,68 @@ __device__ __forceinline__ float4 v10_chunk4(const float* base, int p, int kk, i
   const int phys = (4 * (kk & 1) + t) ^ (p & 7);
   return reinterpret_cast<const float4*>(base)[(kk >> 1) * 512 + p * 8 + phys];
 }
-template <int KC>
+// One row's statistics from the lane's NK chunks (a quad holds the row; chunks >= nvalid are the
+// zero-filled channels C..KC-1; FULL: C == KC, no such chunks): ln_stats' corrected two-pass. FULL
+// is a template argument so that the full-width path has no per-chunk branch (a basic block per chunk
+// would keep the compiler from interleaving the rows' independent sums).
+template <int NK, bool FULL>
+__device__ __forceinline__ void v10_row_stats(const float4 (&v)[NK], int nvalid, float inv_c, float eps, bool ok,
+                                              float& mean, float& rstd) {
+  float s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) s4[kk & 3] += (v[kk].x + v[kk].y) + (v[kk].z + v[kk].w);
+  float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  const float m = sum * inv_c;
+  float m4[4] = {0.f, 0.f, 0.f, 0.f}, e4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    if (FULL || kk < nvalid) {  // channels >= C are zero-filled: (0 - mean)^2 must not count
+      const float dx = v[kk].x - m, dy = v[kk].y - m, dz = v[kk].z - m, dw = v[kk].w - m;
+      m4[kk & 3] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+      e4[kk & 3] += (dx + dy) + (dz + dw);
+    }
+  }
+  float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]), d1 = (e4[0] + e4[1]) + (e4[2] + e4[3]);
+  m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+  m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+  d1 += __shfl_xor_sync(0xffffffffu, d1, 1);
+  d1 += __shfl_xor_sync(0xffffffffu, d1, 2);
+  float rs;
+  ln_stats(m, d1, m2, inv_c, eps, mean, rs);
+  rstd = ok ? rs : 0.f;
+}
+// v10: each row read from the slot for the statistics (and again for s, v10_build_kk).
+template <int KC, bool FULL>
 __device__ __forceinline__ void v10_stats(const float* tile, const float* mirror, int p0, int t, int C, float inv_c,
                                           float eps, bool ok0, bool ok1, float (&mean)[4], float (&rstd)[4]) {
   constexpr int NK = KC / 16;
-  const int nvalid = C / 16;
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    const float* base = r < 2 ? tile : mirror;
-    const int p = p0 + 8 * (r & 1);
     float4 v[NK];
-    float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int kk = 0; kk < NK; ++kk) {
-      v[kk] = v10_chunk4(base, p, kk, t);
-      s4[kk & 3] += (v[kk].x + v[kk].y) + (v[kk].z + v[kk].w);
-    }
-    float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float m = sum * inv_c;
-    float m4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kk = 0; kk < NK; ++kk) {
-      if (kk < nvalid) {  // channels >= C are zero-filled: (0 - mean)^2 must not count
-        const float dx = v[kk].x - m, dy = v[kk].y - m, dz = v[kk].z - m, dw = v[kk].w - m;
-        m4[kk & 3] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
-      }
-    }
-    float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]);
-    m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-    m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
-    mean[r] = m;
-    rstd[r] = ((r & 1) ? ok1 : ok0) ? rsqrtf(m2 * inv_c + eps) : 0.f;
+    for (int kk = 0; kk < NK; ++kk) v[kk] = v10_chunk4(r < 2 ? tile : mirror, p0 + 8 * (r & 1), kk, t);
+    v10_row_stats<NK, FULL>(v, C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   }
 }
 // A fragments of k steps 2 kk and 2 kk + 1 (channels 16 kk + 4 t ..): s = ((xa - ma) ra + (xb - mb) rb) / 2
 // with the LayerNorm affine folded into W1, split into TF32 hi (rounded) and lo (truncated), as v7's
 // split_tf32_fast. Column t of k step 2 kk is channel + 0, column t + 4 channel + 1; k step 2 kk + 1: + 2, + 3.
+// s of fragment row h (0: g, 1: g + 8) at chunk kk from the tile's and the mirror's 4 channels.
+template <int KC>
+__device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, float ma, float ra, float mb, float rb,
+                                           int kk, int h, uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
+  // each product rounded on its own (no FMA contraction), so that s(i, j) == s(j, i) bit for bit
+  const float s0 = __fadd_rn(__fmul_rn(va.x - ma, ra), __fmul_rn(vb.x - mb, rb));
+  const float s1 = __fadd_rn(__fmul_rn(va.y - ma, ra), __fmul_rn(vb.y - mb, rb));
+  const float s2 = __fadd_rn(__fmul_rn(va.z - ma, ra), __fmul_rn(vb.z - mb, rb));
+  const float s3 = __fadd_rn(__fmul_rn(va.w - ma, ra), __fmul_rn(vb.w - mb, rb));
+  split_tf32_fast(s0, ah[2 * kk][h], al[2 * kk][h]);
+  split_tf32_fast(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
+  split_tf32_fast(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
+  split_tf32_fast(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+}
 template <int KC>
 __device__ __forceinline__ void v10_build_kk(const float* tile, const float* mirror, int p0, int t, int kk,
                                              const float (&mean)[4], const float (&rstd)[4],
@@ -1298,17 +1367,8 @@ __device__ __forceinline__ void v10_build_kk(const float* tile, const float* mir
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // fragment rows g (h = 0) and g + 8
     const int p = p0 + 8 * h;
-    const float4 va = v10_chunk4(tile, p, kk, t), vb = v10_chunk4(mirror, p, kk, t);
-    const float ma = mean[h], ra = 0.5f * rstd[h], mb = mean[2 + h], rb = 0.5f * rstd[2 + h];
-    // each product rounded on its own (no FMA contraction), so that s(i, j) == s(j, i) bit for bit
-    const float s0 = __fadd_rn(__fmul_rn(va.x - ma, ra), __fmul_rn(vb.x - mb, rb));
-    const float s1 = __fadd_rn(__fmul_rn(va.y - ma, ra), __fmul_rn(vb.y - mb, rb));
-    const float s2 = __fadd_rn(__fmul_rn(va.z - ma, ra), __fmul_rn(vb.z - mb, rb));
-    const float s3 = __fadd_rn(__fmul_rn(va.w - ma, ra), __fmul_rn(vb.w - mb, rb));
-    split_tf32_fast(s0, ah[2 * kk][h], al[2 * kk][h]);
-    split_tf32_fast(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
-    split_tf32_fast(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
-    split_tf32_fast(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+    v10_build4<KC>(v10_chunk4(tile, p, kk, t), v10_chunk4(mirror, p, kk, t), mean[h], 0.5f * rstd[h], mean[2 + h],
+                   0.5f * rstd[2 + h], kk, h, ah, al);
   }
 }
 
@@ -1410,7 +1470,10 @@ __device__ __forceinline__ void v10_gemm(const uint32_t (&ah)[KS][4], const uint
 }
 #endif
 
-template <int KC, int HP>
+// V11 (v11): each tile's rows read from the slots once, into registers (128 at pair_dim 128): the slots
+// are released before the statistics, which (and s) are then computed from the registers. v10 reads
+// them twice from the slots (statistics, then s) and releases the slots after s.
+template <int KC, int HP, bool V11>
 __global__ void __launch_bounds__(kV10Threads, 1)
 contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
                        const __grid_constant__ CUtensorMap tm_mirror,  // x as (C, N (i), N (j), B)
@@ -1419,7 +1482,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
                        const float* __restrict__ b3,                   // (1)
                        float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
-  constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2;
+  constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
   extern __shared__ __align__(16) float smem_raw[];
   const SmemV10 L(KC, HP, R);
   float* sm = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
@@ -1496,23 +1559,68 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     const bool ok0 = i0 < N && j0 < N, ok1 = i1 < N && j0 < N;
     const unsigned u0 = 2 * q, u1 = 2 * q + 1;
     const int s0 = static_cast<int>(u0 % R), s1 = static_cast<int>(u1 % R);
-    mbar_wait(full + s0, (u0 / R) & 1);
-    mbar_wait(full + s1, (u1 / R) & 1);
-
-    float mean[4], rstd[4];
     const float* tl = ring + s0 * L.slot_floats;
     const float* mi = ring + s1 * L.slot_floats;
-    v10_stats<KC>(tl, mi, p0, t4, C, inv_c, eps, ok0, ok1, mean, rstd);
-    // ---- s split into A fragments for all of K (then both slots are free), GEMM1: h1 = s W1'^T ----
-    // (building chunk kk while chunk kk - 1 ran on the tensor cores measured slower at long: 507 vs 493 us)
+    float mean[4], rstd[4];
     uint32_t ah[KS1][4], al[KS1][4];
+    if constexpr (V11) {
+      // ---- the 4 rows (tile p0, p0 + 8; mirror p0, p0 + 8) into registers, both slots released ----
+      float4 v[4][NK];
+      mbar_wait(full + s0, (u0 / R) & 1);
 #pragma unroll
-    for (int kk = 0; kk < KS1 / 2; ++kk) v10_build_kk<KC>(tl, mi, p0, t4, kk, mean, rstd, ah, al);
-    __syncwarp();
-    if (lane == 0) {  // this warp has read both slots
-      mbar_arrive(empty + s0);
-      mbar_arrive(empty + s1);
+      for (int kk = 0; kk < NK; ++kk) {
+        v[0][kk] = v10_chunk4(tl, p0, kk, t4);
+        v[1][kk] = v10_chunk4(tl, p0 + 8, kk, t4);
+      }
+      if (C == KC) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) v10_row_stats<NK, true>(v[r], NK, inv_c, eps, r ? ok1 : ok0, mean[r], rstd[r]);
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) v10_row_stats<NK, false>(v[r], C / 16, inv_c, eps, r ? ok1 : ok0, mean[r], rstd[r]);
+      }
+      mbar_wait(full + s1, (u1 / R) & 1);
+#pragma unroll
+      for (int kk = 0; kk < NK; ++kk) {
+        v[2][kk] = v10_chunk4(mi, p0, kk, t4);
+        v[3][kk] = v10_chunk4(mi, p0 + 8, kk, t4);
+      }
+      __syncwarp();
+      if (lane == 0) {  // this warp has read both slots
+        mbar_arrive(empty + s0);
+        mbar_arrive(empty + s1);
+      }
+      if (C == KC) {
+#pragma unroll
+        for (int r = 2; r < 4; ++r) v10_row_stats<NK, true>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+      } else {
+#pragma unroll
+        for (int r = 2; r < 4; ++r)
+          v10_row_stats<NK, false>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+      }
+      // ---- s split into A fragments for all of K ----
+#pragma unroll
+      for (int kk = 0; kk < NK; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          v10_build4<KC>(v[h][kk], v[2 + h][kk], mean[h], 0.5f * rstd[h], mean[2 + h], 0.5f * rstd[2 + h], kk, h,
+                         ah, al);
+    } else {
+      mbar_wait(full + s0, (u0 / R) & 1);
+      mbar_wait(full + s1, (u1 / R) & 1);
+      if (C == KC) v10_stats<KC, true>(tl, mi, p0, t4, C, inv_c, eps, ok0, ok1, mean, rstd);
+      else v10_stats<KC, false>(tl, mi, p0, t4, C, inv_c, eps, ok0, ok1, mean, rstd);
+      // ---- s split into A fragments for all of K (then both slots are free) ----
+      // (building chunk kk while chunk kk - 1 ran on the tensor cores measured slower at long: 507 vs 493 us)
+#pragma unroll
+      for (int kk = 0; kk < KS1 / 2; ++kk) v10_build_kk<KC>(tl, mi, p0, t4, kk, mean, rstd, ah, al);
+      __syncwarp();
+      if (lane == 0) {  // this warp has read both slots
+        mbar_arrive(empty + s0);
+        mbar_arrive(empty + s1);
+      }
     }
+    // ---- GEMM1: h1 = s W1'^T ----
     if (!staged) {  // the parameters are in shared memory
       mbar_wait(wbar, 0);
       staged = true;
@@ -1531,7 +1639,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int unit = 8 * j + 2 * t4 + (e & 1);
-        const float h = fmaxf(acc[4 * j + e] + vec[unit], 0.f);
+        const float h = relu(acc[4 * j + e] + vec[unit]);
         const int slot = (e >> 1) | ((e & 1) << 1);  // d[4j + e]: row g + 8 (e / 2), unit + e % 2 -> a[(e/2) + 2 (e%2)]
         split_tf32_fast(h, bh[j][slot], bl[j][slot]);
       }
@@ -1550,8 +1658,8 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
       for (int e = 0; e < 2; ++e) {
         const int unit = 8 * j + 2 * t4 + e;
         const float bb = vec[HP + unit], ww = vec[2 * HP + unit];
-        z0 = fmaf(ww, fmaxf(acc[4 * j + e] + bb, 0.f), z0);
-        z1 = fmaf(ww, fmaxf(acc[4 * j + 2 + e] + bb, 0.f), z1);
+        z0 = fmaf(ww, relu(acc[4 * j + e] + bb), z0);
+        z1 = fmaf(ww, relu(acc[4 * j + 2 + e] + bb), z1);
       }
     z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
     z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
@@ -1733,7 +1841,7 @@ CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror) {
   return m;
 }
 
-// Where v10 runs (else v10 runs v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
+// Where v10 and v11 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
 // with C % 16 == 0, H <= 64, N >= 8 (a box never exceeds the tensor), x 16-byte aligned.
 bool v10_supported(const Args& a, int device) {
   if (!kBuiltSm90a) return false;
@@ -1744,14 +1852,15 @@ bool v10_supported(const Args& a, int device) {
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
-// As many ring slots as fit (2..kV10MaxSlots); one block per SM, at most one per tile.
-template <int KC, int HP>
+// As many ring slots as fit (2..kV10MaxSlots); one block per SM, at most one per tile. V11: v11's build of
+// the kernel.
+template <int KC, int HP, bool V11>
 void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   int R = kV10MaxSlots;
   while (R > 2 && SmemV10(KC, HP, R).total > max_smem) --R;
   const int smem = SmemV10(KC, HP, R).total;
   TORCH_CHECK(smem <= max_smem, "contact_map: v10 needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
-  auto kernel = contact_map_v10_kernel<KC, HP>;
+  auto kernel = contact_map_v10_kernel<KC, HP, V11>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false), mm = make_tile_map(a.x, a.B, a.N, a.C, true);
   constexpr int pack = kV10PackFloats<KC, HP>, pack_threads = HP * KC + HP * HP + 32 * HP;
@@ -1781,12 +1890,13 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
 }
 
 // wpack_buf: float32 scratch of at least kV10PackFloats<128, 64> elements on the input's device.
+template <bool V11>
 void dispatch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   const bool k64 = a.C <= 64, h32 = a.H <= 32;
-  if (k64 && h32) launch_v10<64, 32>(a, wpack_buf, stream, num_sms, max_smem);
-  else if (k64) launch_v10<64, 64>(a, wpack_buf, stream, num_sms, max_smem);
-  else if (h32) launch_v10<128, 32>(a, wpack_buf, stream, num_sms, max_smem);
-  else launch_v10<128, 64>(a, wpack_buf, stream, num_sms, max_smem);
+  if (k64 && h32) launch_v10<64, 32, V11>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (k64) launch_v10<64, 64, V11>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (h32) launch_v10<128, 32, V11>(a, wpack_buf, stream, num_sms, max_smem);
+  else launch_v10<128, 64, V11>(a, wpack_buf, stream, num_sms, max_smem);
 }
 
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
@@ -1828,7 +1938,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || variant == 9 || variant == 10,
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11),
               "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
@@ -1870,10 +1980,11 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  const int tc_variant = variant == 10 ? 9 : static_cast<int>(variant);  // v10 outside its tiles: v9
-  if (variant == 10 && v10_supported(a, device)) {
+  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11 outside their tiles: v9
+  if (variant >= 10 && v10_supported(a, device)) {
     const auto wpack = torch::empty({kV10PackFloats<128, 64>}, pair.options());
-    dispatch_v10(a, wpack, stream, num_sms, max_smem);
+    if (variant == 11) dispatch_v10<true>(a, wpack, stream, num_sms, max_smem);
+    else dispatch_v10<false>(a, wpack, stream, num_sms, max_smem);
   } else if (tc) {
     if (sizeof(float) * SmemTC(a.CP, HP, WFormat::kSplit).total <= static_cast<size_t>(max_smem))
       dispatch_tc_hidden<WFormat::kSplit>(a, HP, tc_variant, stream, num_sms);
@@ -1970,7 +2081,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -91,7 +91,7 @@ def _copy64(m_ref):
 # CPU: build and input checks
 # ------------------------------------------------------------------------------------------------
 def test_builds_and_has_variants(cm):
-    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9", "v10"}
+    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9", "v10", "v11"}
     assert cm.ModelNew(8, 4).variant == cm.ModelNew.VARIANTS[0]
 
 
@@ -175,7 +175,7 @@ def test_named_shapes(cm, ref, name):
     # v9's producers with the weights from global memory (pair_dim > 208 at hidden 17-32, > 248 at
     # hidden 16; 4-byte copies) and in shared memory without the fused pass (pair_dim 129-208)
     (1, 200, 240, 24), (1, 200, 237, 24), (1, 200, 256, 16), (1, 160, 160, 32),
-    # v10 (Hopper): its four builds (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8),
+    # v10 and v11 (Hopper): their four builds (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8),
     # N = 8 (one box), pair_dim 48 / 96 (zero-filled channel boxes), hidden 17 / 33 / 40 (padded units),
     # and more tiles than 2 x 132 warpgroups (ring slots reused, both warpgroups walking tiles)
     (1, 8, 32, 32), (1, 9, 48, 17), (2, 100, 64, 64), (1, 200, 96, 40), (3, 77, 128, 33), (1, 300, 128, 64),
@@ -195,6 +195,75 @@ def test_distributions(cm, ref, dist):
     m_ref, new = _pair(cm, ref, 128, 64, seed=3)
     gen = torch.Generator().manual_seed(11)
     _check(cm, m_ref, new, _draw((2, 67, 67, 128), dist, gen).cuda())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("C,H", [(48, 33), (80, 16), (128, 64)])
+def test_constant_rows(cm, ref, C, H):
+    """Rows of one value: the plain two-pass mean (rounded sum times rounded 1/C) missed the value by
+    an ulp at C = 48 / 80, and rstd = 1/sqrt(eps) made that 160x the reference's error (ninth session's
+    review). The corrected two-pass statistics (ln_stats) make the row's centred values exactly 0."""
+    m_ref, new = _pair(cm, ref, C, H, seed=C + H)
+    gen = torch.Generator().manual_seed(C)
+    x = _draw((2, 17, 17, C), "normal", gen)
+    x[0, 3, 5] = 7.3
+    x[1, 4, 4] = 12.9
+    x[1, 2, 9] = -0.37
+    x = x.cuda()
+    _check(cm, m_ref, new, x)
+    m64 = _copy64(m_ref)
+    with torch.inference_mode():
+        want = m64(x.double())
+        e_ref = (m_ref(x).double() - want).abs().max().item()
+        for v in new.VARIANTS:
+            new.variant = v
+            err = (new(x).double() - want).abs().max().item()
+            assert err <= max(4 * e_ref, 1e-6), f"variant {v}: err {err:.2e} vs the reference's {e_ref:.2e}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v10 and v11 need an H100/H200")
+def test_v10_v11_run_their_own_kernels_on_hopper(cm):
+    """v10 and v11 fall back to v9 silently outside their tiles; inside them (crop-like shape, 16-byte
+    aligned) the profiler must show the params kernel and contact_map_v10_kernel in the variant's own
+    build (template flag V11: 0 / false for v10, 1 / true for v11), and at pair_dim 37 neither."""
+    import re
+    for variant in ("v10", "v11"):
+        for C, expect in ((128, True), (37, False)):
+            new = cm.ModelNew(C, 64).cuda()
+            new.variant = variant
+            x = torch.randn(1, 40, 40, C, device="cuda")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, \
+                    torch.inference_mode():
+                new(x)
+                torch.cuda.synchronize()
+            names = " ".join(e.name for e in prof.events())
+            assert ("contact_map_v10_kernel" in names) == expect, (variant, C, names[:300])
+            if expect:
+                assert "contact_map_v10_params_kernel" in names, (variant, names[:300])
+                flags = set(re.findall(r"contact_map_v10_kernel<128, 64, (\w+)>", names))
+                want = {"1", "true"} if variant == "v11" else {"0", "false"}
+                assert flags and flags <= want, (variant, flags, names[:300])
+
+
+@gpu
+@needs_cuda
+def test_nan_propagates(cm, ref):
+    """A NaN in x[b, i, j] makes the reference's out[b, i, j] and out[b, j, i] NaN (LayerNorm of the
+    row, then ReLU keeps NaN) and nothing else; every variant must agree (fmaxf-ReLUs dropped it)."""
+    m_ref, new = _pair(cm, ref, 64, 32, seed=21)
+    x = torch.randn(1, 20, 20, 64, device="cuda")
+    x[0, 3, 5, 7] = float("nan")
+    with torch.inference_mode():
+        want_nan = torch.isnan(m_ref(x))
+    assert want_nan.sum() == 2 and want_nan[0, 3, 5] and want_nan[0, 5, 3]
+    for v in new.VARIANTS:
+        new.variant = v
+        with torch.inference_mode():
+            got = new(x)
+        assert torch.equal(torch.isnan(got), want_nan), f"variant {v}: NaN at {torch.isnan(got).nonzero().tolist()}"
 
 
 @gpu
