@@ -1344,6 +1344,20 @@ __device__ __forceinline__ void v10_stats(const float* tile, const float* mirror
     v10_row_stats<NK, FULL>(v, C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   }
 }
+// v11: the statistics of rows R0, R0 + 1 of v (one half: the tile's or the mirror's rows p0, p0 + 8), with
+// one uniform branch on C == KC around both rows.
+template <int NK, int R0>
+__device__ __forceinline__ void v11_half_stats(const float4 (&v)[4][NK], int C, float inv_c, float eps, bool ok0,
+                                               bool ok1, float (&mean)[4], float (&rstd)[4]) {
+  if (C == 16 * NK) {
+#pragma unroll
+    for (int r = R0; r < R0 + 2; ++r) v10_row_stats<NK, true>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+  } else {
+#pragma unroll
+    for (int r = R0; r < R0 + 2; ++r)
+      v10_row_stats<NK, false>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+  }
+}
 // A fragments of k steps 2 kk and 2 kk + 1 (channels 16 kk + 4 t ..): s = ((xa - ma) ra + (xb - mb) rb) / 2
 // with the LayerNorm affine folded into W1, split into TF32 hi (rounded) and lo (truncated), as v7's
 // split_tf32_fast. Column t of k step 2 kk is channel + 0, column t + 4 channel + 1; k step 2 kk + 1: + 2, + 3.
@@ -1573,13 +1587,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         v[0][kk] = v10_chunk4(tl, p0, kk, t4);
         v[1][kk] = v10_chunk4(tl, p0 + 8, kk, t4);
       }
-      if (C == KC) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) v10_row_stats<NK, true>(v[r], NK, inv_c, eps, r ? ok1 : ok0, mean[r], rstd[r]);
-      } else {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) v10_row_stats<NK, false>(v[r], C / 16, inv_c, eps, r ? ok1 : ok0, mean[r], rstd[r]);
-      }
+      v11_half_stats<NK, 0>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
       mbar_wait(full + s1, (u1 / R) & 1);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
@@ -1591,14 +1599,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         mbar_arrive(empty + s0);
         mbar_arrive(empty + s1);
       }
-      if (C == KC) {
-#pragma unroll
-        for (int r = 2; r < 4; ++r) v10_row_stats<NK, true>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
-      } else {
-#pragma unroll
-        for (int r = 2; r < 4; ++r)
-          v10_row_stats<NK, false>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
-      }
+      v11_half_stats<NK, 2>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
       // ---- s split into A fragments for all of K ----
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk)
@@ -2031,7 +2032,7 @@ def _gencode_flags():
     does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
     9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
     Returns [] for lists it cannot parse (names such as "Hopper"): PyTorch then builds as usual,
-    without sm_90a (v10 then runs v9). The same function as outer_product_mean.py's: each kernel
+    without sm_90a (v10 and v11 then run v9). The same function as outer_product_mean.py's: each kernel
     file stands alone (one file to drop in), so it is not shared."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":
