@@ -33,7 +33,7 @@ fp64 evaluation on the H200 (harness, every distribution, max over the trials): 
 and v10 (the same arithmetic: bit-identical outputs) 0.73x the fp32 PyTorch reference's own max
 error at seed, 0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1
 (awkward_1) and 0.32x at awkward_129 (2026-12-01, tenth session's device run 4); at most 1.67x over
-37 more shape/distribution checks of run 3 with the scratch script .scratch/cm10.py, not the harness
+37 more shape/distribution checks of run 3 with a scratch script (not in the repository), not the harness
 (x100, +100 offset and uniform inputs included; the worst at one 8 x 8 tile, errors <= 2.1e-7).
 A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are max.NaN, which keeps
 NaN). On a row of one constant value the centred values are exactly 0 (the corrected two-pass). The
@@ -101,7 +101,7 @@ they fit beside the tile (227 KB per block on the H200; v5, v7, v9: pair_dim <= 
 hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
 are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
 Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
-names (9.0 as sm_90a, for v10; no list and no GPU: 9.0).
+names (9.0 as sm_90a, for v10 and v11; no list and no GPU: 9.0).
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
 against eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2 minutes
@@ -2027,7 +2027,7 @@ CUDA_SRC = CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_3
 def _gencode_flags():
     """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
     reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
-    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's wgmma and
+    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's and v11's wgmma and
     setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
     does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
     9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
