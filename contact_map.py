@@ -28,11 +28,13 @@ Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The 
 (v5 and later) run the two products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32,
 and a*b ~ hi*hi + hi*lo + lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM),
 promoting short partial sums into an fp32 accumulator by ordinary adds (the tensor cores' own
-accumulation truncates): v5-v9 every k step's hi*hi, v10 and v11 every 16 k. Measured against an
-fp64 evaluation on the H200 (harness, every distribution, max over the trials): v11 (default)
-and v10 (the same arithmetic: bit-identical outputs) 0.73x the fp32 PyTorch reference's own max
-error at seed, 0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1
-(awkward_1) and 0.32x at awkward_129 (2026-12-01, tenth session's device run 4); at most 1.67x over
+accumulation truncates): v5-v9 every k step's hi*hi, v10, v11 and v13 every 16 k. Measured against an
+fp64 evaluation on the H200 (harness, every distribution, max over the trials): v13 (default) 0.70x
+the fp32 PyTorch reference's own max error at seed, 0.55x at crop, 0.50x at batch, 0.50x at long,
+0.42x at awkward_37, 1.11x at N = 1 (awkward_1) and 0.33x at awkward_129 (2026-12-01, eleventh
+session's device run 7); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
+0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1 and 0.32x at
+awkward_129 (tenth session's device run 4); v10 and v11 at most 1.67x over
 37 more shape/distribution checks of run 3 with a scratch script (not in the repository), not the harness
 (x100, +100 offset and uniform inputs included; the worst at one 8 x 8 tile, errors <= 2.1e-7).
 A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are max.NaN, which keeps
@@ -46,7 +48,15 @@ ninth session, before the corrected statistics), and at |x - mean| above ~1e19 (
 sum d^2 overflows, so rows there give NaN (the fp32 reference has NaN there too, at other positions).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v11" (default; Hopper) v10 with each tile's rows read from the ring slots once, into registers
+    "v13" (default; Hopper) v11 with less work per tile on the consumers' path: the producer
+          thread walks the tiles incrementally and hands each tile's (b, I, J) over in shared memory
+          (no per-tile division and square root by the consumers: ~700 cycles per tile in a clock64
+          timeline), slots and parities tracked incrementally, the statistics' second pass as
+          FFMA / FADD chains, the A fragments' lo parts unmasked, setmaxnreg 240 / 24. Harness, H200,
+          2026-12-01 (eleventh session, device run 7): crop 0.03574, batch 0.08194, long 0.3810 ms
+          per call (v11 in device run 4: 0.03973, 0.08616, 0.4285). pair_dim <= 64 runs v11's kernel;
+          elsewhere as v10.
+    "v11" (Hopper) v10 with each tile's rows read from the ring slots once, into registers
           (128 per thread at pair_dim 128), the slots released at once, and the statistics and s
           computed from the registers (v10 reads every row twice from the slots, for the statistics
           and for s, and holds the slots until s is built). Harness, H200, 2026-12-01 (tenth
@@ -331,6 +341,16 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
 __device__ __forceinline__ void split_tf32_fast(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
+}
+// v13's split for wgmma operands in registers: as split_tf32_fast, but lo keeps its low 13 bits: the
+// tensor cores read the top 19 bits of a TF32 operand, which is the same truncation (with and without
+// the mask, 10 of 10 outputs bit-identical on the H200: scratch build, eleventh session's device run 4;
+// one LOP3 less per value).
+template <bool UNMASKED_LO>
+__device__ __forceinline__ void split_wg(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
+  if constexpr (!UNMASKED_LO) lo &= 0xffffe000u;
 }
 template <bool FAST>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
@@ -1192,12 +1212,16 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
 // sm_90a (elsewhere the kernel is a trap that the host never launches).
 constexpr int kV10Threads = 384;
 constexpr int kV10ConsumerRegs = 232, kV10ProducerRegs = 40;
+// v13: 8 more registers per consumer thread (its producer's tile walk fits in 24; the FA3 split)
+constexpr int kV13ConsumerRegs = 240, kV13ProducerRegs = 24;
 static_assert(2 * 128 * kV10ConsumerRegs + 128 * kV10ProducerRegs <= kV10Threads * ((65536 / kV10Threads) & ~7),
               "setmaxnreg budget");
-constexpr int kV10MaxSlots = 8;
+static_assert(2 * 128 * kV13ConsumerRegs + 128 * kV13ProducerRegs <= kV10Threads * ((65536 / kV10Threads) & ~7),
+              "setmaxnreg budget");
+constexpr int kV10MaxSlots = 8;  // 8 or 4 (launch_v10)
 
 // Shared memory of v10 in bytes, from a 1024-byte aligned base: the ring, W1 and W2 planes, b1', b2,
-// w3, the mbarriers; plus 1024 for the alignment.
+// w3, v13's tile info, the mbarriers; plus 1024 for the alignment.
 struct SmemV10 {
   int slot_floats, ring, w1, w2, vec, bars, total;
   __host__ __device__ SmemV10(int KC, int HP, int R) {
@@ -1206,7 +1230,7 @@ struct SmemV10 {
     w1 = 4 * 2 * HP * KC;
     w2 = 4 * 2 * HP * HP;
     vec = 4 * 3 * HP;
-    bars = 8 * (2 * R + 1);
+    bars = 16 * R + 8 * (2 * R + 1);  // v13's tile info (an int4 per slot), then the mbarriers
     total = ring + w1 + w2 + vec + bars + 1024;
   }
 };
@@ -1302,13 +1326,20 @@ __device__ __forceinline__ float4 v10_chunk4(const float* base, int p, int kk, i
 // One row's statistics from the lane's NK chunks (a quad holds the row; chunks >= nvalid are the
 // zero-filled channels C..KC-1; FULL: C == KC, no such chunks): ln_stats' corrected two-pass. FULL
 // is a template argument so that the full-width path has no per-chunk branch (a basic block per chunk
-// would keep the compiler from interleaving the rows' independent sums).
-template <int NK, bool FULL>
+// would keep the compiler from interleaving the rows' independent sums). V13 (v13, NK >= 4): the four
+// partial sums start from the first four chunks instead of 0 (no adds to 0), and the second pass sums
+// d^2 and d as FFMA / FADD chains (12 instructions per chunk instead of 14; other rounding, same class).
+template <int NK, bool FULL, bool V13 = false>
 __device__ __forceinline__ void v10_row_stats(const float4 (&v)[NK], int nvalid, float inv_c, float eps, bool ok,
                                               float& mean, float& rstd) {
+  static_assert(!V13 || NK >= 4, "v13's statistics start from four chunks");
   float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int kk = 0; kk < NK; ++kk) s4[kk & 3] += (v[kk].x + v[kk].y) + (v[kk].z + v[kk].w);
+  for (int kk = 0; kk < NK; ++kk) {
+    const float cs = (v[kk].x + v[kk].y) + (v[kk].z + v[kk].w);
+    if (V13 && kk < 4) s4[kk] = cs;  // chunks 0..3 hold channels < 64 <= C (v13 runs at C > 64 only)
+    else s4[kk & 3] += cs;
+  }
   float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);
   sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -1318,8 +1349,21 @@ __device__ __forceinline__ void v10_row_stats(const float4 (&v)[NK], int nvalid,
   for (int kk = 0; kk < NK; ++kk) {
     if (FULL || kk < nvalid) {  // channels >= C are zero-filled: (0 - mean)^2 must not count
       const float dx = v[kk].x - m, dy = v[kk].y - m, dz = v[kk].z - m, dw = v[kk].w - m;
-      m4[kk & 3] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
-      e4[kk & 3] += (dx + dy) + (dz + dw);
+      if constexpr (V13) {
+        float& a = m4[kk & 3];
+        float& e = e4[kk & 3];
+        if (kk < 4) {
+          a = dx * dx;
+          e = (dx + dy) + (dz + dw);
+        } else {
+          a = fmaf(dx, dx, a);
+          e = ((e + dx) + dy + dz) + dw;
+        }
+        a = fmaf(dw, dw, fmaf(dz, dz, fmaf(dy, dy, a)));
+      } else {
+        m4[kk & 3] += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+        e4[kk & 3] += (dx + dy) + (dz + dw);
+      }
     }
   }
   float m2 = (m4[0] + m4[1]) + (m4[2] + m4[3]), d1 = (e4[0] + e4[1]) + (e4[2] + e4[3]);
@@ -1346,23 +1390,24 @@ __device__ __forceinline__ void v10_stats(const float* tile, const float* mirror
 }
 // v11: the statistics of rows R0, R0 + 1 of v (one half: the tile's or the mirror's rows p0, p0 + 8), with
 // one uniform branch on C == KC around both rows.
-template <int NK, int R0>
+template <int NK, int R0, bool V13 = false>
 __device__ __forceinline__ void v11_half_stats(const float4 (&v)[4][NK], int C, float inv_c, float eps, bool ok0,
                                                bool ok1, float (&mean)[4], float (&rstd)[4]) {
   if (C == 16 * NK) {
 #pragma unroll
-    for (int r = R0; r < R0 + 2; ++r) v10_row_stats<NK, true>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+    for (int r = R0; r < R0 + 2; ++r)
+      v10_row_stats<NK, true, V13>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   } else {
 #pragma unroll
     for (int r = R0; r < R0 + 2; ++r)
-      v10_row_stats<NK, false>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+      v10_row_stats<NK, false, V13>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   }
 }
 // A fragments of k steps 2 kk and 2 kk + 1 (channels 16 kk + 4 t ..): s = ((xa - ma) ra + (xb - mb) rb) / 2
 // with the LayerNorm affine folded into W1, split into TF32 hi (rounded) and lo (truncated), as v7's
 // split_tf32_fast. Column t of k step 2 kk is channel + 0, column t + 4 channel + 1; k step 2 kk + 1: + 2, + 3.
 // s of fragment row h (0: g, 1: g + 8) at chunk kk from the tile's and the mirror's 4 channels.
-template <int KC>
+template <int KC, bool V13 = false>
 __device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, float ma, float ra, float mb, float rb,
                                            int kk, int h, uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
   // each product rounded on its own (no FMA contraction), so that s(i, j) == s(j, i) bit for bit
@@ -1370,10 +1415,10 @@ __device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, f
   const float s1 = __fadd_rn(__fmul_rn(va.y - ma, ra), __fmul_rn(vb.y - mb, rb));
   const float s2 = __fadd_rn(__fmul_rn(va.z - ma, ra), __fmul_rn(vb.z - mb, rb));
   const float s3 = __fadd_rn(__fmul_rn(va.w - ma, ra), __fmul_rn(vb.w - mb, rb));
-  split_tf32_fast(s0, ah[2 * kk][h], al[2 * kk][h]);
-  split_tf32_fast(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
-  split_tf32_fast(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
-  split_tf32_fast(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+  split_wg<V13>(s0, ah[2 * kk][h], al[2 * kk][h]);
+  split_wg<V13>(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
+  split_wg<V13>(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
+  split_wg<V13>(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
 }
 template <int KC>
 __device__ __forceinline__ void v10_build_kk(const float* tile, const float* mirror, int p0, int t, int kk,
@@ -1485,10 +1530,19 @@ __device__ __forceinline__ void v10_gemm(const uint32_t (&ah)[KS][4], const uint
 }
 #endif
 
-// V11 (v11): each tile's rows read from the slots once, into registers (128 at pair_dim 128): the slots
-// are released before the statistics, which (and s) are then computed from the registers. v10 reads
-// them twice from the slots (statistics, then s) and releases the slots after s.
-template <int KC, int HP, bool V11>
+// V (the variant): 10: v10; 11 (v11): each tile's rows read from the slots once, into registers (128 at
+// pair_dim 128): the slots are released before the statistics, which (and s) are then computed from the
+// registers. v10 reads them twice from the slots (statistics, then s) and releases the slots after s.
+// 13 (v13): v11, and
+//   - the producer thread walks the tiles incrementally and writes each tile's (b, I, J) beside its slot
+//     (tinfo), so that the consumers neither divide nor take a square root per tile (decode_tile: ~700
+//     cycles per tile on the consumers' path, clock64 timeline of the eleventh session);
+//   - the consumers track their slots and parities incrementally (no division by R);
+//   - the statistics' sums start from the first four chunks and the second pass is FFMA / FADD chains
+//     (v10_row_stats' V13), the A fragments' lo parts are not masked (split_wg);
+//   - setmaxnreg 240 / 24 (kV13ConsumerRegs).
+// v13 runs at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
+template <int KC, int HP, int V>
 __global__ void __launch_bounds__(kV10Threads, 1)
 contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
                        const __grid_constant__ CUtensorMap tm_mirror,  // x as (C, N (i), N (j), B)
@@ -1497,15 +1551,23 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
                        const float* __restrict__ b3,                   // (1)
                        float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
+  constexpr bool V11 = V >= 11, V13 = V == 13;
+  static_assert(V == 10 || V == 11 || V == 13, "contact_map_v10_kernel: V = 10, 11 or 13");
+  static_assert(!V13 || KC == 128, "v13: pair_dim > 64");
   constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
+  constexpr int kConsumerRegs = V13 ? kV13ConsumerRegs : kV10ConsumerRegs;
+  constexpr int kProducerRegs = V13 ? kV13ProducerRegs : kV10ProducerRegs;
   extern __shared__ __align__(16) float smem_raw[];
   const SmemV10 L(KC, HP, R);
-  float* sm = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  // the ring 1024-byte aligned (the 128-byte swizzle's atom), as an offset from smem_raw so that the compiler
+  // keeps these pointers in the shared space (LDS; through an integer cast it emitted generic LD.E)
+  float* sm = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) / 4;
   float* ring = sm;
   float* w1s = ring + L.ring / 4;     // hi plane, then lo plane: 2 x HP x KC
   float* w2s = w1s + L.w1 / 4;        // 2 x HP x HP
   float* vec = w2s + L.w2 / 4;        // b1' | b2 | w3 (HP each)
-  uint64_t* full = reinterpret_cast<uint64_t*>(vec + 3 * HP);
+  int4* tinfo = reinterpret_cast<int4*>(vec + 3 * HP);  // v13: (b, I, J, 0) of the tile in slot s
+  uint64_t* full = reinterpret_cast<uint64_t*>(tinfo + R);
   uint64_t* empty = full + R;
   uint64_t* wbar = empty + R;  // the parameters' bulk copies
 
@@ -1521,10 +1583,12 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     mbar_init(wbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  int pb = 0, pI = 0, pJ = 0;  // v13's producer: the block's first tile, decoded before setmaxnreg.dec
+  if (V13 && tid == 256 && blockIdx.x < total) decode_tile(blockIdx.x, tiles_per_b, pb, pI, pJ);
   __syncthreads();  // the mbarriers are initialised before anyone waits on them
 
   if (wg == 2) {  // producer warpgroup
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kV10ProducerRegs));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == 288) {  // the packed parameters (w1s, w2s, vec are contiguous), in pieces of <= 32 KB
       constexpr int bytes = 4 * kV10PackFloats<KC, HP>;
       // launched as a programmatic dependent of the params kernel: wait for its writes (the tile copies
@@ -1538,10 +1602,28 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
       unsigned u = 0;
       for (long long t = blockIdx.x; t < total; t += gridDim.x) {
         int b, I, J;
-        decode_tile(t, tiles_per_b, b, I, J);
+        if constexpr (V13) {
+          b = pb;
+          I = pI;
+          J = pJ;
+          // the next tile: t + gridDim.x, i.e. u = J (J + 1) / 2 + I (I <= J) advanced by gridDim.x,
+          // row by row (row J holds J + 1 tiles), the next batch after row nT - 1
+          pI += gridDim.x;
+          while (pI > pJ) {
+            pI -= pJ + 1;
+            if (++pJ == nT) {
+              pJ = 0;
+              ++pb;
+            }
+          }
+        } else {
+          decode_tile(t, tiles_per_b, b, I, J);
+        }
         for (int half = 0; half < 2; ++half, ++u) {
           const int s = static_cast<int>(u % R);
           if (u >= static_cast<unsigned>(R)) mbar_wait(empty + s, ((u / R) - 1) & 1);
+          // (b, I, J) for the consumers, ordered before their reads by the arrive's release
+          if (V13 && half == 0) tinfo[s] = make_int4(b, I, J, 0);
           mbar_expect_tx(full + s, bytes);
           float* dst = ring + s * L.slot_floats;
 #pragma unroll
@@ -1552,7 +1634,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     }
     return;  // no block-wide barrier after this point
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kV10ConsumerRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
 
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3, w4 = (tid >> 5) & 3;
   const int p0 = 16 * w4 + v10_row(g);  // this thread's pairs: p0 (fragment row g) and p0 + 8 (row g + 8)
@@ -1565,30 +1647,61 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
   for (int e = 0; e < NA; ++e) d0[e] = d1[e] = 0.f;
   bool staged = false;  // this thread has waited for the weights
   unsigned q = wg;      // block-local tile index
+  // v13: slot and parity of use u0 = 2q, kept incrementally (u0 advances by 4 per tile, R >= 2)
+  int cs = static_cast<int>((2u * q) % R);
+  unsigned cph = ((2u * q) / R) & 1;
   for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; t < total;
        t += 2ll * gridDim.x, q += 2) {
-    int b, I, J;
-    decode_tile(t, tiles_per_b, b, I, J);
+    int b = 0, I = 0, J = 0;
+    if constexpr (!V13) decode_tile(t, tiles_per_b, b, I, J);
+    const unsigned u0 = 2 * q, u1 = 2 * q + 1;
+    int s0, s1;
+    unsigned ph0, ph1;
+    if constexpr (V13) {
+      s0 = cs;
+      ph0 = cph;
+      s1 = s0 + 1 == R ? 0 : s0 + 1;
+      ph1 = s0 + 1 == R ? ph0 ^ 1 : ph0;
+      cs += 4;
+      if (cs >= R) {
+        cs -= R;
+        cph ^= 1;
+      }
+      if (cs >= R) {
+        cs -= R;
+        cph ^= 1;
+      }
+    } else {
+      s0 = static_cast<int>(u0 % R);
+      s1 = static_cast<int>(u1 % R);
+      ph0 = (u0 / R) & 1;
+      ph1 = (u1 / R) & 1;
+    }
+    const float* tl = ring + s0 * L.slot_floats;
+    const float* mi = ring + s1 * L.slot_floats;
+    if constexpr (V13) {  // the tile's coordinates from its producer
+      mbar_wait(full + s0, ph0);
+      const int4 ti = tinfo[s0];
+      b = ti.x;
+      I = ti.y;
+      J = ti.z;
+    }
     const int i0 = TILE * I + (p0 >> 3), j0 = TILE * J + (p0 & 7);
     const int i1 = i0 + 1;  // p1 = p0 + 8: next tile row, same column
     const bool ok0 = i0 < N && j0 < N, ok1 = i1 < N && j0 < N;
-    const unsigned u0 = 2 * q, u1 = 2 * q + 1;
-    const int s0 = static_cast<int>(u0 % R), s1 = static_cast<int>(u1 % R);
-    const float* tl = ring + s0 * L.slot_floats;
-    const float* mi = ring + s1 * L.slot_floats;
     float mean[4], rstd[4];
     uint32_t ah[KS1][4], al[KS1][4];
     if constexpr (V11) {
       // ---- the 4 rows (tile p0, p0 + 8; mirror p0, p0 + 8) into registers, both slots released ----
       float4 v[4][NK];
-      mbar_wait(full + s0, (u0 / R) & 1);
+      if constexpr (!V13) mbar_wait(full + s0, ph0);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
         v[0][kk] = v10_chunk4(tl, p0, kk, t4);
         v[1][kk] = v10_chunk4(tl, p0 + 8, kk, t4);
       }
-      v11_half_stats<NK, 0>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
-      mbar_wait(full + s1, (u1 / R) & 1);
+      v11_half_stats<NK, 0, V13>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
+      mbar_wait(full + s1, ph1);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
         v[2][kk] = v10_chunk4(mi, p0, kk, t4);
@@ -1599,17 +1712,17 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         mbar_arrive(empty + s0);
         mbar_arrive(empty + s1);
       }
-      v11_half_stats<NK, 2>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
+      v11_half_stats<NK, 2, V13>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
       // ---- s split into A fragments for all of K ----
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          v10_build4<KC>(v[h][kk], v[2 + h][kk], mean[h], 0.5f * rstd[h], mean[2 + h], 0.5f * rstd[2 + h], kk, h,
-                         ah, al);
+          v10_build4<KC, V13>(v[h][kk], v[2 + h][kk], mean[h], 0.5f * rstd[h], mean[2 + h], 0.5f * rstd[2 + h], kk,
+                              h, ah, al);
     } else {
-      mbar_wait(full + s0, (u0 / R) & 1);
-      mbar_wait(full + s1, (u1 / R) & 1);
+      mbar_wait(full + s0, ph0);
+      mbar_wait(full + s1, ph1);
       if (C == KC) v10_stats<KC, true>(tl, mi, p0, t4, C, inv_c, eps, ok0, ok1, mean, rstd);
       else v10_stats<KC, false>(tl, mi, p0, t4, C, inv_c, eps, ok0, ok1, mean, rstd);
       // ---- s split into A fragments for all of K (then both slots are free) ----
@@ -1643,7 +1756,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         const int unit = 8 * j + 2 * t4 + (e & 1);
         const float h = relu(acc[4 * j + e] + vec[unit]);
         const int slot = (e >> 1) | ((e & 1) << 1);  // d[4j + e]: row g + 8 (e / 2), unit + e % 2 -> a[(e/2) + 2 (e%2)]
-        split_tf32_fast(h, bh[j][slot], bl[j][slot]);
+        split_wg<V13>(h, bh[j][slot], bl[j][slot]);
       }
     wg_fence(bh);
     wg_fence(bl);
@@ -1854,15 +1967,20 @@ bool v10_supported(const Args& a, int device) {
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
-// As many ring slots as fit (2..kV10MaxSlots); one block per SM, at most one per tile. V11: v11's build of
-// the kernel.
-template <int KC, int HP, bool V11>
+// As many ring slots as fit (8 or 4: a multiple of 4); one block per SM, at most one per tile. V: the variant's
+// build of the kernel (10, 11, 13).
+template <int KC, int HP, int V>
 void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
+  // R a multiple of 4, so that every slot serves one warpgroup only (warpgroup w's uses u = 4k + 2w, 4k + 2w + 1):
+  // a parity wait is safe only for a waiter that also waited on the slot's previous phase. At R = 5 a
+  // warpgroup could find the other's earlier copy into the slot still in flight, read the parity of that
+  // incomplete phase as its own completed one and read the slot early (seen in the eleventh session: wrong
+  // outputs at batch, R = 5, in 2-6 of 300 back-to-back calls).
   int R = kV10MaxSlots;
-  while (R > 2 && SmemV10(KC, HP, R).total > max_smem) --R;
+  while (R > 4 && SmemV10(KC, HP, R).total > max_smem) R -= 4;
   const int smem = SmemV10(KC, HP, R).total;
   TORCH_CHECK(smem <= max_smem, "contact_map: v10 needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
-  auto kernel = contact_map_v10_kernel<KC, HP, V11>;
+  auto kernel = contact_map_v10_kernel<KC, HP, V>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false), mm = make_tile_map(a.x, a.B, a.N, a.C, true);
   constexpr int pack = kV10PackFloats<KC, HP>, pack_threads = HP * KC + HP * HP + 32 * HP;
@@ -1892,13 +2010,15 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
 }
 
 // wpack_buf: float32 scratch of at least kV10PackFloats<128, 64> elements on the input's device.
-template <bool V11>
+// V = 13 at pair_dim <= 64 runs v11's kernel (v13's statistics start from four 16-channel chunks).
+template <int V>
 void dispatch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
+  constexpr int V64 = V == 13 ? 11 : V;
   const bool k64 = a.C <= 64, h32 = a.H <= 32;
-  if (k64 && h32) launch_v10<64, 32, V11>(a, wpack_buf, stream, num_sms, max_smem);
-  else if (k64) launch_v10<64, 64, V11>(a, wpack_buf, stream, num_sms, max_smem);
-  else if (h32) launch_v10<128, 32, V11>(a, wpack_buf, stream, num_sms, max_smem);
-  else launch_v10<128, 64, V11>(a, wpack_buf, stream, num_sms, max_smem);
+  if (k64 && h32) launch_v10<64, 32, V64>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (k64) launch_v10<64, 64, V64>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (h32) launch_v10<128, 32, V>(a, wpack_buf, stream, num_sms, max_smem);
+  else launch_v10<128, 64, V>(a, wpack_buf, stream, num_sms, max_smem);
 }
 
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
@@ -1940,7 +2060,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11),
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13,
               "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
@@ -1982,11 +2102,12 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11 outside their tiles: v9
+  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11, v13 outside their tiles: v9
   if (variant >= 10 && v10_supported(a, device)) {
     const auto wpack = torch::empty({kV10PackFloats<128, 64>}, pair.options());
-    if (variant == 11) dispatch_v10<true>(a, wpack, stream, num_sms, max_smem);
-    else dispatch_v10<false>(a, wpack, stream, num_sms, max_smem);
+    if (variant == 13) dispatch_v10<13>(a, wpack, stream, num_sms, max_smem);
+    else if (variant == 11) dispatch_v10<11>(a, wpack, stream, num_sms, max_smem);
+    else dispatch_v10<10>(a, wpack, stream, num_sms, max_smem);
   } else if (tc) {
     if (sizeof(float) * SmemTC(a.CP, HP, WFormat::kSplit).total <= static_cast<size_t>(max_smem))
       dispatch_tc_hidden<WFormat::kSplit>(a, HP, tc_variant, stream, num_sms);
@@ -2083,7 +2204,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
