@@ -337,20 +337,15 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
 // truncated to TF32 by clearing its low 13 bits (lo's error is then ~2^-21 |x| instead of ~2^-22,
 // against 2^-24 for an fp32 rounding; the max errors: NOTES.md). Finite x only: within half a TF32
 // ulp of FLT_MAX, hi becomes inf and the products NaN (cvt.rna.tf32 does the same); the operands
-// here are LayerNorm and ReLU outputs and the weights.
+// here are LayerNorm and ReLU outputs and the weights. MASK_LO = false (v13's wgmma operands): lo
+// keeps its low 13 bits, one LOP3 less. The tensor cores read the top 19 bits of a TF32 operand,
+// which is the same truncation (with and without the mask, 10 of 10 outputs bit-identical on the
+// H200: scratch build, eleventh session's device run 4).
+template <bool MASK_LO = true>
 __device__ __forceinline__ void split_tf32_fast(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
-}
-// v13's split for wgmma operands in registers: as split_tf32_fast, but lo keeps its low 13 bits: the
-// tensor cores read the top 19 bits of a TF32 operand, which is the same truncation (with and without
-// the mask, 10 of 10 outputs bit-identical on the H200: scratch build, eleventh session's device run 4;
-// one LOP3 less per value).
-template <bool UNMASKED_LO>
-__device__ __forceinline__ void split_wg(float x, uint32_t& hi, uint32_t& lo) {
-  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi));
-  if constexpr (!UNMASKED_LO) lo &= 0xffffe000u;
+  if constexpr (MASK_LO) lo &= 0xffffe000u;
 }
 template <bool FAST>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
@@ -1415,10 +1410,10 @@ __device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, f
   const float s1 = __fadd_rn(__fmul_rn(va.y - ma, ra), __fmul_rn(vb.y - mb, rb));
   const float s2 = __fadd_rn(__fmul_rn(va.z - ma, ra), __fmul_rn(vb.z - mb, rb));
   const float s3 = __fadd_rn(__fmul_rn(va.w - ma, ra), __fmul_rn(vb.w - mb, rb));
-  split_wg<V13>(s0, ah[2 * kk][h], al[2 * kk][h]);
-  split_wg<V13>(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
-  split_wg<V13>(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
-  split_wg<V13>(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+  split_tf32_fast<!V13>(s0, ah[2 * kk][h], al[2 * kk][h]);
+  split_tf32_fast<!V13>(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
+  split_tf32_fast<!V13>(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
+  split_tf32_fast<!V13>(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
 }
 template <int KC>
 __device__ __forceinline__ void v10_build_kk(const float* tile, const float* mirror, int p0, int t, int kk,
@@ -1539,7 +1534,7 @@ __device__ __forceinline__ void v10_gemm(const uint32_t (&ah)[KS][4], const uint
 //     cycles per tile on the consumers' path, clock64 timeline of the eleventh session);
 //   - the consumers track their slots and parities incrementally (no division by R);
 //   - the statistics' sums start from the first four chunks and the second pass is FFMA / FADD chains
-//     (v10_row_stats' V13), the A fragments' lo parts are not masked (split_wg);
+//     (v10_row_stats' V13), the A fragments' lo parts are not masked (split_tf32_fast<false>);
 //   - setmaxnreg 240 / 24 (kV13ConsumerRegs).
 // v13 runs at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
 template <int KC, int HP, int V>
@@ -1647,7 +1642,8 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
   for (int e = 0; e < NA; ++e) d0[e] = d1[e] = 0.f;
   bool staged = false;  // this thread has waited for the weights
   unsigned q = wg;      // block-local tile index
-  // v13: slot and parity of use u0 = 2q, kept incrementally (u0 advances by 4 per tile, R >= 2)
+  // v13: slot and parity of use u0 = 2q, kept incrementally (u0 advances by 4 per tile; launch_v10 makes R a
+  // multiple of 4, so one wrap at most, but the two steps below hold for any R >= 2)
   int cs = static_cast<int>((2u * q) % R);
   unsigned cph = ((2u * q) / R) & 1;
   for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; t < total;
@@ -1756,7 +1752,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         const int unit = 8 * j + 2 * t4 + (e & 1);
         const float h = relu(acc[4 * j + e] + vec[unit]);
         const int slot = (e >> 1) | ((e & 1) << 1);  // d[4j + e]: row g + 8 (e / 2), unit + e % 2 -> a[(e/2) + 2 (e%2)]
-        split_wg<V13>(h, bh[j][slot], bl[j][slot]);
+        split_tf32_fast<!V13>(h, bh[j][slot], bl[j][slot]);
       }
     wg_fence(bh);
     wg_fence(bl);
@@ -2148,12 +2144,12 @@ CUDA_SRC = CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_3
 def _gencode_flags():
     """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
     reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
-    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's and v11's wgmma and
+    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's, v11's and v13's wgmma and
     setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
     does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
     9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
     Returns [] for lists it cannot parse (names such as "Hopper"): PyTorch then builds as usual,
-    without sm_90a (v10 and v11 then run v9). The same function as outer_product_mean.py's: each kernel
+    without sm_90a (v10, v11 and v13 then run v9). The same function as outer_product_mean.py's: each kernel
     file stands alone (one file to drop in), so it is not shared."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":

@@ -367,7 +367,7 @@ def test_back_to_back_calls_are_deterministic(cm, ref):
     m_ref, new = _pair(cm, ref, 128, 32, seed=5)
     x = torch.randn(8, 256, 256, 128, device="cuda")
     with torch.inference_mode():
-        for v in new.VARIANTS[:3]:  # v13, v11, v10
+        for v in ("v13", "v11", "v10"):
             new.variant = v
             first = new(x).clone()
             outs = [new(x) for _ in range(200)]
