@@ -1180,7 +1180,8 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
 //                    completing on the slot's `full` mbarrier; a consumer warp arrives on the slot's
 //                    `empty` mbarrier once it has read it (4 arrivals free it). Slot use u counts the
 //                    block's half tiles: slot u % R, mbarrier parity (u / R) & 1; tile q of the block
-//                    uses u = 2q (tile) and 2q + 1 (mirror).
+//                    uses u = 2q (tile) and 2q + 1 (mirror). R is 8 or 4, so that each slot serves one
+//                    consumer warpgroup (launch_v10 says why).
 // Both halves land with row p = 8 il + jl for pair p = (i, j) = (8I + il, 8J + jl): the mirror's
 // tensor map walks x with the two position strides swapped. Out-of-range positions are zero-filled
 // by the copy engine (edge tiles), channels C..KC-1 likewise.
