@@ -13,7 +13,7 @@ same device. Parameters: the reference's, read at every call (a later `load_stat
 update takes effect), all float32 on the input's device.
 
 How it runs: s is symmetric, so out is exactly symmetric (out[b,i,j] == out[b,j,i] bit for bit). One
-persistent kernel (v1-v9; v10's and v11's differences are in the variant list below) walks the
+persistent kernel (v1-v9; v10's, v11's and v13's differences are in the variant list below) walks the
 tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
 x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
 pair_dim % 4 == 0), computes the LayerNorm statistics of each vector by the corrected two-pass
@@ -54,16 +54,17 @@ Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
           timeline), slots and parities tracked incrementally, the statistics' second pass as
           FFMA / FADD chains, the A fragments' lo parts unmasked, setmaxnreg 240 / 24. Harness, H200,
           2026-12-01 (eleventh session, device run 7): crop 0.03574, batch 0.08194, long 0.3810 ms
-          per call (v11 in device run 4: 0.03973, 0.08616, 0.4285). pair_dim <= 64 runs v11's kernel;
-          elsewhere as v10.
+          per call (v11 in device run 4, batch still with 5 ring slots: 0.03973, 0.08616, 0.4285).
+          Runs where v10 runs (else what v9 runs; `last_variant` says "v13"); at pair_dim <= 64 it
+          runs v11's kernel.
     "v11" (Hopper) v10 with each tile's rows read from the ring slots once, into registers
           (128 per thread at pair_dim 128), the slots released at once, and the statistics and s
           computed from the registers (v10 reads every row twice from the slots, for the statistics
           and for s, and holds the slots until s is built). Harness, H200, 2026-12-01 (tenth
           session, device runs 4 and 5): crop 0.0392-0.0398, batch 0.0879, long 0.4273 ms per
           call against v10's 0.0398-0.0400, 0.0870 and 0.4392 in the same device runs: 2.7% faster
-          at long, within 1-2% of v10 at crop and batch. Runs where v10 runs (else what v9 runs;
-          `last_variant` says "v11").
+          at long, within 1-2% of v10 at crop and batch (before the eleventh session's shared-space
+          loads and 4-slot ring). Runs where v10 runs (else what v9 runs; `last_variant` says "v11").
     "v10" (Hopper) both products on wgmma (m64nNk8 TF32, A from registers) in split TF32,
           GEMM1's accumulator chained in registers into GEMM2's A operand, the tiles brought in by
           the TMA engine (4-D tensor maps, boxes of 32 channels x 8 x 8 positions, 128-byte swizzle; a producer warp, a ring of
@@ -111,7 +112,7 @@ they fit beside the tile (227 KB per block on the H200; v5, v7, v9: pair_dim <= 
 hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
 are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
 Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
-names (9.0 as sm_90a, for v10 and v11; no list and no GPU: 9.0).
+names (9.0 as sm_90a, for v10, v11 and v13; no list and no GPU: 9.0).
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
 against eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2 minutes
@@ -1953,7 +1954,7 @@ CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror) {
   return m;
 }
 
-// Where v10 and v11 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
+// Where v10, v11 and v13 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
 // with C % 16 == 0, H <= 64, N >= 8 (a box never exceeds the tensor), x 16-byte aligned.
 bool v10_supported(const Args& a, int device) {
   if (!kBuiltSm90a) return false;
@@ -1972,7 +1973,7 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
   // a parity wait is safe only for a waiter that also waited on the slot's previous phase. At R = 5 a
   // warpgroup could find the other's earlier copy into the slot still in flight, read the parity of that
   // incomplete phase as its own completed one and read the slot early (seen in the eleventh session: wrong
-  // outputs at batch, R = 5, in 2-6 of 300 back-to-back calls).
+  // outputs at batch, R = 5, in 6 of 300 back-to-back v13 calls).
   int R = kV10MaxSlots;
   while (R > 4 && SmemV10(KC, HP, R).total > max_smem) R -= 4;
   const int smem = SmemV10(KC, HP, R).total;
