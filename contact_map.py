@@ -13,7 +13,7 @@ same device. Parameters: the reference's, read at every call (a later `load_stat
 update takes effect), all float32 on the input's device.
 
 How it runs: s is symmetric, so out is exactly symmetric (out[b,i,j] == out[b,j,i] bit for bit). One
-persistent kernel (v1-v9; v10's, v11's and v13's differences are in the variant list below) walks the
+persistent kernel (v1-v9; v10's, v11's, v13's and v14's differences are in the variant list below) walks the
 tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
 x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
 pair_dim % 4 == 0), computes the LayerNorm statistics of each vector by the corrected two-pass
@@ -28,10 +28,11 @@ Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The 
 (v5 and later) run the two products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32,
 and a*b ~ hi*hi + hi*lo + lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM),
 promoting short partial sums into an fp32 accumulator by ordinary adds (the tensor cores' own
-accumulation truncates): v5-v9 every k step's hi*hi, v10, v11 and v13 every 16 k. Measured against an
-fp64 evaluation on the H200 (harness, every distribution, max over the trials): v13 (default) 0.70x
-the fp32 PyTorch reference's own max error at seed, 0.55x at crop, 0.50x at batch, 0.50x at long,
-0.42x at awkward_37, 1.11x at N = 1 (awkward_1) and 0.33x at awkward_129 (2026-12-01, eleventh
+accumulation truncates): v5-v9 every k step's hi*hi, v10, v11, v13 and v14 every 16 k. Measured against an
+fp64 evaluation on the H200 (harness, every distribution, max over the trials): v14 (default) and v13
+(the same arithmetic: bit-identical outputs) 0.70x the fp32 PyTorch reference's own max error at seed,
+0.55x at crop, 0.50x at batch, 0.50x at long, 0.42x at awkward_37, 1.11x at N = 1 (awkward_1) and
+0.33x at awkward_129 (2026-12-01: v14 in the twelfth session's device run 8, v13 in the eleventh
 session's device run 7); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
 0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1 and 0.32x at
 awkward_129 (tenth session's device run 4); v10 and v11 at most 1.67x over
@@ -48,7 +49,14 @@ ninth session, before the corrected statistics), and at |x - mean| above ~1e19 (
 sum d^2 overflows, so rows there give NaN (the fp32 reference has NaN there too, at other positions).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v13" (default; Hopper) v11 with less work per tile on the consumers' path: the producer
+    "v14" (default; Hopper) v13 with the two consumer warpgroups' products (GEMM1 + GEMM2) taking
+          turns (FlashAttention-3's ping-pong: named barriers), so that one warpgroup's products run
+          while the other computes its statistics and s. Bit-identical to v13. Harness, H200,
+          2026-12-01 (twelfth session, device run 8): crop 0.03544, batch 0.08237, long 0.3788 ms per
+          call; in GPU time (CUDA graphs, L2 flushed, scratch timing, device runs 3, 4 and 7) 0.5-1.2%
+          faster than v13 at crop, 2.2-4.0% at long, within 0.7% at batch. Runs where v10 runs (else
+          what v9 runs; `last_variant` says "v14"); at pair_dim <= 64 it runs v11's kernel.
+    "v13" (Hopper) v11 with less work per tile on the consumers' path: the producer
           thread walks the tiles incrementally and hands each tile's (b, I, J) over in shared memory
           (no per-tile division and square root by the consumers: ~700 cycles per tile in a clock64
           timeline), slots and parities tracked incrementally, the statistics' second pass as
@@ -1170,7 +1178,8 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
 //                    statistics, s and its split into wgmma A fragments held in registers for all of
 //                    K (then the tile's two ring slots are released), GEMM1 = m64nHPk8 wgmma with A
 //                    from registers, GEMM1's accumulator turned in registers into GEMM2's A fragments,
-//                    GEMM2, layer 3 and the output. The two warpgroups overlap each other's phases.
+//                    GEMM2, layer 3 and the output. The two warpgroups overlap each other's phases
+//                    (v14: their GEMM1 + GEMM2 take turns, named barriers 1 and 2).
 //   warpgroup 2      producer (setmaxnreg down to kV10ProducerRegs); thread 288 copies the packed
 //                    parameters (contact_map_v10_params_kernel's wpack, written by the same call just
 //                    before: this kernel is its programmatic dependent and waits for it there only,
@@ -1265,6 +1274,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // 
                  : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
   } while (!done);
 }
+// Named barriers 1, 2 of v14's two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
+__device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 // bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
 __device__ __forceinline__ void bulk_copy(float* smem, const float* gmem, unsigned bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -1538,7 +1550,13 @@ __device__ __forceinline__ void v10_gemm(const uint32_t (&ah)[KS][4], const uint
 //   - the statistics' sums start from the first four chunks and the second pass is FFMA / FADD chains
 //     (v10_row_stats' V13), the A fragments' lo parts are not masked (split_tf32_fast<false>);
 //   - setmaxnreg 240 / 24 (kV13ConsumerRegs).
-// v13 runs at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
+// 14 (v14): v13 with the two consumer warpgroups' GEMM1 + GEMM2 taking turns (FlashAttention-3's ping-pong
+//   schedule): warpgroup w waits on named barrier 1 + w before GEMM1 and, after GEMM2, arrives on the other's
+//   barrier if the other has a next tile (t + gridDim.x < total). Warpgroup 1 grants warpgroup 0 the first
+//   turn. So one warpgroup's products run while the other computes statistics and s; each barrier phase gets
+//   exactly one sync (128 threads) and one arrive (128 threads): warpgroup 0 has as many tiles as warpgroup 1
+//   or one more, and the arrivals counted above match the syncs in both cases.
+// v13 and v14 run at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
 template <int KC, int HP, int V>
 __global__ void __launch_bounds__(kV10Threads, 1)
 contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
@@ -1548,9 +1566,9 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
                        const float* __restrict__ b3,                   // (1)
                        float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
-  constexpr bool V11 = V >= 11, V13 = V == 13;
-  static_assert(V == 10 || V == 11 || V == 13, "contact_map_v10_kernel: V = 10, 11 or 13");
-  static_assert(!V13 || KC == 128, "v13: pair_dim > 64");
+  constexpr bool V11 = V >= 11, V13 = V >= 13, PING_PONG = V == 14;
+  static_assert(V == 10 || V == 11 || V == 13 || V == 14, "contact_map_v10_kernel: V = 10, 11, 13 or 14");
+  static_assert(!V13 || KC == 128, "v13, v14: pair_dim > 64");
   constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
   constexpr int kConsumerRegs = V13 ? kV13ConsumerRegs : kV10ConsumerRegs;
   constexpr int kProducerRegs = V13 ? kV13ProducerRegs : kV10ProducerRegs;
@@ -1643,6 +1661,9 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
 #pragma unroll
   for (int e = 0; e < NA; ++e) d0[e] = d1[e] = 0.f;
   bool staged = false;  // this thread has waited for the weights
+  if constexpr (PING_PONG) {
+    if (wg == 1) named_bar_arrive(1);  // warpgroup 0's products go first
+  }
   unsigned q = wg;      // block-local tile index
   // v13: slot and parity of use u0 = 2q, kept incrementally (u0 advances by 4 per tile; launch_v10 makes R a
   // multiple of 4, so one wrap at most, but the two steps below hold for any R >= 2)
@@ -1738,6 +1759,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
       mbar_wait(wbar, 0);
       staged = true;
     }
+    if constexpr (PING_PONG) named_bar_sync(1 + wg);  // this warpgroup's turn on the tensor cores
     float acc[NA];
     wg_fence(ah);
     wg_fence(al);
@@ -1762,6 +1784,9 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     v10_gemm<HP, KS2>(bh, bl, d2h, d2l, d0, d1, acc);
     wg_fence(bh);
     wg_fence(bl);
+    if constexpr (PING_PONG) {
+      if (t + gridDim.x < total) named_bar_arrive(2 - wg);  // the other warpgroup's next tile: its turn
+    }
 
     // ---- layer 3 and the output: z = sum_u w3[u] relu(h2[u] + b2[u]) ----
     float z0 = 0.f, z1 = 0.f;
@@ -1966,7 +1991,7 @@ bool v10_supported(const Args& a, int device) {
 }
 
 // As many ring slots as fit (8 or 4: a multiple of 4); one block per SM, at most one per tile. V: the variant's
-// build of the kernel (10, 11, 13).
+// build of the kernel (10, 11, 13, 14).
 template <int KC, int HP, int V>
 void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   // R a multiple of 4, so that every slot serves one warpgroup only (warpgroup w's uses u = 4k + 2w, 4k + 2w + 1):
@@ -2008,10 +2033,10 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
 }
 
 // wpack_buf: float32 scratch of at least kV10PackFloats<128, 64> elements on the input's device.
-// V = 13 at pair_dim <= 64 runs v11's kernel (v13's statistics start from four 16-channel chunks).
+// V = 13, 14 at pair_dim <= 64 run v11's kernel (v13's statistics start from four 16-channel chunks).
 template <int V>
 void dispatch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
-  constexpr int V64 = V == 13 ? 11 : V;
+  constexpr int V64 = V >= 13 ? 11 : V;
   const bool k64 = a.C <= 64, h32 = a.H <= 32;
   if (k64 && h32) launch_v10<64, 32, V64>(a, wpack_buf, stream, num_sms, max_smem);
   else if (k64) launch_v10<64, 64, V64>(a, wpack_buf, stream, num_sms, max_smem);
@@ -2058,7 +2083,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13,
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13 || variant == 14,
               "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
@@ -2100,10 +2125,11 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11, v13 outside their tiles: v9
+  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11, v13, v14 outside their tiles: v9
   if (variant >= 10 && v10_supported(a, device)) {
     const auto wpack = torch::empty({kV10PackFloats<128, 64>}, pair.options());
-    if (variant == 13) dispatch_v10<13>(a, wpack, stream, num_sms, max_smem);
+    if (variant == 14) dispatch_v10<14>(a, wpack, stream, num_sms, max_smem);
+    else if (variant == 13) dispatch_v10<13>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 11) dispatch_v10<11>(a, wpack, stream, num_sms, max_smem);
     else dispatch_v10<10>(a, wpack, stream, num_sms, max_smem);
   } else if (tc) {
@@ -2202,7 +2228,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
