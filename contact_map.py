@@ -13,7 +13,7 @@ same device. Parameters: the reference's, read at every call (a later `load_stat
 update takes effect), all float32 on the input's device.
 
 How it runs: s is symmetric, so out is exactly symmetric (out[b,i,j] == out[b,j,i] bit for bit). One
-persistent kernel (v1-v9; v10's, v11's, v13's and v14's differences are in the variant list below) walks the
+persistent kernel (v1-v9; v10's, v11's, v13's, v14's and v17's differences are in the variant list below) walks the
 tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
 x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
 pair_dim % 4 == 0), computes the LayerNorm statistics of each vector by the corrected two-pass
@@ -28,14 +28,12 @@ Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The 
 (v5 and later) run the two products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32,
 and a*b ~ hi*hi + hi*lo + lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM),
 promoting short partial sums into an fp32 accumulator by ordinary adds (the tensor cores' own
-accumulation truncates): v5-v9 every k step's hi*hi, v10, v11, v13 and v14 every 16 k. Measured against an
-fp64 evaluation on the H200 (harness, every distribution, max over the trials): v14 (default) and v13
-(the same arithmetic: bit-identical outputs) 0.55x the fp32 PyTorch reference's own max error at crop,
-0.50x at batch, 0.50x at long and 0.33x at awkward_129 (their own kernel), and where they run v11's
-kernel (pair_dim <= 64) 0.70x at seed and 0.42x at awkward_37, v9's (N < 8) 1.11x at N = 1
-(awkward_1) (2026-12-01: v14 in the twelfth session's device run 8, v13 in the eleventh session's
-device run 7; the gaps to the v11 / v10 numbers below at seed, awkward_37 and N = 1 are between runs,
-not between kernels); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
+accumulation truncates): v5-v9 every k step's hi*hi, v10, v11, v13, v14 and v17 every 16 k. Measured against an
+fp64 evaluation on the H200 (harness, every distribution, max over the trials): v17 (default), v14 and v13
+(the same arithmetic: bit-identical outputs) 0.52x the fp32 PyTorch reference's own max error at crop,
+0.49x at batch, 0.50x at long and 0.32x at awkward_129 (their own kernel), and where they run v11's
+kernel (pair_dim <= 64) 0.73x at seed and 0.41x at awkward_37, v9's (N < 8) 1.14x at N = 1
+(awkward_1) (2026-12-01, thirteenth session's device run 2, all three variants checked); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
 0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1 and 0.32x at
 awkward_129 (tenth session's device run 4); v10 and v11 at most 1.67x over
 37 more shape/distribution checks of run 3 with a scratch script (not in the repository), not the harness
@@ -51,7 +49,17 @@ ninth session, before the corrected statistics), and at |x - mean| above ~1e19 (
 sum d^2 overflows, so rows there give NaN (the fp32 reference has NaN there too, at other positions).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v14" (default; Hopper) v13 with the two consumer warpgroups' products (GEMM1 + GEMM2) taking
+    "v17" (default; Hopper) v14 with its tile copies (TMA) marked L2 evict_first. Each input byte is
+          read once, so its L2 lines are the first to be replaced when a later copy misses, and the
+          other lines in L2 stay. The harness's flush leaves L2 full of dirty lines; without the hint
+          the input's reads evict them, and their write-back competes with the reads. Bit-identical
+          to v14. Harness, H200, 2026-12-01 (thirteenth session, device run 2): crop 0.03475, batch
+          0.07918, long 0.3775 ms per call. Against v14 in the same run (a scratch script, not the
+          harness: the harness's flushed loop per call / over CUDA-graph replays, interleaved
+          rounds) crop -1.4% / -2.1%, batch -3.2% / -3.4%, long +0.5% / +0.3%: long is bound by the
+          consumers' arithmetic, not by memory. Runs where v10 runs (else what v9 runs;
+          `last_variant` says "v17"); at pair_dim <= 64 it runs v11's kernel.
+    "v14" (Hopper) v13 with the two consumer warpgroups' products (GEMM1 + GEMM2) taking
           turns (FlashAttention-3's ping-pong: named barriers), so that one warpgroup's products run
           while the other computes its statistics and s. Bit-identical to v13. Harness, H200,
           2026-12-01 (twelfth session, device run 8): crop 0.03544, batch 0.08237, long 0.3788 ms per
@@ -122,7 +130,7 @@ they fit beside the tile (227 KB per block on the H200; v5, v7, v9: pair_dim <= 
 hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
 are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
 Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
-names (9.0 as sm_90a, for v10, v11, v13 and v14; no list and no GPU: 9.0).
+names (9.0 as sm_90a, for v10, v11, v13, v14 and v17; no list and no GPU: 9.0).
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
 against eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2 minutes
@@ -1181,14 +1189,14 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
 //                    K (then the tile's two ring slots are released), GEMM1 = m64nHPk8 wgmma with A
 //                    from registers, GEMM1's accumulator turned in registers into GEMM2's A fragments,
 //                    GEMM2, layer 3 and the output. The two warpgroups overlap each other's phases
-//                    (v14: their GEMM1 + GEMM2 take turns, named barriers 1 and 2).
+//                    (v14, v17: their GEMM1 + GEMM2 take turns, named barriers 1 and 2).
 //   warpgroup 2      producer (setmaxnreg down to kV10ProducerRegs); thread 288 copies the packed
 //                    parameters (contact_map_v10_params_kernel's wpack, written by the same call just
 //                    before: this kernel is its programmatic dependent and waits for it there only,
 //                    griddepcontrol.wait) into shared memory on the `wbar` mbarrier; thread 256 queues every
 //                    tile as two half tiles (the tile x[b, 8I.., 8J.., :] and its mirror
 //                    x[b, 8J.., 8I.., :]) into a ring of R slots of 64 rows x KC channels: KC / 32
-//                    tensor-map copies (box 32 channels x 8 x 8 positions, 128-byte swizzle) per half,
+//                    tensor-map copies (box 32 channels x 8 x 8 positions, 128-byte swizzle; v17: L2 evict_first) per half,
 //                    completing on the slot's `full` mbarrier; a consumer warp arrives on the slot's
 //                    `empty` mbarrier once it has read it (4 arrivals free it). Slot use u counts the
 //                    block's half tiles: slot u % R, mbarrier parity (u / R) & 1; tile q of the block
@@ -1276,7 +1284,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // 
                  : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
   } while (!done);
 }
-// Named barriers 1, 2 of v14's two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
+// Named barriers 1, 2 of v14's and v17's two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
 __device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 // bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
@@ -1291,6 +1299,15 @@ __device__ __forceinline__ void tma_load_4d(float* dst, const CUtensorMap* map, 
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
       ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
         "r"(smem_u32(bar))
+      : "memory");
+}
+// tma_load_4d with an L2 cache policy (createpolicy's 64-bit value) on the reads (PTX ISA: .L2::cache_hint).
+__device__ __forceinline__ void tma_load_4d(float* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+        "r"(smem_u32(bar)), "l"(policy)
       : "memory");
 }
 // Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4, LBO = 128 bytes (the
@@ -1558,7 +1575,12 @@ __device__ __forceinline__ void v10_gemm(const uint32_t (&ah)[KS][4], const uint
 //   turn. So one warpgroup's products run while the other computes statistics and s; each barrier phase gets
 //   exactly one sync (128 threads) and one arrive (128 threads): warpgroup 0 has as many tiles as warpgroup 1
 //   or one more, and the arrivals counted above match the syncs in both cases.
-// v13 and v14 run at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
+// 17 (v17): v14 with the tile copies marked L2 evict_first (createpolicy.fractional.L2::evict_first, fraction
+//   1.0). Every input byte is read once (the tile and its mirror are different bytes), so its L2 lines are
+//   dead once they land in shared memory: with the hint, a later copy's miss replaces them rather than other
+//   lines. Under the harness's flush, which leaves L2 full of dirty lines, those would otherwise be written
+//   back during this kernel: the load-only build took 29.6 -> 26.1 us at crop (scratch, thirteenth session).
+// v13, v14 and v17 run at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
 template <int KC, int HP, int V>
 __global__ void __launch_bounds__(kV10Threads, 1)
 contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
@@ -1568,9 +1590,9 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
                        const float* __restrict__ b3,                   // (1)
                        float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
-  constexpr bool V11 = V >= 11, V13 = V >= 13, PING_PONG = V == 14;
-  static_assert(V == 10 || V == 11 || V == 13 || V == 14, "contact_map_v10_kernel: V = 10, 11, 13 or 14");
-  static_assert(!V13 || KC == 128, "v13, v14: pair_dim > 64");
+  constexpr bool V11 = V >= 11, V13 = V >= 13, PING_PONG = V >= 14, EVICT_FIRST = V >= 17;
+  static_assert(V == 10 || V == 11 || V == 13 || V == 14 || V == 17, "contact_map_v10_kernel: V = 10, 11, 13, 14 or 17");
+  static_assert(!V13 || KC == 128, "v13, v14, v17: pair_dim > 64");
   constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
   constexpr int kConsumerRegs = V13 ? kV13ConsumerRegs : kV10ConsumerRegs;
   constexpr int kProducerRegs = V13 ? kV13ProducerRegs : kV10ProducerRegs;
@@ -1617,6 +1639,8 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     } else if (tid == 256) {
       const unsigned bytes = static_cast<unsigned>(4 * L.slot_floats);
       unsigned u = 0;
+      uint64_t policy = 0;  // v17: the tiles' L2 lines evicted first (read once)
+      if constexpr (EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
       for (long long t = blockIdx.x; t < total; t += gridDim.x) {
         int b, I, J;
         if constexpr (V13) {
@@ -1644,8 +1668,11 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
           mbar_expect_tx(full + s, bytes);
           float* dst = ring + s * L.slot_floats;
 #pragma unroll
-          for (int box = 0; box < KC / 32; ++box)
-            tma_load_4d(dst + box * 2048, half ? &tm_mirror : &tm_tile, 32 * box, TILE * J, TILE * I, b, full + s);
+          for (int box = 0; box < KC / 32; ++box) {
+            const CUtensorMap* map = half ? &tm_mirror : &tm_tile;
+            if constexpr (EVICT_FIRST) tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s, policy);
+            else tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s);
+          }
         }
       }
     }
@@ -1981,7 +2008,7 @@ CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror) {
   return m;
 }
 
-// Where v10, v11, v13 and v14 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
+// Where v10, v11, v13, v14 and v17 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
 // with C % 16 == 0, H <= 64, N >= 8 (a box never exceeds the tensor), x 16-byte aligned.
 bool v10_supported(const Args& a, int device) {
   if (!kBuiltSm90a) return false;
@@ -1993,7 +2020,7 @@ bool v10_supported(const Args& a, int device) {
 }
 
 // As many ring slots as fit (8 or 4: a multiple of 4); one block per SM, at most one per tile. V: the variant's
-// build of the kernel (10, 11, 13, 14).
+// build of the kernel (10, 11, 13, 14, 17).
 template <int KC, int HP, int V>
 void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   // R a multiple of 4, so that every slot serves one warpgroup only (warpgroup w's uses u = 4k + 2w, 4k + 2w + 1):
@@ -2085,7 +2112,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13 || variant == 14,
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13 || variant == 14 || variant == 17,
               "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
@@ -2127,10 +2154,11 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11, v13, v14 outside their tiles: v9
+  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11, v13, v14, v17 outside their tiles: v9
   if (variant >= 10 && v10_supported(a, device)) {
     const auto wpack = torch::empty({kV10PackFloats<128, 64>}, pair.options());
-    if (variant == 14) dispatch_v10<14>(a, wpack, stream, num_sms, max_smem);
+    if (variant == 17) dispatch_v10<17>(a, wpack, stream, num_sms, max_smem);
+    else if (variant == 14) dispatch_v10<14>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 13) dispatch_v10<13>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 11) dispatch_v10<11>(a, wpack, stream, num_sms, max_smem);
     else dispatch_v10<10>(a, wpack, stream, num_sms, max_smem);
@@ -2174,12 +2202,12 @@ CUDA_SRC = CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_3
 def _gencode_flags():
     """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
     reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
-    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's, v11's, v13's and v14's wgmma and
+    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's, v11's, v13's, v14's and v17's wgmma and
     setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
     does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
     9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
     Returns [] for lists it cannot parse (names such as "Hopper"): PyTorch then builds as usual,
-    without sm_90a (v10, v11, v13 and v14 then run v9). The same function as outer_product_mean.py's: each kernel
+    without sm_90a (v10, v11, v13, v14 and v17 then run v9). The same function as outer_product_mean.py's: each kernel
     file stands alone (one file to drop in), so it is not shared."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":
@@ -2230,7 +2258,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v17": 17, "v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -91,7 +91,7 @@ def _copy64(m_ref):
 # CPU: build and input checks
 # ------------------------------------------------------------------------------------------------
 def test_builds_and_has_variants(cm):
-    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9", "v10", "v11", "v13", "v14"}
+    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9", "v10", "v11", "v13", "v14", "v17"}
     assert cm.ModelNew(8, 4).variant == cm.ModelNew.VARIANTS[0]
 
 
@@ -175,12 +175,12 @@ def test_named_shapes(cm, ref, name):
     # v9's producers with the weights from global memory (pair_dim > 208 at hidden 17-32, > 248 at
     # hidden 16; 4-byte copies) and in shared memory without the fused pass (pair_dim 129-208)
     (1, 200, 240, 24), (1, 200, 237, 24), (1, 200, 256, 16), (1, 160, 160, 32),
-    # v10, v11 (and v13, v14) (Hopper): their four builds (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8),
+    # v10, v11 (and v13, v14, v17) (Hopper): their four builds (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8),
     # N = 8 (one box), pair_dim 48 / 96 (zero-filled channel boxes), hidden 17 / 33 / 40 (padded units),
     # and more tiles than 2 x 132 warpgroups (ring slots reused, both warpgroups walking tiles)
     (1, 8, 32, 32), (1, 9, 48, 17), (2, 100, 64, 64), (1, 200, 96, 40), (3, 77, 128, 33), (1, 300, 128, 64),
     (1, 250, 64, 20),
-    # v13, v14 (pair_dim > 64): their producer's incremental tile walk across batches with fewer tiles per batch
+    # v13, v14, v17 (pair_dim > 64): their producer's incremental tile walk across batches with fewer tiles per batch
     # than blocks (N = 8: one tile per batch; N = 20: 6), the 240-register build at hidden <= 32 with
     # zero-filled channel chunks (pair_dim 80)
     (300, 8, 96, 16), (40, 20, 128, 32), (2, 90, 80, 24),
@@ -228,13 +228,13 @@ def test_constant_rows(cm, ref, C, H):
 
 @gpu
 @needs_cuda
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v10, v11, v13, v14 need an H100/H200")
-def test_v10_v11_v13_v14_run_their_own_kernels_on_hopper(cm):
-    """v10, v11, v13 and v14 fall back to v9 silently outside their tiles; inside them (crop-like shape, 16-byte
-    aligned) the profiler must show the params kernel and contact_map_v10_kernel in the variant's own
-    build (template argument V: 10, 11, 13 or 14), and at pair_dim 37 neither."""
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v10, v11, v13, v14, v17 need an H100/H200")
+def test_hopper_variants_run_their_own_kernels(cm):
+    """v10, v11, v13, v14 and v17 fall back to v9 silently outside their tiles; inside them (crop-like shape,
+    16-byte aligned) the profiler must show the params kernel and contact_map_v10_kernel in the variant's own
+    build (template argument V: 10, 11, 13, 14 or 17), and at pair_dim 37 neither."""
     import re
-    for variant in ("v10", "v11", "v13", "v14"):
+    for variant in ("v10", "v11", "v13", "v14", "v17"):
         for C, expect in ((128, True), (37, False)):
             new = cm.ModelNew(C, 64).cuda()
             new.variant = variant
@@ -367,7 +367,7 @@ def test_back_to_back_calls_are_deterministic(cm, ref):
     m_ref, new = _pair(cm, ref, 128, 32, seed=5)
     x = torch.randn(8, 256, 256, 128, device="cuda")
     with torch.inference_mode():
-        for v in ("v14", "v13", "v11", "v10"):
+        for v in ("v17", "v14", "v13", "v11", "v10"):
             new.variant = v
             first = new(x).clone()
             outs = [new(x) for _ in range(200)]
@@ -378,27 +378,29 @@ def test_back_to_back_calls_are_deterministic(cm, ref):
 
 @gpu
 @needs_cuda
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v13, v14 need an H100/H200")
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v13, v14, v17 need an H100/H200")
+@pytest.mark.parametrize("variant,base", [("v14", "v13"), ("v17", "v14")])
 @pytest.mark.parametrize("B,N,C,H", [
     # tiles per block's two consumer warpgroups on 132 SMs (H100 / H200 SXM; other SM counts give other
     # splits, still of both kinds): 1 / 0 (15 tiles), 1 / 1 or 1 / 0 (153), 5 / 4 or 4 / 4 (1176),
     # 16 / 16 (4224): equal counts, one more for warpgroup 0, and warpgroup 1 without a tile
     (1, 40, 128, 32), (1, 130, 128, 64), (1, 384, 128, 64), (8, 256, 128, 32),
 ])
-def test_v14_ping_pong_matches_v13_bit_for_bit(cm, ref, B, N, C, H):
-    """v14 is v13 with the two consumer warpgroups' products taking turns (named barriers): the same
-    arithmetic in the same order per tile, so its outputs must equal v13's bit for bit, call after call.
-    The barriers carry no data: a missing arrival shows as a hang (pytest sets no timeout: the run
-    stalls), an extra one only as a changed schedule, which this bit-equality cannot see."""
+def test_schedule_variants_match_their_base_bit_for_bit(cm, ref, variant, base, B, N, C, H):
+    """v14 is v13 with the two consumer warpgroups' products taking turns (named barriers), v17 is v14 with
+    the tile copies' L2 evict_first hint: the same arithmetic in the same order per tile, so their outputs
+    must equal their base's bit for bit, call after call. The barriers carry no data: a missing arrival
+    shows as a hang (pytest sets no timeout: the run stalls), an extra one only as a changed schedule,
+    which this bit-equality cannot see; nor can it see the cache hint (only timing does)."""
     m_ref, new = _pair(cm, ref, C, H, seed=B + N + H)
     x = torch.randn(B, N, N, C, generator=torch.Generator().manual_seed(N), dtype=torch.float32).cuda() + 0.3
     with torch.inference_mode():
-        new.variant = "v13"
+        new.variant = base
         want = new(x).clone()
-        new.variant = "v14"
+        new.variant = variant
         outs = [new(x) for _ in range(20)]
         torch.cuda.synchronize()
-    assert new.last_variant == "v14"
+    assert new.last_variant == variant
     wrong = sum(not torch.equal(o, want) for o in outs)
-    assert wrong == 0, f"{wrong} of 20 v14 calls differ from v13"
+    assert wrong == 0, f"{wrong} of 20 {variant} calls differ from {base}"
 
