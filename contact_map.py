@@ -155,10 +155,10 @@ CUDA_SRC = r"""
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cmath>
+#include <map>
 #include <mutex>
-#include <set>
-#include <tuple>
 #include <unordered_map>
+#include <utility>
 
 namespace contact_map {
 
@@ -2033,16 +2033,18 @@ DeviceFacts device_facts(int device) {
   return f;
 }
 
-// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) once per kernel, device and size (1.9 us per forward in the
-// same profile). The attribute belongs to the function on the current device (the caller's CUDAGuard).
-void set_max_dynamic_smem_once(const void* kernel, int device, int smem) {
+// A kernel's MaxDynamicSharedMemorySize raised to at least `smem` on `device` (the current device, the caller's
+// CUDAGuard): cudaFuncSetAttribute only when a larger size than any set before is asked for (it took 1.9 us of
+// every forward in the same profile). A larger limit also admits the smaller launches.
+void ensure_max_dynamic_smem(const void* kernel, int device, int smem) {
   static std::mutex mu;
-  static std::set<std::tuple<const void*, int, int>> done;
+  static std::map<std::pair<const void*, int>, int> set_to;
   const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(kernel, device, smem);
-  if (done.count(key)) return;
+  const auto key = std::make_pair(kernel, device);
+  const auto it = set_to.find(key);
+  if (it != set_to.end() && it->second >= smem) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  done.insert(key);
+  set_to[key] = smem;
 }
 
 // Where v10, v11, v13, v14 and v17 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
@@ -2067,7 +2069,7 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
   const int smem = SmemV10(KC, HP, R).total;
   TORCH_CHECK(smem <= max_smem, "contact_map: v10 needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
   auto kernel = contact_map_v10_kernel<KC, HP, V>;
-  set_max_dynamic_smem_once(reinterpret_cast<const void*>(kernel), a.device, smem);
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(kernel), a.device, smem);
   const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false), mm = make_tile_map(a.x, a.B, a.N, a.C, true);
   constexpr int pack = kV10PackFloats<KC, HP>, pack_threads = HP * KC + HP * HP + 32 * HP;
   float* wpack = wpack_buf.data_ptr<float>();
@@ -2298,12 +2300,12 @@ _VARIANT_IDS = {"v17": 17, "v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, 
 class _ForwardOnly(torch.autograd.Function):
     """Runs the kernel inside autograd so that a later backward raises instead of dropping grads.
 
-    `anchor` (one of the inputs that require grad) is the node's only tensor input: that is enough for the
-    output to carry this node, and an apply with one tensor costs about 3 us less host time than with nine
-    (measured on the CPU); the kernel's arguments travel untracked in `args`."""
+    The node's tensor inputs are exactly the kernel's arguments that require grad (`tracked`), so that any
+    backward or `torch.autograd.grad` that asks for one of them reaches this node and raises; the kernel's
+    arguments themselves travel in `args`."""
 
     @staticmethod
-    def forward(ctx, anchor, args):
+    def forward(ctx, args, *tracked):
         return _ext.forward(*args)
 
     @staticmethod
@@ -2358,9 +2360,7 @@ class ModelNew(nn.Module):
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {self.VARIANTS}")
         ln, params = self._parameters_in_order()
         args = (pair_repr, params[0], params[1], float(ln.eps), *params[2:], vid)
-        anchor = None
-        if torch.is_grad_enabled():
-            anchor = pair_repr if pair_repr.requires_grad else next((p for p in params if p.requires_grad), None)
-        out = _ext.forward(*args) if anchor is None else _ForwardOnly.apply(anchor, args)
+        tracked = [t for t in (pair_repr, *params) if t.requires_grad] if torch.is_grad_enabled() else ()
+        out = _ForwardOnly.apply(args, *tracked) if tracked else _ext.forward(*args)
         object.__setattr__(self, "last_variant", self.variant)  # a plain attribute: skips nn.Module.__setattr__ (~1 us)
         return out

@@ -134,6 +134,72 @@ def test_unknown_variant(cm):
         model(torch.randn(1, 3, 3, 16))
 
 
+def test_kernel_arguments_and_forward_only_node_in_every_grad_mode(cm, monkeypatch):
+    """CPU, the kernel replaced by a recorder: ModelNew hands the kernel the current parameters (read through
+    the modules' dicts, a parametrized weight through its parametrization) in every grad mode, and every way
+    of asking autograd for a gradient through the output raises the forward-only error, whichever tensors
+    require grad (the node's inputs are all of them: with one anchor, `backward(inputs=[p])` and
+    `autograd.grad(..., allow_unused=True)` for another p returned no gradient and no error)."""
+    import torch.nn.utils.parametrize as parametrize
+    calls = []
+
+    class Recorder:
+        @staticmethod
+        def forward(*args):
+            calls.append(args)
+            return torch.zeros(args[0].shape[:3])
+
+    monkeypatch.setattr(cm, "_ext", Recorder)
+    new = cm.ModelNew(8, 4)
+    ln, l1, l2, l3 = new.layer_norm, new.mlp[0], new.mlp[2], new.mlp[4]
+    x = torch.randn(1, 3, 3, 8)
+
+    def assert_args(x_in, w1=None):
+        got = calls[-1]
+        want = (x_in, ln.weight, ln.bias, ln.eps, l1.weight if w1 is None else w1, l1.bias, l2.weight, l2.bias,
+                l3.weight, l3.bias, cm._VARIANT_IDS[new.variant])
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            if not torch.is_tensor(w):  # eps (float) and the variant id (int)
+                assert type(g) is type(w) and g == w, (g, w)
+            elif w1 is None:
+                assert g is w  # the module's own tensor objects
+            else:
+                assert torch.equal(g, w)
+
+    out = new(x)  # grad enabled, parameters require grad: as KernelBench times it
+    assert_args(x)
+    assert out.requires_grad
+    for ask in (lambda o: o.sum().backward(), lambda o: o.sum().backward(inputs=[l2.weight]),
+                lambda o: torch.autograd.grad(o.sum(), [l3.bias], allow_unused=True)):
+        with pytest.raises(RuntimeError, match="forward-only"):
+            ask(new(x))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert not new(x).requires_grad
+        assert_args(x)
+    for p in new.parameters():
+        p.requires_grad_(False)
+    assert not new(x).requires_grad
+    xr = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="forward-only"):
+        torch.autograd.grad(new(xr).sum(), [xr], allow_unused=True)
+    assert_args(xr)
+    new.mlp[2].weight = torch.nn.Parameter(torch.randn(4, 4))  # a replaced parameter: the new object
+    l2 = new.mlp[2]
+    new(x)
+    assert_args(x)
+    parametrize.register_parametrization(new.mlp[0], "weight", _Scale())  # not in _parameters: the fallback
+    new(x)
+    assert_args(x, w1=1.7 * new.mlp[0].parametrizations.weight.original)
+    assert new.last_variant == new.variant and "last_variant" not in new.state_dict()
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, w):
+        return 1.7 * w
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: correctness
 # ------------------------------------------------------------------------------------------------
@@ -339,10 +405,6 @@ def test_replaced_and_parametrized_parameters_are_used(cm, ref):
     (not in those dicts) must go through the parametrization, as the reference's nn.Linear does."""
     import torch.nn.utils.parametrize as parametrize
 
-    class Scale(torch.nn.Module):
-        def forward(self, w):
-            return 1.7 * w
-
     m_ref, new = _pair(cm, ref, 64, 32, seed=12)
     x = torch.randn(2, 20, 20, 64, device="cuda")
     gen = torch.Generator().manual_seed(13)
@@ -351,7 +413,7 @@ def test_replaced_and_parametrized_parameters_are_used(cm, ref):
         m.mlp[2].weight = torch.nn.Parameter(w2.clone().cuda())
     _check(cm, m_ref, new, x)
     for m in (m_ref, new):
-        parametrize.register_parametrization(m.mlp[0], "weight", Scale())
+        parametrize.register_parametrization(m.mlp[0], "weight", _Scale())
     _check(cm, m_ref, new, x)
     with torch.inference_mode():
         assert not torch.allclose(new(x), _pair(cm, ref, 64, 32, seed=12)[1](x), atol=1e-4, rtol=1e-4)
