@@ -33,7 +33,7 @@ fp64 evaluation on the H200 (harness, every distribution, max over the trials): 
 (the same arithmetic: bit-identical outputs) 0.52x the fp32 PyTorch reference's own max error at crop,
 0.49x at batch, 0.50x at long and 0.32x at awkward_129 (their own kernel), and where they run v11's
 kernel (pair_dim <= 64) 0.73x at seed and 0.41x at awkward_37, v9's (N < 8) 1.14x at N = 1
-(awkward_1) (2026-12-01, thirteenth session's device runs 2 and 4, all three variants checked); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
+(awkward_1) (2026-12-01, thirteenth session's device runs 2, 4 and 6, all three variants checked); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
 0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1 and 0.32x at
 awkward_129 (tenth session's device run 4); v10 and v11 at most 1.67x over
 37 more shape/distribution checks of run 3 with a scratch script (not in the repository), not the harness
@@ -53,8 +53,9 @@ Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
           read once, so its L2 lines are the first to be replaced when a later copy misses, and the
           other lines in L2 stay. The harness's flush leaves L2 full of dirty lines; without the hint
           the input's reads evict them, and their write-back competes with the reads. Bit-identical
-          to v14. Harness, H200, 2026-12-01 (thirteenth session, device runs 2 and 4): crop 0.03475 /
-          0.03456, batch 0.07918 / 0.07898, long 0.3775 / 0.3695 ms per call. Against v14 in run 2
+          to v14. Harness, H200, 2026-12-01 (thirteenth session, device runs 2, 4 and 6): crop
+          0.03475 / 0.03456 / 0.03472, batch 0.07918 / 0.07898 / 0.07971, long 0.3775 / 0.3695 /
+          0.3742 ms per call. Against v14 in run 2
           (a scratch script, not the harness: the harness's flushed loop per call / over CUDA-graph
           replays, interleaved rounds) crop -1.4% / -2.1%, batch -3.2% / -3.4%, long +0.5% / +0.3%:
           long is bound by the consumers' arithmetic, not by memory. Runs where v10 runs (else what v9 runs;
