@@ -1865,14 +1865,48 @@ struct Args {
   int device;  // the input's CUDA device (current under the forward's CUDAGuard)
 };
 
+// A device's facts that every forward needs, queried once per device (four driver calls, ~1.5 us of host time
+// per forward on the H200 machine's host otherwise; thirteenth session's profile).
+struct DeviceFacts {
+  int max_smem, num_sms, major, minor;
+};
+DeviceFacts device_facts(int device) {
+  static std::mutex mu;
+  static std::unordered_map<int, DeviceFacts> cache;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  DeviceFacts f{};
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.num_sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, device));
+  cache.emplace(device, f);
+  return f;
+}
+
+// A kernel's MaxDynamicSharedMemorySize raised to at least `smem` on `device` (the current device, the caller's
+// CUDAGuard), for every kernel of this file: cudaFuncSetAttribute only when a larger size than any set before is
+// asked for (it took 1.9 us of every forward in the same profile). A larger limit also admits the smaller
+// launches.
+void ensure_max_dynamic_smem(const void* kernel, int device, int smem) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> set_to;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(kernel, device);
+  const auto it = set_to.find(key);
+  if (it != set_to.end() && it->second >= smem) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  set_to[key] = smem;
+}
+
 // Persistent launch of either kernel (same signature): as many blocks of `threads` threads as fit on
 // the device, at most one per tile.
 using KernelFn = void (*)(const float*, float*, const float*, const float*, const float*, const float*,
                           const float*, const float*, const float*, const float*, float, int, int, int, int,
                           int, bool);
-int blocks_per_sm(KernelFn kernel, int threads, size_t smem) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
+int blocks_per_sm(KernelFn kernel, int device, int threads, size_t smem) {
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(kernel), device, static_cast<int>(smem));
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
   return per_sm;
@@ -1882,7 +1916,7 @@ int blocks_per_sm(KernelFn kernel, int threads, size_t smem) {
 // also sets its shared-memory attribute), else 0 and it is asked here.
 void launch_persistent(KernelFn kernel, int threads, size_t smem, const Args& a, cudaStream_t stream,
                        int num_sms, int per_sm = 0) {
-  if (per_sm == 0) per_sm = blocks_per_sm(kernel, threads, smem);
+  if (per_sm == 0) per_sm = blocks_per_sm(kernel, a.device, threads, smem);
   TORCH_CHECK(per_sm > 0, "contact_map: kernel does not fit on the device (", num(smem),
               " bytes of shared memory)");
   const int nT = cdiv(a.N, TILE);
@@ -1927,7 +1961,7 @@ template <int HP, WFormat WF, int NTHR, bool PROD = false>
 void launch_tc(const Args& a, cudaStream_t stream, int num_sms) {
   const size_t smem = sizeof(float) * SmemTC(a.CP, HP, WF).total;
   if constexpr (kMinBlocksTC<HP, NTHR> == 2 && NTHR == 512) {
-    const int per_sm = blocks_per_sm(contact_map_tc_kernel<HP, WF, NTHR, 2>, NTHR, smem);
+    const int per_sm = blocks_per_sm(contact_map_tc_kernel<HP, WF, NTHR, 2>, a.device, NTHR, smem);
     if (per_sm < 2)
       launch_persistent(contact_map_tc_kernel<HP, WF, NTHR, 1, PROD>, NTHR, smem, a, stream, num_sms);
     else
@@ -2012,40 +2046,6 @@ CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror) {
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "contact_map: cuTensorMapEncodeTiled failed with CUresult " + num(static_cast<int>(r)));
   return m;
-}
-
-// A device's facts that every forward needs, queried once per device (four driver calls, ~1.5 us of host time
-// per forward on the H200 machine's host otherwise; thirteenth session's profile).
-struct DeviceFacts {
-  int max_smem, num_sms, major, minor;
-};
-DeviceFacts device_facts(int device) {
-  static std::mutex mu;
-  static std::unordered_map<int, DeviceFacts> cache;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto it = cache.find(device);
-  if (it != cache.end()) return it->second;
-  DeviceFacts f{};
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.num_sms, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, device));
-  cache.emplace(device, f);
-  return f;
-}
-
-// A kernel's MaxDynamicSharedMemorySize raised to at least `smem` on `device` (the current device, the caller's
-// CUDAGuard): cudaFuncSetAttribute only when a larger size than any set before is asked for (it took 1.9 us of
-// every forward in the same profile). A larger limit also admits the smaller launches.
-void ensure_max_dynamic_smem(const void* kernel, int device, int smem) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> set_to;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(kernel, device);
-  const auto it = set_to.find(key);
-  if (it != set_to.end() && it->second >= smem) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  set_to[key] = smem;
 }
 
 // Where v10, v11, v13, v14 and v17 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
@@ -2179,6 +2179,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   int HP = 16;
   while (HP < H) HP *= 2;
   const int device = pair.get_device();
+  a.device = device;
   const DeviceFacts dev = device_facts(device);
   const int max_smem = dev.max_smem, num_sms = dev.num_sms;
   const bool tc = variant >= 5;
@@ -2191,7 +2192,6 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
   const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11, v13, v14, v17 outside their tiles: v9
-  a.device = device;
   if (variant >= 10 && v10_supported(a, dev)) {
     const auto wpack = torch::empty({kV10PackFloats<128, 64>}, pair.options());
     if (variant == 17) dispatch_v10<17>(a, wpack, stream, num_sms, max_smem);
