@@ -502,6 +502,17 @@ __device__ __forceinline__ void decode_tile(long long t, long long tiles_per_b, 
   I = static_cast<int>(u - jj * (jj + 1) / 2);
 }
 
+// decode_tile for t < 2^31 (v19's producer, in 24 registers).
+__device__ __forceinline__ void decode_tile32(unsigned t, unsigned tiles_per_b, int& b, int& I, int& J) {
+  const unsigned q = t / tiles_per_b, u = t - q * tiles_per_b;
+  int jj = static_cast<int>((sqrtf(8.f * static_cast<float>(u) + 1.f) - 1.f) * 0.5f);
+  while (static_cast<unsigned>(jj * (jj + 1) / 2) > u) --jj;
+  while (static_cast<unsigned>((jj + 1) * (jj + 2) / 2) <= u) ++jj;
+  b = static_cast<int>(q);
+  J = jj;
+  I = static_cast<int>(u - static_cast<unsigned>(jj * (jj + 1) / 2));
+}
+
 // Rows row0..row1-1 of load_tile below (v2 and later: a warp copies whole rows, so the index
 // arithmetic is per row), by nw warps of which the caller is warp wid. v5/v7 queue a tile in two
 // halves, the mirror half after the first product (measured 3-5% faster than all at once: NOTES.md);
@@ -1453,6 +1464,20 @@ __device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, f
   split_tf32_fast<!V13>(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
   split_tf32_fast<!V13>(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
 }
+// v19: v10_build4 with the tile row's term pa = (xa - ma) ra already computed (the same operations, so the
+// same bits).
+template <int KC, bool V13 = false>
+__device__ __forceinline__ void v10_build4_pre(const float4& pa, const float4& vb, float mb, float rb, int kk, int h,
+                                               uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
+  const float s0 = __fadd_rn(pa.x, __fmul_rn(vb.x - mb, rb));
+  const float s1 = __fadd_rn(pa.y, __fmul_rn(vb.y - mb, rb));
+  const float s2 = __fadd_rn(pa.z, __fmul_rn(vb.z - mb, rb));
+  const float s3 = __fadd_rn(pa.w, __fmul_rn(vb.w - mb, rb));
+  split_tf32_fast<!V13>(s0, ah[2 * kk][h], al[2 * kk][h]);
+  split_tf32_fast<!V13>(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
+  split_tf32_fast<!V13>(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
+  split_tf32_fast<!V13>(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+}
 template <int KC>
 __device__ __forceinline__ void v10_build_kk(const float* tile, const float* mirror, int p0, int t, int kk,
                                              const float (&mean)[4], const float (&rstd)[4],
@@ -1475,11 +1500,12 @@ template <int KC, int HP>
 __global__ void __launch_bounds__(256) contact_map_v10_params_kernel(
     const float* __restrict__ ln_w, const float* __restrict__ ln_b, const float* __restrict__ w1,
     const float* __restrict__ b1, const float* __restrict__ w2, const float* __restrict__ b2,
-    const float* __restrict__ w3, int C, int H, float* __restrict__ wpack) {
+    const float* __restrict__ w3, int C, int H, float* __restrict__ wpack, int* __restrict__ tile_counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // v10's kernel may start its tile copies
 #endif
   const int e = blockIdx.x * 256 + threadIdx.x;
+  if (e == 0 && tile_counter != nullptr) *tile_counter = 0;  // v19's tile tickets (read after griddepcontrol.wait)
   float* w2p = wpack + 2 * HP * KC;
   float* vec = w2p + 2 * HP * HP;
   if (e < HP * KC) {
@@ -1592,12 +1618,14 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
                        const __grid_constant__ CUtensorMap tm_mirror,  // x as (C, N (i), N (j), B)
                        float* __restrict__ out,                        // (B, N, N)
                        const float* __restrict__ wpack,                // kV10PackFloats<KC, HP>
+                       int* __restrict__ tile_counter,                 // v19: tickets handed out (0 at the start)
                        const float* __restrict__ b3,                   // (1)
                        float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
-  constexpr bool V11 = V >= 11, V13 = V >= 13, PING_PONG = V >= 14, EVICT_FIRST = V >= 17;
-  static_assert(V == 10 || V == 11 || V == 13 || V == 14 || V == 17, "contact_map_v10_kernel: V = 10, 11, 13, 14 or 17");
-  static_assert(!V13 || KC == 128, "v13, v14, v17: pair_dim > 64");
+  constexpr bool V11 = V >= 11, V13 = V >= 13, PING_PONG = V >= 14, EVICT_FIRST = V >= 17, DYNAMIC = V >= 19;
+  static_assert(V == 10 || V == 11 || V == 13 || V == 14 || V == 17 || V == 19,
+                "contact_map_v10_kernel: V = 10, 11, 13, 14, 17 or 19");
+  static_assert(!V13 || KC == 128, "v13, v14, v17, v19: pair_dim > 64");
   constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
   constexpr int kConsumerRegs = V13 ? kV13ConsumerRegs : kV10ConsumerRegs;
   constexpr int kProducerRegs = V13 ? kV13ProducerRegs : kV10ProducerRegs;
@@ -1628,7 +1656,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   int pb = 0, pI = 0, pJ = 0;  // v13's producer: the block's first tile, decoded before setmaxnreg.dec
-  if (V13 && tid == 256 && blockIdx.x < total) decode_tile(blockIdx.x, tiles_per_b, pb, pI, pJ);
+  if (V13 && !DYNAMIC && tid == 256 && blockIdx.x < total) decode_tile(blockIdx.x, tiles_per_b, pb, pI, pJ);
   __syncthreads();  // the mbarriers are initialised before anyone waits on them
 
   if (wg == 2) {  // producer warpgroup
@@ -1646,7 +1674,72 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
       unsigned u = 0;
       uint64_t policy = 0;  // v17: the tiles' L2 lines evicted first (read once)
       if constexpr (EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-      for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+      if constexpr (DYNAMIC) {
+        // v19: the block's tiles q = 0, 1 are blockIdx.x and blockIdx.x + gridDim.x, the later ones tickets from
+        // tile_counter (t = 2 gridDim.x + ticket). Each ticket is taken two tiles ahead (tk0 for q + 1, tk1 for
+        // q + 2), so that the atomic's round trip is over long before its use. Past the last tile, use 2q gets a
+        // sentinel (b = -1, I = 1) for one consumer warpgroup and use 2q + 2 one (b = -1, I = 0) for the other,
+        // each completing its slot's phase with a plain arrive. Slot ps = u % R, pw = (u / R) & 1 and wrapped = u >= R are kept
+        // incrementally, and the tile indices are 32-bit (the host checks total < 2^31): with no division by R
+        // and no 64-bit division the walk fits the 24 registers of kV13ProducerRegs.
+        const unsigned total32 = static_cast<unsigned>(total), tpb32 = static_cast<unsigned>(tiles_per_b);
+        int ps = 0;
+        unsigned pw = 0;
+        bool wrapped = false;
+        auto next_slot = [&]() {
+          if (++ps == R) {
+            ps = 0;
+            pw ^= 1;
+            wrapped = true;
+          }
+        };
+        auto wait_slot = [&]() {  // until the consumers have released slot ps's previous phase
+          if (wrapped) mbar_wait(empty + ps, pw ^ 1);
+        };
+        unsigned t = blockIdx.x, tk0 = 0, tk1 = 0;
+        for (unsigned q = 0;; ++q) {
+          wait_slot();
+          if (t >= total32) {
+            tinfo[ps] = make_int4(-1, 1, 0, 0);  // the first sentinel (I = 1)
+            mbar_arrive(full + ps);
+            next_slot();
+            next_slot();
+            wait_slot();
+            tinfo[ps] = make_int4(-1, 0, 0, 0);
+            mbar_arrive(full + ps);
+            break;
+          }
+          int b, I, J;
+          decode_tile32(t, tpb32, b, I, J);
+          tinfo[ps] = make_int4(b, I, J, 0);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            if (half) {
+              next_slot();
+              wait_slot();
+            }
+            mbar_expect_tx(full + ps, bytes);
+#pragma unroll
+            for (int box = 0; box < KC / 32; ++box)
+              tma_load_4d(ring + ps * L.slot_floats + box * 2048, half ? &tm_mirror : &tm_tile, 32 * box, TILE * J,
+                          TILE * I, b, full + ps, policy);
+          }
+          next_slot();
+          if (q == 0) {
+            t = blockIdx.x + gridDim.x;
+          } else {
+            if (q == 1) {
+              asm volatile("griddepcontrol.wait;\n" ::: "memory");  // tile_counter zeroed by the params kernel
+              tk0 = static_cast<unsigned>(atomicAdd(tile_counter, 1));
+            } else {
+              tk0 = tk1;
+            }
+            tk1 = static_cast<unsigned>(atomicAdd(tile_counter, 1));
+            t = 2u * gridDim.x + tk0;
+          }
+        }
+      }
+      for (long long t = blockIdx.x; !DYNAMIC && t < total; t += gridDim.x) {
         int b, I, J;
         if constexpr (V13) {
           b = pb;
@@ -1703,7 +1796,8 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
   // multiple of 4, so one wrap at most, but the two steps below hold for any R >= 2)
   int cs = static_cast<int>((2u * q) % R);
   unsigned cph = ((2u * q) / R) & 1;
-  for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; t < total;
+  // v19: the tiles come from the producer's tickets; the loop ends at a sentinel (below)
+  for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; DYNAMIC || t < total;
        t += 2ll * gridDim.x, q += 2) {
     int b = 0, I = 0, J = 0;
     if constexpr (!V13) decode_tile(t, tiles_per_b, b, I, J);
@@ -1738,6 +1832,16 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
       b = ti.x;
       I = ti.y;
       J = ti.z;
+      if (DYNAMIC && b < 0) {  // v19's sentinel: the block's tiles are done (I = 1: the first of its two sentinels)
+        if constexpr (PING_PONG) {
+          // every tile's GEMM2 arrived on the other's barrier unconditionally: consume the arrival meant for this
+          // warpgroup's next turn, and at the first sentinel give the other warpgroup the arrival that its own
+          // sentinel (the second) will consume. Each barrier phase then gets one sync and one arrive.
+          named_bar_sync(1 + wg);
+          if (I != 0) named_bar_arrive(2 - wg);
+        }
+        break;
+      }
     }
     const int i0 = TILE * I + (p0 >> 3), j0 = TILE * J + (p0 & 7);
     const int i1 = i0 + 1;  // p1 = p0 + 8: next tile row, same column
@@ -1754,6 +1858,16 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         v[1][kk] = v10_chunk4(tl, p0 + 8, kk, t4);
       }
       v11_half_stats<NK, 0, V13>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
+      if constexpr (DYNAMIC) {  // v19: the tile half's (x - mean) rstd / 2 before the mirror's wait (v10_build4_pre)
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float ma = mean[h], ra = 0.5f * rstd[h];
+            v[h][kk] = make_float4(__fmul_rn(v[h][kk].x - ma, ra), __fmul_rn(v[h][kk].y - ma, ra),
+                                   __fmul_rn(v[h][kk].z - ma, ra), __fmul_rn(v[h][kk].w - ma, ra));
+          }
+      }
       mbar_wait(full + s1, ph1);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
@@ -1771,7 +1885,8 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
       for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          v10_build4<KC, V13>(v[h][kk], v[2 + h][kk], mean[h], 0.5f * rstd[h], mean[2 + h], 0.5f * rstd[2 + h], kk,
+          if constexpr (DYNAMIC) v10_build4_pre<KC, V13>(v[h][kk], v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h], kk, h, ah, al);
+          else v10_build4<KC, V13>(v[h][kk], v[2 + h][kk], mean[h], 0.5f * rstd[h], mean[2 + h], 0.5f * rstd[2 + h], kk,
                               h, ah, al);
     } else {
       mbar_wait(full + s0, ph0);
@@ -1819,7 +1934,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     wg_fence(bh);
     wg_fence(bl);
     if constexpr (PING_PONG) {
-      if (t + gridDim.x < total) named_bar_arrive(2 - wg);  // the other warpgroup's next tile: its turn
+      if (DYNAMIC || t + gridDim.x < total) named_bar_arrive(2 - wg);  // the other warpgroup's next tile: its turn
     }
 
     // ---- layer 3 and the output: z = sum_u w3[u] relu(h2[u] + b2[u]) ----
@@ -2072,14 +2187,18 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
   auto kernel = contact_map_v10_kernel<KC, HP, V>;
   ensure_max_dynamic_smem(reinterpret_cast<const void*>(kernel), a.device, smem);
   const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false), mm = make_tile_map(a.x, a.B, a.N, a.C, true);
-  constexpr int pack = kV10PackFloats<KC, HP>, pack_threads = HP * KC + HP * HP + 32 * HP;
+  constexpr int pack_threads = HP * KC + HP * HP + 32 * HP;
   float* wpack = wpack_buf.data_ptr<float>();
-  TORCH_CHECK(wpack_buf.numel() >= pack, "contact_map: internal error: v10 parameter buffer too small");
+  constexpr int counter_at = kV10PackFloats<128, 64>;  // the buffer's last 4 floats: v19's tile counter
+  TORCH_CHECK(wpack_buf.numel() >= counter_at + 4, "contact_map: internal error: v10 parameter buffer too small");
+  int* tile_counter = V >= 19 ? reinterpret_cast<int*>(wpack + counter_at) : nullptr;
   contact_map_v10_params_kernel<KC, HP><<<cdiv(pack_threads, 256), 256, 0, stream>>>(
-      a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.C, a.H, wpack);
+      a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.C, a.H, wpack, tile_counter);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int nT = cdiv(a.N, TILE);
   const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
+  // v19's producer counts tiles in 32 bits (2^31 tiles would be a petabyte of input)
+  TORCH_CHECK(V < 19 || tiles < (1ll << 31), "contact_map: v19 handles fewer than 2^31 tiles, got " + num(tiles));
   const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
   // a programmatic dependent launch: the kernel starts (barriers, the first tiles' copies) while the params
   // kernel runs, and waits for it (griddepcontrol.wait) only before copying wpack
@@ -2093,7 +2212,7 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, mt, mm, a.out, static_cast<const float*>(wpack), a.b3, a.eps, a.B,
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, mt, mm, a.out, static_cast<const float*>(wpack), tile_counter, a.b3, a.eps, a.B,
                                     a.N, a.C, a.H, R));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -2149,7 +2268,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13 || variant == 14 || variant == 17,
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13 || variant == 14 || variant == 17 || variant == 19,
               "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
@@ -2193,8 +2312,10 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
   const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11, v13, v14, v17 outside their tiles: v9
   if (variant >= 10 && v10_supported(a, dev)) {
-    const auto wpack = torch::empty({kV10PackFloats<128, 64>}, pair.options());
-    if (variant == 17) dispatch_v10<17>(a, wpack, stream, num_sms, max_smem);
+    // the packed parameters, then (v19) the tile counter in the last float's bits
+  const auto wpack = torch::empty({kV10PackFloats<128, 64> + 4}, pair.options());
+    if (variant == 19) dispatch_v10<19>(a, wpack, stream, num_sms, max_smem);
+    else if (variant == 17) dispatch_v10<17>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 14) dispatch_v10<14>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 13) dispatch_v10<13>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 11) dispatch_v10<11>(a, wpack, stream, num_sms, max_smem);
@@ -2295,7 +2416,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v17": 17, "v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v19": 19, "v17": 17, "v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -91,7 +91,7 @@ def _copy64(m_ref):
 # CPU: build and input checks
 # ------------------------------------------------------------------------------------------------
 def test_builds_and_has_variants(cm):
-    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9", "v10", "v11", "v13", "v14", "v17"}
+    assert hasattr(cm, "ModelNew") and set(cm.ModelNew.VARIANTS) == {"v1", "v2", "v3", "v5", "v7", "v9", "v10", "v11", "v13", "v14", "v17", "v19"}
     assert cm.ModelNew(8, 4).variant == cm.ModelNew.VARIANTS[0]
 
 
@@ -293,13 +293,13 @@ def test_constant_rows(cm, ref, C, H):
 
 @gpu
 @needs_cuda
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v10, v11, v13, v14, v17 need an H100/H200")
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v10-v19 need an H100/H200")
 def test_hopper_variants_run_their_own_kernels(cm):
-    """v10, v11, v13, v14 and v17 fall back to v9 silently outside their tiles; inside them (crop-like shape,
+    """v10, v11, v13, v14, v17 and v19 fall back to v9 silently outside their tiles; inside them (crop-like shape,
     16-byte aligned) the profiler must show the params kernel and contact_map_v10_kernel in the variant's own
-    build (template argument V: 10, 11, 13, 14 or 17), and at pair_dim 37 neither."""
+    build (template argument V: 10, 11, 13, 14, 17 or 19), and at pair_dim 37 neither."""
     import re
-    for variant in ("v10", "v11", "v13", "v14", "v17"):
+    for variant in ("v10", "v11", "v13", "v14", "v17", "v19"):
         for C, expect in ((128, True), (37, False)):
             new = cm.ModelNew(C, 64).cuda()
             new.variant = variant
@@ -432,7 +432,7 @@ def test_back_to_back_calls_are_deterministic(cm, ref):
     m_ref, new = _pair(cm, ref, 128, 32, seed=5)
     x = torch.randn(8, 256, 256, 128, device="cuda")
     with torch.inference_mode():
-        for v in ("v17", "v14", "v13", "v11", "v10"):
+        for v in ("v19", "v17", "v14", "v13", "v11", "v10"):
             new.variant = v
             first = new(x).clone()
             outs = [new(x) for _ in range(200)]
@@ -443,8 +443,8 @@ def test_back_to_back_calls_are_deterministic(cm, ref):
 
 @gpu
 @needs_cuda
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v13, v14, v17 need an H100/H200")
-@pytest.mark.parametrize("variant,base", [("v14", "v13"), ("v17", "v14")])
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v13-v19 need an H100/H200")
+@pytest.mark.parametrize("variant,base", [("v14", "v13"), ("v17", "v14"), ("v19", "v17")])
 @pytest.mark.parametrize("B,N,C,H", [
     # tiles per block's two consumer warpgroups on 132 SMs (H100 / H200 SXM; other SM counts give other
     # splits, still of both kinds): 1 / 0 (15 tiles), 1 / 1 or 1 / 0 (153), 5 / 4 or 4 / 4 (1176),
@@ -453,8 +453,10 @@ def test_back_to_back_calls_are_deterministic(cm, ref):
 ])
 def test_schedule_variants_match_their_base_bit_for_bit(cm, ref, variant, base, B, N, C, H):
     """v14 is v13 with the two consumer warpgroups' products taking turns (named barriers), v17 is v14 with
-    the tile copies' L2 evict_first hint: the same arithmetic in the same order per tile, so their outputs
-    must equal their base's bit for bit, call after call. The barriers carry no data: a missing arrival
+    the tile copies' L2 evict_first hint, v19 is v17 with the tiles handed out by an atomic counter: the same
+    arithmetic in the same order per tile, so their outputs must equal their base's bit for bit, call after
+    call (v19: the blocks' tile counts differ from call to call; with 15 and 153 tiles some blocks' second
+    tile is past the end, so their sentinels come without a ticket). The barriers carry no data: a missing arrival
     shows as a hang (pytest sets no timeout: the run stalls), an extra one only as a changed schedule,
     which this bit-equality cannot see; nor can it see the cache hint (only timing does)."""
     m_ref, new = _pair(cm, ref, C, H, seed=B + N + H)
@@ -469,3 +471,28 @@ def test_schedule_variants_match_their_base_bit_for_bit(cm, ref, variant, base, 
     wrong = sum(not torch.equal(o, want) for o in outs)
     assert wrong == 0, f"{wrong} of 20 {variant} calls differ from {base}"
 
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v19 needs an H100/H200")
+@pytest.mark.parametrize("B,N,C,H", [(8, 256, 128, 32), (2, 200, 128, 64)])
+def test_dynamic_tiles_write_every_output_on_every_call(cm, ref, B, N, C, H):
+    """v19 hands tiles out from a counter that its params kernel zeroes on every call. If a call started
+    from a stale count, tiles would be skipped and their outputs left as the allocator's old bytes: each
+    call's output block is poisoned with NaN first (freed NaN blocks of the output's size), and every
+    call must match the fp64 reference and v17 bit for bit."""
+    m_ref, new = _pair(cm, ref, C, H, seed=N + H)
+    x = torch.randn(B, N, N, C, generator=torch.Generator().manual_seed(B + N), dtype=torch.float32).cuda()
+    with torch.inference_mode():
+        new.variant = "v17"
+        want17 = new(x).clone()
+        want = _copy64(m_ref)(x.double()).float()
+        new.variant = "v19"
+        for _ in range(12):
+            junk = torch.full((B, N, N), float("nan"), device="cuda")
+            del junk
+            got = new(x)
+            torch.cuda.synchronize()
+            assert torch.isfinite(got).all(), "an output element was not written"
+            assert torch.equal(got, want17)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
