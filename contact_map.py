@@ -13,7 +13,7 @@ same device. Parameters: the reference's, read at every call (a later `load_stat
 update takes effect), all float32 on the input's device.
 
 How it runs: s is symmetric, so out is exactly symmetric (out[b,i,j] == out[b,j,i] bit for bit). One
-persistent kernel (v1-v9; v10's, v11's, v13's, v14's and v17's differences are in the variant list below) walks the
+persistent kernel (v1-v9; v10's, v11's, v13's, v14's, v17's and v19's differences are in the variant list below) walks the
 tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
 x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
 pair_dim % 4 == 0), computes the LayerNorm statistics of each vector by the corrected two-pass
@@ -28,12 +28,13 @@ Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The 
 (v5 and later) run the two products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32,
 and a*b ~ hi*hi + hi*lo + lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM),
 promoting short partial sums into an fp32 accumulator by ordinary adds (the tensor cores' own
-accumulation truncates): v5-v9 every k step's hi*hi, v10, v11, v13, v14 and v17 every 16 k. Measured against an
-fp64 evaluation on the H200 (harness, every distribution, max over the trials): v17 (default), v14 and v13
+accumulation truncates): v5-v9 every k step's hi*hi, v10, v11, v13, v14, v17 and v19 every 16 k. Measured against an
+fp64 evaluation on the H200 (harness, every distribution, max over the trials): v19 (default), v17, v14 and v13
 (the same arithmetic: bit-identical outputs) 0.52x the fp32 PyTorch reference's own max error at crop,
 0.49x at batch, 0.50x at long and 0.32x at awkward_129 (their own kernel), and where they run v11's
 kernel (pair_dim <= 64) 0.73x at seed and 0.41x at awkward_37, v9's (N < 8) 1.14x at N = 1
-(awkward_1) (2026-12-01, thirteenth session's device runs 2, 4 and 6, all three variants checked); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
+(awkward_1) (2026-12-01, thirteenth session's device runs 2, 4 and 6, all three variants checked; v19 in the
+fourteenth session's run 7, twice: the same err64 columns as v17's); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
 0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1 and 0.32x at
 awkward_129 (tenth session's device run 4); v10 and v11 at most 1.67x over
 37 more shape/distribution checks of run 3 with a scratch script (not in the repository), not the harness
@@ -49,7 +50,17 @@ ninth session, before the corrected statistics), and at |x - mean| above ~1e19 (
 sum d^2 overflows, so rows there give NaN (the fp32 reference has NaN there too, at other positions).
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v17" (default; Hopper) v14 with its tile copies (TMA) marked L2 evict_first. Each input byte is
+    "v19" (default; Hopper) v17 with the tiles handed out at run time: each block's first two tiles
+          are fixed, every later one goes to whichever block's producer asks next (an atomic counter
+          that the params kernel zeroes on each call), so blocks whose copies land sooner take more
+          tiles. Also: the tile half's (x - mean) rstd / 2 is computed before the wait for the mirror
+          half, and the tensor maps promote L2 requests to 128 bytes. Bit-identical to v17. Harness,
+          H200, 2026-12-01 (fourteenth session, device run 7, two harness runs): crop 0.03429 /
+          0.03443, batch 0.07598 / 0.07614, long 0.3636 / 0.3655 ms per call. Against v17 in the same
+          run (a scratch script, not the harness: the harness's flushed loop per call / over CUDA-graph
+          replays) crop -0.6% / +0.1%, batch -4.1% / -4.3%, long -3.4% / -3.4%. Runs where v10 runs
+          (else what v9 runs; `last_variant` says "v19"); at pair_dim <= 64 it runs v11's kernel.
+    "v17" (Hopper) v14 with its tile copies (TMA) marked L2 evict_first. Each input byte is
           read once, so its L2 lines are the first to be replaced when a later copy misses, and the
           other lines in L2 stay. The harness's flush leaves L2 full of dirty lines; without the hint
           the input's reads evict them, and their write-back competes with the reads. Bit-identical
@@ -131,7 +142,7 @@ they fit beside the tile (227 KB per block on the H200; v5, v7, v9: pair_dim <= 
 hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
 are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
 Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
-names (9.0 as sm_90a, for v10, v11, v13, v14 and v17; no list and no GPU: 9.0).
+names (9.0 as sm_90a, for v10, v11, v13, v14, v17 and v19; no list and no GPU: 9.0).
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
 against eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2 minutes
@@ -1205,14 +1216,14 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
 //                    K (then the tile's two ring slots are released), GEMM1 = m64nHPk8 wgmma with A
 //                    from registers, GEMM1's accumulator turned in registers into GEMM2's A fragments,
 //                    GEMM2, layer 3 and the output. The two warpgroups overlap each other's phases
-//                    (v14, v17: their GEMM1 + GEMM2 take turns, named barriers 1 and 2).
+//                    (v14, v17, v19: their GEMM1 + GEMM2 take turns, named barriers 1 and 2).
 //   warpgroup 2      producer (setmaxnreg down to kV10ProducerRegs); thread 288 copies the packed
 //                    parameters (contact_map_v10_params_kernel's wpack, written by the same call just
 //                    before: this kernel is its programmatic dependent and waits for it there only,
 //                    griddepcontrol.wait) into shared memory on the `wbar` mbarrier; thread 256 queues every
 //                    tile as two half tiles (the tile x[b, 8I.., 8J.., :] and its mirror
 //                    x[b, 8J.., 8I.., :]) into a ring of R slots of 64 rows x KC channels: KC / 32
-//                    tensor-map copies (box 32 channels x 8 x 8 positions, 128-byte swizzle; v17: L2 evict_first) per half,
+//                    tensor-map copies (box 32 channels x 8 x 8 positions, 128-byte swizzle; v17, v19: L2 evict_first) per half,
 //                    completing on the slot's `full` mbarrier; a consumer warp arrives on the slot's
 //                    `empty` mbarrier once it has read it (4 arrivals free it). Slot use u counts the
 //                    block's half tiles: slot u % R, mbarrier parity (u / R) & 1; tile q of the block
@@ -1300,7 +1311,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // 
                  : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
   } while (!done);
 }
-// Named barriers 1, 2 of v14's and v17's two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
+// Named barriers 1, 2 of v14's, v17's and v19's two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
 __device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 // bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
@@ -1611,7 +1622,15 @@ __device__ __forceinline__ void v10_gemm(const uint32_t (&ah)[KS][4], const uint
 //   dead once they land in shared memory: with the hint, a later copy's miss replaces them rather than other
 //   lines. Under the harness's flush, which leaves L2 full of dirty lines, those would otherwise be written
 //   back during this kernel: the load-only build took 29.6 -> 26.1 us at crop (scratch, thirteenth session).
-// v13, v14 and v17 run at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
+// 19 (v19): v17 with the tiles handed out by an atomic counter (tile_counter, zeroed by the params kernel): a
+//   block's first two tiles are fixed, each later one is whichever is next when the producer takes its ticket,
+//   so blocks whose copies land sooner take more tiles (v17's fixed share left the last tiles' arrival spread
+//   over 63-70 us at batch: globaltimer stamps, fourteenth session). The consumers stop at a sentinel in the
+//   tile info, the ping-pong arrivals are unconditional and the sentinels balance them. The tile half's
+//   (x - mean) rstd / 2 is computed before the wait for the mirror (v10_build4_pre: the same operations), so
+//   less work follows the last copy's arrival; the tensor maps promote L2 requests to 128 bytes. Same
+//   arithmetic per tile as v17: bit-identical outputs.
+// v13, v14, v17 and v19 run at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
 template <int KC, int HP, int V>
 __global__ void __launch_bounds__(kV10Threads, 1)
 contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
@@ -1679,9 +1698,10 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         // tile_counter (t = 2 gridDim.x + ticket). Each ticket is taken two tiles ahead (tk0 for q + 1, tk1 for
         // q + 2), so that the atomic's round trip is over long before its use. Past the last tile, use 2q gets a
         // sentinel (b = -1, I = 1) for one consumer warpgroup and use 2q + 2 one (b = -1, I = 0) for the other,
-        // each completing its slot's phase with a plain arrive. Slot ps = u % R, pw = (u / R) & 1 and wrapped = u >= R are kept
-        // incrementally, and the tile indices are 32-bit (the host checks total < 2^31): with no division by R
-        // and no 64-bit division the walk fits the 24 registers of kV13ProducerRegs.
+        // each completing its slot's phase with a plain arrive. The slot ps = u % R, pw = (u / R) & 1 and
+        // wrapped = u >= R of half-tile use u are kept incrementally, and the tile indices are 32-bit (the host
+        // checks total < 2^31): with no division by R and no 64-bit division the walk fits the 24 registers of
+        // kV13ProducerRegs.
         const unsigned total32 = static_cast<unsigned>(total), tpb32 = static_cast<unsigned>(tiles_per_b);
         int ps = 0;
         unsigned pw = 0;
@@ -2149,7 +2169,10 @@ EncodeTiledFn encode_tiled() {
 // x (B, N, N, C) contiguous as a 4-D tensor map (C, N, N, B) with boxes of 32 channels x 8 x 8
 // positions, 128-byte swizzle, zero fill out of range. Tile map: dimension 1 is x's j (stride C),
 // dimension 2 its i (stride N C); mirror map: the two swapped, so that both land with row 8 il + jl.
-CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror) {
+// L2 promotion: 256 bytes for v10-v17, 128 bytes (a box row's size) for v19: at batch the load-only build took
+// 72.67 -> 72.13 us per call and v19 75.94 -> 75.46 (fourteenth session, device run 6; none: 72.19 / 75.39).
+CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror,
+                          CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   CUtensorMap m;
   const cuuint64_t row = static_cast<cuuint64_t>(C) * 4, plane = static_cast<cuuint64_t>(N) * C * 4;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(C), static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(N),
@@ -2158,12 +2181,12 @@ CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror) {
   const cuuint32_t box[4] = {32, TILE, TILE, 1}, elem[4] = {1, 1, 1, 1};
   const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<float*>(x), dims, strides, box,
                                     elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                                    promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "contact_map: cuTensorMapEncodeTiled failed with CUresult " + num(static_cast<int>(r)));
   return m;
 }
 
-// Where v10, v11, v13, v14 and v17 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
+// Where v10, v11, v13, v14, v17 and v19 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
 // with C % 16 == 0, H <= 64, N >= 8 (a box never exceeds the tensor), x 16-byte aligned.
 bool v10_supported(const Args& a, const DeviceFacts& dev) {
   if (!kBuiltSm90a) return false;
@@ -2186,10 +2209,12 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
   TORCH_CHECK(smem <= max_smem, "contact_map: v10 needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
   auto kernel = contact_map_v10_kernel<KC, HP, V>;
   ensure_max_dynamic_smem(reinterpret_cast<const void*>(kernel), a.device, smem);
-  const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false), mm = make_tile_map(a.x, a.B, a.N, a.C, true);
+  const CUtensorMapL2promotion promotion = V >= 19 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false, promotion),
+                    mm = make_tile_map(a.x, a.B, a.N, a.C, true, promotion);
   constexpr int pack_threads = HP * KC + HP * HP + 32 * HP;
   float* wpack = wpack_buf.data_ptr<float>();
-  constexpr int counter_at = kV10PackFloats<128, 64>;  // the buffer's last 4 floats: v19's tile counter
+  constexpr int counter_at = kV10PackFloats<128, 64>;  // after the largest pack: v19's tile counter
   TORCH_CHECK(wpack_buf.numel() >= counter_at + 4, "contact_map: internal error: v10 parameter buffer too small");
   int* tile_counter = V >= 19 ? reinterpret_cast<int*>(wpack + counter_at) : nullptr;
   contact_map_v10_params_kernel<KC, HP><<<cdiv(pack_threads, 256), 256, 0, stream>>>(
@@ -2310,10 +2335,10 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10, v11, v13, v14, v17 outside their tiles: v9
+  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10-v19 outside their tiles: v9
   if (variant >= 10 && v10_supported(a, dev)) {
-    // the packed parameters, then (v19) the tile counter in the last float's bits
-  const auto wpack = torch::empty({kV10PackFloats<128, 64> + 4}, pair.options());
+    // the packed parameters, then 4 floats whose first holds v19's tile counter (an int)
+    const auto wpack = torch::empty({kV10PackFloats<128, 64> + 4}, pair.options());
     if (variant == 19) dispatch_v10<19>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 17) dispatch_v10<17>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 14) dispatch_v10<14>(a, wpack, stream, num_sms, max_smem);
@@ -2360,12 +2385,12 @@ CUDA_SRC = CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_3
 def _gencode_flags():
     """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
     reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
-    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's, v11's, v13's, v14's and v17's wgmma and
+    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's, v11's, v13's, v14's, v17's and v19's wgmma and
     setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
     does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
     9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
     Returns [] for lists it cannot parse (names such as "Hopper"): PyTorch then builds as usual,
-    without sm_90a (v10, v11, v13, v14 and v17 then run v9). The same function as outer_product_mean.py's: each kernel
+    without sm_90a (v10, v11, v13, v14, v17 and v19 then run v9). The same function as outer_product_mean.py's: each kernel
     file stands alone (one file to drop in), so it is not shared."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":

@@ -240,12 +240,12 @@ def test_named_shapes(cm, ref, name):
     # v9's producers with the weights from global memory (pair_dim > 208 at hidden 17-32, > 248 at
     # hidden 16; 4-byte copies) and in shared memory without the fused pass (pair_dim 129-208)
     (1, 200, 240, 24), (1, 200, 237, 24), (1, 200, 256, 16), (1, 160, 160, 32),
-    # v10, v11 (and v13, v14, v17) (Hopper): their four builds (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8),
+    # v10, v11 (and v13, v14, v17, v19) (Hopper): their four builds (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8),
     # N = 8 (one box), pair_dim 48 / 96 (zero-filled channel boxes), hidden 17 / 33 / 40 (padded units),
     # and more tiles than 2 x 132 warpgroups (ring slots reused, both warpgroups walking tiles)
     (1, 8, 32, 32), (1, 9, 48, 17), (2, 100, 64, 64), (1, 200, 96, 40), (3, 77, 128, 33), (1, 300, 128, 64),
     (1, 250, 64, 20),
-    # v13, v14, v17 (pair_dim > 64): their producer's incremental tile walk across batches with fewer tiles per batch
+    # v13, v14, v17, v19 (pair_dim > 64): their producer's tile walk (v19: tickets) across batches with fewer tiles per batch
     # than blocks (N = 8: one tile per batch; N = 20: 6), the 240-register build at hidden <= 32 with
     # zero-filled channel chunks (pair_dim 80)
     (300, 8, 96, 16), (40, 20, 128, 32), (2, 90, 80, 24),
