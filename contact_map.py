@@ -513,7 +513,8 @@ __device__ __forceinline__ void decode_tile(long long t, long long tiles_per_b, 
   I = static_cast<int>(u - jj * (jj + 1) / 2);
 }
 
-// decode_tile for t < 2^31 (v19's producer, in 24 registers).
+// decode_tile for t < 2^31 and row J < 46341 (jj (jj + 1) in int; the host checks both; v19's producer, in 24
+// registers).
 __device__ __forceinline__ void decode_tile32(unsigned t, unsigned tiles_per_b, int& b, int& I, int& J) {
   const unsigned q = t / tiles_per_b, u = t - q * tiles_per_b;
   int jj = static_cast<int>((sqrtf(8.f * static_cast<float>(u) + 1.f) - 1.f) * 0.5f);
@@ -2195,7 +2196,7 @@ bool v10_supported(const Args& a, const DeviceFacts& dev) {
 }
 
 // As many ring slots as fit (8 or 4: a multiple of 4); one block per SM, at most one per tile. V: the variant's
-// build of the kernel (10, 11, 13, 14, 17).
+// build of the kernel (10, 11, 13, 14, 17, 19).
 template <int KC, int HP, int V>
 void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   // R a multiple of 4, so that every slot serves one warpgroup only (warpgroup w's uses u = 4k + 2w, 4k + 2w + 1):
@@ -2222,8 +2223,10 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int nT = cdiv(a.N, TILE);
   const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
-  // v19's producer counts tiles in 32 bits (2^31 tiles would be a petabyte of input)
-  TORCH_CHECK(V < 19 || tiles < (1ll << 31), "contact_map: v19 handles fewer than 2^31 tiles, got " + num(tiles));
+  // v19's producer counts tiles in 32 bits and decode_tile32 squares the tile row in int (either limit means
+  // terabytes of input)
+  TORCH_CHECK(V < 19 || (tiles < (1ll << 31) && nT <= 46340),
+              "contact_map: v19 handles fewer than 2^31 tiles and N <= 370720, got " + num(tiles) + " tiles, N = " + num(a.N));
   const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
   // a programmatic dependent launch: the kernel starts (barriers, the first tiles' copies) while the params
   // kernel runs, and waits for it (griddepcontrol.wait) only before copying wpack
@@ -2242,8 +2245,9 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// wpack_buf: float32 scratch of at least kV10PackFloats<128, 64> elements on the input's device.
-// V = 13, 14 at pair_dim <= 64 run v11's kernel (v13's statistics start from four 16-channel chunks).
+// wpack_buf: float32 scratch of at least kV10PackFloats<128, 64> + 4 elements on the input's device (v19's tile
+// counter after the pack). V = 13, 14, 17, 19 at pair_dim <= 64 run v11's kernel (v13's statistics start from four
+// 16-channel chunks).
 template <int V>
 void dispatch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   constexpr int V64 = V >= 13 ? 11 : V;
