@@ -1463,32 +1463,25 @@ __device__ __forceinline__ void v11_half_stats(const float4 (&v)[4][NK], int C, 
 // with the LayerNorm affine folded into W1, split into TF32 hi (rounded) and lo (truncated), as v7's
 // split_tf32_fast. Column t of k step 2 kk is channel + 0, column t + 4 channel + 1; k step 2 kk + 1: + 2, + 3.
 // s of fragment row h (0: g, 1: g + 8) at chunk kk from the tile's and the mirror's 4 channels.
-template <int KC, bool V13 = false>
-__device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, float ma, float ra, float mb, float rb,
-                                           int kk, int h, uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
-  // each product rounded on its own (no FMA contraction), so that s(i, j) == s(j, i) bit for bit
-  const float s0 = __fadd_rn(__fmul_rn(va.x - ma, ra), __fmul_rn(vb.x - mb, rb));
-  const float s1 = __fadd_rn(__fmul_rn(va.y - ma, ra), __fmul_rn(vb.y - mb, rb));
-  const float s2 = __fadd_rn(__fmul_rn(va.z - ma, ra), __fmul_rn(vb.z - mb, rb));
-  const float s3 = __fadd_rn(__fmul_rn(va.w - ma, ra), __fmul_rn(vb.w - mb, rb));
-  split_tf32_fast<!V13>(s0, ah[2 * kk][h], al[2 * kk][h]);
-  split_tf32_fast<!V13>(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
-  split_tf32_fast<!V13>(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
-  split_tf32_fast<!V13>(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+// One side's term (x - m) r of s, per channel; each product rounded on its own (no FMA contraction), so that
+// s(i, j) == s(j, i) bit for bit.
+__device__ __forceinline__ float4 v10_term4(const float4& x, float m, float r) {
+  return make_float4(__fmul_rn(x.x - m, r), __fmul_rn(x.y - m, r), __fmul_rn(x.z - m, r), __fmul_rn(x.w - m, r));
 }
-// v19: v10_build4 with the tile row's term pa = (xa - ma) ra already computed (the same operations, so the
-// same bits).
+// s from the tile row's term pa (v10_term4, computed before the mirror lands in v19) and the mirror row vb.
 template <int KC, bool V13 = false>
 __device__ __forceinline__ void v10_build4_pre(const float4& pa, const float4& vb, float mb, float rb, int kk, int h,
                                                uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
-  const float s0 = __fadd_rn(pa.x, __fmul_rn(vb.x - mb, rb));
-  const float s1 = __fadd_rn(pa.y, __fmul_rn(vb.y - mb, rb));
-  const float s2 = __fadd_rn(pa.z, __fmul_rn(vb.z - mb, rb));
-  const float s3 = __fadd_rn(pa.w, __fmul_rn(vb.w - mb, rb));
-  split_tf32_fast<!V13>(s0, ah[2 * kk][h], al[2 * kk][h]);
-  split_tf32_fast<!V13>(s1, ah[2 * kk][2 + h], al[2 * kk][2 + h]);
-  split_tf32_fast<!V13>(s2, ah[2 * kk + 1][h], al[2 * kk + 1][h]);
-  split_tf32_fast<!V13>(s3, ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+  const float4 pb = v10_term4(vb, mb, rb);
+  split_tf32_fast<!V13>(__fadd_rn(pa.x, pb.x), ah[2 * kk][h], al[2 * kk][h]);
+  split_tf32_fast<!V13>(__fadd_rn(pa.y, pb.y), ah[2 * kk][2 + h], al[2 * kk][2 + h]);
+  split_tf32_fast<!V13>(__fadd_rn(pa.z, pb.z), ah[2 * kk + 1][h], al[2 * kk + 1][h]);
+  split_tf32_fast<!V13>(__fadd_rn(pa.w, pb.w), ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+}
+template <int KC, bool V13 = false>
+__device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, float ma, float ra, float mb, float rb,
+                                           int kk, int h, uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
+  v10_build4_pre<KC, V13>(v10_term4(va, ma, ra), vb, mb, rb, kk, h, ah, al);
 }
 template <int KC>
 __device__ __forceinline__ void v10_build_kk(const float* tile, const float* mirror, int p0, int t, int kk,
@@ -1694,6 +1687,17 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
       unsigned u = 0;
       uint64_t policy = 0;  // v17: the tiles' L2 lines evicted first (read once)
       if constexpr (EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+      // half tile `mirror` of tile (b, I, J) into slot s: KC / 32 boxes completing on full[s]
+      auto copy_half = [&](int s, bool mirror, int b, int I, int J) {
+        mbar_expect_tx(full + s, bytes);
+        float* dst = ring + s * L.slot_floats;
+        const CUtensorMap* map = mirror ? &tm_mirror : &tm_tile;
+#pragma unroll
+        for (int box = 0; box < KC / 32; ++box) {
+          if constexpr (EVICT_FIRST) tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s, policy);
+          else tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s);
+        }
+      };
       if constexpr (DYNAMIC) {
         // v19: the block's tiles q = 0, 1 are blockIdx.x and blockIdx.x + gridDim.x, the later ones tickets from
         // tile_counter (t = 2 gridDim.x + ticket). Each ticket is taken two tiles ahead (tk0 for q + 1, tk1 for
@@ -1733,18 +1737,10 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
           int b, I, J;
           decode_tile32(t, tpb32, b, I, J);
           tinfo[ps] = make_int4(b, I, J, 0);
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            if (half) {
-              next_slot();
-              wait_slot();
-            }
-            mbar_expect_tx(full + ps, bytes);
-#pragma unroll
-            for (int box = 0; box < KC / 32; ++box)
-              tma_load_4d(ring + ps * L.slot_floats + box * 2048, half ? &tm_mirror : &tm_tile, 32 * box, TILE * J,
-                          TILE * I, b, full + ps, policy);
-          }
+          copy_half(ps, false, b, I, J);
+          next_slot();
+          wait_slot();
+          copy_half(ps, true, b, I, J);
           next_slot();
           if (q == 0) {
             t = blockIdx.x + gridDim.x;
@@ -1784,14 +1780,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
           if (u >= static_cast<unsigned>(R)) mbar_wait(empty + s, ((u / R) - 1) & 1);
           // (b, I, J) for the consumers, ordered before their reads by the arrive's release
           if (V13 && half == 0) tinfo[s] = make_int4(b, I, J, 0);
-          mbar_expect_tx(full + s, bytes);
-          float* dst = ring + s * L.slot_floats;
-#pragma unroll
-          for (int box = 0; box < KC / 32; ++box) {
-            const CUtensorMap* map = half ? &tm_mirror : &tm_tile;
-            if constexpr (EVICT_FIRST) tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s, policy);
-            else tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s);
-          }
+          copy_half(s, half != 0, b, I, J);
         }
       }
     }
@@ -1883,11 +1872,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
 #pragma unroll
         for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float ma = mean[h], ra = 0.5f * rstd[h];
-            v[h][kk] = make_float4(__fmul_rn(v[h][kk].x - ma, ra), __fmul_rn(v[h][kk].y - ma, ra),
-                                   __fmul_rn(v[h][kk].z - ma, ra), __fmul_rn(v[h][kk].w - ma, ra));
-          }
+          for (int h = 0; h < 2; ++h) v[h][kk] = v10_term4(v[h][kk], mean[h], 0.5f * rstd[h]);
       }
       mbar_wait(full + s1, ph1);
 #pragma unroll
