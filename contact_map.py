@@ -1385,9 +1385,12 @@ __device__ __forceinline__ float4 v10_chunk4(const float* base, int p, int kk, i
 // would keep the compiler from interleaving the rows' independent sums). V13 (v13, NK >= 4): the four
 // partial sums start from the first four chunks instead of 0 (no adds to 0), and the second pass sums
 // d^2 and d as FFMA / FADD chains (12 instructions per chunk instead of 14; other rounding, same class).
-template <int NK, bool FULL, bool V13 = false>
-__device__ __forceinline__ void v10_row_stats(const float4 (&v)[NK], int nvalid, float inv_c, float eps, bool ok,
+// DX (v20, with V13): v's valid chunks are overwritten with d = x - m (m: the first pass's mean) and `mean` gets
+// delta = d1 / C, the amount by which ln_stats' mean exceeds m, so that x - mean = d - delta (v20_term4).
+template <int NK, bool FULL, bool V13 = false, bool DX = false>
+__device__ __forceinline__ void v10_row_stats(float4 (&v)[NK], int nvalid, float inv_c, float eps, bool ok,
                                               float& mean, float& rstd) {
+  static_assert(!DX || V13, "v20's statistics are v13's");
   static_assert(!V13 || NK >= 4, "v13's statistics start from four chunks");
   float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -1405,6 +1408,7 @@ __device__ __forceinline__ void v10_row_stats(const float4 (&v)[NK], int nvalid,
   for (int kk = 0; kk < NK; ++kk) {
     if (FULL || kk < nvalid) {  // channels >= C are zero-filled: (0 - mean)^2 must not count
       const float dx = v[kk].x - m, dy = v[kk].y - m, dz = v[kk].z - m, dw = v[kk].w - m;
+      if constexpr (DX) v[kk] = make_float4(dx, dy, dz, dw);
       if constexpr (V13) {
         float& a = m4[kk & 3];
         float& e = e4[kk & 3];
@@ -1429,6 +1433,7 @@ __device__ __forceinline__ void v10_row_stats(const float4 (&v)[NK], int nvalid,
   d1 += __shfl_xor_sync(0xffffffffu, d1, 2);
   float rs;
   ln_stats(m, d1, m2, inv_c, eps, mean, rs);
+  if constexpr (DX) mean = d1 * inv_c;
   rstd = ok ? rs : 0.f;
 }
 // v10: each row read from the slot for the statistics (and again for s, v10_build_kk).
@@ -1445,18 +1450,18 @@ __device__ __forceinline__ void v10_stats(const float* tile, const float* mirror
   }
 }
 // v11: the statistics of rows R0, R0 + 1 of v (one half: the tile's or the mirror's rows p0, p0 + 8), with
-// one uniform branch on C == KC around both rows.
-template <int NK, int R0, bool V13 = false>
-__device__ __forceinline__ void v11_half_stats(const float4 (&v)[4][NK], int C, float inv_c, float eps, bool ok0,
+// one uniform branch on C == KC around both rows. DX (v20): v10_row_stats' DX (mean gets delta, v gets d).
+template <int NK, int R0, bool V13 = false, bool DX = false>
+__device__ __forceinline__ void v11_half_stats(float4 (&v)[4][NK], int C, float inv_c, float eps, bool ok0,
                                                bool ok1, float (&mean)[4], float (&rstd)[4]) {
   if (C == 16 * NK) {
 #pragma unroll
     for (int r = R0; r < R0 + 2; ++r)
-      v10_row_stats<NK, true, V13>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+      v10_row_stats<NK, true, V13, DX>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   } else {
 #pragma unroll
     for (int r = R0; r < R0 + 2; ++r)
-      v10_row_stats<NK, false, V13>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+      v10_row_stats<NK, false, V13, DX>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   }
 }
 // A fragments of k steps 2 kk and 2 kk + 1 (channels 16 kk + 4 t ..): s = ((xa - ma) ra + (xb - mb) rb) / 2
@@ -1468,15 +1473,26 @@ __device__ __forceinline__ void v11_half_stats(const float4 (&v)[4][NK], int C, 
 __device__ __forceinline__ float4 v10_term4(const float4& x, float m, float r) {
   return make_float4(__fmul_rn(x.x - m, r), __fmul_rn(x.y - m, r), __fmul_rn(x.z - m, r), __fmul_rn(x.w - m, r));
 }
-// s from the tile row's term pa (v10_term4, computed before the mirror lands in v19) and the mirror row vb.
+// v20: the same term from the statistics' d = x - m (v10_row_stats' DX) as one FFMA per channel,
+// fmaf(d, r, c) with c = -delta r: (d - delta) r with a single rounding. Both sides of a pair and both roles
+// of a position (tile row, mirror row) go through the same expression, so s(i, j) == s(j, i) still holds.
+__device__ __forceinline__ float4 v20_term4(const float4& d, float r, float c) {
+  return make_float4(fmaf(d.x, r, c), fmaf(d.y, r, c), fmaf(d.z, r, c), fmaf(d.w, r, c));
+}
+// s = pa + pb from the two sides' terms, split into the A fragments of k steps 2 kk, 2 kk + 1 (fragment row h).
 template <int KC, bool V13 = false>
-__device__ __forceinline__ void v10_build4_pre(const float4& pa, const float4& vb, float mb, float rb, int kk, int h,
-                                               uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
-  const float4 pb = v10_term4(vb, mb, rb);
+__device__ __forceinline__ void v10_build4_s(const float4& pa, const float4& pb, int kk, int h,
+                                             uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
   split_tf32_fast<!V13>(__fadd_rn(pa.x, pb.x), ah[2 * kk][h], al[2 * kk][h]);
   split_tf32_fast<!V13>(__fadd_rn(pa.y, pb.y), ah[2 * kk][2 + h], al[2 * kk][2 + h]);
   split_tf32_fast<!V13>(__fadd_rn(pa.z, pb.z), ah[2 * kk + 1][h], al[2 * kk + 1][h]);
   split_tf32_fast<!V13>(__fadd_rn(pa.w, pb.w), ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
+}
+// s from the tile row's term pa (v10_term4, computed before the mirror lands in v19) and the mirror row vb.
+template <int KC, bool V13 = false>
+__device__ __forceinline__ void v10_build4_pre(const float4& pa, const float4& vb, float mb, float rb, int kk, int h,
+                                               uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
+  v10_build4_s<KC, V13>(pa, v10_term4(vb, mb, rb), kk, h, ah, al);
 }
 template <int KC, bool V13 = false>
 __device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, float ma, float ra, float mb, float rb,
@@ -1635,10 +1651,11 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
                        const float* __restrict__ b3,                   // (1)
                        float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
-  constexpr bool V11 = V >= 11, V13 = V >= 13, PING_PONG = V >= 14, EVICT_FIRST = V >= 17, DYNAMIC = V >= 19;
-  static_assert(V == 10 || V == 11 || V == 13 || V == 14 || V == 17 || V == 19,
-                "contact_map_v10_kernel: V = 10, 11, 13, 14, 17 or 19");
-  static_assert(!V13 || KC == 128, "v13, v14, v17, v19: pair_dim > 64");
+  constexpr bool V11 = V >= 11, V13 = V >= 13, PING_PONG = V >= 14, EVICT_FIRST = V >= 17, DYNAMIC = V >= 19,
+                 FMA_TERMS = V >= 20;
+  static_assert(V == 10 || V == 11 || V == 13 || V == 14 || V == 17 || V == 19 || V == 20,
+                "contact_map_v10_kernel: V = 10, 11, 13, 14, 17, 19 or 20");
+  static_assert(!V13 || KC == 128, "v13, v14, v17, v19, v20: pair_dim > 64");
   constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
   constexpr int kConsumerRegs = V13 ? kV13ConsumerRegs : kV10ConsumerRegs;
   constexpr int kProducerRegs = V13 ? kV13ProducerRegs : kV10ProducerRegs;
@@ -1867,12 +1884,15 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         v[0][kk] = v10_chunk4(tl, p0, kk, t4);
         v[1][kk] = v10_chunk4(tl, p0 + 8, kk, t4);
       }
-      v11_half_stats<NK, 0, V13>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
+      // (v20: mean[] holds each row's delta, v the rows' d = x - m: v10_row_stats' DX)
+      v11_half_stats<NK, 0, V13, FMA_TERMS>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
       if constexpr (DYNAMIC) {  // v19: the tile half's (x - mean) rstd / 2 before the mirror's wait (v10_build4_pre)
 #pragma unroll
         for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) v[h][kk] = v10_term4(v[h][kk], mean[h], 0.5f * rstd[h]);
+          for (int h = 0; h < 2; ++h)
+            if constexpr (FMA_TERMS) v[h][kk] = v20_term4(v[h][kk], 0.5f * rstd[h], -mean[h] * (0.5f * rstd[h]));
+            else v[h][kk] = v10_term4(v[h][kk], mean[h], 0.5f * rstd[h]);
       }
       mbar_wait(full + s1, ph1);
 #pragma unroll
@@ -1885,13 +1905,16 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         mbar_arrive(empty + s0);
         mbar_arrive(empty + s1);
       }
-      v11_half_stats<NK, 2, V13>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
+      v11_half_stats<NK, 2, V13, FMA_TERMS>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
       // ---- s split into A fragments for all of K ----
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          if constexpr (DYNAMIC) v10_build4_pre<KC, V13>(v[h][kk], v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h], kk, h, ah, al);
+          if constexpr (FMA_TERMS)
+            v10_build4_s<KC, V13>(v[h][kk], v20_term4(v[2 + h][kk], 0.5f * rstd[2 + h], -mean[2 + h] * (0.5f * rstd[2 + h])), kk,
+                                  h, ah, al);
+          else if constexpr (DYNAMIC) v10_build4_pre<KC, V13>(v[h][kk], v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h], kk, h, ah, al);
           else v10_build4<KC, V13>(v[h][kk], v[2 + h][kk], mean[h], 0.5f * rstd[h], mean[2 + h], 0.5f * rstd[2 + h], kk,
                               h, ah, al);
     } else {
@@ -2282,7 +2305,7 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13 || variant == 14 || variant == 17 || variant == 19,
+  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13 || variant == 14 || variant == 17 || variant == 19 || variant == 20,
               "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
@@ -2328,7 +2351,8 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   if (variant >= 10 && v10_supported(a, dev)) {
     // the packed parameters, then 4 floats whose first holds v19's tile counter (an int)
     const auto wpack = torch::empty({kV10PackFloats<128, 64> + 4}, pair.options());
-    if (variant == 19) dispatch_v10<19>(a, wpack, stream, num_sms, max_smem);
+    if (variant == 20) dispatch_v10<20>(a, wpack, stream, num_sms, max_smem);
+    else if (variant == 19) dispatch_v10<19>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 17) dispatch_v10<17>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 14) dispatch_v10<14>(a, wpack, stream, num_sms, max_smem);
     else if (variant == 13) dispatch_v10<13>(a, wpack, stream, num_sms, max_smem);
@@ -2430,7 +2454,7 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v19": 19, "v17": 17, "v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+_VARIANT_IDS = {"v20": 20, "v19": 19, "v17": 17, "v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
 
 
 class _ForwardOnly(torch.autograd.Function):
