@@ -319,11 +319,13 @@ def test_hopper_variants_run_their_own_kernels(cm):
 
 @gpu
 @needs_cuda
-def test_nan_propagates(cm, ref):
+@pytest.mark.parametrize("C", [64, 128])
+def test_nan_propagates(cm, ref, C):
     """A NaN in x[b, i, j] makes the reference's out[b, i, j] and out[b, j, i] NaN (LayerNorm of the
-    row, then ReLU keeps NaN) and nothing else; every variant must agree (fmaxf-ReLUs dropped it)."""
-    m_ref, new = _pair(cm, ref, 64, 32, seed=21)
-    x = torch.randn(1, 20, 20, 64, device="cuda")
+    row, then ReLU keeps NaN) and nothing else; every variant must agree (fmaxf-ReLUs dropped it).
+    pair_dim 64: the Hopper variants run v11's kernel; 128: their own (v20: its FFMA terms)."""
+    m_ref, new = _pair(cm, ref, C, 32, seed=21)
+    x = torch.randn(1, 20, 20, C, device="cuda")
     x[0, 3, 5, 7] = float("nan")
     with torch.inference_mode():
         want_nan = torch.isnan(m_ref(x))
@@ -497,7 +499,6 @@ def test_dynamic_tiles_write_every_output_on_every_call(cm, ref, variant, base, 
             torch.cuda.synchronize()
             assert torch.isfinite(got).all(), "an output element was not written"
             assert torch.equal(got, want_base)
-    assert new.last_variant == variant
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -511,8 +512,11 @@ def test_dynamic_tiles_write_every_output_on_every_call(cm, ref, variant, base, 
 ])
 def test_v20_fma_terms_stay_within_the_accuracy_goal(cm, ref, B, N, C, H, scale, offset):
     """v20 computes each side's LayerNorm term (x - mean) rstd / 2 as fmaf(d, r, -delta r) from the statistics'
-    d = x - m (other roundings than v19). Its max error against fp64 must stay within issue 5's goal, 2x the fp32
-    reference's own, and its outputs must stay exactly symmetric (_check)."""
+    d = x - m (other roundings than v19). In its own kernel (the profiler shows contact_map_v10_kernel<128, *, 20>),
+    its max error against fp64 must stay within issue 5's goal, 2x the fp32 reference's own, and its outputs must
+    stay exactly symmetric (_check). At the +30 offset its mean is never rounded where v19's is: its error must be
+    at most half v19's there (device run 4: 3.6e-7 against 1.8e-6)."""
+    import re
     m_ref, new = _pair(cm, ref, C, H, seed=B + N + C + H)
     gen = torch.Generator().manual_seed(N + C)
     x = (torch.randn(B, N, N, C, generator=gen) * scale + offset).cuda()
@@ -520,7 +524,15 @@ def test_v20_fma_terms_stay_within_the_accuracy_goal(cm, ref, B, N, C, H, scale,
     with torch.inference_mode():
         want = _copy64(m_ref)(x.double())
         e_ref = (m_ref(x).double() - want).abs().max().item()
+        new.variant = "v19"
+        e19 = (new(x).double() - want).abs().max().item()
         new.variant = "v20"
-        err = (new(x).double() - want).abs().max().item()
-    assert new.last_variant == "v20"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = new(x)
+            torch.cuda.synchronize()
+        err = (got.double() - want).abs().max().item()
+    names = " ".join(e.name for e in prof.events())
+    assert set(re.findall(r"contact_map_v10_kernel<128, \d+, (\w+)>", names)) == {"20"}, names[:300]
     assert err <= 2 * e_ref, f"v20: err {err:.2e} vs the fp32 reference's {e_ref:.2e}"
+    if offset >= 30:
+        assert err <= 0.5 * e19, f"v20: err {err:.2e} vs v19's {e19:.2e}"
