@@ -1493,10 +1493,12 @@ __device__ __forceinline__ void v11_half_stats(float4 (&v)[4][NK], int C, float 
 __device__ __forceinline__ float4 v10_term4(const float4& x, float m, float r) {
   return make_float4(__fmul_rn(x.x - m, r), __fmul_rn(x.y - m, r), __fmul_rn(x.z - m, r), __fmul_rn(x.w - m, r));
 }
-// v20: the same term from the statistics' d = x - m (v10_row_stats' DX) as one FFMA per channel,
-// fmaf(d, r, c) with c = -delta r: (d - delta) r with a single rounding. Both sides of a pair and both roles
-// of a position (tile row, mirror row) go through the same expression, so s(i, j) == s(j, i) still holds.
-__device__ __forceinline__ float4 v20_term4(const float4& d, float r, float c) {
+// v20: the same term from the statistics' d = x - m and delta (v10_row_stats' DX) as one FFMA per channel,
+// fmaf(d, r, -delta r): (d - delta) r with a single rounding (the arguments as v10_term4's, d for x and delta for
+// the mean). Both sides of a pair and both roles of a position (tile row, mirror row) go through the same
+// expression, so s(i, j) == s(j, i) still holds.
+__device__ __forceinline__ float4 v20_term4(const float4& d, float delta, float r) {
+  const float c = -delta * r;
   return make_float4(fmaf(d.x, r, c), fmaf(d.y, r, c), fmaf(d.z, r, c), fmaf(d.w, r, c));
 }
 // s = pa + pb from the two sides' terms, split into the A fragments of k steps 2 kk, 2 kk + 1 (fragment row h).
@@ -1916,7 +1918,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            if constexpr (FMA_TERMS) v[h][kk] = v20_term4(v[h][kk], 0.5f * rstd[h], -mean[h] * (0.5f * rstd[h]));
+            if constexpr (FMA_TERMS) v[h][kk] = v20_term4(v[h][kk], mean[h], 0.5f * rstd[h]);
             else v[h][kk] = v10_term4(v[h][kk], mean[h], 0.5f * rstd[h]);
       }
       mbar_wait(full + s1, ph1);
@@ -1937,8 +1939,7 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           if constexpr (FMA_TERMS)
-            v10_build4_s<KC, V13>(v[h][kk], v20_term4(v[2 + h][kk], 0.5f * rstd[2 + h], -mean[2 + h] * (0.5f * rstd[2 + h])), kk,
-                                  h, ah, al);
+            v10_build4_s<KC, V13>(v[h][kk], v20_term4(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah, al);
           else if constexpr (DYNAMIC) v10_build4_pre<KC, V13>(v[h][kk], v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h], kk, h, ah, al);
           else v10_build4<KC, V13>(v[h][kk], v[2 + h][kk], mean[h], 0.5f * rstd[h], mean[2 + h], 0.5f * rstd[2 + h], kk,
                               h, ah, al);

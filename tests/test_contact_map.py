@@ -82,6 +82,14 @@ def _check(cm_mod, m_ref, new, x, variant=None):
         assert torch.equal(got, got.transpose(1, 2)), "output not exactly symmetric"
 
 
+def _profiled(fn):
+    """fn() under the CUDA profiler: (its result, the names of the GPU events it ran, space-separated)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, " ".join(e.name for e in prof.events())
+
+
 def _copy64(m_ref):
     import copy
     return copy.deepcopy(m_ref).double()
@@ -304,11 +312,8 @@ def test_hopper_variants_run_their_own_kernels(cm):
             new = cm.ModelNew(C, 64).cuda()
             new.variant = variant
             x = torch.randn(1, 40, 40, C, device="cuda")
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, \
-                    torch.inference_mode():
-                new(x)
-                torch.cuda.synchronize()
-            names = " ".join(e.name for e in prof.events())
+            with torch.inference_mode():
+                _, names = _profiled(lambda: new(x))
             assert ("contact_map_v10_kernel" in names) == expect, (variant, C, names[:300])
             if expect:
                 assert "contact_map_v10_params_kernel" in names, (variant, names[:300])
@@ -527,11 +532,8 @@ def test_v20_fma_terms_stay_within_the_accuracy_goal(cm, ref, B, N, C, H, scale,
         new.variant = "v19"
         e19 = (new(x).double() - want).abs().max().item()
         new.variant = "v20"
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            got = new(x)
-            torch.cuda.synchronize()
+        got, names = _profiled(lambda: new(x))
         err = (got.double() - want).abs().max().item()
-    names = " ".join(e.name for e in prof.events())
     assert set(re.findall(r"contact_map_v10_kernel<128, \d+, (\w+)>", names)) == {"20"}, names[:300]
     assert err <= 2 * e_ref, f"v20: err {err:.2e} vs the fp32 reference's {e_ref:.2e}"
     if offset >= 30:
