@@ -1,163 +1,83 @@
 """Fused outer product mean (AlphaFold-style MSA -> pair update), FP32 CUDA kernels, KernelBench format.
 
-The op, in index notation (b batch, s sequence of the MSA, i/j residue, m msa channel, h/k hidden
-channel, z pair channel):
+The op (b batch, s MSA sequence, i/j residue, m msa channel, h/k hidden channel, z pair channel):
 
     x[b,s,n,:]   = LayerNorm(msa[b,s,n,:])                                  (gamma, beta, eps of the module)
     a[b,s,n,h]   = (sum_m Wa[h,m] x[b,s,n,m] + ba[h]) * mask[b,s,n]
     b[b,s,n,k]   = (sum_m Wb[k,m] x[b,s,n,m] + bb[k]) * mask[b,s,n]
-    denom[b,i]   = max(sum_s mask[b,s,i], 1)                                depends on the row i only
+    denom[b,i]   = max(sum_s mask[b,s,i], 1)
     out[b,i,j,z] = bo[z] + (1 / denom[b,i]) * sum_{h,k} Wo[z, h*c+k] * sum_s a[b,s,i,h] b[b,s,j,k]
 
-Tensors (all float32 unless said):
-    msa_repr  (B, S, N, c_m)              c_m = msa_dim
-    msa_mask  (B, S, N)                   float32 (any values), bool, uint8, int8, int16, int32, int64
-    Wa, Wb    (c, c_m), ba, bb (c)        c = hidden_dim;   gamma, beta (c_m)
-    Wo        (c_z, c*c), bo (c_z)        c_z = pair_dim
-    out       (B, N, N, c_z)
-  Internal (allocated per call, freed after): aT (B, S, CP, ceil4(N)) = a transposed so that i is
-  contiguous, bq (B, S, N, CP), inv_denom (B, N), a packed copy of Wo (<= CP*CP*ceil64(c_z) floats),
-  where CP = hidden_dim rounded up to 16, 32, 64 or 128 (zero padding: padded channels contribute 0);
-  w_first: one j-chunk of P (<= 32 MB); w_first_wg/_wg2: a and one j-chunk of P as split-TF32 hi/lo
-  planes (P's chunk <= 512 MB: 512 MB at shallow, long and huge; a's about 2x aT); outer_wg and
-  outer_wg_v1: a, b and Wo as split-TF32 hi/lo planes (2x aT + 2x bq + 1 MB per 128 pair channels),
-  outer_wg without aT and bq (its prep writes the planes) and with the projection weights as split
-  planes (64 x ceil16(c_m) x 2 floats).
-  The (B, N, N, c, c) outer product of the reference is never stored in global memory.
+Tensors: msa_repr (B, S, N, c_m), c_m = msa_dim, float32, float16 or bfloat16, the parameters in the
+same dtype; msa_mask (B, S, N), float32 / float16 / bfloat16 (any values), bool, uint8, int8, int16,
+int32 or int64; gamma, beta (c_m); Wa, Wb (c, c_m), ba, bb
+(c), c = hidden_dim; Wo (c_z, c*c), bo (c_z), c_z = pair_dim; out (B, N, N, c_z). The (B, N, N, c, c)
+outer product is never stored in global memory; c is zero-padded to CP = 16, 32, 64 or 128.
 
-Two contraction orders (FLOPs of the second stage; the LayerNorm + projections add 4 B S N c_m c):
-    outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile, then out = Wo . O on chip
-                 2 B N^2 c^2 (S + c_z)
-    w_first      P[s,j,h,z] = sum_k Wo[z,h*c+k] b[s,j,k]   (stored in j-chunks of <= 32 MB)
-                 out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z]
-                 2 B S N c^2 c_z + 2 B N^2 S c c_z
-  variant "auto" (default) runs the one with the smaller estimated time: FLOPs as executed (c padded
-  to CP) over each path's efficiency, plus 2 us per launch (kEff* in the CUDA source: outer_first
-  32 TFLOP/s measured at crop; w_first stage 1 20, stage 2 38 (128-tile FMA) / 43 (128-tile split
-  TF32, w_first_tc2; 42 for w_first_tc) / 25 (small) TFLOP/s; w_first_wg2 stage 1 21, stage 2 108
-  TFLOP/s; outer_wg: whole waves of 16 i x 4 j tiles, its phase A at 138 and phase B at 85 TFLOP/s,
-  plus its prep's split-TF32 FLOPs at 90 TFLOP/s; every other path: plus opm_prep_kernel's 2 B S N c_m
-  2CP FLOPs at 17 TFLOP/s).
-  w_first needs one j column of P (B S CP ceil4(c_z) floats) to fit the 32 MB chunk cap;
-  its stage 2 runs the small kernel when the 128 x 128 grid would not fill one block per SM, else
-  (sm_80+, and the extension built for sm_80+) the split-TF32 kernel (w_first_tc2; w_first_tc where
-  less than 136 KB of shared memory per block is available). On an H100 / H200 with the extension
-  built for sm_90a (the default there, see Build) w_first_wg2 and outer_wg compete too (never
-  outer_wg_v1, which differs from outer_wg only in its slower prep). On the H200 on 2026-12-01
-  "auto" took w_first_small at seed, w_first_wg2 at shallow, and outer_wg at crop, long, deep and
-  huge: the fastest measured variant at each (NOTES.md). After each call
-  `model.last_variant` names the variant that ran.
+Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
+  outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile on chip, then out = Wo . O:
+               2 B N^2 c^2 (S + c_z)
+  w_first      P[s,j,h,z] = sum_k Wo[z,h*c+k] b[s,j,k] (stage 1, in j-chunks), then
+               out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z] (stage 2): 2 B S N c^2 c_z + 2 B N^2 S c c_z
 
-Kernels (FP32 FMA except opm_wfirst_tc_kernel, opm_wfirst_wg_kernel, opm_prep_ow_kernel and
-opm_outer_wg_kernel):
-  opm_prep_kernel        (every variant but outer_wg) one launch, three block roles: (1) 64 rows
-                         of msa per block: x staged in shared memory once, two-pass LayerNorm
-                         statistics from shared memory, both projections as one [64 x c_m] x
-                         [c_m x 2CP] register-tiled GEMM (4 x 2CP/16 outputs per thread), bias, mask,
-                         writes aT and bq; (2) inv_denom from the mask
-                         (inv_denom_cols: integer masks summed in int64, float masks in fp64); (3) packs Wo.
-  opm_outer_kernel<CP>   outer_first: per block a 128 x 128 tile O[(h,il),(jl,k)] (TI = TJ = 128/CP
-                         residues), 8 x 8 register micro-tile per thread, S streamed in chunks of 16
-                         through double-buffered cp.async stages; epilogue stages O transposed in
-                         shared memory and runs the c*c -> c_z GEMM (4 pairs x 4 z per thread, K split
-                         over thread groups, Wo streamed through shared memory by cp.async), then
-                         bias + inv_denom and coalesced stores.
-  opm_wfirst_proj_kernel<CP>  w_first stage 1: P for one j-chunk as a GEMM (K = CP): 64 j x 128
-                         (h, z) columns per block, b tile and Wk tile in shared memory, 4 x 8 per
-                         thread. (v1 looped one block per (b, s, j tile) serially over every h with Wk
-                         read from L2 in the k loop: 150 us at the seed shape, ~0.3 ms per chunk at
-                         shallow; replaced, not kept: it was a stage, not a contraction order.)
-  opm_wfirst_gemm_kernel w_first stage 2: the same 128 x 128 / 8 x 8 / cp.async main loop over
-                         K = S*CP, epilogue bias + inv_denom.
-  opm_wfirst_tc_kernel<VER>  w_first_tc (VER 1) / w_first_tc2 (VER 2, "auto"'s stage 2 at 128 x 128
-                         tiles on sm_80+) stage 2: the opm_wfirst_gemm_kernel product on the tensor
-                         cores in split TF32 (mma.sync m16n8k8), 16 warps of 32 x 32 per 128 x 128
-                         tile; VER 2 adds the small terms into each k step's fresh accumulator (no
-                         second accumulator set), loads the next k step's fragments early in the
-                         source (ptxas still schedules them after the products) and takes K stages
-                         of 64 rows instead of 32 (136 KB of shared memory per block).
-  opm_wfirst_small_kernel  w_first_small stage 2: 32 x 64 tiles, the 8 warps split K (64-row
-                         stages, 8 rows per warp, 8 x 8 per lane), partials summed in shared memory
-                         (deterministic): many more blocks than 128 x 128 tiles when N and N*c_z are
-                         small (seed: 64 blocks of 32 x 64 instead of 32 blocks 3/4 empty).
-  Hopper (sm_90a; w_first_wg, w_first_wg2): both operands of w_first's stage 2 stored in "tile order":
-  every 64- or 128-row by 32-k block is one contiguous run holding its TF32 hi plane and lo plane,
-  each in the unswizzled K-major core-matrix layout wgmma reads, so one bulk copy (TMA engine)
-  moves a block into shared memory and the main loop has no split and no per-thread copy.
-  opm_pack_a_kernel      aT -> a's tile-order planes.
-  opm_wfirst_proj_wg_kernel<CP>  stage 1 (the opm_wfirst_proj_kernel product) writing P's tile-order
-                         planes, zero padding included; per block the W tile once and 8 s values.
-  opm_wfirst_wg_kernel   stage 2: 128 x 128 tiles; a producer lane issues three bulk copies per
-                         32-k stage (3 stages, full / empty mbarriers), two consumer warpgroups run
-                         wgmma m64n128k8 .tf32 (lo*hi, hi*lo, hi*hi into a fresh accumulator,
-                         promoted into fp32 by ordinary adds every 64 k). w_first_wg launches one
-                         block per tile, w_first_wg2 one per SM (persistent).
-  opm_pack_ow_kernel     aT, bq, Wo -> outer_wg's tile-order hi / lo planes (a: 64 rows (i, h) x 16 s
-                         blocks; b: 128 rows (j, k) x 16 s; Wo: 128 z x 32 (h, k) blocks).
-  opm_ow_params_kernel   outer_wg: the projection weights with the LayerNorm affine folded in,
-                         Wg[o, k] = gamma[k] W[o, k] and bias'[o] = bias[o] + sum_k beta[k] W[o, k]
-                         (fp64), Wg split into hi / lo planes in mma.sync fragment order; Wo's planes.
-  opm_prep_ow_kernel<MT> outer_wg's LayerNorm + projections + mask on mma.sync m16n8k8 in split TF32:
-                         blocks of 4 warps on tiles of 4 s x 4 MT n (MT = 2 to c_m = 256, else 1),
-                         x by one bulk copy per row, two-pass statistics, y = rstd (x - mean) . Wg +
-                         bias' (warp w: channels 16 w .. 16 w + 15 of a and b), staged in shared memory
-                         and written as Aow / Bow's split planes; extra blocks compute inv_denom.
-  opm_outer_wg_kernel    outer_wg (outer_first on wgmma, hidden_dim <= 32 padded to 32): per block,
-                         persistent, tiles of 16 i x 4 j x 128 z; for each chunk of 8 h, phase A
-                         O[(i,h),(j,k)] = sum_s a b (m64n128k8, K = S) into fp32, O staged in shared
-                         memory, phase B out += O . Wo (m64n64k8, A from registers, K = 256); one
-                         producer warpgroup feeds a 5-slot ring of 32 KB bulk copies (both phases'
-                         operands in one sequence). Split TF32 with promotion every 64 k as above.
+Default, variant "auto": opm_forward estimates each candidate's time (FLOPs as executed over a
+per-kernel rate measured on the H200, kEff* in the CUDA source, plus 2 us per launch) and runs the
+cheapest. Candidates: outer_first; w_first where one j column of P fits 32 MB, its stage 2 being
+w_first_small when a 128 x 128 tile grid is under one wave, else w_first_tc2 on sm_80+ (w_first_tc
+where its 136 KB of shared memory per block do not fit), else the FMA w_first; on an H100 / H200
+with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 < 2^31).
+There outer_wg wins at most shapes, w_first_wg2 at few sequences, w_first_small at tiny ones.
+`model.last_variant` names the variant that ran. The paths:
+  outer_wg     opm_ow_params_kernel (LayerNorm affine folded into the projection weights, split-TF32
+               weight planes), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, written
+               as a / b's split-TF32 planes in wgmma tile order; inv_denom), opm_outer_wg_kernel
+               (persistent, warp-specialised: per 16 i x 4 j x 128 z tile, phase A O = a b^T and phase
+               B out += O Wo on wgmma, fed by one producer warpgroup's bulk copies).
+  w_first_wg2  opm_prep_kernel (FMA LayerNorm + projections: aT (B, S, CP, ceil4(N)), bq (B, S, N,
+               CP), inv_denom (B, N), packed Wo), opm_pack_a_kernel, per j-chunk (<= 512 MB of P's
+               planes) opm_wfirst_proj_wg_kernel and the persistent wgmma GEMM opm_wfirst_wg_kernel.
+  others       opm_prep_kernel, then opm_outer_kernel<CP> (outer_first: 128 x 128 tiles, on-chip Wo
+               epilogue) or opm_wfirst_proj_kernel<CP> + a stage-2 GEMM per j-chunk (<= 32 MB of P).
+Forced variants (set `model.variant`; ModelNew.VARIANTS: those that run on this GPU, ALL_VARIANTS:
+every name; forcing one that cannot run raises with the reason):
+  outer_first    FMA, any CUDA GPU: the plain check of the fast paths; "auto" at crop / long off Hopper.
+  w_first        FMA stage 2 (opm_wfirst_gemm_kernel), any GPU: "auto" below sm_80.
+  w_first_small  FMA stage 2 on 32 x 64 tiles, K split over warps (opm_wfirst_small_kernel): small N.
+  w_first_tc     split-TF32 mma.sync stage 2 (opm_wfirst_tc_kernel<1>), sm_80+: 100 KB-smem parts.
+  w_first_tc2    the same with 64-row K stages (opm_wfirst_tc_kernel<2>, 136 KB), sm_80+.
+  w_first_wg2    wgmma stage 2, compute capability 9.0 with the sm_90a build: few sequences (S ~ 32).
+  outer_wg       outer_first on wgmma, 9.0 with the sm_90a build, hidden_dim <= 32: most shapes there.
+
+Precision: the FMA paths accumulate in fp32; the tensor-core paths use split TF32 (x = hi + lo,
+a b ~ hi hi + hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma accumulators promoted into fp32
+by ordinary adds every 64 k. Maximum error against fp64 over the harness's trials, relative to the
+fp32 PyTorch reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x, w_first_tc / _tc2 at most
+1.8x (deep, S = 2048), outer_first 0.5x at deep, the FMA w_first up to 5.3x there ("auto" does
+not take it at deep). inv_denom sums float masks in fp64 and integer masks in int64.
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
-launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (compiled for 16/32/64/128; others zero-padded to
-the next of these; 32 is the tuned case), any pair_dim >= 1, 64-bit offsets (outputs over 2^31 elements), non-contiguous
-inputs (copied to contiguous first). One CUDA device; parameters on the same device as the inputs.
+launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case), any pair_dim >= 1,
+outputs over 2^31 elements, non-contiguous inputs (copied first). One CUDA device; parameters on
+the device of the inputs.
+Half precision and training: float16 / bfloat16 inputs and parameters are converted to float32 at
+the boundary (PyTorch casts), the kernels run as above and the output comes back in the input's
+dtype (under CUDA autocast, in the autocast dtype, as the reference's is). The backward runs in
+PyTorch ops (outer_product_mean_backward, float32 inside): it saves only the inputs, recomputes a and
+b, and builds the outer product and its gradient G = (g / denom) Wo for a chunk of rows i at a time
+(about 256 MB), never the whole (B, N, N, c*c); gradients for msa_repr and every parameter, none for
+the mask (one that requires grad raises); double backward raises.
+Limits: float32 inside (float16 / bfloat16 cost one conversion each way); msa_dim <= 768 (64 rows of
+msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller residue tiles, slower per
+FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N rounded up to 16).
 
-Limits: forward only (backward raises); FP32 only for msa_repr and the parameters; msa_dim <= 768
-(a block keeps 64 rows of msa in shared memory); hidden_dim <= 128; hidden_dim 64 and 128 run the
-same code with smaller residue tiles and are slower per FLOP.
-
-Variants: "auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-"w_first_wg2", "outer_wg", "outer_wg_v1"; set `model.variant` (the w_first ones differ only in the
-stage-2 kernel, the w_first_wg ones in stage 1's output layout, the outer_wg ones in their prep).
-ModelNew.VARIANTS lists those that run on the current GPU (evaluated on each access; what the
-harness checks by default): all of them on an H100 / H200 with the sm_90a build, all but the four
-Hopper ones (w_first_wg, w_first_wg2, outer_wg, outer_wg_v1) elsewhere (forcing one there raises
-with the reason); ModelNew.ALL_VARIANTS lists every name.
-outer_wg: outer_first on Hopper wgmma in split TF32 (compute capability 9.0, the sm_90a build and
-225 KB of shared memory per block; hidden_dim <= 32, else it raises: c = 64 or 128 would leave a
-tile fewer than 64 pairs; and B * S * N / 16 < 2^31, S and N rounded up to 16, for its prep's 32-bit
-tile index: outer_wg_v1 has the hidden_dim limit but not this one). H200, harness, 2026-12-01
-("auto" -> outer_wg): crop 0.820 ms (3.13x eager, 2.55x torch.compile; outer_first 2.62 ms), long
-5.51 ms (3.52x, 2.68x; w_first_wg2 10.54), deep 1.10 ms, huge 110.5 ms (w_first_wg2 131.8); error
-against fp64, as the maximum over the harness's trials, 0.58-1.09x the fp32 reference's (every harness shape, forced
-too). Its prep (opm_ow_params_kernel + opm_prep_ow_kernel) takes ~150 us at crop, 18% of the
-forward; the fused kernel ~670 us (torch.profiler, quick script, H200, 2026-12-01; NOTES.md).
-outer_wg_v1: outer_wg with session 7's prep: opm_prep_kernel (FMA, aT and bq) and opm_pack_ow_kernel
-(-> the planes): crop 0.992 ms, deep 2.25 ms (harness, 2026-12-01, before outer_wg's prep).
-w_first_wg, w_first_wg2: stage 2 on Hopper wgmma in split TF32; compute capability 9.0 only, with the
-extension built for sm_90a (else they raise): at shallow on the H200 0.857 ms ("auto" -> w_first_wg2:
-4.34x eager, 3.00x torch.compile), long 10.54 ms (1.84x, 1.40x), huge 131.8 ms (outer_first: 333);
-error against fp64 0.9-1.0x the fp32 reference's at shallow and long, 0.75x at deep (harness,
-2026-11-29).
-w_first_tc, w_first_tc2: stage 2 on the tensor cores in split TF32 (opm_wfirst_tc_kernel<1 / 2>,
-mma.sync m16n8k8; sm_80+ and the extension built for sm_80+, else they raise; w_first_tc2 needs
-136 KB of shared memory per block: A100, H100, H200, not the 100 KB parts): at shallow on the H200
-1.85 / 1.81 ms against w_first's 1.97 (harness, 2026-11-29; NOTES.md has why not more). Max error
-against fp64, as the maximum over the harness's trials against the fp32 reference's maximum: at
-most 1.0x at shallow, 1.27x at seed (every variant, the FMA ones too), 1.8x at deep (S = 2048); per
-trial at deep up to 2.2x (w_first_tc) and 2.5x (w_first_tc2), where the FMA w_first reaches 5.3x
-(7.9x per trial) and "auto" takes outer_first (0.5x).
 Run:   python harness.py outer_product_mean
-Build: 1-2 minutes the first time (cached afterwards; rebuilds when this source changes).
+Build: about 110 s cold on a 2-core machine (nvcc ~105 s of CPU; cached, rebuilt when this changes).
        OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
        Architectures: TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' (PyTorch's default), else
        (no GPU) 9.0; 9.0 is built as sm_90a (wgmma exists only there; sm_90a code runs on 9.0
-       devices, as sm_90 code does), "9.0+PTX" as sm_90a plus portable compute_90 PTX. The file
-       passes these as nvcc -gencode flags (`_gencode_flags`; TORCH_CUDA_ARCH_LIST is left as it
-       is); lists with names such as "Hopper" go to PyTorch unchanged, which leaves w_first_wg/_wg2
-       and outer_wg out.
+       devices), "9.0+PTX" as sm_90a plus portable compute_90 PTX, passed as nvcc -gencode flags
+       (`_gencode_flags`; TORCH_CUDA_ARCH_LIST itself is left as it is). Lists with names such as
+       "Hopper" go to PyTorch unchanged, which leaves w_first_wg2 and outer_wg out.
 """
 import hashlib
 import os
@@ -166,7 +86,21 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 from torch.utils.cpp_extension import load_inline
+
+# The variant table, the one place that names the variants: a variant's id is its index here. The
+# CUDA source receives it as `enum Variant` (kAuto = 0, kOuterFirst = 1, ...: "k" + the name in
+# CamelCase) and kNumVariants, which its range check and dispatch read; ModelNew passes the id and
+# maps the id that ran back to the name.
+_ALL_VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg2",
+                 "outer_wg")
+
+
+def _variant_enum(names):
+    """The C++ enum of the variant ids: k + the CamelCase name = its index, then kNumVariants."""
+    ids = ", ".join(f"k{''.join(w.capitalize() for w in n.split('_'))} = {i}" for i, n in enumerate(names))
+    return f"enum Variant : int64_t {{ {ids}, kNumVariants = {len(names)} }};"
 
 # =============================================================================================
 # CUDA source
@@ -185,7 +119,7 @@ _CUDA_SRC = r"""
 namespace opm {
 
 // ---------------------------------------------------------------------------------------------
-// Constants and helpers
+// Constants and shared device functions
 // ---------------------------------------------------------------------------------------------
 constexpr int kThreads = 256;      // every kernel: 256 threads (8 warps)
 constexpr int kTile = 128;         // GEMM block tile: 128 x 128 outputs, 8 x 8 per thread
@@ -197,28 +131,28 @@ constexpr int kZC = 64;            // outer epilogue: pair channels per pass
 constexpr int kR2 = 32;            // outer epilogue: rows of packed Wo per cp.async stage
 constexpr int kMaxHidden = 128;
 constexpr int kMaxMsaDim = 768;
+@VARIANT_ENUM@
 constexpr int64_t kPChunkBytes = 32ll << 20;   // w_first: cap of one P chunk
-constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg: cap of one chunk of P's hi + lo planes
-// "auto" time model (seconds = FLOPs / efficiency + launches * kLaunchS). kEffOuter measured on the
-// H200 (crop: 86 GFLOP in 2.70 ms, 2026-11-29); the w_first ones were predictions for the rewritten
-// stage 1 (stage 1 (K = CP only) 20 TFLOP/s, stage 2 128-tile GEMM 38 TFLOP/s: the outer kernel's
-// main loop without its epilogue, small kernel 25 TFLOP/s); measured since: shallow 1.97 ms against
-// 2.06 modelled; the choices matched the fastest variant at seed, shallow, crop, long (NOTES.md).
+constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg2: cap of one chunk of P's hi + lo planes
+// "auto" time model (seconds = FLOPs / efficiency + launches * kLaunchS), rates of fp32 work on the
+// H200. kEffOuter: crop, 86 GFLOP in 2.70 ms. w_first: stage 1 (K = CP only) 20 TFLOP/s, stage 2
+// 128-tile GEMM 38 TFLOP/s (the outer kernel's main loop without its epilogue), small kernel 25
+// TFLOP/s; these model shallow at 2.06 ms against 1.97 ms measured.
 // kEffWTc, kEffWTc1: the split-TF32 stage 2, w_first_tc2 ("auto"'s choice) and w_first_tc (where
-// w_first_tc2's 136 KB do not fit), from shallow on the H200 on 2026-11-29 (w_first_tc 1.842 ms against
+// w_first_tc2's 136 KB do not fit), at shallow (w_first_tc 1.842 ms against
 // w_first's 1.974 ms with the same stage 1: ~42 TFLOP/s of fp32 work; w_first_tc2 1.803 ms: ~43).
 // kEffWg, kEffProjWg (w_first_wg2, Hopper): its stage 2 and its stage 1 (opm_wfirst_proj_wg_kernel,
-// which writes the split planes, twice w_first's bytes) at shallow on the H200 on 2026-11-29
+// which writes the split planes, twice w_first's bytes) at shallow
 // (profile with 128 MB chunks: stage 2 68.7 GFLOP in 0.634 ms = 108 TFLOP/s of fp32 work, stage 1
 // 4.3 GFLOP in 0.199 ms = 21.6 TFLOP/s).
 // kEffOwA, kEffOwB (outer_wg, Hopper): its phase A and phase B, fitted to the fused kernel's time
-// at crop (profile: 0.721 ms) and shallow (~0.96 ms of a 0.99 ms forward) on the H200 on 2026-12-01
+// at crop (profile: 0.721 ms) and shallow (~0.96 ms of a 0.99 ms forward)
 // with the wave model of "auto" (whole waves of tiles; phase B, N = 64 per wgmma with A from
 // registers, runs at about 60% of phase A's rate).
-// kEffPrep: opm_prep_kernel (FMA LayerNorm + projections), 4.3 GFLOP in ~255 us at crop (profile,
-// 2026-12-01). kEffPrepOw, kBwPrepOw: outer_wg's tensor-core prep (opm_prep_ow_kernel): its tensor
+// kEffPrep: opm_prep_kernel (FMA LayerNorm + projections), 4.3 GFLOP in ~255 us at crop (profile).
+// kEffPrepOw, kBwPrepOw: outer_wg's tensor-core prep (opm_prep_ow_kernel): its tensor
 // FLOPs (x3 for the split) ran at ~90 TFLOP/s at crop (12.9 GFLOP in 146-151 us) and deep (51.5 in
-// 506-561 us) on the H200 on 2026-12-01, under the bytes at 3 TB/s.
+// 506-561 us), under the bytes at 3 TB/s.
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
                  kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kEffOwA = 138e12, kEffOwB = 85e12,
                  kEffPrep = 17e12, kEffPrepOw = 90e12, kBwPrepOw = 3e12, kLaunchS = 2e-6;
@@ -378,11 +312,11 @@ __device__ __forceinline__ void gemm_mainloop(float (&acc)[8][8], const float* A
 }
 
 // ---------------------------------------------------------------------------------------------
-// Split TF32 on the tensor cores (issue 5; variants w_first_tc, w_first_tc2, w_first_wg).
+// Split TF32 on the tensor cores (variants w_first_tc, w_first_tc2, w_first_wg2, outer_wg).
 // x = hi + lo: hi = x rounded to TF32 (add half a TF32 ulp to the magnitude, clear the low 13 bits),
 // lo = x - hi (exact in fp32) truncated to TF32; a*b ~ hi_a hi_b + hi_a lo_b + lo_a hi_b, the dropped
-// lo_a lo_b ~2^-21 |a b|. The scheme and the accumulation are contact_map.py's v7 (measured there:
-// max error 0.75-1.03x the fp32 reference's at seed, crop, batch, long).
+// lo_a lo_b ~2^-21 |a b|. The scheme and the accumulation are contact_map.py's (max error there
+// 0.75-1.03x the fp32 reference's at seed, crop, batch, long).
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
@@ -391,7 +325,7 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
 
 
 // ---------------------------------------------------------------------------------------------
-// w_first_wg (Hopper, sm_90a): w_first's stage 2 on wgmma (NOTES.md, "w_first_wg").
+// w_first_wg2 (Hopper, sm_90a): w_first's stage 2 on wgmma.
 // Operands in *tile order*, pre-split: each 64-row (A = a, rows i) or 128-row (B = P, rows n) by
 // kWgBK-deep block of an operand is one contiguous run: the hi plane, then the lo plane, each in the
 // unswizzled K-major core-matrix layout wgmma reads (8 rows x 16 bytes per core matrix; element
@@ -427,7 +361,7 @@ __device__ __forceinline__ void store_split4(float* hi_dst, float* lo_dst, float
 
 // sm_90a-only instructions (wgmma, bulk copies, mbarriers), compiled where nvcc targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere the kernel using them is a trap, never launched (the host
-// runs w_first_wg only when the extension was built with sm_90a, OPM_SM90A, on a 9.0 device).
+// runs w_first_wg2 and outer_wg only when the extension was built with sm_90a, OPM_SM90A, on a 9.0 device).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define OPM_WG_DEVICE 1
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
@@ -903,8 +837,6 @@ __global__ void __launch_bounds__(kThreads, 2) opm_outer_kernel(
 //   Bt[k][jl] (b tile transposed, stride 68) and Wsm[k][128] in shared memory; thread (tj = tid/16,
 //   tz = tid%16) owns 4 j x 8 n (n = tz*4 + {0..3} and 64 + tz*4 + {0..3}): 32 FMA per 3 LDS.128.
 //   Since CZP4 % 4 == 0, the 4 columns of one float4 share h: one 16-byte store each.
-// (v1, replaced: one block per (b, s, j tile) looping serially over all h with Wk read from L2 inside
-//  the k loop: 16 blocks x 1024 dependent L2 loads at the seed shape = 150 us; 32 blocks at shallow.)
 // Assumptions: 256 threads; CZP4 % 4 == 0; ldp % 4 == 0.
 // ---------------------------------------------------------------------------------------------
 template <int CP>
@@ -1127,14 +1059,14 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 // Accumulation: each k step's hi*hi into a zeroed set, promoted into acc by an fp32 add (the tensor
 //   cores' own accumulation truncates); lo*hi + hi*lo accumulated on the tensor cores over all of K
 //   (sm), added at the end.
-// VER 2 (variant w_first_tc2): the ncu profile of VER 1 at shallow (tensor pipe 41% busy, issue slots
-//   49%, 1.2 of 4 warps eligible) says latency: each k step was one dependent chain from the
-//   fragment loads to the promoting adds. VER 2 (a) folds lo*hi and hi*lo into the k step's fresh
+// VER 2 (variant w_first_tc2): VER 1 is latency-bound (ncu at shallow: tensor pipe 41% busy, issue
+//   slots 49%, 1.2 of 4 warps eligible): each k step is one dependent chain from the fragment loads
+//   to the promoting adds. VER 2 (a) folds lo*hi and hi*lo into the k step's fresh
 //   accumulator before hi*hi (d = lo_a hi_b + hi_a lo_b, then d += hi_a hi_b, then acc += d: the
 //   tensor cores' truncation is relative to |d| once per k step, as in VER 1, the small terms first),
 //   which frees the 32 registers of sm; (b) loads the next k step's fragments into registers
 //   before the current one's splits (ptxas moves them after the products, though); (c) takes K
-//   stages of 64 rows (half the barriers). Measured at shallow: 2% faster than VER 1 (NOTES.md).
+//   stages of 64 rows (half the barriers): 2% faster than VER 1 at shallow.
 // Assumptions: kTcThreads = 512 threads; Npad % 4 == 0; ldp % 4 == 0; JCv*CZP4 % 4 == 0.
 // Shared memory (dynamic): As [2][KC][kTcLd], Bs [2][KC][kTcLd] (68 KB at KC = 32, 136 KB at 64).
 // ---------------------------------------------------------------------------------------------
@@ -1192,9 +1124,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_wfirst_tc_kernel(
       const float* bm = Bs + buf * KC * kTcLd + wn * 32 + g;
       if constexpr (VER == 2) {
         // fragments of k step ks (raw fp32): fa[mb] = A rows g, g+8 at k = t, t+4; fb[nt] = B at k = t, t+4.
-        // Volatile loads: an attempt to keep the next step's loads ahead of this step's products.
-        // It did not take: in the SASS ptxas still issues them after the HMMAs, among the
-        // promoting adds (so the loads overlap the adds, not the products; NOTES.md).
+        // Volatile loads, meant to keep the next step's loads ahead of this step's products; in the
+        // SASS ptxas still issues them after the HMMAs, among the promoting adds (so the loads
+        // overlap the adds, not the products).
         auto load_frag = [&](int ks, float (&fa)[2][4], float (&fb)[4][2]) {
           const int r0 = (ks * 8 + t4) * kTcLd, r1 = r0 + 4 * kTcLd;
 #pragma unroll
@@ -1430,9 +1362,9 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_small_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// opm_wfirst_proj_wg_kernel<CP>: w_first_wg stage 1 for the j-chunk [j0, j0 + JCv): the products of
+// opm_wfirst_proj_wg_kernel<CP>: w_first_wg2 stage 1 for the j-chunk [j0, j0 + JCv): the products of
 //   opm_wfirst_proj_kernel (P[s,j,h,z] = sum_k bq[b,s,j,k] Wk[k][h*CZP4 + z]) written as P's
-//   tile-order hi / lo planes (Pt, see "w_first_wg" above), padding included: s runs to
+//   tile-order hi / lo planes (Pt, see "w_first_wg2" above), padding included: s runs to
 //   Sx = KB*kWgBK/CP, jl to JCx = ceil(NB*128 / CZP4), with zero rows of bq past S and JCv.
 // Block: (b, group of kProjWgSG s, 64-row jl tile, column tile of 4 h x 32 z). The block's W tile
 //   (all CP k of its 128 columns, Wsm[k][zz*4 + hh]) is loaded once; then per s the b tile (64 jl x
@@ -1440,8 +1372,6 @@ __global__ void __launch_bounds__(kThreads) opm_wfirst_small_kernel(
 //   copies in flight during this s's products. Thread (tj = tid/16, tz = tid%16) owns 4 jl x (4 h at
 //   z = z0 + tz, 4 h at z0 + tz + 16): one float4 per (jl, z) holds 4 consecutive k = s*CP + h0 .. +3,
 //   i.e. one 16-byte row of a core matrix in each plane (store_split4).
-// (A first version was a TILED mode of opm_wfirst_proj_kernel: one block per (s, 64 jl, 128
-//  columns), the W tile reloaded by every block: 0.300 ms at shallow, NOTES.md.)
 // Shared memory (dynamic): Wsm [CP][128], Bt [2][64][CP + 4] floats.
 // Assumptions: 256 threads; CP % 16 == 0; CZP4 % 4 == 0; bq 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
@@ -1533,7 +1463,7 @@ __global__ void __launch_bounds__(kThreads, 2) opm_wfirst_proj_wg_kernel(
 
 // ---------------------------------------------------------------------------------------------
 // opm_pack_a_kernel: aT (B, S, CP, Npad) = [b][k][i] -> At, the tile-order hi / lo planes of the A
-//   operand of w_first_wg (rows i < MB64*64, k < KB*kWgBK; zeros past N and K = S*CP). One thread per
+//   operand of w_first_wg2 (rows i < MB64*64, k < KB*kWgBK; zeros past N and K = S*CP). One thread per
 //   4 consecutive k of one row (i fastest: coalesced reads of aT, 16-byte writes).
 // ---------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads) opm_pack_a_kernel(const float* __restrict__ aT, float* __restrict__ At,
@@ -1557,15 +1487,15 @@ __global__ void __launch_bounds__(kThreads) opm_pack_a_kernel(const float* __res
 
 // ---------------------------------------------------------------------------------------------
 // opm_wfirst_wg_kernel: w_first stage 2 for the j-chunk [j0, j0 + ncols / CZP4) on Hopper wgmma
-//   (variants w_first_wg, w_first_wg2): out[b,i,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_k At[i][k] Pt[n][k],
+//   (variant w_first_wg2): out[b,i,j0+jl,z] = bo[z] + inv_denom[b,i] * sum_k At[i][k] Pt[n][k],
 //   n = jl*CZP4 + z, in split TF32: per k step of 8, d = lo_a hi_b + hi_a lo_b + hi_a hi_b on the
 //   tensor cores (the small terms first, as w_first_tc2), d promoted into the fp32 acc by ordinary
 //   adds every kWgPromo k steps (the tensor cores' accumulation truncates: without promotion the
-//   error at K = 2048 was 41x the fp32 reference's, in the probe of NOTES.md).
+//   error at K = 2048 is 41x the fp32 reference's).
 // Tiles of 128 (i) x 128 (n), t -> (row tile t % MB128, column tile, b): the row tiles that read
-//   one P block are neighbours and share it in L2. Block b takes tiles b, b + grid, ...: w_first_wg
-//   launches one block per tile, w_first_wg2 one per SM (persistent: the producer fetches the next
-//   tile's first stages during this tile's epilogue).
+//   one P block are neighbours and share it in L2. Block b takes tiles b, b + grid, ...; the
+//   grid is one block per SM (persistent: the producer fetches the next tile's first stages during
+//   this tile's epilogue).
 // Warp-specialised: warps 0-7 are two consumer warpgroups (rows 64 wg .. 64 wg + 63, one m64n128k8
 //   wgmma per product per k step); warp 8's lane 0 is the producer: per stage of kWgBK k, three bulk
 //   copies (the two 16 KB A blocks, the 32 KB P block) completing on the stage's `full` mbarrier;
@@ -1698,7 +1628,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
 //   phase A (per q, K = S):  O_q[(il, hl), (jl, k)] = sum_s a[s, i, 8q + hl] b[s, j, k]
 //     M = 128 rows (il, hl) (warpgroup w: il in [8w, 8w + 8)), N = 128 columns (jl, k), one
 //     m64n128k8 wgmma per product per 8 s, operands from shared memory; promoted into fp32 every
-//     64 s as in w_first_wg.
+//     64 s as in w_first_wg2.
 //   O_q -> Os[p][kk] in shared memory (fp32), p = il*4 + jl, kk = hl*32 + ((k + 8 hl) & 31) (the
 //     rotation by 8 hl makes the staging stores conflict-free; Wo's packed columns follow it).
 //   phase B (per q, K = 256):  acc_out[p, z] += sum_kk Os[p][kk] WoP_q[z][kk]
@@ -1710,7 +1640,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
 //   (phase A) + 2 * 64 * 128 * 256 (phase B): outer_first's 2 N^2 c^2 (S + c_z) with S, c, c_z
 //   padded to 16, 32, 128. Over w_first's stage 2 (2 N^2 S c c_z) that is c / c_z + c / S: fewer
 //   FLOPs where S > 43 at c = 32, c_z = 128 (crop, long, deep), more at shallow (S = 32).
-// Operands in tile order (opm_pack_ow_kernel), hi plane then lo plane per block:
+// Operands in tile order (written by opm_prep_ow_kernel and opm_ow_params_kernel), hi plane then lo
+// plane per block:
 //   Aow[b][q][kb][mb] blocks of 64 rows x 16 s: row r = (i % 8) * 8 + hl of residues i in
 //     [8 mb, 8 mb + 8), element (r, s % 16) at wg_tile_off16(r, s % 16); the two blocks of one
 //     tile (mb = 2 it, 2 it + 1) are adjacent: one 16 KB bulk copy.
@@ -1718,7 +1649,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
 //   WoP[zc][q][hl] blocks of 128 z x 32 kl (wg_tile_off): Wo[zc*128 + z, (8q + hl) c + ((kl - 8 hl) & 31)].
 //   Zeros past N, S, c, c_z.
 // Pipeline: one ring of kOwStages 32 KB stages fed by one producer lane (bulk copies on full
-//   mbarriers, empty mbarriers released by each consumer warp, as in w_first_wg); per tile and q
+//   mbarriers, empty mbarriers released by each consumer warp, as in w_first_wg2); per tile and q
 //   the ring carries S16/16 phase-A stages (A blocks 16 KB + B block 16 KB) then 8 phase-B stages
 //   (one Wo block, 32 KB each, one per hl), in the same order for producer and consumers.
 // ---------------------------------------------------------------------------------------------
@@ -1746,7 +1677,7 @@ __host__ __device__ __forceinline__ int wg_tile_off16(int r, int k) {
 }
 
 // WoP's element group e3 in [0, nzc * kOwNQ * kOwHC * kOwZ * 8): 4 consecutive kl of one z row of
-// one Wo block, split into both planes (WoP: see "outer_wg" above; used by both outer_wg packs).
+// one Wo block, split into both planes (WoP: see "outer_wg" above).
 __device__ __forceinline__ void pack_wop4(int64_t e3, const float* __restrict__ wo, float* __restrict__ WoP, int c,
                                           int cz) {
   const int m = static_cast<int>(e3 % 8), z = static_cast<int>((e3 / 8) % kOwZ);
@@ -1758,58 +1689,6 @@ __device__ __forceinline__ void pack_wop4(int64_t e3, const float* __restrict__ 
   for (int u = 0; u < 4; ++u) v[u] = (zz < cz && h < c && k0 + u < c) ? __ldg(wo + zz * c * c + h * c + k0 + u) : 0.f;
   float* dst = WoP + ((zc * kOwNQ + q) * kOwHC + hl) * (2 * kOwWPlane) + wg_tile_off(z, 4 * m);
   store_split4(dst, dst + kOwWPlane, v[0], v[1], v[2], v[3]);
-}
-
-// ---------------------------------------------------------------------------------------------
-// opm_pack_ow_kernel: aT (B, S, 32, Npad), bq (B, S, N, 32) and Wo (c_z, c*c) -> Aow, Bow, WoP (see
-//   "outer_wg" above). Three ranges of one grid-stride index, one thread per 4 consecutive k (s for
-//   Aow / Bow, kl for WoP) of one row: Aow with i fastest (coalesced reads of aT), Bow with (j, k)
-//   fastest (coalesced reads of bq and 16-byte writes), WoP with kl fastest.
-// ---------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads) opm_pack_ow_kernel(
-    const float* __restrict__ aT, const float* __restrict__ bq, const float* __restrict__ wo, float* __restrict__ Aow,
-    float* __restrict__ Bow, float* __restrict__ WoP, int64_t B, int64_t S, int64_t N, int64_t Npad, int c, int cz,
-    int64_t KB16, int64_t NIT, int64_t NBB, int nzc) {
-  const int64_t NI = NIT * kOwTI, MBA = 2 * NIT;
-  const int64_t nA = B * kOwNQ * KB16 * (kOwSK / 4) * kOwHC * NI;
-  const int64_t nB = B * KB16 * (kOwSK / 4) * NBB * 128;
-  const int64_t nW = static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8;
-  const int64_t total = nA + nB + nW;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float v[4];
-    float* dst;
-    int plane;
-    if (e < nA) {
-      const int64_t i = e % NI, hl = (e / NI) % kOwHC, quad = (e / (NI * kOwHC)) % (kOwSK / 4);
-      const int64_t kb = (e / (NI * kOwHC * (kOwSK / 4))) % KB16, qb = e / (NI * kOwHC * (kOwSK / 4) * KB16);
-      const int64_t q = qb % kOwNQ, b = qb / kOwNQ, h = q * kOwHC + hl;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int64_t s = kb * kOwSK + quad * 4 + u;
-        v[u] = (i < N && s < S) ? __ldg(aT + ((b * S + s) * 32 + h) * Npad + i) : 0.f;
-      }
-      dst = Aow + (((b * kOwNQ + q) * KB16 + kb) * MBA + i / 8) * (2 * kOwAPlane) +
-            wg_tile_off16(static_cast<int>((i % 8) * kOwHC + hl), static_cast<int>(quad * 4));
-      plane = kOwAPlane;
-    } else if (e < nA + nB) {
-      const int64_t e2 = e - nA, r = e2 % (NBB * 128), quad = (e2 / (NBB * 128)) % (kOwSK / 4);
-      const int64_t kb = (e2 / (NBB * 128 * (kOwSK / 4))) % KB16, b = e2 / (NBB * 128 * (kOwSK / 4) * KB16);
-      const int64_t j = r / 32, k = r % 32;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int64_t s = kb * kOwSK + quad * 4 + u;
-        v[u] = (j < N && s < S) ? __ldg(bq + ((b * S + s) * N + j) * 32 + k) : 0.f;
-      }
-      dst = Bow + ((b * NBB + r / 128) * KB16 + kb) * (2 * kOwBPlane) +
-            wg_tile_off16(static_cast<int>(r % 128), static_cast<int>(quad * 4));
-      plane = kOwBPlane;
-    } else {
-      pack_wop4(e - nA - nB, wo, WoP, c, cz);
-      continue;
-    }
-    store_split4(dst, dst + plane, v[0], v[1], v[2], v[3]);
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1912,8 +1791,7 @@ __device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N,
 //   [s0, s0 + 4) (s0 = 4 sq: one 16-byte quarter of a 16-s Aow / Bow block), n in [n0, n0 + NW);
 //   tiles cover s < 16 KB16 and n < 16 NIT; rows past S or N are zeros and give zeros (mask 0, rstd 0).
 //   Warp w computes channels o in [16 w, 16 w + 16) (two n8 tiles) for all the tile's rows, so each
-//   weight fragment feeds MT m16 tiles (a first version with one warp per 16 rows x 64 channels read
-//   all of Wf from L2 per 16 rows, 1 GB at crop, and ran about as fast: 148 us; NOTES.md). Per tile:
+//   weight fragment feeds MT m16 tiles. Per tile:
 //   (1) x rows -> shared memory, row rho = 4 n_l + s_l at rho * LDX (LDX = 16 mod 32 words: the
 //       fragment loads below are conflict-free): zeros for rows past S / N and columns [c_m, 16 U),
 //       then one bulk copy per row (thread rho) on one mbarrier when c_m % 4 == 0, else plain loads.
@@ -2138,9 +2016,10 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
 // Named barrier 1 (256 consumer threads) guards Os: before the staging (the previous q's phase-B
 //   loads are done) and after it.
 // Every stage's wgmmas are waited for (wait_group 0) before the next stage's are issued; the two
-//   warpgroups fill each other's waits. (Keeping one stage in flight, wait_group 1 with a full wait
-//   only at each promotion, measured no faster: commit 079ecf5, outer_wg2, NOTES.md.)
-// Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_pack_ow_kernel writes them; 16-byte aligned.
+//   warpgroups fill each other's waits (keeping one stage in flight, wait_group 1 with a full wait
+//   only at each promotion, is no faster).
+// Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel / opm_ow_params_kernel write
+//   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const float* __restrict__ Aow, const float* __restrict__ Bow, const float* __restrict__ WoP,
@@ -2325,7 +2204,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 // Launchers
 // =============================================================================================
 #if defined(OPM_SM90A)
-constexpr bool kBuiltSm90a = true;   // the build has sm_90a code (w_first_wg's wgmma)
+constexpr bool kBuiltSm90a = true;   // the build has sm_90a code (wgmma)
 #else
 constexpr bool kBuiltSm90a = false;
 #endif
@@ -2337,7 +2216,7 @@ struct DevInfo {
   bool tc_ok = false;  // w_first_tc/_tc2 can run: an sm_80+ device and their code built from sm_80+
                        // PTX (an extension built for older targets runs them JIT-compiled from
                        // that PTX, where the mma is a trap)
-  bool wg_ok = false;  // w_first_wg can run: a compute capability 9.0 device, this extension built
+  bool wg_ok = false;  // w_first_wg2 can run: a compute capability 9.0 device, this extension built
                        // with sm_90a code (OPM_SM90A: the Python side turns 9.0 into 9.0a), and its
                        // kWgSmemBytes of shared memory per block available
   bool ow_ok = false;  // outer_wg can run: wg_ok and its kOwSmemBytes per block available
@@ -2418,9 +2297,9 @@ static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// w_first_wg / w_first_wg2 (Hopper): aT packed into At (opm_pack_a_kernel), then per j-chunk stage 1
-// writing the tile-order planes (opm_wfirst_proj_wg_kernel) and opm_wfirst_wg_kernel, one block per tile or (persistent)
-// one per SM. Pt holds one chunk (wg_chunk_floats).
+// w_first_wg2 (Hopper): aT packed into At (opm_pack_a_kernel), then per j-chunk stage 1 writing the
+// tile-order planes (opm_wfirst_proj_wg_kernel) and opm_wfirst_wg_kernel, one block per SM
+// (persistent). Pt holds one chunk (wg_chunk_floats).
 static int64_t wg_chunk_floats(int64_t B, int64_t JC, int64_t KB, int CZP4) {
   return B * cdiv(JC * CZP4, kWgBRows) * KB * 2 * kWgBPlane;
 }
@@ -2428,11 +2307,11 @@ template <int CP>
 static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
                              const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& At,
                              at::Tensor& Pt, int64_t JC, int64_t B, int64_t S, int64_t N, int64_t Npad, int cz,
-                             int CZP4, bool persistent, const DevInfo& d, cudaStream_t stream) {
+                             int CZP4, const DevInfo& d, cudaStream_t stream) {
   const int64_t K = S * CP, KB = cdiv(K, kWgBK), MB128 = cdiv(N, 128);
   set_smem(opm_wfirst_wg_kernel, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
   const size_t smem1 = kProjWgSmemBytes<CP>;
-  set_smem(opm_wfirst_proj_wg_kernel<CP>, smem1, d, "the w_first_wg stage-1 kernel");
+  set_smem(opm_wfirst_proj_wg_kernel<CP>, smem1, d, "the w_first_wg2 stage-1 kernel");
   const int ga = grid_for(std::min<int64_t>(cdiv(B * KB * (kWgBK / 4) * 2 * MB128 * kWgARows, kThreads), 8ll * d.sms));
   if (ga > 0) {
     opm_pack_a_kernel<<<ga, kThreads, 0, stream>>>(aT.data_ptr<float>(), At.data_ptr<float>(), B, N, Npad, K,
@@ -2451,7 +2330,7 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     const int64_t tiles = B * MB128 * NB;
-    const int g2 = grid_for(persistent ? std::min<int64_t>(tiles, d.sms) : tiles);  // the kernel loops over the rest
+    const int g2 = grid_for(std::min<int64_t>(tiles, d.sms));  // the kernel loops over the rest
     opm_wfirst_wg_kernel<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
         At.numel() ? At.data_ptr<float>() : aT.data_ptr<float>(), Pt.numel() ? Pt.data_ptr<float>() : aT.data_ptr<float>(),
         inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(), B, N, MB128, NB, KB, j0,
@@ -2460,12 +2339,8 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
   }
 }
 
-// outer_wg (Hopper), one block per SM (persistent) for the fused kernel; CP = 32.
-//   outer_wg:    opm_ow_params_kernel (inv_denom, Wf, bias', WoP), opm_prep_ow_kernel (msa -> Aow,
-//                Bow), opm_outer_wg_kernel.
-//   outer_wg_v1: opm_prep_kernel (aT, bq, inv_denom; FMA), opm_pack_ow_kernel (-> Aow, Bow, WoP),
-//                opm_outer_wg_kernel (session 7's version: the FMA prep and the pack took a quarter
-//                of crop's time).
+// outer_wg (Hopper, CP = 32): opm_ow_params_kernel (Wf, bias', WoP), opm_prep_ow_kernel (msa -> Aow,
+// Bow; inv_denom), opm_outer_wg_kernel (one block per SM, persistent).
 struct OwDims {
   int64_t KB16, NIT, NBB;
   int nzc;
@@ -2490,20 +2365,6 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
       p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), p.WoP.data_ptr<float>(), inv_denom.data_ptr<float>(),
       bo.data_ptr<float>(), out.data_ptr<float>(), B, N, od.KB16, od.NIT, od.NBB, od.nzc, cz);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-static void launch_outer_wg_v1(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
-                               const at::Tensor& wo, const at::Tensor& bo, at::Tensor& out, int64_t B, int64_t S,
-                               int64_t N, int64_t Npad, int c, int cz, const DevInfo& d, cudaStream_t stream) {
-  const OwDims od = ow_dims(S, N, cz);
-  const OwPlanes p = ow_planes(B, od, aT.options());
-  const int64_t packs = B * kOwNQ * od.KB16 * (kOwSK / 4) * kOwHC * od.NIT * kOwTI +
-                        B * od.KB16 * (kOwSK / 4) * od.NBB * 128 + static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * kOwZ * 8;
-  const int gp = grid_for(std::min<int64_t>(cdiv(packs, kThreads), 8ll * d.sms));
-  opm_pack_ow_kernel<<<gp, kThreads, 0, stream>>>(aT.data_ptr<float>(), bq.data_ptr<float>(), wo.data_ptr<float>(),
-                                                  p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), p.WoP.data_ptr<float>(),
-                                                  B, S, N, Npad, c, cz, od.KB16, od.NIT, od.NBB, od.nzc);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, d, stream);
 }
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1 (H200, 2026-12-01,
 // prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
@@ -2620,8 +2481,7 @@ static int mask_kind_of(at::ScalarType st) {
   }
 }
 
-// variant: 0 auto, 1 outer_first, 2 w_first, 3 w_first_small, 4 w_first_tc, 5 w_first_tc2, 6 w_first_wg,
-// 7 w_first_wg2, 8 outer_wg, 9 outer_wg_v1. Returns (out, variant that ran: 1-9).
+// variant: a Variant id (kAuto or the variant to force). Returns (out, the id of the variant that ran).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -2658,7 +2518,8 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
     TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
                 dtype_str(*p));
-  TORCH_CHECK(variant >= 0 && variant <= 9, "outer_product_mean: variant code must be 0-9, got ", num(variant));
+  TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
+              num(kNumVariants - 1), ", got ", num(variant));
 
   // ---- device checks ----
   TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
@@ -2672,19 +2533,19 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const c10::cuda::CUDAGuard guard(msa.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(msa.get_device());
-  TORCH_CHECK(variant < 4 || variant >= 6 || d.tc_ok, "outer_product_mean: variants w_first_tc and w_first_tc2 need an "
-              "sm_80+ GPU (TF32 mma.sync) and this extension built for sm_80+ (TORCH_CUDA_ARCH_LIST); "
-              "this GPU has compute capability ", num(d.major), ".x");
-  TORCH_CHECK(variant < 6 || variant > 7 || d.wg_ok, "outer_product_mean: variants w_first_wg and w_first_wg2 need a compute "
+  TORCH_CHECK((variant != kWFirstTc && variant != kWFirstTc2) || d.tc_ok,
+              "outer_product_mean: variants w_first_tc and w_first_tc2 need an sm_80+ GPU (TF32 mma.sync) and this "
+              "extension built for sm_80+ (TORCH_CUDA_ARCH_LIST); this GPU has compute capability ", num(d.major), ".x");
+  TORCH_CHECK(variant != kWFirstWg2 || d.wg_ok, "outer_product_mean: variant w_first_wg2 needs a compute "
               "capability 9.0 GPU (H100/H200: wgmma; this GPU: ", num(d.major), ".", num(d.minor), "), this "
               "extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0 or 9.0a, not a name such as "
               "Hopper; this build: ", kBuiltSm90a ? "yes" : "no", ") and ", num(kWgSmemBytes), " bytes of "
               "shared memory per block (this GPU: ", num(d.smem_optin), ")");
   // outer_wg's prep decodes its warp tiles (4 s x 4 n each, S and N padded to 16) in 32 bits
   const bool ow_tiles_ok = B * round_up(S, 16) * round_up(N, 16) / 16 < (1ll << 31);
-  TORCH_CHECK(variant != 8 || ow_tiles_ok, "outer_product_mean: variant outer_wg needs B * S * N / 16 < 2^31 (S, N "
-              "rounded up to 16), got B = ", num(B), ", S = ", num(S), ", N = ", num(N), "; use outer_wg_v1");
-  TORCH_CHECK(variant < 8 || (d.ow_ok && c <= 32), "outer_product_mean: variant ", variant == 8 ? "outer_wg" : "outer_wg_v1",
+  TORCH_CHECK(variant != kOuterWg || ow_tiles_ok, "outer_product_mean: variant outer_wg needs B * S * N / 16 < 2^31 (S, N "
+              "rounded up to 16), got B = ", num(B), ", S = ", num(S), ", N = ", num(N), "; use outer_first or w_first_wg2");
+  TORCH_CHECK(variant != kOuterWg || (d.ow_ok && c <= 32), "outer_product_mean: variant outer_wg",
               " needs hidden_dim <= 32 "
               "(this model: ", num(c), "), a compute capability 9.0 GPU (this GPU: ", num(d.major), ".", num(d.minor),
               "), this extension built with sm_90a code (this build: ", kBuiltSm90a ? "yes" : "no", ") and ",
@@ -2698,7 +2559,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   // w_first only if one j column of P fits the chunk cap. Constants: see kEff* above.
   const int64_t p_col_bytes = 4 * B * S * CP * CZP4;
   const int64_t JC = std::max<int64_t>(1, std::min<int64_t>(N, kPChunkBytes / std::max<int64_t>(p_col_bytes, 1)));
-  // w_first_wg: a chunk of P's tile-order planes (hi and lo, K padded to kWgBK, columns to whole
+  // w_first_wg2: a chunk of P's tile-order planes (hi and lo, K padded to kWgBK, columns to whole
   // 128-column blocks) up to kPChunkBytesWg: as many j as fill whole blocks under the cap (>= 1)
   const int64_t KB = cdiv(S * CP, kWgBK);
   const int64_t wg_block_bytes = 4 * B * KB * 2 * kWgBPlane;  // one 128-column block of P, all K
@@ -2707,7 +2568,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
       1, std::min<int64_t>(N, kPChunkBytesWg / std::max<int64_t>(wg_block_bytes, 1) * kWgBRows / CZP4));
   const bool w_small = B * cdiv(N, kTile) * cdiv(JC * CZP4, kTile) < d.sms;  // 128-tile grid under one wave
   int64_t used = variant;
-  if (variant == 0) {
+  if (variant == kAuto) {
     const double cp = CP, nn = static_cast<double>(B) * N * N, bsn = static_cast<double>(B) * S * N;
     // every path but outer_wg starts with opm_prep_kernel (FMA): 2 B S N c_m 2CP FLOPs at kEffPrep
     const double t_prep = 2.0 * bsn * cm * 2 * cp / kEffPrep + kLaunchS;
@@ -2742,11 +2603,12 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
     const double ow_prep_s = std::max(ow_prep_bytes / kBwPrepOw, ow_prep_flops / kEffPrepOw);
     const double t_ow = d.ow_ok && c <= 32 && ow_tiles_ok ? ow_waves * ow_tile_s + ow_prep_s + 3 * kLaunchS : 1e30;
     const bool w_fits = p_col_bytes <= kPChunkBytes;
-    used = (t_w < t_outer && w_fits) ? (w_small ? 3 : w_tc ? (tc2_fits ? 5 : 4) : 2) : 1;
-    if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = 7;
-    if (t_ow < std::min({t_outer, w_fits ? t_w : 1e30, t_wg})) used = 8;
+    used = (t_w < t_outer && w_fits) ? (w_small ? kWFirstSmall : w_tc ? (tc2_fits ? kWFirstTc2 : kWFirstTc) : kWFirst)
+                                     : kOuterFirst;
+    if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = kWFirstWg2;
+    if (t_ow < std::min({t_outer, w_fits ? t_w : 1e30, t_wg})) used = kOuterWg;  // (t_ow finite only if ow_tiles_ok)
   }
-  if (used >= 8) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
+  if (used == kOuterWg) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 
   auto f32 = msa.options().dtype(at::kFloat);
   at::Tensor out = at::empty({B, N, N, cz}, f32);
@@ -2761,15 +2623,15 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const at::Tensor wa_c = wa.contiguous(), ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();
   const at::Tensor wo_c = wo.contiguous(), bo_c = bo.contiguous();
   at::Tensor inv_denom = at::empty({B, N}, f32);
-  if (used == 8) {  // outer_wg: its own prep (no aT, bq)
+  if (used == kOuterWg) {  // outer_wg: its own prep (no aT, bq)
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps), d, stream);
     return {out, used};
   }
   at::Tensor aT = at::empty({B, S, CP, Npad}, f32);
   at::Tensor bq = at::empty({B, S, N, CP}, f32);
-  const int pack_mode = used == 1 ? 0 : 1;
-  const int64_t pack_zp = used == 1 ? CZP : used == 9 ? 0 : CZP4;  // (outer_wg_v1 packs Wo itself)
+  const int pack_mode = used == kOuterFirst ? 0 : 1;
+  const int64_t pack_zp = used == kOuterFirst ? CZP : CZP4;
   at::Tensor wpack = at::empty({static_cast<int64_t>(CP) * CP * pack_zp}, f32);
 
 #define OPM_DISPATCH(CPV, ...)                               \
@@ -2783,28 +2645,25 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   OPM_DISPATCH(CP, launch_prep<kCP>(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, aT, bq, inv_denom, wpack,
                                     B, S, N, Npad, static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz),
                                     static_cast<float>(eps), pack_mode, static_cast<int>(pack_zp), d, stream));
-  if (used == 1) {
+  if (used == kOuterFirst) {
     OPM_DISPATCH(CP, launch_outer<kCP>(aT, bq, inv_denom, wpack, bo_c, out, B, S, N, Npad, static_cast<int>(cz),
                                        static_cast<int>(CZP), d, stream));
-  } else if (used == 9) {
-    launch_outer_wg_v1(aT, bq, inv_denom, wo_c, bo_c, out, B, S, N, Npad, static_cast<int>(c), static_cast<int>(cz), d,
-                       stream);
-  } else if (used >= 6) {
+  } else if (used == kWFirstWg2) {
     at::Tensor At = at::empty({B * 2 * cdiv(N, 128) * KB * 2 * kWgAPlane}, f32);
     at::Tensor Pt = at::empty({wg_chunk_floats(B, JCw, KB, static_cast<int>(CZP4))}, f32);
     OPM_DISPATCH(CP, launch_wfirst_wg<kCP>(aT, bq, inv_denom, wpack, bo_c, out, At, Pt, JCw, B, S, N, Npad,
-                                           static_cast<int>(cz), static_cast<int>(CZP4), used == 7, d, stream));
+                                           static_cast<int>(cz), static_cast<int>(CZP4), d, stream));
   } else {
     at::Tensor P = at::empty({B * S * CP * JC * CZP4}, f32);
     OPM_DISPATCH(CP, launch_wfirst<kCP>(aT, bq, inv_denom, wpack, bo_c, out, P, JC, B, S, N, Npad,
-                                        static_cast<int>(cz), static_cast<int>(CZP4), used == 3,
-                                        used >= 4 ? static_cast<int>(used) - 3 : 0, d, stream));
+                                        static_cast<int>(cz), static_cast<int>(CZP4), used == kWFirstSmall,
+                                        used == kWFirstTc ? 1 : used == kWFirstTc2 ? 2 : 0, d, stream));
   }
 #undef OPM_DISPATCH
   return {out, used};
 }
 
-// (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg/_wg2 and outer_wg can run there.
+// (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg2 and outer_wg can run there.
 std::tuple<bool, bool, bool> device_caps(int64_t device) {
   const DevInfo d = dev_info(static_cast<int>(device));
   return {d.tc_ok, d.wg_ok, d.ow_ok};
@@ -2849,7 +2708,8 @@ def _wgmma_asm(n, a_regs=0):
             f"               : {ins});\n")
 
 
-_CUDA_SRC = _CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm(128)).replace("@WGMMA_M64N64K8_RS@", _wgmma_asm(64, 4))
+_CUDA_SRC = (_CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm(128)).replace("@WGMMA_M64N64K8_RS@", _wgmma_asm(64, 4))
+             .replace("@VARIANT_ENUM@", _variant_enum(_ALL_VARIANTS)))
 
 # =============================================================================================
 # Build (load_inline at import; name carries a hash of the source and flags: edit -> rebuild)
@@ -2857,13 +2717,15 @@ _CUDA_SRC = _CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm(128)).replace("@WG
 def _gencode_flags():
     """nvcc -gencode flags for this build. The architectures PyTorch would build for: TORCH_CUDA_ARCH_LIST
     as PyTorch reads it or, none set (or "native"), the visible GPUs' compute capabilities capped at
-    the newest this PyTorch supports, the last with PTX. Except that 9.0 gets sm_90a code: wgmma
-    (w_first_wg/_wg2) exists only there, and sm_90a code runs on compute capability 9.0 devices as
+    the newest this PyTorch supports (with PTX only for a GPU above that cap). So a machine without a
+    GPU (9.0, below) and an H100 / H200 build the same flags, and a KernelBench precompile on a CPU
+    machine is found again by the GPU evaluation. Except that 9.0 gets sm_90a code: wgmma
+    (w_first_wg2, outer_wg) exists only there, and sm_90a code runs on compute capability 9.0 devices as
     sm_90 code does; "9.0+PTX" keeps its portable compute_90 PTX beside it. With no GPU to detect
     (a CI machine, a laptop) and no list, 9.0 (the H100/H200): PyTorch alone would fail there.
     Flags naming an arch replace PyTorch's own (torch.utils.cpp_extension); TORCH_CUDA_ARCH_LIST
     itself is not changed. Returns [] for lists with names such as "Hopper": PyTorch then builds
-    as usual, without sm_90a (no w_first_wg/_wg2)."""
+    as usual, without sm_90a (no w_first_wg2, no outer_wg)."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":
         archs = [a for a in env.replace(" ", ";").split(";") if a]
@@ -2872,9 +2734,10 @@ def _gencode_flags():
     else:
         sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
         newest = max((sm // 10, sm % 10) for sm in sms)
-        archs = sorted({"%d.%d" % min(newest, torch.cuda.get_device_capability(i))
-                        for i in range(torch.cuda.device_count())})
-        archs[-1:] = [a + "+PTX" for a in archs[-1:]]
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        archs = sorted({"%d.%d" % min(newest, cap) for cap in caps})
+        if any(cap > newest for cap in caps):  # a GPU newer than this PyTorch's list: PTX for it
+            archs[-1] += "+PTX"
     flags = []
     for a in archs:
         m = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", a)
@@ -2900,44 +2763,36 @@ _EXT_NAME = f"outer_product_mean_{_HASH}"
 
 
 def _is_cached(name):
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-        d = _get_build_directory(name, verbose=False)
-        return any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
-    except Exception:
+    """Whether load_inline will find `name` already built (its build directory as PyTorch names it)."""
+    build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
+    if build_directory is None:  # a PyTorch without the helper: assume a build
         return False
+    d = build_directory(name, verbose=False)
+    return os.path.isdir(d) and any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
 
 
 def _build():
+    """load_inline of the CUDA source (a failed build raises with the compiler's output in its text)."""
     if not _is_cached(_EXT_NAME):
-        print(f"building outer_product_mean CUDA extension ({_EXT_NAME}), 1-2 minutes the first time",
+        print(f"building outer_product_mean CUDA extension ({_EXT_NAME}): about 110 s on 2 cores, once "
+              "(cached afterwards)",
               file=sys.stderr, flush=True)
-    try:
-        return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
-                           functions=["opm_forward", "opm_device_caps"], extra_cuda_cflags=_CUDA_FLAGS,
-                           extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
-    except Exception as e:  # show the compiler output (it is in the exception text), then re-raise
-        print(f"outer_product_mean: building the CUDA extension failed:\n{e}", file=sys.stderr, flush=True)
-        raise
+    return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
+                       functions=["opm_forward", "opm_device_caps"], extra_cuda_cflags=_CUDA_FLAGS,
+                       extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
 
 
 _ext = _build()
 
-# Every variant name, in the order of the extension's variant codes.
-_ALL_VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg",
-                 "w_first_wg2", "outer_wg", "outer_wg_v1")
 # The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
-_HOPPER_CAP = {"w_first_wg": 1, "w_first_wg2": 1, "outer_wg": 2, "outer_wg_v1": 2}
+_HOPPER_CAP = {"w_first_wg2": 1, "outer_wg": 2}
 
 
 def _device_caps_here():
     """opm_device_caps of the current CUDA device; all False without CUDA."""
-    try:
-        if torch.cuda.is_available():
-            return tuple(bool(x) for x in _ext.opm_device_caps(torch.cuda.current_device()))
-    except Exception:  # no usable device: the variants are left out of VARIANTS (forcing one raises)
-        pass
-    return (False, False, False)
+    if not torch.cuda.is_available():
+        return (False, False, False)
+    return tuple(bool(x) for x in _ext.opm_device_caps(torch.cuda.current_device()))
 
 
 class _VariantsHere:
@@ -2950,25 +2805,219 @@ class _VariantsHere:
 
 
 # =============================================================================================
+# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs)
+# =============================================================================================
+def _rows_per_chunk(row_bytes, n, chunk_bytes):
+    """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
+    return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
+
+
+def _ln_recompute(x, eps, ct):
+    """LayerNorm statistics of x (..., D) in dtype ct: xhat (..., D) and rstd (..., 1)."""
+    x = x.to(ct)
+    d = x - x.mean(-1, keepdim=True)
+    d = d - d.mean(-1, keepdim=True)  # removes the rounding of the first mean (rows far from 0)
+    rstd = ((d * d).mean(-1, keepdim=True) + eps).rsqrt()
+    return d * rstd, rstd
+
+
+def _ln_input_grad(dy, xhat, rstd, w):
+    """dx (..., D) = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w."""
+    dxhat = dy * w
+    return rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+
+
+def outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes):
+    """(rows i per outer chunk, positions n per LayerNorm chunk) for outer_product_mean_backward.
+
+    An outer chunk of r rows i holds, per row, B*N positions j of two (c, c) blocks (O or G and its
+    permuted copy) and g's c_z values (and their ct copy); a LayerNorm chunk of r positions n holds,
+    per position, B*S rows of about 5 c_m + 4 c values (xhat, x, dx and the temporaries; da, db).
+    """
+    outer = _rows_per_chunk(B * N * (2 * c * c + 2 * c_z) * itemsize, N, chunk_bytes)
+    ln = _rows_per_chunk(B * S * (5 * c_m + 4 * c) * itemsize, N, chunk_bytes)
+    return outer, ln
+
+
+def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
+                                chunk_bytes=256 << 20):
+    """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
+
+    Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any dtype, ln_w / ln_b (c_m,), wa / wb (c, c_m),
+    ba / bb (c,), wo (c_z, c*c), bo (c_z,), grad_out g (B, N, N, c_z). Forward:
+        x = LayerNorm(msa),  a = (x Wa^T + ba) * m,  b = (x Wb^T + bb) * m                (B, S, N, c)
+        O[b,i,j,h,k] = sum_s a[b,s,i,h] b[b,s,j,k],  d[b,i] = max(sum_s m[b,s,i], 1)
+        out[b,i,j,z] = bo[z] + sum_{hk} Wo[z, h c + k] O[b,i,j,h,k] / d[b,i]
+    Backward:
+        dWo[z, hk]     = sum_{b,i,j} g[b,i,j,z] O[b,i,j,hk] / d[b,i],   dbo = sum_{b,i,j} g
+        G[b,i,j,hk]    = sum_z g[b,i,j,z] Wo[z, hk] / d[b,i]                             (B, r, N, c*c)
+        da[b,s,i,h]    = sum_{j,k} G[b,i,j,h,k] b[b,s,j,k]
+        db[b,s,j,k]    = sum_{i,h} G[b,i,j,h,k] a[b,s,i,h]
+        dpa = da * m, dpb = db * m:  dWa = sum dpa^T x, dba = sum dpa (b likewise)
+        dy  = dpa Wa + dpb Wb (the gradient of x), then the LayerNorm backward (module docstring).
+
+    Memory: a, b, da, db (B, S, N, c) in ct for the whole call; the outer product and G only for
+    r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of
+    positions n when needed, never held whole. The denominator sums float masks in fp64 and bool /
+    integer masks in int64 (exact for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w,
+    d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its tensor's dtype.
+    """
+    B, S, N, c_m = msa.shape
+    c, c_z = wa.shape[0], wo.shape[0]
+    ct = torch.promote_types(msa.dtype, torch.float32)
+    dev = msa.device
+    lw, lb = ln_w.to(ct), ln_b.to(ct)
+    Wa, Ba, Wb, Bb, Wo = (t.to(ct) for t in (wa, ba, wb, bb, wo))
+    itemsize = torch.empty((), dtype=ct).element_size()
+    rows_outer, rows_ln = outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes)
+
+    m = mask.to(ct)[..., None]                                                         # (B, S, N, 1)
+    acc = torch.float64 if mask.is_floating_point() else torch.int64
+    denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                    # d (B, N)
+
+    # a, b for all positions, LayerNorm recomputed per chunk of positions n             (B, S, N, c)
+    a = torch.empty((B, S, N, c), dtype=ct, device=dev)
+    b = torch.empty((B, S, N, c), dtype=ct, device=dev)
+    for n0 in range(0, N, rows_ln):
+        n1 = min(N, n0 + rows_ln)
+        xh, _ = _ln_recompute(msa[:, :, n0:n1], eps, ct)
+        x = xh * lw + lb                                                               # (B, S, r, c_m)
+        del xh
+        a[:, :, n0:n1] = (x @ Wa.t() + Ba) * m[:, :, n0:n1]
+        b[:, :, n0:n1] = (x @ Wb.t() + Bb) * m[:, :, n0:n1]
+        del x
+
+    # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
+    d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
+    d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
+    da = torch.empty((B, S, N, c), dtype=ct, device=dev)
+    db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
+    b_flat = b.reshape(B, S, N * c)                                                    # (B, S, N c)
+    for r0 in range(0, N, rows_outer):
+        r1 = min(N, r0 + rows_outer)
+        r = r1 - r0
+        a_r = a[:, :, r0:r1].reshape(B, S, r * c)                                      # (B, S, r c)
+        den = denom[:, r0:r1, None, None]                                             # (B, r, 1, 1)
+        g = grad_out[:, r0:r1].to(ct).reshape(B * r * N, c_z)                         # (B r N, c_z)
+        d_bo += g.sum(0)
+        # O[b,i,j,h,k] / d[b,i]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
+        o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
+        o = o.reshape(B, r, N, c * c)                                                  # (B, r, N, c c)
+        o /= den
+        d_wo += g.t() @ o.reshape(B * r * N, c * c)                                    # (c_z, c c)
+        del o
+        # G[b,i,j,h,k] = sum_z g Wo / d, copied to (i, h, j, k) for the two products     (B, r c, N c)
+        G = (g @ Wo).reshape(B, r, N, c * c)
+        del g
+        G /= den
+        G = G.reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
+        da[:, :, r0:r1] = (b_flat @ G.transpose(1, 2)).reshape(B, S, r, c)           # sum_{j,k} G b
+        db += (a_r @ G).reshape(B, S, N, c)                                            # sum_{i,h} G a
+        del G, a_r
+    del a, b, b_flat
+
+    # Projections and LayerNorm backward, chunks of positions n
+    da *= m                                                                            # dpa (B, S, N, c)
+    db *= m                                                                            # dpb
+    del m
+    d_wa = torch.zeros((c, c_m), dtype=ct, device=dev)
+    d_wb = torch.zeros((c, c_m), dtype=ct, device=dev)
+    d_ln_w = torch.zeros((c_m,), dtype=ct, device=dev)
+    d_ln_b = torch.zeros((c_m,), dtype=ct, device=dev)
+    d_ba = da.sum((0, 1, 2))
+    d_bb = db.sum((0, 1, 2))
+    d_msa = torch.empty_like(msa, memory_format=torch.contiguous_format)
+    for n0 in range(0, N, rows_ln):
+        n1 = min(N, n0 + rows_ln)
+        xh, rstd = _ln_recompute(msa[:, :, n0:n1], eps, ct)                            # (B, S, r, c_m)
+        x = (xh * lw + lb).reshape(-1, c_m)                                            # (B S r, c_m)
+        dpa = da[:, :, n0:n1].reshape(-1, c)                                           # (B S r, c)
+        dpb = db[:, :, n0:n1].reshape(-1, c)
+        d_wa += dpa.t() @ x                                                            # (c, c_m)
+        d_wb += dpb.t() @ x
+        del x
+        dy = (dpa @ Wa + dpb @ Wb).reshape(xh.shape)                                   # (B, S, r, c_m)
+        del dpa, dpb
+        d_ln_w += (dy * xh).sum((0, 1, 2))
+        d_ln_b += dy.sum((0, 1, 2))
+        d_msa[:, :, n0:n1] = _ln_input_grad(dy, xh, rstd, lw)
+        del dy, xh, rstd
+
+    return (d_msa, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_wa.to(wa.dtype), d_ba.to(ba.dtype),
+            d_wb.to(wb.dtype), d_bb.to(bb.dtype), d_wo.to(wo.dtype), d_bo.to(bo.dtype))
+
+
+# =============================================================================================
 # Module
 # =============================================================================================
-class _ForwardOnly(torch.autograd.Function):
-    """Runs the kernels under autograd; backward is not implemented (forward-only op)."""
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PARAM_NAMES = ("layer_norm.weight", "layer_norm.bias", "proj_a.weight", "proj_a.bias", "proj_b.weight",
+                "proj_b.bias", "out_proj.weight", "out_proj.bias")
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _output_dtype(msa, params):
+    """The dtype the reference returns for these tensors: under CUDA autocast the autocast dtype, else
+    the one dtype of msa_repr and every parameter (float32, float16 or bfloat16; others raise)."""
+    if msa.dtype not in _FLOAT_DTYPES:
+        raise RuntimeError(f"outer_product_mean: msa_repr must be float32, float16 or bfloat16, got "
+                           f"{_dtype_name(msa.dtype)}")
+    if msa.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    for name, p in zip(_PARAM_NAMES, params):
+        if p.dtype != msa.dtype:
+            raise RuntimeError(f"outer_product_mean: parameter {name} must be {_dtype_name(msa.dtype)} like "
+                               f"msa_repr, got {_dtype_name(p.dtype)} (cast the module and its inputs to one of "
+                               "float32, float16, bfloat16)")
+    return msa.dtype
+
+
+def _f32(t):
+    """t in float32 (the kernels' dtype), t itself when it is float32 already."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _run_kernels(model, msa, mask, params, eps, out_dtype):
+    """The CUDA forward in float32: half-precision msa, masks and parameters are converted here, the
+    output is returned in out_dtype. Records the variant that ran in model.last_variant."""
+    if mask.dtype in (torch.float16, torch.bfloat16):
+        mask = mask.float()
+    out, ran = _ext.opm_forward(_f32(msa), mask, *(_f32(p) for p in params), eps, model._variant_code())
+    object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+class _OuterProductMean(torch.autograd.Function):
+    """out = OuterProductMean(msa, mask; params): the forward is the CUDA kernels, the backward
+    outer_product_mean_backward (PyTorch ops). No gradient for the mask; double backward raises."""
 
     @staticmethod
-    def forward(ctx, msa, mask, eps, variant, used, *params):
-        out, ran = _ext.opm_forward(msa, mask, *params, eps, variant)
-        used.append(ran)  # the variant code that ran, for ModelNew.last_variant
-        return out
+    def forward(ctx, model, eps, out_dtype, msa, mask, *params):
+        ctx.eps = eps
+        ctx.save_for_backward(msa, mask, *params)
+        return _run_kernels(model, msa, mask, params, eps, out_dtype)
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError("outer_product_mean.ModelNew is forward-only: backward is not implemented "
-                           "(run it under torch.no_grad() / inference_mode, or use the reference Model to train)")
+    @once_differentiable
+    def backward(ctx, grad_out):
+        msa, mask, *params = ctx.saved_tensors
+        grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out)
+        need = ctx.needs_input_grad[3:4] + ctx.needs_input_grad[5:]
+        grads = tuple(g if n else None for g, n in zip(grads, need))
+        return (None, None, None, grads[0], None) + grads[1:]
 
 
 class ModelNew(nn.Module):
-    """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init."""
+    """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init.
+
+    float32, float16 or bfloat16 (module and msa_repr in one dtype; any mask dtype the kernels take,
+    or float16 / bfloat16), computed in float32 and returned in the input's dtype (the autocast dtype
+    under CUDA autocast). Differentiable with respect to msa_repr and every parameter; a mask that
+    requires grad raises.
+    """
 
     ALL_VARIANTS = _ALL_VARIANTS  # every name `variant` accepts (VARIANTS: those that run here)
 
@@ -2986,23 +3035,26 @@ class ModelNew(nn.Module):
         self.variant = "auto"
         self.last_variant = None
 
-    def forward(self, msa_repr, msa_mask):
+    def _variant_code(self):
         if self.variant not in _ALL_VARIANTS:
             raise ValueError(f"variant must be one of {_ALL_VARIANTS} (those that run on this GPU: "
                              f"{self.VARIANTS}), got {self.variant!r}")
-        code = _ALL_VARIANTS.index(self.variant)
+        return _ALL_VARIANTS.index(self.variant)
+
+    def forward(self, msa_repr, msa_mask):
+        self._variant_code()
         eps = float(self.layer_norm.eps)
         params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,
                   self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
-        if torch.is_grad_enabled() and (msa_repr.requires_grad or any(p.requires_grad for p in params)):
-            # KernelBench times without no_grad: keep forward working, make backward fail loudly.
-            used = []
-            out = _ForwardOnly.apply(msa_repr, msa_mask, eps, code, used, *params)
-            self.last_variant = _ALL_VARIANTS[used[0]]
-            return out
-        out, used = _ext.opm_forward(msa_repr, msa_mask, *params, eps, code)
-        self.last_variant = _ALL_VARIANTS[used]
-        return out
+        out_dtype = _output_dtype(msa_repr, params)
+        if not torch.is_grad_enabled():
+            return _run_kernels(self, msa_repr, msa_mask, params, eps, out_dtype)
+        if msa_mask.requires_grad:
+            raise RuntimeError("outer_product_mean: no gradient for msa_mask (the mask is data here); "
+                               "use msa_mask.detach()")
+        if msa_repr.requires_grad or any(p.requires_grad for p in params):
+            return _OuterProductMean.apply(self, eps, out_dtype, msa_repr, msa_mask, *params)
+        return _run_kernels(self, msa_repr, msa_mask, params, eps, out_dtype)
 
 
 batch_size = 2
