@@ -3,6 +3,7 @@
     python harness.py contact_map                 # ./contact_map.py against reference/contact_map.py
     python harness.py outer_product_mean --shapes seed,crop --json out.json
     python harness.py path/to/solution.py --ref reference/contact_map.py --device cpu --no-timing
+    python harness.py contact_map --dtype all --backward   # fp32, fp16, bf16 in turn; gradients too
 
 What it does, per named shape of the reference module (`SHAPES`; default: every shape that fits the
 device, the others skipped with a note):
@@ -23,9 +24,10 @@ shapes in turn: 6 trials see 6 of the 8 kinds, shapes in turn see all):
     autograd on, and kernel files take another path then: an autograd.Function): that output, detached,
     must pass the same criterion against the same reference, with every check below (it need not be
     bitwise equal to the inference-mode output).
-  * pass criterion: torch.allclose(new, ref_fp32, atol=1e-4, rtol=1e-4) with TF32 off; also max abs /
-    max rel error against the reference evaluated in float64 on the same device, beside the fp32
-    reference's own error. Relative error is |d| / (|ref64| + atol).
+  * pass criterion (fp32; fp16/bf16 under Precision): torch.allclose(new, ref_fp32, atol=1e-4,
+    rtol=1e-4) with TF32 off; also max abs / max rel error against the reference evaluated in
+    float64 on the same device, beside the fp32 reference's own error. Relative error is
+    |d| / (|ref64| + atol).
   * fails on: ModelNew(...) raising at construction (drop-in check, correctness or timing) or a call
     raising; wrong type, shape, dtype or device; NaN/Inf where the reference is finite; any input or
     ModelNew parameter changed by the call; output aliasing (the previous call's output, still held
@@ -49,6 +51,32 @@ output included), the roofline floor max(FLOPs / `--peak-tflops`, bytes / `--pea
 time as a multiple of it, achieved TFLOP/s and TB/s, speedups over eager and over torch.compile.
 torch.compile runs by default only for shapes not named awkward* and not reference_may_oom.
 
+Precision (`--dtype fp32|fp16|bf16|all`, default fp32; all: the three in turn, failing if any fails):
+  * the reference Model and ModelNew are cast with .to(device, dtype), and in fp16/bf16 every input
+    tensor too, masks included, as KernelBench's eval does (in fp32 masks keep their kind: bool and
+    integer masks are checked as such, which KernelBench's cast to fp32 would hide).
+  * pass criterion in fp16/bf16: KernelBench's allclose(new, ref, atol=1e-2, rtol=1e-2) against the
+    reference run in that dtype (evaluated on the exact fp32 upcast of both), and the output's dtype
+    equal to the reference's, which is the input dtype. Beside it, the max errors of both (the
+    reference in that dtype and the solution) against the reference in float64 (the cast parameters
+    and inputs, upcast). --atol / --rtol, when given, replace the tolerance of every dtype.
+  * every other check, the grad-mode call, --backward and the timing run in that dtype.
+
+Training (`--backward`; shapes flagged reference_may_oom are not checked):
+  * per shape, trial and variant: the gradients of (out * g).sum(), g a fresh standard normal per
+    trial, for every floating input of role "x" and every parameter (autograd through ModelNew),
+    against the reference's autograd in the checked dtype and in float64 (the reference and the
+    inputs upcast). Masks get no gradient requirement (none is asked of them).
+  * pass criterion per gradient: allclose(atol, rtol) to the reference's gradient in the checked
+    dtype (the dtype's tolerance above), OR a max abs error against fp64 at most 2x the reference's
+    own; both are reported, and which held ("allclose", "fp64x2" or "both").
+  * fails on: a gradient that is None, of the wrong shape or dtype, or NaN/Inf where the
+    reference's is finite; a parameter that does not require grad; an output that does not require
+    grad; the step raising, changing an input or a parameter, or running another variant.
+  * timing: forward + backward (torch.autograd.grad of the same loss) of ModelNew, the eager
+    reference and torch.compile(reference) in the same run, and the peak device memory of one
+    training step (torch.cuda.max_memory_allocated around it, inputs excluded; n/a on the CPU).
+
 Conventions honoured in the solution file: `ModelNew.VARIANTS` (optional tuple of str) lists kernel
 variants (those that run on this machine); `ModelNew.ALL_VARIANTS` (optional) every variant the file
 has, for a clearer message when --variant names one that does not run here (e.g. a Hopper-only one);
@@ -61,16 +89,24 @@ forward_rows(model, *inputs, rows) for shapes with reference_may_oom.
 
 JSON (--json PATH): {harness_version, command, date, host, python, torch, torch_cuda, solution,
 reference, device {type, name, capability, total_bytes, l2_bytes, sms}, settings {trials, seed, atol,
-rtol, tf32, variants, samples, input_sets, timing, compile, ...}, build {ok, seconds, extensions |
-error}, shapes: [{name, dims, ok, skip_reason, correctness {ok, failures, dropin {ok, detail},
-ref_fp32_max_abs_err_fp64, ref_fp32_max_rel_err_fp64, ref_spread, weak_oracle, reference_oom,
-rows_checked, variants {name: {ok, failures, last_variants, max_abs_err_fp64, max_rel_err_fp64,
-max_abs_diff_fp32, mismatches, grad_checked}}, trials [{trial, seed, distribution, mask, variants
-{name: compare() dict}, grad_variants {name: compare() dict} (trial 0)}]}, timing {flops, min_bytes,
-floor_s, compile_note, failures, new {variant: T}, eager: T, compile: T + compile_s}}], notes, exit_code, verdict}, where T = {per_call, graph: {n, median_ms,
+rtol (of the first dtype), tolerances {dtype: [atol, rtol]}, dtype, dtypes, backward, tf32, variants,
+samples, input_sets, timing, compile, ...}, build {ok, seconds, extensions | error}, shapes: [{name,
+dtype, atol, rtol, dims, ok, skip_reason, correctness {ok, failures, dropin {ok, detail},
+ref_fp32_max_abs_err_fp64, ref_fp32_max_rel_err_fp64 ("fp32" in these names and in max_abs_diff_fp32:
+the reference run in the checked dtype), ref_spread, weak_oracle, reference_oom, rows_checked, variants {name:
+{ok, failures, last_variants, max_abs_err_fp64, max_rel_err_fp64, max_abs_diff_fp32, mismatches,
+grad_checked}}, trials [{trial, seed, distribution, mask, variants {name: compare() dict},
+grad_variants {name: compare() dict} (trial 0), backward {name: {ok, failures, last_variant, grads
+{name: G}}}}], backward {ok, failures, skipped, variants {name: {ok, failures, grads {name: {held
+{label: count}, max_abs_err_fp64, ref_max_abs_err_fp64, max_abs_diff_ref}}}}} (None without
+--backward)}, timing {flops, min_bytes, floor_s, compile_note, failures, new {variant: T}, eager: T,
+compile: T + compile_s, train {compile_note, failures, new {variant: T}, eager: T, compile: T +
+compile_s} (--backward)}}], notes, exit_code, verdict}, where T = {per_call, graph: {n, median_ms,
 p10_ms, p90_ms, mean_ms, min_ms} or None, graph_error, peak_bytes, error, oom, and for ModelNew
 last_variant, floor_multiple, tflops, tbs, graph_floor_multiple, graph_tflops, graph_tbs,
-speedup_vs_eager, speedup_vs_compile}. Times in ms, memory in bytes, non-finite errors as Infinity.
+speedup_vs_eager, speedup_vs_compile}, G = compare_grad()'s dict {ok, failures, held,
+max_abs_err_fp64, ref_max_abs_err_fp64, max_abs_diff_ref}. Times in ms, memory in bytes,
+non-finite errors as Infinity.
 
 Exit codes:
   0  every check passed.
@@ -81,15 +117,17 @@ Exit codes:
      the same run still gives 3), or nothing was checked (every shape skipped).
   2  the solution file is missing, did not build / import, or defines no ModelNew.
   3  the solution failed any check: wrong results, drop-in, inputs or parameters changed, aliasing,
-     variant, grad mode, or ModelNew(...) raising at construction or at a call.
+     variant, grad mode, gradients (--backward), in any dtype checked, or ModelNew(...) raising at
+     construction or at a call.
   4  no CUDA device (correctness on the GPU and timing need one; `--device cpu` runs correctness on
      the CPU for pure-PyTorch solutions).
 
 Custom shapes (--shape K=V,...) must have exactly the keys of the reference's named shapes (flags
 such as reference_may_oom optional, 0 or 1), dimensions >= 1.
 
-Limits: the fit check is an estimate from the reference's `peak_bytes`; timing numbers on the CPU
-(`--cpu-timing`, for testing the harness) mean nothing; the floor uses nominal H200 ceilings.
+Limits: the fit check is an estimate from the reference's `peak_bytes` (fp32 sizes in every dtype);
+timing numbers on the CPU (`--cpu-timing`, for testing the harness) mean nothing; the floor uses
+nominal H200 ceilings, fp32 ones in every dtype; --backward's timing has no CUDA-graph figure.
 """
 import argparse
 import contextlib
@@ -98,6 +136,7 @@ import datetime
 import gc
 import hashlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -122,6 +161,9 @@ EXIT_NO_CUDA = 4
 DISTRIBUTIONS = ("normal", "uniform", "student_t3", "offset100", "wide", "x100")
 MASK_KINDS = ("ones", "random01", "fractional", "bool", "dead_positions", "int32", "int64", "uint8")
 FIRST_MISMATCHES = 5
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DEFAULT_TOL = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 1e-2}  # atol = rtol per dtype: KernelBench's
+GRAD_FP64_FACTOR = 2.0  # --backward: a gradient passes when its fp64 error is at most this x the reference's
 
 
 def log(msg=""):
@@ -264,7 +306,7 @@ def make_activation(shape, dist, gen, device):
         return torch.randn(shape, **kw).add_(100.0)
     if dist == "wide":
         return torch.randn(shape, **kw).mul_(10.0).sub_(3.0)
-    if dist == "x100":  # large magnitude (issue 5's stress input for split-precision products)
+    if dist == "x100":  # large magnitude: a stress input for split-precision products
         return torch.randn(shape, **kw).mul_(100.0)
     raise ValueError(f"unknown distribution {dist}")
 
@@ -297,18 +339,27 @@ def make_mask(shape, kind, gen, device):
     raise ValueError(f"unknown mask kind {kind}")
 
 
-def make_inputs(refmod, dims, dist, mask_kind, seed, device):
-    """The forward's inputs for shape `dims`, per the reference's INPUT_ROLES ("x" | "mask")."""
+def input_roles(refmod, n):
+    """The reference's INPUT_ROLES ("x" | "mask" per forward input), all "x" when it has none."""
+    return tuple(getattr(refmod, "INPUT_ROLES", ("x",) * n))
+
+
+def make_inputs(refmod, dims, dist, mask_kind, seed, device, dtype=torch.float32):
+    """The forward's inputs for shape `dims`, per the reference's INPUT_ROLES ("x" | "mask").
+
+    Drawn in fp32 (masks in their kind's dtype); for another `dtype` every tensor, masks too, is then
+    cast with .to(device, dtype), as KernelBench's eval does."""
     shapes = refmod.input_shapes_for(dims)
-    roles = tuple(getattr(refmod, "INPUT_ROLES", ("x",) * len(shapes)))
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     out = []
-    for shp, role in zip(shapes, roles):
+    for shp, role in zip(shapes, input_roles(refmod, len(shapes))):
         if role == "mask":
             out.append(make_mask(tuple(shp), mask_kind, gen, device))
         else:
             out.append(make_activation(tuple(shp), dist, gen, device))
+    if dtype != torch.float32:
+        out = [x.to(device=device, dtype=dtype) for x in out]
     return out
 
 
@@ -348,8 +399,30 @@ def build_new(NewModel, init):
         raise SolutionError(f"ModelNew({args}) raised {_short_exc(e)}") from e
 
 
-def dropin_check(RefModel, NewModel, init, seed=1234):
-    """KernelBench drop-in: same seed before building each -> same state_dict? (ok, detail).
+def build_pair(refmod, solmod, dims, device, dtype=torch.float32):
+    """(ref, new): Model and ModelNew built with the shape's init arguments, moved to `device` (and
+    cast to `dtype` unless fp32, with .to(device, dtype) as KernelBench does), ModelNew loaded with
+    load_state_dict(ref.state_dict(), strict=True). Call outside inference_mode to get parameters
+    that require grad. Raises SolutionError when ModelNew's constructor, .to or the load fails."""
+    init = refmod.init_inputs_for(dims)
+    ref = _to_device(refmod.Model(*init), device, dtype).eval()
+    new = build_new(solmod.ModelNew, init)
+    try:
+        new = _to_device(new, device, dtype).eval()
+        new.load_state_dict(ref.state_dict(), strict=True)
+    except Exception as e:
+        raise SolutionError(f"ModelNew .to(device) / load_state_dict(strict=True) failed: {_short_exc(e)}") from e
+    return ref, new
+
+
+def _to_device(module, device, dtype):
+    """module.to(device) in fp32 (a solution's own buffers keep their dtype), .to(device, dtype) otherwise."""
+    return module.to(device) if dtype == torch.float32 else module.to(device=device, dtype=dtype)
+
+
+def dropin_check(RefModel, NewModel, init, seed=42):
+    """KernelBench drop-in: same seed (42, as KernelBench) before building each -> same state_dict?
+    Returns (ok, detail).
 
     Raises SolutionError when ModelNew's constructor raises."""
     torch.manual_seed(seed)
@@ -374,7 +447,8 @@ def dropin_check(RefModel, NewModel, init, seed=1234):
 # Comparison
 # ---------------------------------------------------------------------------------------------
 def compare(out, ref32, ref64, atol, rtol, index_offset=None):
-    """Judge one output against the fp32 (pass criterion) and fp64 (error report) references.
+    """Judge one output against the reference in the checked dtype (`ref32`: the pass criterion; fp32
+    unless --dtype says otherwise) and in fp64 (error report).
 
     Returns a dict: ok, failures (list of str), max_abs_err_fp64, max_rel_err_fp64,
     max_abs_diff_fp32, mismatches, first_mismatches [(index, new, ref32, ref64)], allclose_fp64
@@ -383,17 +457,12 @@ def compare(out, ref32, ref64, atol, rtol, index_offset=None):
     """
     r = dict(ok=False, failures=[], max_abs_err_fp64=None, max_rel_err_fp64=None,
              max_abs_diff_fp32=None, mismatches=None, first_mismatches=[], allclose_fp64=None)
-    if not torch.is_tensor(out):
-        r["failures"].append(f"returned {type(out).__name__}, expected a tensor")
-        return r
-    if tuple(out.shape) != tuple(ref32.shape):
-        r["failures"].append(f"shape {tuple(out.shape)}, expected {tuple(ref32.shape)}")
-    if out.dtype != ref32.dtype:
-        r["failures"].append(f"dtype {out.dtype}, expected {ref32.dtype}")
-    if out.device != ref32.device:
-        r["failures"].append(f"device {out.device}, expected {ref32.device}")
+    r["failures"] = _type_failures(out, ref32)
     if r["failures"]:
         return r
+    ref_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(ref32.dtype, "fp32")
+    if ref_name != "fp32":  # judged on the exact fp32 upcast: no rounding in the check itself
+        out, ref32 = out.float(), ref32.float()
     ref_finite = torch.isfinite(ref32)
     bad_nonfinite = int((~torch.isfinite(out) & ref_finite).sum())
     if bad_nonfinite:
@@ -420,10 +489,24 @@ def compare(out, ref32, ref64, atol, rtol, index_offset=None):
         r["failures"].append(
             f"not allclose(atol={atol:g}, rtol={rtol:g}): {n_bad} of {out.numel()} elements mismatch; first: "
             + "; ".join(f"{i}: new {a:.7g} ref {b:.7g} fp64 {c:.7g}" for i, a, b, c in r["first_mismatches"])
-            + (" (note: within atol/rtol of the fp64 reference; the fp32 reference's own rounding decides)"
+            + (f" (note: within atol/rtol of the fp64 reference; the {ref_name} reference's own rounding decides)"
                if r["allclose_fp64"] else ""))
     r["ok"] = not r["failures"]
     return r
+
+
+def _type_failures(out, ref):
+    """What is wrong with `out`'s type, shape, dtype or device against the reference output `ref`."""
+    if not torch.is_tensor(out):
+        return [f"returned {type(out).__name__}, expected a tensor"]
+    bad = []
+    if tuple(out.shape) != tuple(ref.shape):
+        bad.append(f"shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+    if out.dtype != ref.dtype:
+        bad.append(f"dtype {out.dtype}, expected {ref.dtype}")
+    if out.device != ref.device:
+        bad.append(f"device {out.device}, expected {ref.device}")
+    return bad
 
 
 def _fmax(t):
@@ -458,7 +541,7 @@ def new_correctness():
     """The empty correctness dict of one shape (filled by check_shape; see the module docstring)."""
     return dict(ok=False, failures=[], dropin=None, variants={}, ref_fp32_max_abs_err_fp64=None,
                 ref_fp32_max_rel_err_fp64=None, ref_spread=None, weak_oracle=None, reference_oom=None,
-                rows_checked=None, trials=[])
+                rows_checked=None, trials=[], backward=None)
 
 
 def mask_kind_for(shape_index, trial, trials):
@@ -489,215 +572,429 @@ def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants,
 
     Fills and returns `res` (new_correctness(); the JSON-ready dict described in the module docstring:
     ok, failures, dropin, variants {name: {...}}, ref_fp32_*_err_fp64, ref_spread, weak_oracle,
-    reference_oom, trials). Must run outside torch.inference_mode: the models are built in normal mode
-    (parameters requiring grad, as after construction); the judged calls run under inference_mode,
-    the grad-mode check (trial 0, every variant) under torch.enable_grad().
+    reference_oom, trials, backward). `args` holds trials, seed, rows, atol and rtol of the checked
+    dtype, torch_dtype and backward (pass_settings()). Must run outside torch.inference_mode: the
+    models are built in normal mode (parameters requiring grad, as after construction); the judged
+    calls run under inference_mode, the grad-mode check (trial 0, every variant) and --backward under
+    torch.enable_grad().
     """
     if torch.is_inference_mode_enabled():  # inference-tensor parameters would make the grad-mode call fail
         raise RuntimeError("check_shape must be called outside torch.inference_mode")
-    init = refmod.init_inputs_for(dims)
-    may_oom = bool(dims.get("reference_may_oom"))
     res = new_correctness() if res is None else res
-
-    def fail_construction(msg):
-        res["failures"].append(msg)
-        log(f"  FAIL: {msg}")
+    models = _models_for_check(refmod, solmod, dims, device, args.torch_dtype, res)
+    if models is None:
         return res
-
-    try:
-        ok, detail = dropin_check(refmod.Model, solmod.ModelNew, init)
-    except SolutionError as e:
-        return fail_construction(str(e))
-    res["dropin"] = dict(ok=ok, detail=detail)
-    log(f"  drop-in (same seed -> same parameters): {'yes' if ok else 'NO'}: {detail}")
-    if not ok:
-        res["failures"].append(f"not a KernelBench drop-in: {detail}")
-
-    ref = refmod.Model(*init).to(device).eval()
-    try:
-        new = build_new(solmod.ModelNew, init)
-    except SolutionError as e:
-        return fail_construction(str(e))
-    try:
-        new = new.to(device).eval()
-        new.load_state_dict(ref.state_dict(), strict=True)
-    except Exception as e:
-        return fail_construction(f"ModelNew .to(device) / load_state_dict(strict=True) failed: {_short_exc(e)}")
+    ref, new = models
     default_variant = getattr(new, "variant", None)
     for v in variants:
         res["variants"][v or "-"] = dict(ok=True, failures=[], last_variants=[], max_abs_err_fp64=None,
                                          max_rel_err_fp64=None, max_abs_diff_fp32=None, mismatches=0,
                                          grad_checked=False)
-    spread_lo, spread_hi = math.inf, -math.inf
-    roles = getattr(refmod, "INPUT_ROLES", ())
-    # aliasing: the last ModelNew output, a clone of it (of the sampled rows for reference_may_oom
-    # shapes) and where it came from; the next call must leave it unchanged.
-    prev = None
-
+    if args.backward:
+        res["backward"] = new_backward(variants, dims)
+    judge = CallJudge(new, dims, args, device)
+    spread = [math.inf, -math.inf]  # lowest and highest finite reference value over all trials
     for t in range(args.trials):
-        seed = args.seed * 1_000_003 + shape_index * 1009 + t
-        dist = DISTRIBUTIONS[t % len(DISTRIBUTIONS)]
-        mask_kind = mask_kind_for(shape_index, t, args.trials)
-        with torch.no_grad():
-            redraw_parameters(ref, new, seed + 500_000)
-            inputs = make_inputs(refmod, dims, dist, mask_kind, seed, device)
-            clones = [x.clone() for x in inputs]
-        trial = dict(trial=t, seed=seed, distribution=dist,
-                     mask=mask_kind if "mask" in roles else None, variants={})
-        desc = f"trial {t} seed {seed} {dist}" + (f" mask={mask_kind}" if "mask" in roles else "")
-
-        rows_list = None
-        with torch.inference_mode():
-            if may_oom:
-                if t == 0 and device.type == "cuda":
-                    log(f"  {name}: trying the full fp32 reference (flagged reference_may_oom) ...")
-                    try:
-                        full = ref(*inputs)
-                        del full
-                        res["reference_oom"] = False
-                        log("  the full reference fit in memory; comparing sampled rows anyway")
-                    except Exception as e:
-                        if not _is_oom(e):
-                            raise
-                        res["reference_oom"] = True
-                        log(f"  reference out of memory, as expected: {_short_exc(e)[:160]}")
-                    _free(device)
-                n_rows = int(dims["N"])
-                g = torch.Generator().manual_seed(seed + 7)
-                pick = torch.randperm(n_rows, generator=g)[: max(0, args.rows - 2)].tolist()
-                rows_list = sorted(set(pick + [0, n_rows - 1]))
-                rows = torch.tensor(rows_list, device=device)
-                res["rows_checked"] = len(rows_list)
-                ref32 = refmod.forward_rows(ref, *inputs, rows)
-                ref64m = copy.deepcopy(ref).double()
-                ref64 = refmod.forward_rows(ref64m, *[_to64(x) for x in inputs], rows)
-            else:
-                ref32 = ref(*inputs)
-                ref64m = copy.deepcopy(ref).double()
-                ref64 = ref64m(*[_to64(x) for x in inputs])
-            del ref64m
-        if not all(torch.equal(x, c) for x, c in zip(inputs, clones)):
-            raise RuntimeError("the reference changed its inputs; the harness cannot judge this pair")
-        d_ref = (ref32.double() - ref64).abs()
-        ref_err = _fmax(d_ref)
-        res["ref_fp32_max_abs_err_fp64"] = _max_none(res["ref_fp32_max_abs_err_fp64"], ref_err)
-        res["ref_fp32_max_rel_err_fp64"] = _max_none(
-            res["ref_fp32_max_rel_err_fp64"], _fmax(d_ref / (ref64.abs() + args.atol)))
-        fin = ref32[torch.isfinite(ref32)]
-        if fin.numel():
-            spread_lo, spread_hi = min(spread_lo, float(fin.min())), max(spread_hi, float(fin.max()))
-        del d_ref, fin
-
-        def sample(o, rl):
-            """The part of an output that is judged: all of it, or the sampled rows i."""
-            if rl is not None and o.dim() > 1 and o.shape[1] == dims["N"]:
-                return o[:, rl]
-            return o
-
-        def judged_call(v, grad):
-            """One ModelNew call (inference_mode, or enable_grad outside it) with every check; a compare() dict."""
-            nonlocal prev
-            if v is not None:
-                new.variant = v
-            mode = "under torch.enable_grad(): " if grad else ""
-            with torch.no_grad():
-                before = {k: x.detach().clone() for k, x in new.state_dict().items()}
-            try:
-                if grad:
-                    with torch.enable_grad():
-                        out = new(*inputs)
-                else:
-                    with torch.inference_mode():
-                        out = new(*inputs)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-            except Exception as e:
-                return dict(ok=False, failures=[f"{mode}ModelNew raised {_short_exc(e)}"], call_raised=True,
-                            max_abs_err_fp64=None, max_rel_err_fp64=None, max_abs_diff_fp32=None,
-                            mismatches=None, last_variant=None)
-            with torch.no_grad():
-                if torch.is_tensor(out):
-                    out = out.detach()
-                last = getattr(new, "last_variant", None)
-                c = compare(sample(out, rows_list) if torch.is_tensor(out) else out, ref32, ref64,
-                            args.atol, args.rtol, index_offset=rows_list if rows_list is not None else None)
-                if mode:
-                    c["failures"] = [mode + m for m in c["failures"]]
-                if v is not None and v != "auto" and last is not None and last != v:
-                    c["failures"].append(f"{mode}asked for variant {v}, last_variant says {last}")
-                changed = [i for i, (x, cl) in enumerate(zip(inputs, clones)) if not torch.equal(x, cl)]
-                if changed:
-                    c["failures"].append(f"{mode}ModelNew changed its input(s) {changed} in place")
-                    for i in changed:
-                        inputs[i].copy_(clones[i])  # restore for the next call
-                after = new.state_dict()
-                moved = [k for k, x in before.items() if k not in after or not torch.equal(after[k], x)]
-                if moved:
-                    c["failures"].append(f"{mode}ModelNew changed its parameters/buffers {moved[:4]} during forward")
-                if prev is not None:
-                    p_out, p_snap, p_rows, p_desc = prev
-                    if torch.is_tensor(out) and out.numel() and _shares_storage(out, p_out):
-                        c["failures"].append(
-                            f"{mode}ModelNew returned the storage of its previous output ({p_desc}), which "
-                            "the caller still holds: outputs must not alias a buffer reused across calls")
-                    elif not _same_values(sample(p_out, p_rows), p_snap):
-                        c["failures"].append(
-                            f"{mode}this call changed ModelNew's previous output ({p_desc}): outputs must not "
-                            "alias a buffer that a later call overwrites")
-                prev = None
-                if torch.is_tensor(out):
-                    prev = (out, sample(out, rows_list).clone(), rows_list,
-                            f"{desc}, variant {v or '-'}{' with grad' if grad else ''}")
-            c["ok"] = not c["failures"]
-            c["last_variant"] = last
-            return c
-
+        tr = make_trial(refmod, ref, new, name, dims, shape_index, t, args, device, res, spread)
         for v in variants:
-            key = v or "-"
-            vr = res["variants"][key]
-            calls = [False, True] if t == 0 else [False]  # grad mode: trial 0, every variant
-            for grad in calls:
-                c = judged_call(v, grad)
-                last = c.get("last_variant")
-                if last is not None and last not in vr["last_variants"]:
-                    vr["last_variants"].append(last)
-                if grad:
-                    vr["grad_checked"] = True
-                    trial.setdefault("grad_variants", {})[key] = c
-                else:
-                    trial["variants"][key] = c
-                for f in ("max_abs_err_fp64", "max_rel_err_fp64", "max_abs_diff_fp32"):
-                    vr[f] = _max_none(vr[f], c[f])
-                vr["mismatches"] += c["mismatches"] or 0
-                if not c["ok"]:
-                    vr["ok"] = False
-                    vr["failures"] += [f"{desc}: {m}" for m in c["failures"]]
-                tag = f"[{key}{'->' + last if last and last != key else ''}]" + (" grad" if grad else "")
-                status = "ok  " if c["ok"] else "FAIL"
-                err = (f"max|d| vs fp64 {_e(c['max_abs_err_fp64'])} (fp32 ref {_e(ref_err)})"
-                       if c["max_abs_err_fp64"] is not None else "")
-                log(f"  {status} {tag} {desc}: {err}")
-                for m in c["failures"]:
-                    log(f"       {m}")
+            for grad in ([False, True] if t == 0 else [False]):  # grad mode: trial 0, every variant
+                _record_call(res["variants"][v or "-"], tr, v, grad, judge.call(tr, v, grad))
+        if res["backward"] is not None and not res["backward"]["skipped"]:
+            check_backward(refmod, ref, new, variants, tr, args, device, res["backward"])
         if default_variant is not None:
             new.variant = default_variant
-        res["trials"].append(trial)
-        inputs = clones = ref32 = ref64 = None  # free before the next trial (judged_call reads these)
+        res["trials"].append(tr.record)
+        tr = None  # free before the next trial (the judge keeps only the last output)
         _free(device)
-    prev = None
-
-    spread = spread_hi - spread_lo if spread_hi >= spread_lo else 0.0
-    res["ref_spread"] = spread
-    res["weak_oracle"] = spread < 10 * args.atol
-    if res["weak_oracle"]:
-        res["failures"].append(
-            f"oracle too weak to judge: reference output spread {spread:.3g} over all trials is below "
-            f"10*atol = {10 * args.atol:g} (a constant output could pass)")
-        log(f"  FAIL {res['failures'][-1]}")
+    judge.prev = None
+    _judge_oracle(res, spread, args.atol)
     for key, vr in res["variants"].items():
         res["failures"] += [f"variant {key}: {m}" for m in vr["failures"]]
+    if res["backward"] is not None:
+        res["failures"] += res["backward"]["failures"]
     res["ok"] = not res["failures"]
     return res
+
+
+def _models_for_check(refmod, solmod, dims, device, dtype, res):
+    """The drop-in check, then (ref, new) from build_pair(); None when ModelNew cannot be built or
+    loaded (the failure recorded in `res` and printed)."""
+    init = refmod.init_inputs_for(dims)
+    try:
+        ok, detail = dropin_check(refmod.Model, solmod.ModelNew, init)
+    except SolutionError as e:
+        return _fail_construction(res, str(e))
+    res["dropin"] = dict(ok=ok, detail=detail)
+    log(f"  drop-in (same seed -> same parameters): {'yes' if ok else 'NO'}: {detail}")
+    if not ok:
+        res["failures"].append(f"not a KernelBench drop-in: {detail}")
+    try:
+        return build_pair(refmod, solmod, dims, device, dtype)
+    except SolutionError as e:
+        return _fail_construction(res, str(e))
+
+
+def _fail_construction(res, msg):
+    res["failures"].append(msg)
+    log(f"  FAIL: {msg}")
+    return None
+
+
+def make_trial(refmod, ref, new, name, dims, shape_index, t, args, device, res, spread):
+    """Trial t of one shape: parameters re-drawn in both models, fresh inputs and their clones, the
+    reference's outputs (`ref32` in the checked dtype, `ref64`) and its error, recorded in `res`
+    (ref_fp32_*_err_fp64) and `spread`. Returns a namespace: t, seed, desc, inputs, clones, ref32,
+    ref64, rows (sampled rows i or None), ref_err, record (the trial's JSON dict)."""
+    seed = args.seed * 1_000_003 + shape_index * 1009 + t
+    dist = DISTRIBUTIONS[t % len(DISTRIBUTIONS)]
+    mask_kind = mask_kind_for(shape_index, t, args.trials)
+    with torch.no_grad():
+        redraw_parameters(ref, new, seed + 500_000)
+        inputs = make_inputs(refmod, dims, dist, mask_kind, seed, device, args.torch_dtype)
+        clones = [x.clone() for x in inputs]
+    has_mask = "mask" in getattr(refmod, "INPUT_ROLES", ())
+    record = dict(trial=t, seed=seed, distribution=dist, mask=mask_kind if has_mask else None, variants={})
+    desc = f"trial {t} seed {seed} {dist}" + (f" mask={mask_kind}" if has_mask else "")
+    ref32, ref64, rows = reference_outputs(refmod, ref, inputs, name, dims, t, seed, args, device, res)
+    if not all(torch.equal(x, c) for x, c in zip(inputs, clones)):
+        raise RuntimeError("the reference changed its inputs; the harness cannot judge this pair")
+    d_ref = (ref32.double() - ref64).abs()
+    ref_err = _fmax(d_ref)
+    res["ref_fp32_max_abs_err_fp64"] = _max_none(res["ref_fp32_max_abs_err_fp64"], ref_err)
+    res["ref_fp32_max_rel_err_fp64"] = _max_none(
+        res["ref_fp32_max_rel_err_fp64"], _fmax(d_ref / (ref64.abs() + args.atol)))
+    fin = ref32[torch.isfinite(ref32)]
+    if fin.numel():
+        spread[0], spread[1] = min(spread[0], float(fin.min())), max(spread[1], float(fin.max()))
+    return types.SimpleNamespace(t=t, seed=seed, desc=desc, inputs=inputs, clones=clones, ref32=ref32,
+                                 ref64=ref64, rows=rows, ref_err=ref_err, record=record, dtype=args.dtype)
+
+
+def reference_outputs(refmod, ref, inputs, name, dims, t, seed, args, device, res):
+    """(ref32, ref64, rows) under inference_mode: the reference's output in the checked dtype and in
+    float64 (a deep copy upcast, inputs upcast). For shapes flagged reference_may_oom: on `rows`, the
+    sampled rows i (0 and N-1 always), through refmod.forward_rows; the full reference is tried
+    once (trial 0, CUDA) and an OOM recorded as expected. rows is None for other shapes."""
+    with torch.inference_mode():
+        if not dims.get("reference_may_oom"):
+            ref32 = ref(*inputs)
+            ref64m = copy.deepcopy(ref).double()
+            return ref32, ref64m(*[_to64(x) for x in inputs]), None
+        if t == 0 and device.type == "cuda":
+            _probe_full_reference(ref, inputs, name, device, res, args.dtype)
+        n_rows = int(dims["N"])
+        g = torch.Generator().manual_seed(seed + 7)
+        pick = torch.randperm(n_rows, generator=g)[: max(0, args.rows - 2)].tolist()
+        rows_list = sorted(set(pick + [0, n_rows - 1]))
+        rows = torch.tensor(rows_list, device=device)
+        res["rows_checked"] = len(rows_list)
+        ref32 = refmod.forward_rows(ref, *inputs, rows)
+        ref64m = copy.deepcopy(ref).double()
+        return ref32, refmod.forward_rows(ref64m, *[_to64(x) for x in inputs], rows), rows_list
+
+
+def _probe_full_reference(ref, inputs, name, device, res, dtype_name):
+    """Run the full reference once on a reference_may_oom shape: res["reference_oom"] True on OOM."""
+    log(f"  {name}: trying the full {dtype_name} reference (flagged reference_may_oom) ...")
+    try:
+        full = ref(*inputs)
+        del full
+        res["reference_oom"] = False
+        log("  the full reference fit in memory; comparing sampled rows anyway")
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        res["reference_oom"] = True
+        log(f"  reference out of memory, as expected: {_short_exc(e)[:160]}")
+    _free(device)
+
+
+class CallJudge:
+    """Judges ModelNew's calls at one shape: each call with every check (compare() against the
+    trial's references, the forced variant, inputs and parameters unchanged), and output aliasing
+    across calls: the previous output, still held with a clone of its judged part, must not change
+    and must not share storage with the next one."""
+
+    def __init__(self, new, dims, args, device):
+        self.new, self.dims, self.args, self.device = new, dims, args, device
+        self.prev = None  # (last output, clone of its judged part, its rows, where it came from)
+
+    def sample(self, out, rows):
+        """The part of an output that is judged: all of it, or the sampled rows i."""
+        if rows is not None and out.dim() > 1 and out.shape[1] == self.dims["N"]:
+            return out[:, rows]
+        return out
+
+    def call(self, tr, v, grad):
+        """One ModelNew call on trial `tr` (inference_mode, or enable_grad outside it) with every
+        check; returns a compare() dict with last_variant (call_raised when the call raised)."""
+        if v is not None:
+            self.new.variant = v
+        mode = "under torch.enable_grad(): " if grad else ""
+        with torch.no_grad():
+            before = {k: x.detach().clone() for k, x in self.new.state_dict().items()}
+        try:
+            out = self._invoke(tr.inputs, grad)
+        except Exception as e:
+            return dict(ok=False, failures=[f"{mode}ModelNew raised {_short_exc(e)}"], call_raised=True,
+                        max_abs_err_fp64=None, max_rel_err_fp64=None, max_abs_diff_fp32=None,
+                        mismatches=None, last_variant=None)
+        with torch.no_grad():
+            if torch.is_tensor(out):
+                out = out.detach()
+            last = getattr(self.new, "last_variant", None)
+            c = compare(self.sample(out, tr.rows) if torch.is_tensor(out) else out, tr.ref32, tr.ref64,
+                        self.args.atol, self.args.rtol, index_offset=tr.rows)
+            c["failures"] = [mode + m for m in c["failures"]]
+            if v is not None and v != "auto" and last is not None and last != v:
+                c["failures"].append(f"{mode}asked for variant {v}, last_variant says {last}")
+            c["failures"] += [mode + m for m in side_effects(self.new, tr.inputs, tr.clones, before)]
+            c["failures"] += [mode + m for m in self._aliasing(out)]
+            self.prev = None
+            if torch.is_tensor(out):
+                self.prev = (out, self.sample(out, tr.rows).clone(), tr.rows,
+                             f"{tr.desc}, variant {v or '-'}{' with grad' if grad else ''}")
+        c["ok"] = not c["failures"]
+        c["last_variant"] = last
+        return c
+
+    def _invoke(self, inputs, grad):
+        if grad:
+            with torch.enable_grad():
+                out = self.new(*inputs)
+        else:
+            with torch.inference_mode():
+                out = self.new(*inputs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    def _aliasing(self, out):
+        """Failures when `out` aliases the previous output (shared storage, or the previous changed)."""
+        if self.prev is None:
+            return []
+        p_out, p_snap, p_rows, p_desc = self.prev
+        if torch.is_tensor(out) and out.numel() and _shares_storage(out, p_out):
+            return [f"ModelNew returned the storage of its previous output ({p_desc}), which "
+                    "the caller still holds: outputs must not alias a buffer reused across calls"]
+        if not _same_values(self.sample(p_out, p_rows), p_snap):
+            return [f"this call changed ModelNew's previous output ({p_desc}): outputs must not "
+                    "alias a buffer that a later call overwrites"]
+        return []
+
+
+def side_effects(new, inputs, clones, before):
+    """Failures for inputs changed in place (restored from their clones for the next call) and for
+    ModelNew parameters/buffers that differ from `before` (a state_dict clone)."""
+    bad = []
+    changed = [i for i, (x, cl) in enumerate(zip(inputs, clones)) if not torch.equal(x.detach(), cl)]
+    if changed:
+        bad.append(f"ModelNew changed its input(s) {changed} in place")
+        with torch.no_grad():
+            for i in changed:
+                inputs[i].copy_(clones[i])  # restore for the next call
+    after = new.state_dict()
+    moved = [k for k, x in before.items() if k not in after or not torch.equal(after[k], x)]
+    if moved:
+        bad.append(f"ModelNew changed its parameters/buffers {moved[:4]} during forward")
+    return bad
+
+
+def _record_call(vr, tr, v, grad, c):
+    """Merge one judged call `c` into its variant's results `vr` and the trial record; print it."""
+    key = v or "-"
+    last = c.get("last_variant")
+    if last is not None and last not in vr["last_variants"]:
+        vr["last_variants"].append(last)
+    if grad:
+        vr["grad_checked"] = True
+        tr.record.setdefault("grad_variants", {})[key] = c
+    else:
+        tr.record["variants"][key] = c
+    for f in ("max_abs_err_fp64", "max_rel_err_fp64", "max_abs_diff_fp32"):
+        vr[f] = _max_none(vr[f], c[f])
+    vr["mismatches"] += c["mismatches"] or 0
+    if not c["ok"]:
+        vr["ok"] = False
+        vr["failures"] += [f"{tr.desc}: {m}" for m in c["failures"]]
+    tag = f"[{key}{'->' + last if last and last != key else ''}]" + (" grad" if grad else "")
+    status = "ok  " if c["ok"] else "FAIL"
+    err = (f"max|d| vs fp64 {_e(c['max_abs_err_fp64'])} ({tr.dtype} ref {_e(tr.ref_err)})"
+           if c["max_abs_err_fp64"] is not None else "")
+    log(f"  {status} {tag} {tr.desc}: {err}")
+    for m in c["failures"]:
+        log(f"       {m}")
+
+
+def _judge_oracle(res, spread, atol):
+    """Record the reference's output spread over all trials; below 10 * atol it is a failure (a
+    constant output could pass)."""
+    lo, hi = spread
+    res["ref_spread"] = hi - lo if hi >= lo else 0.0
+    res["weak_oracle"] = res["ref_spread"] < 10 * atol
+    if res["weak_oracle"]:
+        res["failures"].append(
+            f"oracle too weak to judge: reference output spread {res['ref_spread']:.3g} over all trials is below "
+            f"10*atol = {10 * atol:g} (a constant output could pass)")
+        log(f"  FAIL {res['failures'][-1]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients (--backward)
+# ---------------------------------------------------------------------------------------------
+def new_backward(variants, dims):
+    """The empty --backward dict of one shape (filled by check_backward; see the module docstring)."""
+    skipped = ("flagged reference_may_oom: the full reference does not fit, gradients not checked"
+               if dims.get("reference_may_oom") else None)
+    return dict(ok=skipped is None, failures=[], skipped=skipped,
+                variants={v or "-": dict(ok=True, failures=[], grads={}) for v in variants})
+
+
+def forward_arg_names(refmod, n):
+    """Names of the reference forward's n arguments (input0, ... where the signature does not say)."""
+    try:
+        names = list(inspect.signature(refmod.Model.forward).parameters)[1:]
+    except (TypeError, ValueError):
+        names = []
+    return [names[i] if i < len(names) else f"input{i}" for i in range(n)]
+
+
+def grad_leaves(inputs, roles):
+    """The inputs of a training step: leaf copies requiring grad of the floating inputs of role "x",
+    the others (masks) as they are."""
+    return [x.detach().clone().requires_grad_(True) if r != "mask" and x.is_floating_point() else x
+            for x, r in zip(inputs, roles)]
+
+
+def model_grads(model, xs, names, g):
+    """Gradients of (model(*xs) * g).sum() by autograd, as (out, {name: grad or None}, failures), for
+    the inputs xs that require grad (grad_leaves()) and every parameter.
+
+    Failures (the solution's): a parameter not requiring grad, an output that is no tensor or does
+    not require grad; an exception in forward or backward propagates."""
+    wrt = {names[i]: x for i, x in enumerate(xs) if x.requires_grad}
+    params = dict(model.named_parameters())
+    frozen = [n for n, p in params.items() if not p.requires_grad]
+    failures = [f"parameter(s) {frozen[:4]} do not require grad: no gradient"] if frozen else []
+    wrt.update({n: p for n, p in params.items() if p.requires_grad})
+    with torch.enable_grad():
+        out = model(*xs)
+        if not torch.is_tensor(out) or not out.requires_grad:
+            what = "requires no grad" if torch.is_tensor(out) else f"is a {type(out).__name__}"
+            return out, {}, failures + [f"the output {what}: no backward through ModelNew"]
+        grads = torch.autograd.grad((out * g).sum(), list(wrt.values()), allow_unused=True)
+    return out, dict(zip(wrt, grads)), failures
+
+
+def compare_grad(got, ref, ref64, atol, rtol):
+    """Judge one gradient against the reference's in the checked dtype and in fp64.
+
+    ok when allclose(got, ref, atol, rtol) (evaluated in fp64) or max|got - ref64| <= 2 x
+    max|ref - ref64|; held says which: "allclose", "fp64x2", "both" (None when neither)."""
+    r = dict(ok=False, failures=[], held=None, max_abs_err_fp64=None,
+             ref_max_abs_err_fp64=_fmax((ref.double() - ref64.double()).abs()), max_abs_diff_ref=None)
+    if got is None:
+        r["failures"].append("no gradient (None: not connected to the output)")
+        return r
+    r["failures"] = _type_failures(got, ref)
+    if r["failures"]:
+        return r
+    a, b, e = got.double(), ref.double(), ref64.double()
+    bad_nonfinite = int((~torch.isfinite(a) & torch.isfinite(b)).sum())
+    if bad_nonfinite:
+        r["failures"].append(f"{bad_nonfinite} NaN/Inf values where the reference's gradient is finite")
+    d = (a - b).abs()
+    r["max_abs_diff_ref"] = _fmax(d)
+    r["max_abs_err_fp64"] = _fmax((a - e).abs())
+    n_bad = int((~(d <= atol + rtol * b.abs())).sum())
+    by_tol = n_bad == 0
+    by_fp64 = r["max_abs_err_fp64"] <= GRAD_FP64_FACTOR * r["ref_max_abs_err_fp64"]
+    r["held"] = "both" if by_tol and by_fp64 else "allclose" if by_tol else "fp64x2" if by_fp64 else None
+    if r["held"] is None:
+        r["failures"].append(
+            f"not allclose(atol={atol:g}, rtol={rtol:g}) to the reference's gradient ({n_bad} of {a.numel()} "
+            f"elements, max |d| {r['max_abs_diff_ref']:.3g}), and its max error vs fp64 "
+            f"{r['max_abs_err_fp64']:.3g} > {GRAD_FP64_FACTOR:g} x the reference's {r['ref_max_abs_err_fp64']:.3g}")
+    r["ok"] = not r["failures"]
+    return r
+
+
+def check_backward(refmod, ref, new, variants, tr, args, device, bw):
+    """--backward on trial `tr`: every variant's gradients against the reference's (checked dtype and
+    fp64), merged into `bw` (new_backward()) and tr.record["backward"]; printed."""
+    roles = input_roles(refmod, len(tr.inputs))
+    names = forward_arg_names(refmod, len(tr.inputs))
+    gen = torch.Generator(device=device).manual_seed(tr.seed + 900_000)
+    g = torch.randn(tuple(tr.ref32.shape), generator=gen, device=device).to(tr.ref32.dtype)
+    _out, want, _f = model_grads(ref, grad_leaves(tr.inputs, roles), names, g)
+    inputs64 = grad_leaves([_to64(x) for x in tr.inputs], roles)
+    _out, want64, _f = model_grads(copy.deepcopy(ref).double(), inputs64, names, g.double())
+    del _out, inputs64
+    tr.record["backward"] = {}
+    for v in variants:
+        c = _solution_backward(new, v, tr, roles, names, g, want, want64, args, device)
+        tr.record["backward"][v or "-"] = c
+        _record_backward(bw, v, tr, c)
+
+
+def _solution_backward(new, v, tr, roles, names, g, want, want64, args, device):
+    """One variant's training step on trial `tr`, every gradient judged by compare_grad; returns
+    {ok, failures, last_variant, grads {name: compare_grad dict}}."""
+    if v is not None:
+        new.variant = v
+    with torch.no_grad():
+        before = {k: x.detach().clone() for k, x in new.state_dict().items()}
+    c = dict(ok=False, failures=[], last_variant=None, grads={})
+    xs = grad_leaves(tr.inputs, roles)
+    try:
+        _out, got, c["failures"] = model_grads(new, xs, names, g)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:
+        c["failures"].append(f"forward+backward raised {_short_exc(e)}")
+        return c
+    del _out
+    c["last_variant"] = last = getattr(new, "last_variant", None)
+    if v is not None and v != "auto" and last is not None and last != v:
+        c["failures"].append(f"asked for variant {v}, last_variant says {last}")
+    c["failures"] += [m.replace("during forward", "during forward+backward")
+                      for m in side_effects(new, xs, tr.clones, before)]
+    if got:
+        for n, ref_grad in want.items():
+            gr = compare_grad(got.get(n), ref_grad, want64[n], args.atol, args.rtol)
+            c["grads"][n] = gr
+            c["failures"] += [f"gradient of {n}: {m}" for m in gr["failures"]]
+    c["ok"] = not c["failures"]
+    return c
+
+
+def _record_backward(bw, v, tr, c):
+    """Merge one variant's backward result `c` into `bw` (worst errors and held counts per gradient)."""
+    key = v or "-"
+    vb = bw["variants"][key]
+    for n, gr in c["grads"].items():
+        agg = vb["grads"].setdefault(n, dict(held={}, max_abs_err_fp64=None, ref_max_abs_err_fp64=None,
+                                             max_abs_diff_ref=None))
+        label = gr["held"] or "neither"
+        agg["held"][label] = agg["held"].get(label, 0) + 1
+        for f in ("max_abs_err_fp64", "ref_max_abs_err_fp64", "max_abs_diff_ref"):
+            agg[f] = _max_none(agg[f], gr[f])
+    if not c["ok"]:
+        vb["ok"] = bw["ok"] = False
+        vb["failures"] += [f"{tr.desc}: {m}" for m in c["failures"]]
+        bw["failures"] += [f"backward, variant {key}: {tr.desc}: {m}" for m in c["failures"]]
+    held = {}
+    for gr in c["grads"].values():
+        held[gr["held"] or "neither"] = held.get(gr["held"] or "neither", 0) + 1
+    worst = max(c["grads"].values(), key=lambda gr: gr["max_abs_err_fp64"] or 0.0, default=None)
+    err = (f"{len(c['grads'])} gradients; worst vs fp64 {_e(worst['max_abs_err_fp64'])} "
+           f"(ref {_e(worst['ref_max_abs_err_fp64'])}); held: "
+           + ", ".join(f"{k} {n}" for k, n in sorted(held.items())) if worst else "")
+    last = c.get("last_variant")
+    tag = f"[{key}{'->' + last if last and last != key else ''}] backward"
+    log(f"  {'ok  ' if c['ok'] else 'FAIL'} {tag} {tr.desc}: {err}")
+    for m in c["failures"]:
+        log(f"       {m}")
 
 
 def _to64(x):
@@ -842,8 +1139,9 @@ class Timer:
         return int(peak)
 
 
-def time_candidate(timer, label, fn, input_sets, want_graph=True):
-    """Per-call stats, CUDA-graph stats and peak memory of one callable; errors reported, not raised."""
+def time_candidate(timer, label, fn, input_sets, want_graph=True, no_graph="needs CUDA"):
+    """Per-call stats, CUDA-graph stats and peak memory of one callable; errors reported, not raised.
+    Without want_graph, graph_error says `no_graph`."""
     r = dict(per_call=None, graph=None, graph_error=None, peak_bytes=None, error=None, oom=False)
     log(f"    timing {label} ...")
     try:
@@ -865,32 +1163,49 @@ def time_candidate(timer, label, fn, input_sets, want_graph=True):
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(timer.device)
     else:
-        r["graph_error"] = "needs CUDA"
+        r["graph_error"] = no_graph
     _free(timer.device)
     return r
 
 
 def time_shape(refmod, solmod, name, dims, shape_index, args, device, timer, time_variants, do_compile,
                ref_oom):
-    """Timing of ModelNew (each of time_variants), eager reference and torch.compile(reference)."""
-    init = refmod.init_inputs_for(dims)
+    """Timing of ModelNew (each of time_variants), eager reference and torch.compile(reference) in the
+    checked dtype, the forward under inference_mode; with args.backward also a training step
+    (res["train"]: time_training). Call outside inference_mode. Raises SolutionError when ModelNew
+    cannot be built or loaded."""
     res = dict(new={}, eager=None, compile=None, compile_note=None, flops=None, min_bytes=None,
                floor_s=None, failures=[])
-    ref = refmod.Model(*init).to(device).eval()
-    new = build_new(solmod.ModelNew, init)  # SolutionError when the constructor raises
-    try:
-        new = new.to(device).eval()
-        new.load_state_dict(ref.state_dict(), strict=True)
-    except Exception as e:
-        raise SolutionError(f"ModelNew .to(device) / load_state_dict(strict=True) failed: {_short_exc(e)}") from e
+    ref, new = build_pair(refmod, solmod, dims, device, args.torch_dtype)
     redraw_parameters(ref, new, args.seed + 99)
-    sets = [make_inputs(refmod, dims, "normal", "random01", args.seed * 7919 + 31 * k + shape_index, device)
-            for k in range(args.input_sets)]
-    cuda = device.type == "cuda"
+    sets = [make_inputs(refmod, dims, "normal", "random01", args.seed * 7919 + 31 * k + shape_index, device,
+                        args.torch_dtype) for k in range(args.input_sets)]
+    time_variants = _timed_variants(new, time_variants)
+    with torch.inference_mode():
+        _time_forward(res, ref, new, sets, name, args, timer, time_variants, do_compile, ref_oom)
+    _roofline(res, refmod, dims, args)
+    if args.backward:
+        res["train"] = time_training(refmod, ref, new, sets, name, dims, args, timer, time_variants,
+                                     do_compile, ref_oom)
+        res["failures"] += res["train"]["failures"]
+    del ref, new, sets
+    _free(device)
+    return res
+
+
+def _timed_variants(new, time_variants):
+    """time_variants, or by default what a fresh ModelNew selects, else VARIANTS[0], else none."""
+    if time_variants is not None:
+        return time_variants
     default_variant = getattr(new, "variant", None)
-    if time_variants is None:  # the default: what a fresh ModelNew selects, else VARIANTS[0], else none
-        declared = tuple(getattr(new, "VARIANTS", ()) or ())
-        time_variants = [default_variant if default_variant is not None or not declared else declared[0]]
+    declared = tuple(getattr(new, "VARIANTS", ()) or ())
+    return [default_variant if default_variant is not None or not declared else declared[0]]
+
+
+def _time_forward(res, ref, new, sets, name, args, timer, time_variants, do_compile, ref_oom):
+    """Forward timing into `res`: ModelNew per variant, the eager reference, torch.compile(reference)."""
+    cuda = timer.cuda
+    default_variant = getattr(new, "variant", None)
     for v in time_variants:
         key = v or "-"
         if v is not None:
@@ -908,29 +1223,47 @@ def time_shape(refmod, solmod, name, dims, shape_index, args, device, timer, tim
     else:
         res["eager"] = time_candidate(timer, "eager reference", ref, sets, want_graph=cuda)
     if do_compile and not ref_oom:
-        log(f"    compiling torch.compile(reference) for {name} (20-60 s per shape on the GPU machine) ...")
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(ref, dynamic=False)
-            t0 = time.perf_counter()
-            compiled(*sets[0])
-            timer.sync()
-            log(f"    compiled in {time.perf_counter() - t0:.1f} s")
-            res["compile"] = time_candidate(timer, "torch.compile(reference)", compiled, sets, want_graph=cuda)
-            res["compile"]["compile_s"] = time.perf_counter() - t0
-            del compiled
-        except Exception as e:
-            res["compile"] = dict(per_call=None, graph=None, error=_short_exc(e), oom=_is_oom(e))
-            log(f"    torch.compile failed: {res['compile']['error'][:200]}")
-        with contextlib.suppress(Exception):
-            torch._dynamo.reset()
+        res["compile"] = _time_compiled(ref, lambda m: m, sets, name, timer, "torch.compile(reference)")
     else:
-        res["compile_note"] = "reference OOM" if ref_oom else (
-            "skipped (--no-compile)" if args.no_compile else "skipped for this shape (default: non-awkward shapes only; --compile-all)")
+        res["compile_note"] = _compile_note(args, ref_oom)
+
+
+def _compile_note(args, ref_oom):
+    return "reference OOM" if ref_oom else (
+        "skipped (--no-compile)" if args.no_compile else "skipped for this shape (default: non-awkward shapes only; --compile-all)")
+
+
+def _time_compiled(ref, step, sets, name, timer, label, no_graph=None):
+    """torch.compile(ref) compiled by a first call of step(compiled), then timed (a T dict with
+    compile_s), or a dict with the error. CUDA graph timing unless `no_graph` gives the reason."""
+    log(f"    compiling torch.compile(reference) for {name} (20-60 s per shape on the GPU machine) ...")
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(ref, dynamic=False)
+        fn = step(compiled)
+        t0 = time.perf_counter()
+        fn(*sets[0])
+        timer.sync()
+        log(f"    compiled in {time.perf_counter() - t0:.1f} s")
+        want_graph = timer.cuda and no_graph is None
+        r = time_candidate(timer, label, fn, sets, want_graph=want_graph, no_graph=no_graph or "needs CUDA")
+        r["compile_s"] = time.perf_counter() - t0
+        del compiled, fn
+    except Exception as e:
+        r = dict(per_call=None, graph=None, error=_short_exc(e), oom=_is_oom(e))
+        log(f"    torch.compile failed: {r['error'][:200]}")
+    with contextlib.suppress(Exception):
+        torch._dynamo.reset()
+    return r
+
+
+def _roofline(res, refmod, dims, args):
+    """The roofline floor of one forward and, per timed ModelNew variant, its multiple of the floor,
+    achieved TFLOP/s and TB/s (per call and CUDA graph) and speedups over eager and compile."""
     fl, by = refmod.flops(dims), refmod.min_bytes(dims)
     res["flops"], res["min_bytes"] = int(fl), int(by)
     res["floor_s"] = max(fl / (args.peak_tflops * 1e12), by / (args.peak_tbs * 1e12))
-    for key, r in res["new"].items():
+    for r in res["new"].values():
         if not r.get("per_call"):
             continue
         t = r["per_call"]["median_ms"] * 1e-3
@@ -942,12 +1275,64 @@ def time_shape(refmod, solmod, name, dims, shape_index, args, device, timer, tim
             r["graph_floor_multiple"] = tg / res["floor_s"] if res["floor_s"] else None
             r["graph_tflops"] = fl / tg / 1e12
             r["graph_tbs"] = by / tg / 1e12
+    _speedups(res)
+
+
+def _speedups(res):
+    """speedup_vs_eager / speedup_vs_compile of each ModelNew entry of res["new"] (median per call)."""
+    for r in res["new"].values():
         for base in ("eager", "compile"):
             b = res[base]
             r[f"speedup_vs_{base}"] = (b["per_call"]["median_ms"] / r["per_call"]["median_ms"]
-                                       if b and b.get("per_call") else None)
-    del ref, new, sets
-    _free(device)
+                                       if r.get("per_call") and b and b.get("per_call") else None)
+
+
+def train_step(model, g):
+    """One training step as a callable: the gradients of (model(*xs) * g).sum() for the xs that require
+    grad (grad_leaves()) and every parameter that does, by torch.autograd.grad (nothing accumulates)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(*xs):
+        out = model(*xs)
+        return torch.autograd.grad((out * g).sum(), [x for x in xs if x.requires_grad] + params)
+
+    return step
+
+
+def time_training(refmod, ref, new, sets, name, dims, args, timer, time_variants, do_compile, ref_oom):
+    """Forward + backward timing (train_step) of ModelNew per variant, the eager reference and
+    torch.compile(reference), and the peak memory of one step. Not for reference_may_oom shapes."""
+    res = dict(new={}, eager=None, compile=None, compile_note=None, failures=[])
+    if ref_oom or dims.get("reference_may_oom"):
+        res["compile_note"] = "not timed: flagged reference_may_oom"
+        return res
+    tsets = [grad_leaves(s, input_roles(refmod, len(s))) for s in sets]
+    with torch.no_grad():
+        shape = tuple(ref(*sets[0]).shape)
+    gen = torch.Generator(device=timer.device).manual_seed(args.seed + 77)
+    g = torch.randn(shape, generator=gen, device=timer.device).to(args.torch_dtype)
+    no_graph = "not captured for forward+backward"
+    default_variant = getattr(new, "variant", None)
+    for v in time_variants:
+        key = v or "-"
+        if v is not None:
+            new.variant = v
+        r = time_candidate(timer, f"ModelNew [{key}] forward+backward", train_step(new, g), tsets,
+                           want_graph=False, no_graph=no_graph)
+        r["last_variant"] = getattr(new, "last_variant", None)
+        res["new"][key] = r
+        if r["error"]:
+            res["failures"].append(f"ModelNew [{key}] failed while timing forward+backward: {r['error']}")
+    if default_variant is not None:
+        new.variant = default_variant
+    res["eager"] = time_candidate(timer, "eager reference forward+backward", train_step(ref, g), tsets,
+                                  want_graph=False, no_graph=no_graph)
+    if do_compile:
+        res["compile"] = _time_compiled(ref, lambda m: train_step(m, g), tsets, name, timer,
+                                        "torch.compile(reference) forward+backward", no_graph=no_graph)
+    else:
+        res["compile_note"] = _compile_note(args, False)
+    _speedups(res)
     return res
 
 
@@ -1005,7 +1390,7 @@ def parse_custom_shape(text, i, refmod=None):
     return f"custom{i}", dims
 
 
-def estimate_need(refmod, dims, timing, input_sets=3):
+def estimate_need(refmod, dims, timing, input_sets=3, backward=False):
     """Rough device bytes the harness needs for one shape (bytes; an over-estimate by design).
 
     Inputs `in_b` (sizes from input_shapes_for, 4 bytes each), output `out_b` = min_bytes - in_b.
@@ -1013,6 +1398,8 @@ def estimate_need(refmod, dims, timing, input_sets=3):
     previous ModelNew output and its clone (aliasing check); twice the reference's peak_bytes (fp64).
     Shapes flagged reference_may_oom: inputs and ModelNew outputs only (the current and the previous
     one; the reference runs on sampled rows). Timing adds the rotated input sets and two outputs.
+    --backward (not for reference_may_oom shapes) adds four reference peaks (the saved tensors of
+    the fp32, fp64 and ModelNew graphs) and six inputs (leaf copies and gradients, fp64 ones too).
     """
     in_b = 4 * sum(math.prod(s) for s in refmod.input_shapes_for(dims))
     out_b = max(int(refmod.min_bytes(dims)) - in_b, 0)
@@ -1021,6 +1408,8 @@ def estimate_need(refmod, dims, timing, input_sets=3):
     else:
         peak = refmod.peak_bytes(dims) if hasattr(refmod, "peak_bytes") else 4 * (in_b + out_b)
         need = 4 * in_b + 7 * out_b + 2 * peak
+        if backward:
+            need += 4 * peak + 6 * in_b
     if timing:
         need += input_sets * in_b + 2 * out_b
     return int(need)
@@ -1057,7 +1446,7 @@ def select_shapes(refmod, args, device):
     out = []
     for n, d, forced in chosen:
         need = estimate_need(refmod, d, timing=device.type == "cuda" and not args.no_timing,
-                             input_sets=args.input_sets)
+                             input_sets=args.input_sets, backward=getattr(args, "backward", False))
         reason = None
         if need > 0.9 * avail:
             reason = f"needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB free"
@@ -1084,20 +1473,40 @@ def _x(v):
     return "-" if v is None else f"{v:.2f}x"
 
 
-def _mb(b):
-    return "-" if b is None else f"{b / 2**20:.0f}"
+def _mb(b, none="-"):
+    return none if b is None else f"{b / 2**20:.0f}"
+
+
+def _show_dtype(report):
+    """Whether the tables and labels name the dtype: any dtype but the default fp32 was checked."""
+    return ((report.get("settings") or {}).get("dtypes") or ["fp32"]) != ["fp32"]
+
+
+def shape_label(report, s):
+    """A shape entry's name, with its dtype in brackets when the run checks another than fp32."""
+    return f"{s['name']} [{s.get('dtype', 'fp32')}]" if _show_dtype(report) else s["name"]
+
+
+def _variant_label(key, lasts):
+    """The table's variant column: the key, and what last_variant said ran when that differs."""
+    shown = [x for x in lasts if x != key]
+    return key if not shown else ("/".join(shown) if key == "-" else f"{key}->{'/'.join(shown)}")
 
 
 def table_rows(report):
     """Rows (list of str lists) of the final table, one per (shape, checked variant); header first.
 
-    result and err64 are the variant's own; the timing columns are filled for timed variants.
+    result and err64 are the variant's own; the timing columns are filled for timed variants. A
+    dtype column follows the shape when the run checks another dtype than fp32.
     """
-    rows = [["shape", "variant", "result", "err64 new/ref", "new ms", "graph ms", "eager ms", "compile ms",
-             "vs eager", "vs compile", "x floor", "peak MB new/ref"]]
+    show = _show_dtype(report)
+    rows = [["shape"] + (["dtype"] if show else []) + [
+        "variant", "result", "err64 new/ref", "new ms", "graph ms", "eager ms", "compile ms",
+        "vs eager", "vs compile", "x floor", "peak MB new/ref"]]
     for s in report["shapes"]:
+        lead = [s["name"]] + ([s.get("dtype", "fp32")] if show else [])
         if s.get("skip_reason"):
-            rows.append([s["name"], "-", "skipped"] + [""] * 9)
+            rows.append(lead + ["-", "skipped"] + [""] * 9)
             continue
         c = s.get("correctness") or {}
         tm = s.get("timing") or {}
@@ -1113,11 +1522,10 @@ def table_rows(report):
             lasts = list(v.get("last_variants") or [])
             if r and r.get("last_variant") and r["last_variant"] not in lasts:
                 lasts.append(r["last_variant"])
-            shown = [x for x in lasts if x != key]
-            vname = key if not shown else ("/".join(shown) if key == "-" else f"{key}->{'/'.join(shown)}")
             ok = s.get("ok") if len(keys) == 1 else (v.get("ok", False) and not shape_fail
                                                       and not (r or {}).get("error"))
-            row = [s["name"], vname, "PASS" if ok else "FAIL", f"{_e(v.get('max_abs_err_fp64'))}/{ref_err}"]
+            row = lead + [_variant_label(key, lasts), "PASS" if ok else "FAIL",
+                          f"{_e(v.get('max_abs_err_fp64'))}/{ref_err}"]
             if r is None:
                 rows.append(row + ["-"] * 8)
                 continue
@@ -1129,6 +1537,49 @@ def table_rows(report):
     return rows
 
 
+def train_table_rows(report):
+    """Rows of the --backward table, one per (shape, checked variant); header first (None when no
+    shape has --backward results). grads: the variant's gradient verdict; grad err64: the worst max
+    abs error against fp64 over its gradients and trials (ModelNew / reference); held: how often
+    each criterion held; then forward + backward times and the peak memory of one training step."""
+    show = _show_dtype(report)
+    rows = [["shape"] + (["dtype"] if show else []) + [
+        "variant", "grads", "grad err64 new/ref", "held", "f+b ms new", "eager ms", "compile ms",
+        "vs eager", "vs compile", "step peak MB new/ref"]]
+    for s in report["shapes"]:
+        bw = (s.get("correctness") or {}).get("backward")
+        if s.get("skip_reason") or not bw:
+            continue
+        lead = [s["name"]] + ([s.get("dtype", "fp32")] if show else [])
+        if bw.get("skipped"):
+            rows.append(lead + ["-", "skipped"] + [""] * 8)
+            continue
+        train = (s.get("timing") or {}).get("train") or {}
+        news, eager, comp = train.get("new") or {}, train.get("eager"), train.get("compile")
+        for key, vb in bw["variants"].items():
+            grads = list(vb["grads"].values())
+            worst = [max((x[f] for x in grads if x[f] is not None), default=None)
+                     for f in ("max_abs_err_fp64", "ref_max_abs_err_fp64")]
+            held = {}
+            for x in grads:
+                for label, n in x["held"].items():
+                    held[label] = held.get(label, 0) + n
+            r = news.get(key)
+            lasts = list(((s.get("correctness") or {}).get("variants") or {}).get(key, {}).get("last_variants") or [])
+            ok = vb["ok"] and not (r or {}).get("error")
+            row = lead + [_variant_label(key, lasts), "PASS" if ok else "FAIL", f"{_e(worst[0])}/{_e(worst[1])}",
+                          " ".join(f"{k}:{n}" for k, n in sorted(held.items())) or "-"]
+            if r is None:
+                rows.append(row + ["-"] * 6)
+                continue
+            comp_ms = _ms(comp) if comp else ("skip" if train.get("compile_note") else "n/a")
+            peaks = (r.get("peak_bytes"), (eager or {}).get("peak_bytes"))
+            rows.append(row + [_ms(r), _ms(eager), comp_ms, _x(r.get("speedup_vs_eager")),
+                               _x(r.get("speedup_vs_compile")),
+                               "n/a" if peaks == (None, None) else f"{_mb(peaks[0])}/{_mb(peaks[1])}"])
+    return rows if len(rows) > 1 else None
+
+
 def format_table(rows):
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
@@ -1137,6 +1588,37 @@ def format_table(rows):
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _shape_failures(s):
+    """Every failure of one shape entry: correctness (forward and --backward), then timing."""
+    return (list((s.get("correctness") or {}).get("failures") or [])
+            + list((s.get("timing") or {}).get("failures") or []))
+
+
+def print_summary(report):
+    """The failures (first four per shape), the table (and the --backward one), the legend, the notes."""
+    failed_shapes = [s for s in report["shapes"] if not s.get("ok") and not s.get("skip_reason")]
+    if failed_shapes:
+        log("\nFailures:")
+        for s in failed_shapes:
+            fs = _shape_failures(s)
+            for f in fs[:4]:
+                log(f"  {shape_label(report, s)}: {f[:300]}")
+            if len(fs) > 4:
+                log(f"  {shape_label(report, s)}: ... {len(fs) - 4} more (see above / --json)")
+    log("\n" + format_table(table_rows(report)))
+    log("err64 = max abs error vs the reference in float64 (ModelNew / "
+        + ("the reference in the row's dtype" if _show_dtype(report) else "fp32 reference")
+        + "); times are medians; x floor = ModelNew time / roofline floor; peak = one forward, inputs excluded")
+    train = train_table_rows(report)
+    if train:
+        log("\n" + format_table(train))
+        log("--backward: grad err64 = worst max abs gradient error vs float64 (ModelNew / reference); held = "
+            "criterion met per gradient and trial (allclose to the reference, fp64x2: error <= 2x the "
+            "reference's, both); f+b = forward + backward; step peak = one training step")
+    for n in dict.fromkeys(report["notes"]):
+        log(f"note: {n}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1153,7 +1635,8 @@ def build_parser():
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="exit codes: 0 pass, 1 usage error or harness bug (or nothing checked), 2 missing file / "
                        "build or import failure / no ModelNew, 3 the solution failed a check (incl. raising at "
-                       "construction or call), 4 no CUDA device")
+                       "construction or call), 4 no CUDA device. The module docstring (harness.py) describes "
+                       "every check, --dtype, --backward and the JSON layout.")
     p.add_argument("target", help="a name (contact_map -> ./contact_map.py vs reference/contact_map.py) "
                                   "or a path to a file defining ModelNew")
     p.add_argument("--ref", help="reference module path (default: from the name / file name)")
@@ -1164,6 +1647,12 @@ def build_parser():
     p.add_argument("--trials", type=int, default=len(DISTRIBUTIONS),
                    help=f"correctness trials per shape (default {len(DISTRIBUTIONS)}: one per input distribution)")
     p.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
+    p.add_argument("--dtype", choices=tuple(DTYPES) + ("all",), default="fp32",
+                   help="precision of the models and inputs (cast with .to(device, dtype), as KernelBench); "
+                        "all: fp32, fp16, bf16 in turn (default fp32)")
+    p.add_argument("--backward", action="store_true",
+                   help="also check the gradients of (out * g).sum() for the inputs and every parameter "
+                        "against the reference's autograd (and fp64), and time forward + backward")
     p.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile(reference)")
     p.add_argument("--compile-all", action="store_true", help="torch.compile for awkward shapes too")
@@ -1175,8 +1664,10 @@ def build_parser():
     p.add_argument("--samples", type=int, default=100, help="timing samples (default 100; 20 over 10 ms, 10 over 1 s)")
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated while timing (default 3)")
     p.add_argument("--rows", type=int, default=8, help="rows sampled for reference_may_oom shapes (default 8)")
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance, >= 0 (default 1e-4)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance, >= 0 (default 1e-4)")
+    p.add_argument("--atol", type=float, default=None,
+                   help="absolute tolerance, >= 0, for every dtype checked (default 1e-4 in fp32, 1e-2 in fp16/bf16)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="relative tolerance, >= 0, for every dtype checked (default 1e-4 in fp32, 1e-2 in fp16/bf16)")
     p.add_argument("--peak-tflops", type=float, default=50.0, help="fp32 ceiling for the floor (default 50)")
     p.add_argument("--peak-tbs", type=float, default=4.0, help="memory ceiling in TB/s (default 4.0)")
     p.add_argument("--cpu-timing", action="store_true",
@@ -1184,8 +1675,23 @@ def build_parser():
     return p
 
 
+def dtypes_of(args):
+    """The dtype names a run checks, in order: --dtype, or all three for --dtype all."""
+    return list(DTYPES) if args.dtype == "all" else [args.dtype]
+
+
+def pass_settings(args, dtype_name):
+    """The options of one dtype's pass: a copy of `args` with dtype, torch_dtype, and atol / rtol
+    resolved (--atol / --rtol when given, else DEFAULT_TOL of the dtype)."""
+    cfg = argparse.Namespace(**vars(args))
+    cfg.dtype, cfg.torch_dtype = dtype_name, DTYPES[dtype_name]
+    cfg.atol = DEFAULT_TOL[dtype_name] if args.atol is None else args.atol
+    cfg.rtol = DEFAULT_TOL[dtype_name] if args.rtol is None else args.rtol
+    return cfg
+
+
 def _set_precision():
-    """TF32 off everywhere (the pass criterion is an fp32 one)."""
+    """TF32 off everywhere (the fp32 pass criterion needs it; fp16/bf16 products are not affected)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -1224,6 +1730,14 @@ def _write_json(path, report):
     log(f"wrote {path}")
 
 
+class _Stop(Exception):
+    """Ends a run before or between its steps with an exit code and the verdict line."""
+
+    def __init__(self, code, verdict):
+        super().__init__(verdict)
+        self.code, self.verdict = code, verdict
+
+
 def main(argv=None):
     """Run the harness; returns the exit code (see the module docstring)."""
     args = build_parser().parse_args(argv)
@@ -1232,42 +1746,86 @@ def main(argv=None):
                   host=socket.gethostname(), python=platform.python_version(), torch=torch.__version__,
                   torch_cuda=torch.version.cuda, solution=None, reference=None, device=None,
                   settings=None, build=None, shapes=[], notes=[], exit_code=None, verdict=None)
+    try:
+        code, verdict = run(args, report)
+    except _Stop as stop:
+        code, verdict = stop.code, stop.verdict
+    report["exit_code"], report["verdict"] = code, verdict
+    log(verdict)
+    _write_json(args.json, report)
+    return code
 
-    def finish(code, verdict):
-        report["exit_code"], report["verdict"] = code, verdict
-        log(verdict)
-        _write_json(args.json, report)
-        return code
 
+def run(args, report):
+    """The steps of a run in order: options, files, build, variants, device, then every dtype and
+    shape, the summary. Returns (exit code, verdict); raises _Stop to end early."""
+    check_options(args, report)
+    sol_path, ref_path = locate_files(args, report)
+    have_cuda = torch.cuda.is_available()
+    default_build_env()  # without a GPU, load_inline still builds for sm_90
+    _set_precision()
+    refmod = load_module(ref_path)
+    check_shape_options(args, refmod)  # before the (slow) build
+    solmod, exts = build_solution(sol_path, report)
+    variants = select_variants(solmod.ModelNew, args)  # before the device check: usage errors anywhere
+    device, timing = select_device(args, have_cuda, exts, sol_path, report)
+    report["settings"] = run_settings(args, variants, timing)
+    try:
+        shapes = select_shapes(refmod, args, device)
+    except ValueError as e:
+        raise _Stop(EXIT_USAGE, f"usage: {e}") from None
+    timer = Timer(device, args.samples) if timing else None
+    if timer is not None and timer.cuda:
+        log(f"L2 {timer.l2_bytes / 2**20:.0f} MiB; flush buffer {timer.flush_bytes / 2**20:.0f} MiB")
+    ctx = types.SimpleNamespace(refmod=refmod, solmod=solmod, device=device, variants=variants, timer=timer,
+                                timing=timing, report=report, harness_errors=[])
+    for dtype_name in dtypes_of(args):
+        cfg = pass_settings(args, dtype_name)
+        for si, (name, dims, skip) in enumerate(shapes):
+            run_shape(ctx, cfg, si, name, dims, skip)
+    if timing and not args.no_compile and not args.compile_all:
+        report["notes"].append("torch.compile ran only for shapes not named awkward* nor flagged reference_may_oom; "
+                               "--compile-all for all")
+    print_summary(report)
+    return verdict(report, ctx.harness_errors)
+
+
+def check_options(args, report):
+    """Usage errors in the options (before any file is read); notes on weak settings."""
     if args.json:
         bad = check_json_path(args.json)
         if bad:
             args.json = None  # nothing can be written there
-            return finish(EXIT_USAGE, f"usage: {bad}")
+            raise _Stop(EXIT_USAGE, f"usage: {bad}")
     if args.trials < 1 or args.samples < 1 or args.input_sets < 1 or args.rows < 2:
-        return finish(EXIT_USAGE, "usage: --trials, --samples, --input-sets must be >= 1 and --rows >= 2")
-    if not (args.atol >= 0 and args.rtol >= 0 and math.isfinite(args.atol) and math.isfinite(args.rtol)):
-        return finish(EXIT_USAGE, f"usage: --atol and --rtol must be finite and >= 0 (got {args.atol:g}, {args.rtol:g})")
+        raise _Stop(EXIT_USAGE, "usage: --trials, --samples, --input-sets must be >= 1 and --rows >= 2")
+    atol = DEFAULT_TOL["fp32"] if args.atol is None else args.atol
+    rtol = DEFAULT_TOL["fp32"] if args.rtol is None else args.rtol
+    if not (atol >= 0 and rtol >= 0 and math.isfinite(atol) and math.isfinite(rtol)):
+        raise _Stop(EXIT_USAGE, f"usage: --atol and --rtol must be finite and >= 0 (got {atol:g}, {rtol:g})")
     if not (args.peak_tflops > 0 and args.peak_tbs > 0):
-        return finish(EXIT_USAGE, "usage: --peak-tflops and --peak-tbs must be > 0")
+        raise _Stop(EXIT_USAGE, "usage: --peak-tflops and --peak-tbs must be > 0")
     if args.trials < len(DISTRIBUTIONS):
         report["notes"].append(f"only {args.trials} trials: not every input distribution is tried "
                                f"(the default is {len(DISTRIBUTIONS)}, one per distribution)")
+
+
+def locate_files(args, report):
+    """(solution path, reference path), both existing files (usage error or exit 2 otherwise)."""
     try:
         sol_path, ref_path = resolve_target(args.target, args.ref)
     except ValueError as e:
-        return finish(EXIT_USAGE, f"usage: {e}")
+        raise _Stop(EXIT_USAGE, f"usage: {e}") from None
     report["solution"], report["reference"] = sol_path, ref_path
     for p in (sol_path, ref_path):
         if not os.path.isfile(p):
-            return finish(EXIT_USAGE if p == ref_path else EXIT_BUILD, f"no such file: {p}")
+            raise _Stop(EXIT_USAGE if p == ref_path else EXIT_BUILD, f"no such file: {p}")
+    return sol_path, ref_path
 
-    have_cuda = torch.cuda.is_available()
-    default_build_env()  # without a GPU, load_inline still builds for sm_90
-    _set_precision()
 
-    refmod = load_module(ref_path)
-    try:  # shape names and custom shapes are usage errors: say so before the (slow) build
+def check_shape_options(args, refmod):
+    """--shapes names and --shape texts against the reference: usage errors, said before the build."""
+    try:
         names = [n.strip() for n in (args.shapes or "").split(",") if n.strip()]
         for n in names:
             if n not in refmod.SHAPES:
@@ -1275,7 +1833,12 @@ def main(argv=None):
         for i, text in enumerate(args.shape or []):
             parse_custom_shape(text, i, refmod)
     except ValueError as e:
-        return finish(EXIT_USAGE, f"usage: {e}")
+        raise _Stop(EXIT_USAGE, f"usage: {e}") from None
+
+
+def build_solution(sol_path, report):
+    """Import the solution (building its extensions); (module, names of the extensions built).
+    Exit 2 when the import raises (SystemExit too) or the file defines no class ModelNew."""
     log(f"building {os.path.relpath(sol_path)} (imports it; a CUDA extension compiles with nvcc: one to a "
         f"few minutes the first time, seconds when cached) ...")
     t0 = time.perf_counter()
@@ -1289,145 +1852,146 @@ def main(argv=None):
         tb = traceback.format_exc()
         report["build"] = dict(ok=False, seconds=time.perf_counter() - t0, error=tb)
         log(tb.rstrip())
-        return finish(EXIT_BUILD, f"BUILD FAILED: importing {sol_path} raised {_short_exc(e)}")
+        raise _Stop(EXIT_BUILD, f"BUILD FAILED: importing {sol_path} raised {_short_exc(e)}") from None
     exts = sorted(set(calls) | set(_extension_modules(solmod)))
     report["build"] = dict(ok=True, seconds=time.perf_counter() - t0, extensions=exts)
     log(f"built in {report['build']['seconds']:.1f} s" + (f" (extensions: {', '.join(exts)})" if exts else
                                                           " (pure PyTorch: no extension built)"))
     if not isinstance(getattr(solmod, "ModelNew", None), type):
-        return finish(EXIT_BUILD, f"BUILD FAILED: {sol_path} defines no class ModelNew")
+        raise _Stop(EXIT_BUILD, f"BUILD FAILED: {sol_path} defines no class ModelNew")
+    return solmod, exts
 
-    # A --variant the solution does not declare is a usage error, on any machine (before the device check).
-    NewModel = solmod.ModelNew
+
+def select_variants(NewModel, args):
+    """The variants to check: ModelNew.VARIANTS for --variant all (the default), else the one named;
+    [None] for a file that declares none. A name not in VARIANTS is a usage error."""
     declared = tuple(getattr(NewModel, "VARIANTS", ()) or ())
     if args.variant in (None, "all"):
-        variants = list(declared) or [None]
-    elif not declared:
-        return finish(EXIT_USAGE, f"usage: --variant {args.variant}: ModelNew declares no VARIANTS")
-    elif args.variant not in declared:
+        return list(declared) or [None]
+    if not declared:
+        raise _Stop(EXIT_USAGE, f"usage: --variant {args.variant}: ModelNew declares no VARIANTS")
+    if args.variant not in declared:
         if args.variant in tuple(getattr(NewModel, "ALL_VARIANTS", ()) or ()):
-            return finish(EXIT_USAGE, f"usage: --variant {args.variant}: in ModelNew.ALL_VARIANTS but it does not run "
-                                      f"on this machine (ModelNew.VARIANTS here: {declared})")
-        return finish(EXIT_USAGE, f"usage: --variant {args.variant}: not in ModelNew.VARIANTS {declared}")
-    else:
-        variants = [args.variant]
+            raise _Stop(EXIT_USAGE, f"usage: --variant {args.variant}: in ModelNew.ALL_VARIANTS but it does not run "
+                                    f"on this machine (ModelNew.VARIANTS here: {declared})")
+        raise _Stop(EXIT_USAGE, f"usage: --variant {args.variant}: not in ModelNew.VARIANTS {declared}")
+    return [args.variant]
 
+
+def select_device(args, have_cuda, exts, sol_path, report):
+    """(device, timing): CUDA unless --device cpu, which pure-PyTorch files only may use (exit 4)."""
     want = args.device or "cuda"
     if want == "cuda" and not have_cuda:
         report["device"] = dict(type=None)
-        return finish(EXIT_NO_CUDA,
-                      "NO CUDA DEVICE: the solution built/imported, but correctness on the GPU and timing need "
-                      "a CUDA device. (Pure-PyTorch solutions can be checked with --device cpu --no-timing.)")
+        raise _Stop(EXIT_NO_CUDA,
+                    "NO CUDA DEVICE: the solution built/imported, but correctness on the GPU and timing need "
+                    "a CUDA device. (Pure-PyTorch solutions can be checked with --device cpu --no-timing.)")
     if want == "cpu" and exts:
         report["device"] = dict(type="cpu")
-        return finish(EXIT_NO_CUDA,
-                      f"NO CUDA DEVICE: {os.path.basename(sol_path)} builds a CUDA extension ({', '.join(exts)}); "
-                      "its correctness and timing need a CUDA device (--device cpu is for pure-PyTorch files).")
+        raise _Stop(EXIT_NO_CUDA,
+                    f"NO CUDA DEVICE: {os.path.basename(sol_path)} builds a CUDA extension ({', '.join(exts)}); "
+                    "its correctness and timing need a CUDA device (--device cpu is for pure-PyTorch files).")
     device = torch.device("cuda", torch.cuda.current_device()) if want == "cuda" else torch.device("cpu")
     report["device"] = _device_info(device)
     timing = not args.no_timing and (device.type == "cuda" or args.cpu_timing)
     if device.type == "cpu" and not args.no_timing and not args.cpu_timing:
         report["notes"].append("timing needs a CUDA device: skipped on the CPU")
+    return device, timing
 
-    report["settings"] = dict(trials=args.trials, seed=args.seed, atol=args.atol, rtol=args.rtol, tf32=False,
-                              variants=[v or "-" for v in variants], samples=args.samples,
-                              input_sets=args.input_sets, timing=timing, compile=not args.no_compile,
-                              compile_all=args.compile_all, peak_tflops=args.peak_tflops, peak_tbs=args.peak_tbs)
 
+def run_settings(args, variants, timing):
+    """The settings block of the JSON report (atol / rtol: those of the first dtype checked)."""
+    passes = [pass_settings(args, d) for d in dtypes_of(args)]
+    return dict(trials=args.trials, seed=args.seed, atol=passes[0].atol, rtol=passes[0].rtol, tf32=False,
+                variants=[v or "-" for v in variants], samples=args.samples,
+                input_sets=args.input_sets, timing=timing, compile=not args.no_compile,
+                compile_all=args.compile_all, peak_tflops=args.peak_tflops, peak_tbs=args.peak_tbs,
+                dtype=args.dtype, dtypes=[c.dtype for c in passes], backward=args.backward,
+                tolerances={c.dtype: [c.atol, c.rtol] for c in passes})
+
+
+def run_shape(ctx, cfg, si, name, dims, skip):
+    """One shape in one dtype: correctness, then timing; appends its entry to the report."""
+    report, device = ctx.report, ctx.device
+    entry = dict(name=name, dtype=cfg.dtype, atol=cfg.atol, rtol=cfg.rtol, dims=dims, ok=False,
+                 skip_reason=skip, correctness=None, timing=None)
+    report["shapes"].append(entry)
+    label = shape_label(report, entry)
+    shown = ", ".join(f"{k}={v}" for k, v in dims.items() if k != "reference_may_oom")
+    if skip:
+        log(f"\n== {label} ({shown}): skipped: {skip}")
+        report["notes"].append(f"{name} skipped: {skip}")
+        return
+    log(f"\n== {label} ({shown}) on {device}")
+    c = entry["correctness"] = shape_correctness(ctx, cfg, si, name, dims, label)
+    ok = c["ok"]
+    if (c.get("backward") or {}).get("skipped"):
+        report["notes"].append(f"--backward: {name} {c['backward']['skipped']}")
+    if ctx.timing:
+        tm = entry["timing"] = shape_timing(ctx, cfg, si, name, dims, label, bool(c.get("reference_oom")))
+        if tm["failures"]:
+            ok = False
+            for f in tm["failures"]:
+                log(f"  FAIL {f}")
+        if device.type == "cpu":
+            report["notes"].append("timing ran on the CPU (--cpu-timing): numbers mean nothing")
+    entry["ok"] = ok
+    log(f"== {label}: {'PASS' if ok else 'FAIL'}")
+    _free(device)
+    if ctx.timing and device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch._dynamo.reset()
+
+
+def shape_correctness(ctx, cfg, si, name, dims, label):
+    """check_shape for one shape; an exception in it is a harness error (recorded in ctx)."""
+    c = new_correctness()
+    try:  # outside inference_mode: check_shape runs the grad-mode check itself
+        check_shape(ctx.refmod, ctx.solmod, name, dims, si, cfg, ctx.device, ctx.variants, res=c)
+    except Exception as e:
+        c["ok"] = False
+        for key, vr in c["variants"].items():  # the solution's failures seen before the error
+            c["failures"] += [f"variant {key}: {m}" for m in vr["failures"]]
+        c["failures"] += (c.get("backward") or {}).get("failures") or []
+        c["failures"].append(f"harness error: {_short_exc(e)}")
+        ctx.harness_errors.append(f"{label}: {_short_exc(e)}")
+        log(traceback.format_exc().rstrip())
+    return c
+
+
+def shape_timing(ctx, cfg, si, name, dims, label, ref_oom):
+    """time_shape for one shape; the solution's failures and harness errors both become failures."""
+    is_default = not name.startswith("awkward") and not dims.get("reference_may_oom")
+    do_compile = not cfg.no_compile and (cfg.compile_all or is_default)
+    tv = ctx.variants if (cfg.time_variants or cfg.variant not in (None, "all")) else None
+    log(f"  timing {name}: ModelNew ({'variants ' + ','.join(v or '-' for v in tv) if tv else 'default variant'}), "
+        f"eager reference" + (", torch.compile(reference)" if do_compile else "")
+        + ("; forward, then forward+backward" if cfg.backward else ""))
     try:
-        shapes = select_shapes(refmod, args, device)
-    except ValueError as e:
-        return finish(EXIT_USAGE, f"usage: {e}")
-    timer = Timer(device, args.samples) if timing else None
-    if timer is not None and timer.cuda:
-        log(f"L2 {timer.l2_bytes / 2**20:.0f} MiB; flush buffer {timer.flush_bytes / 2**20:.0f} MiB")
+        return time_shape(ctx.refmod, ctx.solmod, name, dims, si, cfg, ctx.device, ctx.timer, tv, do_compile,
+                          ref_oom)
+    except SolutionError as e:
+        return dict(failures=[str(e)], new={})
+    except Exception as e:
+        ctx.harness_errors.append(f"{label} (timing): {_short_exc(e)}")
+        log(traceback.format_exc().rstrip())
+        return dict(failures=[f"harness error (timing): {_short_exc(e)}"], new={})
 
-    any_checked, all_ok = False, True
-    harness_errors = []  # exceptions in the harness or the reference (not the solution's failures)
-    for si, (name, dims, skip) in enumerate(shapes):
-        entry = dict(name=name, dims=dims, ok=False, skip_reason=skip, correctness=None, timing=None)
-        report["shapes"].append(entry)
-        shown = ", ".join(f"{k}={v}" for k, v in dims.items() if k != "reference_may_oom")
-        if skip:
-            log(f"\n== {name} ({shown}): skipped: {skip}")
-            report["notes"].append(f"{name} skipped: {skip}")
-            continue
-        log(f"\n== {name} ({shown}) on {device}")
-        any_checked = True
-        c = new_correctness()
-        try:  # outside inference_mode: check_shape runs the grad-mode check itself
-            check_shape(refmod, solmod, name, dims, si, args, device, variants, res=c)
-        except Exception as e:
-            c["ok"] = False
-            for key, vr in c["variants"].items():  # the solution's failures seen before the error
-                c["failures"] += [f"variant {key}: {m}" for m in vr["failures"]]
-            c["failures"].append(f"harness error: {_short_exc(e)}")
-            harness_errors.append(f"{name}: {_short_exc(e)}")
-            log(traceback.format_exc().rstrip())
-        entry["correctness"] = c
-        ok = c["ok"]
-        if timing:
-            is_default = not name.startswith("awkward") and not dims.get("reference_may_oom")
-            do_compile = not args.no_compile and (args.compile_all or is_default)
-            tv = variants if (args.time_variants or args.variant not in (None, "all")) else None
-            log(f"  timing {name}: ModelNew ({'variants ' + ','.join(v or '-' for v in tv) if tv else 'default variant'}), "
-                f"eager reference" + (", torch.compile(reference)" if do_compile else ""))
-            try:
-                with torch.inference_mode():
-                    tm = time_shape(refmod, solmod, name, dims, si, args, device, timer, tv, do_compile,
-                                    bool(c.get("reference_oom")))
-            except SolutionError as e:
-                tm = dict(failures=[str(e)], new={})
-            except Exception as e:
-                tm = dict(failures=[f"harness error (timing): {_short_exc(e)}"], new={})
-                harness_errors.append(f"{name} (timing): {_short_exc(e)}")
-                log(traceback.format_exc().rstrip())
-            entry["timing"] = tm
-            if tm["failures"]:
-                ok = False
-                for f in tm["failures"]:
-                    log(f"  FAIL {f}")
-            if device.type == "cpu":
-                report["notes"].append("timing ran on the CPU (--cpu-timing): numbers mean nothing")
-        entry["ok"] = ok
-        all_ok &= ok
-        log(f"== {name}: {'PASS' if ok else 'FAIL'}")
-        _free(device)
-        if timing and device.type == "cuda":
-            with contextlib.suppress(Exception):
-                torch._dynamo.reset()
 
-    if timing and not args.no_compile and not args.compile_all:
-        report["notes"].append("torch.compile ran only for shapes not named awkward* nor flagged reference_may_oom; "
-                               "--compile-all for all")
-    failed_shapes = [s for s in report["shapes"] if not s.get("ok") and not s.get("skip_reason")]
-    if failed_shapes:
-        log("\nFailures:")
-        for s in failed_shapes:
-            fs = list((s.get("correctness") or {}).get("failures") or []) + list((s.get("timing") or {}).get("failures") or [])
-            for f in fs[:4]:
-                log(f"  {s['name']}: {f[:300]}")
-            if len(fs) > 4:
-                log(f"  {s['name']}: ... {len(fs) - 4} more (see above / --json)")
-    log("\n" + format_table(table_rows(report)))
-    log("err64 = max abs error vs the reference in float64 (ModelNew / fp32 reference); times are medians; "
-        "x floor = ModelNew time / roofline floor; peak = one forward, inputs excluded")
-    for n in dict.fromkeys(report["notes"]):
-        log(f"note: {n}")
-    if not any_checked:
-        return finish(EXIT_USAGE, "NOTHING CHECKED: every selected shape was skipped")
-    if not all_ok:
-        failed = [s["name"] for s in report["shapes"] if not s.get("ok") and not s.get("skip_reason")]
-        solution_failed = any(not f.startswith("harness error")
-                              for s in report["shapes"]
-                              for f in list((s.get("correctness") or {}).get("failures") or [])
-                              + list((s.get("timing") or {}).get("failures") or []))
-        if harness_errors and not solution_failed:
-            return finish(EXIT_USAGE, f"HARNESS ERROR (a bug in the harness or the reference, not a verdict on "
-                                      f"the solution): {'; '.join(harness_errors)[:600]}")
-        return finish(EXIT_WRONG, f"FAIL: wrong results or failed checks at {', '.join(failed)}"
-                      + (f" (and harness errors: {'; '.join(harness_errors)[:300]})" if harness_errors else ""))
-    return finish(EXIT_OK, "PASS: every check passed")
+def verdict(report, harness_errors):
+    """(exit code, verdict line) from the shapes' results."""
+    checked = [s for s in report["shapes"] if not s.get("skip_reason")]
+    if not checked:
+        return EXIT_USAGE, "NOTHING CHECKED: every selected shape was skipped"
+    failed = [s for s in checked if not s.get("ok")]
+    if not failed:
+        return EXIT_OK, "PASS: every check passed"
+    solution_failed = any(not f.startswith("harness error") for s in failed for f in _shape_failures(s))
+    if harness_errors and not solution_failed:
+        return EXIT_USAGE, (f"HARNESS ERROR (a bug in the harness or the reference, not a verdict on "
+                            f"the solution): {'; '.join(harness_errors)[:600]}")
+    return EXIT_WRONG, (f"FAIL: wrong results or failed checks at {', '.join(shape_label(report, s) for s in failed)}"
+                        + (f" (and harness errors: {'; '.join(harness_errors)[:300]})" if harness_errors else ""))
 
 
 if __name__ == "__main__":

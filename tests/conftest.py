@@ -39,19 +39,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def repo_root():
     """Absolute path of the repository root."""
     return ROOT
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def load_module():
     """harness.load_module(path, name=None): import a file by path (relative to the repo root or absolute)."""
     return harness.load_module
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kernel_module():
     """kernel_module(path, name): import a kernel file (builds its CUDA extension, a minute or more the
     first time); skips the test when there is no CUDA toolkit (no CUDA_HOME, no nvcc on PATH)."""

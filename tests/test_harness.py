@@ -1,6 +1,7 @@
 """The harness on the CPU: known-wrong pure-PyTorch files are rejected with exit code 3, the good ones
 pass, build failures give 2, no CUDA gives 4, and the shared code paths (timing with perf_counter,
-table, JSON, variants, rows sampling, weak oracle) run. Small shapes only (CI: 2 cores, no GPU)."""
+table, JSON, variants, rows sampling, weak oracle, --dtype, --backward) run. Small shapes only (CI:
+2 cores, no GPU)."""
 import json
 import os
 import subprocess
@@ -79,14 +80,16 @@ def test_accepts_good_outer_product_mean_every_variant(run_harness, tmp_path):
                             "--json", js)
     assert code == harness.EXIT_OK, out[-3000:]
     rep = json.loads(js.read_text())
+    declared = set(harness.load_module(os.path.join(SOL, "outer_product_mean_good.py")).ModelNew.VARIANTS)
+    assert len(declared) >= 2
     masks = set()
     for s in rep["shapes"]:
         v = s["correctness"]["variants"]
-        assert set(v) == {"outer_first", "w_first"}
-        assert v["outer_first"]["last_variants"] == ["outer_first"] and v["w_first"]["last_variants"] == ["w_first"]
+        assert set(v) == declared
+        assert all(v[k]["last_variants"] == [k] for k in declared)
         assert all(x["grad_checked"] for x in v.values())  # the grad-enabled path, every variant
         trials = s["correctness"]["trials"]
-        assert set(trials[0]["grad_variants"]) == {"outer_first", "w_first"}
+        assert set(trials[0]["grad_variants"]) == declared
         assert all(g["ok"] for g in trials[0]["grad_variants"].values())
         masks |= {t["mask"] for t in trials}
     assert masks == set(harness.MASK_KINDS)  # integer masks included
@@ -97,6 +100,9 @@ def test_variant_selection(run_harness):
     f = os.path.join(SOL, "contact_map_variants.py")
     code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--variant", "good")
     assert code == harness.EXIT_OK, out[-2000:]
+    # "auto" names the kernel that ran in last_variant ("good"): not a forced-variant mismatch, shown
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--variant", "auto")
+    assert code == harness.EXIT_OK and "auto->good" in out, out[-2000:]
     code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--variant", "no_symmetrise")
     assert code == harness.EXIT_WRONG
     code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--variant", "nope")
@@ -285,6 +291,16 @@ def test_cpu_timing_with_torch_compile(run_harness, tmp_path):
     tm = json.loads(js.read_text())["shapes"][0]["timing"]
     assert tm["compile"]["per_call"]["median_ms"] > 0 and tm["compile"]["compile_s"] > 0
     assert tm["new"]["-"]["speedup_vs_compile"] > 0
+    assert "train" not in tm  # forward only without --backward
+    # --backward: the training step of torch.compile(reference) too (forward + backward graph)
+    code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), "--device", "cpu", "--cpu-timing",
+                            "--shapes", "awkward_1", "--compile-all", "--samples", "3", "--trials", "2",
+                            "--backward", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    train = json.loads(js.read_text())["shapes"][0]["timing"]["train"]
+    assert train["compile"]["per_call"]["median_ms"] > 0 and train["compile"]["compile_s"] > 0
+    assert train["new"]["-"]["speedup_vs_compile"] > 0 and train["new"]["-"]["speedup_vs_eager"] > 0
+    assert "timing torch.compile(reference) forward+backward" in out
 
 
 def test_init_raising_is_the_solutions_failure(run_harness):
@@ -346,3 +362,198 @@ def test_harness_error_is_exit_1(run_harness, tmp_path):
     ref, sol = _write_pair(tmp_path, "raise RuntimeError('reference bug')")
     code, out = run_harness(sol, "--ref", ref, *CPU)
     assert code == harness.EXIT_USAGE and "HARNESS ERROR" in out.splitlines()[-1], out[-3000:]
+
+
+# --- precision (--dtype) ----------------------------------------------------------------------
+def test_good_solutions_pass_in_every_dtype(run_harness, tmp_path):
+    """--dtype all: fp32, fp16, bf16 in turn, each against the reference run in that dtype (KernelBench's
+    1e-2 tolerance in fp16/bf16), with the reference's own fp64 error reported per dtype."""
+    js = tmp_path / "cm.json"
+    code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), *CPU, "--shapes", "awkward_37,awkward_1",
+                            "--dtype", "all", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    rep = json.loads(js.read_text())
+    assert rep["settings"]["dtypes"] == ["fp32", "fp16", "bf16"]
+    assert rep["settings"]["tolerances"] == {"fp32": [1e-4, 1e-4], "fp16": [1e-2, 1e-2], "bf16": [1e-2, 1e-2]}
+    by = {(s["name"], s["dtype"]): s for s in rep["shapes"]}
+    assert set(by) == {(n, d) for n in ("awkward_37", "awkward_1") for d in ("fp32", "fp16", "bf16")}
+    assert all(s["ok"] for s in by.values())
+    assert by["awkward_37", "bf16"]["atol"] == 1e-2 and by["awkward_37", "fp32"]["atol"] == 1e-4
+    # the reference really ran in each dtype: its own error against fp64 grows fp32 < fp16 < bf16
+    err = {d: by["awkward_37", d]["correctness"]["ref_fp32_max_abs_err_fp64"] for d in ("fp32", "fp16", "bf16")}
+    assert err["fp32"] < 1e-5 < err["fp16"] < err["bf16"] < 1e-1, err
+    lines = out.splitlines()
+    hdr = next(i for i, ln in enumerate(lines) if ln.startswith("shape ") and "result" in ln)
+    assert lines[hdr].split()[:2] == ["shape", "dtype"] and lines[hdr + 2].split()[:2] == ["awkward_37", "fp32"]
+    # an OPM variant in the reference's order of operations passes in every dtype too, masks included
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shapes", "awkward_33",
+                            "--variant", "outer_first", "--dtype", "all")
+    assert code == harness.EXIT_OK, out[-3000:]
+    assert "== awkward_33 [fp16]" in out and "== awkward_33 [bf16]" in out
+
+
+def test_low_precision_inputs_masks_included_are_cast(run_harness, tmp_path):
+    """In fp16/bf16 every input tensor, the mask too, reaches ModelNew in that dtype (KernelBench's cast);
+    in fp32 masks keep their kind (bool and integer masks are still checked)."""
+    sol = tmp_path / "outer_product_mean_dtype_probe.py"
+    sol.write_text(textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, {SOL!r})
+        from outer_product_mean_good import ModelNew as Good
+
+        SEEN = set()
+
+        class ModelNew(Good):
+            def forward(self, msa_repr, msa_mask):
+                SEEN.add((str(msa_repr.dtype), str(msa_mask.dtype)))
+                for p in self.parameters():
+                    assert p.dtype == msa_repr.dtype, (p.dtype, msa_repr.dtype)
+                return super().forward(msa_repr, msa_mask)
+    '''))
+    code, out = run_harness(sol, "--ref", OPM_REF, *CPU, "--shapes", "awkward_17", "--variant", "outer_first",
+                            "--dtype", "all")
+    assert code == harness.EXIT_OK, out[-3000:]
+    seen = next(m for k, m in sys.modules.items() if k.startswith("_loaded_outer_product_mean_dtype_probe")).SEEN
+    low = {(x, m) for x, m in seen if x != "torch.float32"}
+    assert low == {("torch.float16", "torch.float16"), ("torch.bfloat16", "torch.bfloat16")}, seen
+    assert {m for x, m in seen if x == "torch.float32"} >= {"torch.float32", "torch.bool", "torch.int32"}, seen
+
+
+def test_bf16_input_needs_bf16_output(run_harness):
+    f = os.path.join(SOL, "contact_map_fp32_output.py")
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_37")
+    assert code == harness.EXIT_OK, out[-3000:]  # right in fp32
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--dtype", "bf16")
+    assert code == harness.EXIT_WRONG, out[-3000:]
+    assert "dtype torch.float32, expected torch.bfloat16" in out
+    assert out.splitlines()[-1] == "FAIL: wrong results or failed checks at awkward_37 [bf16]"
+
+
+def test_dtype_all_fails_when_one_dtype_fails(run_harness, tmp_path):
+    """A bug in the fp16 path only: --dtype all fails (exit 3) and names fp16; fp32 and bf16 pass."""
+    f = os.path.join(SOL, "outer_product_mean_fp16_drops_mask.py")
+    js = tmp_path / "m.json"
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_33", "--dtype", "all", "--json", js)
+    assert code == harness.EXIT_WRONG, out[-3000:]
+    rep = json.loads(js.read_text())
+    assert {s["dtype"]: s["ok"] for s in rep["shapes"]} == {"fp32": True, "fp16": False, "bf16": True}
+    assert "not allclose(atol=0.01, rtol=0.01)" in out
+    assert rep["verdict"] == "FAIL: wrong results or failed checks at awkward_33 [fp16]"
+    assert run_harness(f, *CPU, "--shapes", "awkward_33", "--dtype", "bf16")[0] == harness.EXIT_OK
+    with pytest.raises(SystemExit) as e:
+        harness.main([f, *CPU, "--dtype", "fp64"])
+    assert e.value.code == harness.EXIT_USAGE
+
+
+# --- training (--backward) --------------------------------------------------------------------
+def _grads_of(rep):
+    return {(s["name"], s["dtype"], k): vb for s in rep["shapes"]
+            for k, vb in s["correctness"]["backward"]["variants"].items()}
+
+
+def test_backward_good_solutions_pass(run_harness, tmp_path):
+    """Plain-autograd solutions: every gradient (inputs of role x, every parameter; no mask) passes,
+    in every trial and variant; without --backward no gradient is checked."""
+    js = tmp_path / "b.json"
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shapes", "awkward_33",
+                            "--backward", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    rep = json.loads(js.read_text())
+    assert rep["settings"]["backward"] is True
+    params = [n for n, _ in harness.load_module(OPM_REF).Model(8, 4, 2).named_parameters()]
+    grads = _grads_of(rep)
+    declared = harness.load_module(os.path.join(SOL, "outer_product_mean_good.py")).ModelNew.VARIANTS
+    assert {k[2] for k in grads} == set(declared)
+    for vb in grads.values():
+        assert vb["ok"] and set(vb["grads"]) == {"msa_repr", *params}  # no msa_mask gradient
+        for g in vb["grads"].values():
+            assert sum(g["held"].values()) == 6 and "neither" not in g["held"]
+            assert g["max_abs_err_fp64"] <= 2 * g["ref_max_abs_err_fp64"] or g["max_abs_diff_ref"] < 1e-2
+    t0 = rep["shapes"][0]["correctness"]["trials"][0]["backward"]
+    assert all(c["ok"] and c["grads"]["proj_a.weight"]["held"] for c in t0.values())
+    assert "grad err64 new/ref" in out
+    code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), *CPU, "--shapes", "awkward_37",
+                            "--trials", "3", "--backward", "--dtype", "all", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    grads = _grads_of(json.loads(js.read_text()))
+    assert len(grads) == 3 and all(set(vb["grads"]) >= {"pair_repr", "layer_norm.weight"} for vb in grads.values())
+    code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), *CPU, "--shapes", "awkward_1", "--json", js)
+    assert code == harness.EXIT_OK and json.loads(js.read_text())["shapes"][0]["correctness"]["backward"] is None
+
+
+# file, shapes, a phrase --backward must print; the forward is right (passes without --backward)
+BACKWARD_WRONG = {
+    "contact_map_ln_affine_no_grad.py": ("awkward_37", "gradient of layer_norm.weight: not allclose"),
+    "contact_map_detached_symmetrise.py": ("awkward_37", "gradient of pair_repr: not allclose"),
+    "outer_product_mean_no_denom_grad.py": ("awkward_33", "gradient of proj_a.weight: not allclose"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKWARD_WRONG))
+def test_backward_rejects_wrong_gradients(run_harness, tmp_path, name):
+    shapes, phrase = BACKWARD_WRONG[name]
+    f = os.path.join(SOL, name)
+    code, out = run_harness(f, *CPU, "--shapes", shapes, "--trials", "2")
+    assert code == harness.EXIT_OK, out[-3000:]
+    js = tmp_path / "w.json"
+    code, out = run_harness(f, *CPU, "--shapes", shapes, "--trials", "2", "--backward", "--json", js)
+    assert code == harness.EXIT_WRONG, out[-3000:]
+    assert phrase in out and "harness error" not in out and "Traceback" not in out, out[-3000:]
+    s = json.loads(js.read_text())["shapes"][0]
+    assert s["correctness"]["variants"]["-"]["ok"]  # the forward passed
+    grads = s["correctness"]["backward"]["variants"]["-"]["grads"]
+    if name == "outer_product_mean_no_denom_grad.py":  # out_proj.bias does not see the denominator
+        assert "neither" not in grads["out_proj.bias"]["held"] and "neither" in grads["proj_b.bias"]["held"]
+    if name == "contact_map_ln_affine_no_grad.py":  # the input's gradient is still right
+        assert "neither" not in grads["pair_repr"]["held"] and "neither" in grads["layer_norm.bias"]["held"]
+
+
+def test_backward_in_bf16_rejects_wrong_gradients(run_harness):
+    """--backward --dtype bf16: the 1e-2 tolerance still catches a gradient that misses a path."""
+    f = os.path.join(SOL, "contact_map_detached_symmetrise.py")
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_37", "--trials", "2", "--backward", "--dtype", "bf16")
+    assert code == harness.EXIT_WRONG and "gradient of pair_repr: not allclose(atol=0.01, rtol=0.01)" in out
+
+
+def test_compare_grad():
+    ref64 = torch.linspace(-1, 1, 50, dtype=torch.float64)
+    ref = (ref64 + 1e-3).float()  # the reference's own error: 1e-3
+    r = harness.compare_grad(None, ref, ref64, 1e-4, 1e-4)
+    assert not r["ok"] and "no gradient" in r["failures"][0]
+    assert harness.compare_grad(ref.clone(), ref, ref64, 1e-4, 1e-4)["held"] == "both"
+    r = harness.compare_grad(ref64.float(), ref, ref64, 1e-4, 1e-4)  # exact, far from the reference
+    assert r["ok"] and r["held"] == "fp64x2" and r["max_abs_err_fp64"] < 1e-6
+    r = harness.compare_grad((ref64 - 1e-3).float(), ref, ref64, 1e-2, 1e-2)  # as far as the reference, other side
+    assert r["ok"] and r["held"] == "both"
+    r = harness.compare_grad((ref64 + 3e-3).float(), ref, ref64, 1e-4, 1e-4)  # 3x the reference's error
+    assert not r["ok"] and r["held"] is None and "> 2 x the reference's" in r["failures"][0]
+    r = harness.compare_grad(ref.double(), ref, ref64, 1e-4, 1e-4)
+    assert not r["ok"] and "dtype torch.float64, expected torch.float32" in r["failures"][0]
+    bad = ref.clone()
+    bad[3] = float("nan")
+    assert "NaN/Inf" in harness.compare_grad(bad, ref, ref64, 1e-4, 1e-4)["failures"][0]
+
+
+def test_backward_cpu_timing_and_reference_may_oom(run_harness, tmp_path):
+    """--backward --cpu-timing: forward + backward timed per variant, eager too; peak memory n/a on the
+    CPU. A reference_may_oom shape is not checked for gradients (said so), and still passes."""
+    js = tmp_path / "t.json"
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), "--device", "cpu", "--cpu-timing",
+                            "--no-compile", "--samples", "2", "--input-sets", "2", "--trials", "2", "--shapes",
+                            "awkward_17", "--time-variants", "--backward", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    train = json.loads(js.read_text())["shapes"][0]["timing"]["train"]
+    assert set(train["new"]) == {"outer_first", "w_first"}
+    for r in list(train["new"].values()) + [train["eager"]]:
+        assert r["per_call"]["n"] == 2 and r["per_call"]["median_ms"] > 0 and r["peak_bytes"] is None
+        assert r["graph"] is None and r["graph_error"]
+    assert train["new"]["w_first"]["last_variant"] == "w_first" and train["new"]["w_first"]["speedup_vs_eager"] > 0
+    lines = out.splitlines()
+    hdr = next(i for i, ln in enumerate(lines) if ln.startswith("shape ") and "f+b ms new" in ln)
+    assert lines[hdr + 2].split()[:3] == ["awkward_17", "outer_first", "PASS"] and lines[hdr + 2].endswith("n/a")
+    shape = "B=2,S=3,N=23,msa_dim=16,hidden_dim=8,pair_dim=8,reference_may_oom=1"
+    code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shape", shape, "--rows", "5",
+                            "--trials", "2", "--backward", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    bw = json.loads(js.read_text())["shapes"][0]["correctness"]["backward"]
+    assert bw["skipped"] and "reference_may_oom" in bw["skipped"] and "--backward: custom0 flagged" in out

@@ -1,15 +1,17 @@
 """WRONG on purpose: packs the first Linear's weight once, at construction, and keeps using that copy
 (a kernel that caches prepared weights): stale after load_state_dict or any parameter update."""
+import os
+import sys
+
 import torch
-import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _contact_map_base import ContactMapBase  # noqa: E402
 
 
-class ModelNew(nn.Module):
+class ModelNew(ContactMapBase):
     def __init__(self, pair_dim, hidden_dim):
-        super().__init__()
-        self.layer_norm = nn.LayerNorm(pair_dim)
-        self.mlp = nn.Sequential(nn.Linear(pair_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, hidden_dim),
-                                 nn.ReLU(), nn.Linear(hidden_dim, 1))
+        super().__init__(pair_dim, hidden_dim)
         self._w1_t = self.mlp[0].weight.detach().t().contiguous()  # packed once: the bug
 
     def forward(self, pair_repr):

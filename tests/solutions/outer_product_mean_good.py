@@ -1,6 +1,8 @@
 """Known-good outer product mean ModelNew (pure PyTorch) with two variants, as kernel files declare them:
-"outer_first" forms the (B, N, N, c, c) outer product then projects; "w_first" contracts out_proj's
-weight with b first (never materialising c*c per pair). Both must pass; last_variant says which ran."""
+"outer_first" forms the (B, N, N, c, c) outer product, divides it by the denominator and projects, in
+the reference's order of operations (so it rounds as the reference does in every dtype); "w_first"
+contracts out_proj's weight with b first (never materialising c*c per pair) and scales by 1/denom last.
+Both must pass in fp32; last_variant says which ran. Backward: plain autograd."""
 import torch
 import torch.nn as nn
 
@@ -22,12 +24,13 @@ class ModelNew(nn.Module):
         x = self.layer_norm(msa_repr)
         a = self.proj_a(x) * m[..., None]                     # (B, S, N, c)
         b = self.proj_b(x) * m[..., None]
-        inv = 1.0 / m.sum(1).clamp(min=1)                     # (B, N): depends on i only
+        denom = m.sum(1).clamp(min=1)                         # (B, N): depends on i only
         c = a.shape[-1]
         if self.variant == "outer_first":
-            outer = torch.einsum("bsih,bsjk->bijhk", a, b) * inv[:, :, None, None, None]
+            outer = torch.einsum("bsih,bsjk->bijhk", a, b) / denom[:, :, None, None, None]
             out = self.out_proj(outer.reshape(*outer.shape[:3], c * c))
         else:
+            inv = 1.0 / denom
             w = self.out_proj.weight.view(-1, c, c)           # (c_z, h, k)
             t = torch.einsum("bsjk,zhk->bsjhz", b, w)         # (B, S, N, c, c_z)
             out = torch.einsum("bsih,bsjhz->bijz", a, t) * inv[:, :, None, None] + self.out_proj.bias

@@ -2,8 +2,6 @@
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _opm_base import OPMBase  # noqa: E402
 
