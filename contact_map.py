@@ -8,167 +8,71 @@ Drop-in replacement for `reference/contact_map.py`'s `Model`:
     h2[b,i,j,g] = relu(sum_h W2[g,h] h1[b,i,j,h] + b2[g])      mlp[2]: hidden_dim -> hidden_dim
     out[b,i,j]  = sigmoid(sum_g w3[g] h2[b,i,j,g] + b3)        mlp[4]: hidden_dim -> 1
 
-Tensors: pair (B, N, N, pair_dim) float32 on a CUDA device (any strides); out (B, N, N) float32,
-same device. Parameters: the reference's, read at every call (a later `load_state_dict` or in-place
-update takes effect), all float32 on the input's device.
+Tensors: pair (B, N, N, C = pair_dim) float32, float16 or bfloat16 on a CUDA device (any strides); out
+(B, N, N) in pair's dtype on the same device. Parameters: the reference's (H = hidden_dim), in pair's dtype
+on its device, read at every call (a later `load_state_dict` or in-place update takes effect).
 
-How it runs: s is symmetric, so out is exactly symmetric (out[b,i,j] == out[b,j,i] bit for bit). One
-persistent kernel (v1-v9; v10's, v11's, v13's, v14's, v17's, v19's and v20's differences are in the variant list below) walks the
-tiles (b, I, J) with I <= J of 8 x 8 positions: it copies the tile
-x[b, I, J, :] and its mirror x[b, J, I, :] into shared memory (cp.async, 16-byte copies when
-pair_dim % 4 == 0), computes the LayerNorm statistics of each vector by the corrected two-pass
+How the default ("auto") runs on an H100 / H200: s is symmetric, so each unordered pair {i, j} is computed
+once and written to out[b,i,j] and out[b,j,i] (exactly symmetric). The positions are cut into tiles of 8 x 8
+pairs (b, I, J) with I <= J. A small kernel first folds the LayerNorm affine into the first layer
+(W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs W1', W2 as split-TF32 planes. The main kernel,
+its programmatic dependent, runs one persistent block per SM of three warpgroups. A producer thread hands
+out tiles (each block's first two fixed, later ones from an atomic ticket counter) and copies each tile
+x[b, 8I.., 8J.., :] and its mirror x[b, 8J.., 8I.., :] with the TMA engine into a ring of shared-memory
+slots (L2 evict_first: every input byte is read once). Two consumer warpgroups take tiles in turn: each
+thread reads its rows into registers, computes the LayerNorm statistics by the corrected two-sweep
 algorithm (Chan, Golub & LeVeque 1983: a first mean m, then with d = x - m, mean = m + sum d / C and
-var = (sum d^2 - (sum d)^2 / C) / C: stable for any offset, exact on rows of one value), builds s (64 pairs x
-pair_dim; v1-v3: its transpose) in shared memory, runs the MLP as two matrix products against
-weights staged once per block in shared memory, and writes both out[b,i,j] and out[b,j,i]. Each input element is read from
-device memory once, each unordered pair {i, j} off the diagonal tiles is computed once, and nothing
-but the output is written.
+var = (sum d^2 - (sum d)^2 / C) / C; stable at any offset, exact on rows of one value), forms
+s = (x_a - mean_a) rstd_a / 2 + (x_b - mean_b) rstd_b / 2 as one FFMA per side and splits it into wgmma
+A fragments. GEMM1 (m64nHk8 wgmma, A from registers, B from shared memory), relu, GEMM2 on GEMM1's
+accumulator re-split in registers, then layer 3 and the sigmoid. The two consumer warpgroups' products
+take turns (named barriers), so one warpgroup's statistics overlap the other's products. Each input
+element is read from device memory once and nothing but the output is written. It runs where the build
+has sm_90a code, on a compute capability 9.0 GPU, at 32 <= pair_dim <= 128 with pair_dim % 16 == 0,
+hidden_dim <= 64, N >= 8 and a 16-byte aligned input; at pair_dim <= 64 a KC = 64 build of the same
+kernel (tiles walked with a fixed stride, no ping-pong, subtract-multiply terms). Elsewhere "auto"
+runs the mma kernel. `model.last_variant` names the kernel that ran: "wgmma", "mma" or "fma".
 
-Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core variants
-(v5 and later) run the two products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32,
-and a*b ~ hi*hi + hi*lo + lo*hi; CUTLASS ships the same scheme as its fp32-accurate tensor-core GEMM),
-promoting short partial sums into an fp32 accumulator by ordinary adds (the tensor cores' own
-accumulation truncates): v5-v9 every k step's hi*hi, v10-v20 every 16 k. Measured against an
-fp64 evaluation on the H200 (harness, every distribution, max over the trials): v20 (default) 0.08x the fp32
-PyTorch reference's own max error at crop, 0.05x at batch, 0.08x at long and 0.05x at awkward_129 (its own
-kernel; the reference's worst trial is the +100 offset input, 2.0e-6 at crop, where v20 has 1.5e-7), at most
-about 1.1x in any single trial at those shapes (x100 at crop: 1.4e-7 against 1.3e-7; v19 had 1.1e-7 there),
-elsewhere v19's (2026-12-01, fifteenth
-session's device runs 5-7, four harness runs); v19, v17, v14 and v13
-(the same arithmetic: bit-identical outputs) 0.52x the fp32 PyTorch reference's own max error at crop,
-0.49x at batch, 0.50x at long and 0.32x at awkward_129 (their own kernel), and where they run v11's
-kernel (pair_dim <= 64) 0.73x at seed and 0.41x at awkward_37, v9's (N < 8) 1.14x at N = 1
-(awkward_1) (2026-12-01, thirteenth session's device runs 2, 4 and 6, all three variants checked; v19 in the
-fourteenth session's run 7, twice: the same err64 columns as v17's); v11 and v10 (the same arithmetic: bit-identical outputs) 0.73x at seed,
-0.52x at crop, 0.49x at batch, 0.50x at long, 0.41x at awkward_37, 1.14x at N = 1 and 0.32x at
-awkward_129 (tenth session's device run 4); v10 and v11 at most 1.67x over
-37 more shape/distribution checks of run 3 with a scratch script (not in the repository), not the harness
-(x100, +100 offset and uniform inputs included; the worst at one 8 x 8 tile, errors <= 2.1e-7).
-A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are max.NaN, which keeps
-NaN). On a row of one constant value the centred values are exactly 0 (the corrected two-pass; in v20
-within the rounding of d r, about 2^-24 of it: 1e-11 at values near 10, a review's float32 simulation). The
-plain two-pass mean used until the tenth session, a rounded sum times a rounded 1 / pair_dim, missed
-the value by an ulp there, and rstd = 1 / sqrt(eps) turned that into up to 160x the reference's error
-at pair_dim 48 / 80. Known exceptions, found by review helpers' own scripts (not the harness), v9
-alike: up to 4.2x at some tiny shapes (N <= 17: pair_dim 96, N = 15, hidden_dim 1: 1.75e-7 against
-4.1e-8; errors <= 4.1e-7; v9 up to 4.4x; tenth session), 2.9x with per-row offsets of +-1000 (v9 2.3x;
-ninth session, before the corrected statistics), and at |x - mean| above ~1e19 (values near 1e25)
-sum d^2 overflows, so rows there give NaN (the fp32 reference has NaN there too, at other positions).
+Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
+    "auto"  the wgmma kernel above where it runs, else the mma kernel.
+    "mma"   sm_80+ on every shape: the same tiles copied by cp.async, both products on mma.sync
+            m16n8k8 TF32 in split TF32, 16 warps per tile (8 of them queue the next tile's first rows
+            during GEMM1 where one block fits per SM and hidden_dim <= 32), weights staged once per
+            block as split fragments (8 warps and the weights read through L1 at hidden_dim > 128).
+            Kept for the shapes and GPUs the wgmma kernel does not cover.
+    "fma"   plain fp32 FMA products on the same tiles (4 pairs x hidden/16 outputs per thread): no
+            tensor cores, kept as an independent check of the other two in the tests and the harness.
 
-Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default the first):
-    "v20" (default; Hopper) v19 with each side's LayerNorm term (x - mean) rstd / 2 computed as one
-          FFMA per channel, fmaf(d, r, -delta r), from the d = x - m that the statistics' second pass
-          already computes (m: its first pass's mean; delta = sum d / C, the corrected two-pass's
-          correction of m) instead of a subtraction from the mean and a multiply: per input value the
-          statistics, terms and split take 7 instructions instead of 8 (the kernel's FP instructions
-          1993 -> 1855 at hidden 32). The mean (near the offset at offset inputs) is never rounded,
-          so v20 is more accurate there (see Precision); elsewhere its errors are v19's within
-          +-30%. Harness, H200, 2026-12-01 (fifteenth session, device runs
-          5-7, four harness runs on two machine leases): crop 0.03283-0.03307, batch 0.07482-0.07523,
-          long 0.3477-0.3506 ms per call. Against v19 in the same runs (a scratch script, not the
-          harness: the harness's flushed loop per call / over CUDA-graph replays) crop -4.1% /
-          -3.2% and -3.8% / -3.4%, batch -0.3% / -0.5% and -0.3% / -0.6%, long -3.5% / -3.3% and
-          -2.7% / -3.0%. Runs where v10 runs (else what v9 runs; `last_variant` says "v20"); at
-          pair_dim <= 64 it runs v11's kernel.
-    "v19" (Hopper) v17 with the tiles handed out at run time: each block's first two tiles
-          are fixed, every later one goes to whichever block's producer asks next (an atomic counter
-          that the params kernel zeroes on each call), so blocks whose copies land sooner take more
-          tiles. Also: the tile half's (x - mean) rstd / 2 is computed before the wait for the mirror
-          half, and the tensor maps promote L2 requests to 128 bytes. Bit-identical to v17. Harness,
-          H200, 2026-12-01 (fourteenth session, device run 7, two harness runs): crop 0.03429 /
-          0.03443, batch 0.07598 / 0.07614, long 0.3636 / 0.3655 ms per call. Against v17 in the same
-          run (a scratch script, not the harness: the harness's flushed loop per call / over CUDA-graph
-          replays) crop -0.6% / +0.1%, batch -4.1% / -4.3%, long -3.4% / -3.4%. Runs where v10 runs
-          (else what v9 runs; `last_variant` says "v19"); at pair_dim <= 64 it runs v11's kernel.
-    "v17" (Hopper) v14 with its tile copies (TMA) marked L2 evict_first. Each input byte is
-          read once, so its L2 lines are the first to be replaced when a later copy misses, and the
-          other lines in L2 stay. The harness's flush leaves L2 full of dirty lines; without the hint
-          the input's reads evict them, and their write-back competes with the reads. Bit-identical
-          to v14. Harness, H200, 2026-12-01 (thirteenth session, device runs 2, 4 and 6): crop
-          0.03475 / 0.03456 / 0.03472, batch 0.07918 / 0.07898 / 0.07971, long 0.3775 / 0.3695 /
-          0.3742 ms per call. Against v14 in run 2
-          (a scratch script, not the harness: the harness's flushed loop per call / over CUDA-graph
-          replays, interleaved rounds) crop -1.4% / -2.1%, batch -3.2% / -3.4%, long +0.5% / +0.3%:
-          long is bound by the consumers' arithmetic, not by memory. Runs where v10 runs (else what v9 runs;
-          `last_variant` says "v17"); at pair_dim <= 64 it runs v11's kernel.
-    "v14" (Hopper) v13 with the two consumer warpgroups' products (GEMM1 + GEMM2) taking
-          turns (FlashAttention-3's ping-pong: named barriers), so that one warpgroup's products run
-          while the other computes its statistics and s. Bit-identical to v13. Harness, H200,
-          2026-12-01 (twelfth session, device run 8): crop 0.03544, batch 0.08237, long 0.3788 ms per
-          call; in GPU time (CUDA graphs, L2 flushed, scratch timing, device runs 3, 4 and 7) 0.5-1.2%
-          faster than v13 at crop, 2.2-4.0% at long, within 0.7% at batch. Runs where v10 runs (else
-          what v9 runs; `last_variant` says "v14"); at pair_dim <= 64 it runs v11's kernel.
-    "v13" (Hopper) v11 with less work per tile on the consumers' path: the producer
-          thread walks the tiles incrementally and hands each tile's (b, I, J) over in shared memory
-          (no per-tile division and square root by the consumers: ~700 cycles per tile in a clock64
-          timeline), slots and parities tracked incrementally, the statistics' second pass as
-          FFMA / FADD chains, the A fragments' lo parts unmasked, setmaxnreg 240 / 24. Harness, H200,
-          2026-12-01 (eleventh session, device run 7): crop 0.03574, batch 0.08194, long 0.3810 ms
-          per call (v11 in device run 4, batch still with 5 ring slots: 0.03973, 0.08616, 0.4285).
-          Runs where v10 runs (else what v9 runs; `last_variant` says "v13"); at pair_dim <= 64 it
-          runs v11's kernel.
-    "v11" (Hopper) v10 with each tile's rows read from the ring slots once, into registers
-          (128 per thread at pair_dim 128), the slots released at once, and the statistics and s
-          computed from the registers (v10 reads every row twice from the slots, for the statistics
-          and for s, and holds the slots until s is built). Harness, H200, 2026-12-01 (tenth
-          session, device runs 4 and 5): crop 0.0392-0.0398, batch 0.0879, long 0.4273 ms per
-          call against v10's 0.0398-0.0400, 0.0870 and 0.4392 in the same device runs: 2.7% faster
-          at long, within 1-2% of v10 at crop and batch (before the eleventh session's shared-space
-          loads and 4-slot ring). Runs where v10 runs (else what v9 runs; `last_variant` says "v11").
-    "v10" (Hopper) both products on wgmma (m64nNk8 TF32, A from registers) in split TF32,
-          GEMM1's accumulator chained in registers into GEMM2's A operand, the tiles brought in by
-          the TMA engine (4-D tensor maps, boxes of 32 channels x 8 x 8 positions, 128-byte swizzle; a producer warp, a ring of
-          mbarrier slots), two consumer warpgroups each on its own tile, the LayerNorm affine folded
-          into W1 and b1 (a small per-call kernel packs the weights; the main kernel is launched as
-          its programmatic dependent). Harness, H200, 2026-12-01: crop 0.0399, batch 0.0885, long
-          0.4465 ms per call (v9: 0.084, 0.198, 1.136; 2.1-2.5x; ninth session). Runs where the extension was built
-          with sm_90a code (9.0 in the arch list, or no list and an H100/H200: built as sm_90a),
-          on a compute capability 9.0 GPU, at 32 <= pair_dim <= 128 with pair_dim % 16 == 0,
-          hidden_dim <= 64, N >= 8 and a 16-byte aligned input; elsewhere it runs what v9 runs
-          (`last_variant` says "v10").
-    "v9"  v7 where hidden_dim <= 32 and one block fits per SM (batch; on the H200
-          pair_dim >= 97 at hidden_dim 17-32, >= 113 at hidden_dim <= 16): the hidden units in 2
-          column groups (at hidden_dim 17-32; v7 has 4, and 2 already at <= 16), so 8 of the 16
-          warps are free during the first product and queue the first 64 rows of the next tile
-          then (issuing a copy stalls the issuing warp for ~340 cycles); the other rows after it
-          by all 16 warps. 0.198 against v7's 0.215 ms at batch (harness, H200, 2026-11-29; not
-          timed at hidden_dim <= 16). Everywhere else it runs what v7 runs (`last_variant` says
-          "v9").
-    "v7"  v5 with 16 warps per tile (4 blocks of 16 pairs x 4 groups of the hidden units;
-          the statistics, s build and copies spread over twice the threads) and the A operands
-          split in 4 instructions instead of 9; at pair_dim <= 128 with the weights in shared
-          memory (always at hidden_dim 65-128) the LayerNorm statistics and s in one pass over the
-          tile, read once into registers (at hidden_dim <= 32 only where one block fits per SM,
-          on the H200 pair_dim >= 97 at hidden_dim 17-32 and >= 113 at hidden_dim <= 16; where two
-          fit, their 64-register budget allows it at pair_dim <= 64).
-          1.24-1.32x faster than v5 at crop, batch and long (harness, H200, 2026-11-29). At
-          hidden_dim > 128 it runs v5's kernel (16 warps would need more than the 128 registers per
-          thread they may have; `last_variant` still says "v7").
-    "v5"  the products on the tensor cores (mma.sync m16n8k8 TF32, sm_80+) in split TF32:
-          8 warps = 4 blocks of 16 pairs x 2 halves of the hidden units, weights staged as split
-          fragments. 1.05-1.22x faster than v3 at crop, batch and long (NOTES.md says why not more).
-    "v3"  v2 with the FMA products software-pipelined: the shared-memory operands of the next 4
-          values of k are loaded into registers while the current 4 are multiplied.
-    "v2"   v1 with the LayerNorm statistics computed by two threads per vector (v1's one
-          warp per vector ran 16 vectors in sequence, each ending in two dependent 5-step shuffle
-          reductions), coalesced weight staging, and per-row instead of per-copy index arithmetic
-          in the tile loader.
-    "v1"  the first version (fp32 FMA products, 4 pairs x hidden/16 outputs per thread), kept as a
-          second opinion for the tests and the harness.
+Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core kernels run
+both products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, a*b ~ hi*hi + hi*lo +
+lo*hi; CUTLASS's fp32-accurate tensor-core GEMM), promoting short partial sums into an fp32 accumulator by
+ordinary adds (the tensor cores' own accumulation truncates): every k step (mma) or every 16 k (wgmma).
+The wgmma kernel never rounds the mean (its terms use d = x - m and the correction), so at offset inputs it
+is more accurate than the fp32 reference: max error against an fp64 evaluation 0.05-0.08x the fp32
+reference's own at crop, batch, long and awkward_129, at most about 1.1x in any single trial (harness on
+the H200, 2026-12-01, `python harness.py contact_map`, commit e986514; NOTES.md has the other kernels'
+figures). A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are max.NaN). On a
+row of one constant value the centred values are 0 (wgmma: within about 2^-24 of d r). Where
+|x - mean| exceeds ~1e19 sum d^2 overflows and such rows give NaN (the fp32 reference has NaN there too).
 
-Limits: pair_dim up to 256 and hidden_dim up to 256 (larger raises a clear error). hidden_dim is
-zero-padded to 16/32/64/128/256 inside the kernel. The weights are staged in shared memory when
-they fit beside the tile (227 KB per block on the H200; v5, v7, v9: pair_dim <= 248 / 208 / 144 / 40 at
-hidden_dim <= 16 / 32 / 64 / 128, never above 128; v1-v3: <= 256 / 244 / 200 / 120); otherwise they
-are read through the L1 cache: correct but slower. Forward only: `.backward()` through it raises.
-Float32 only. Needs an sm_80+ GPU (cp.async, TF32 mma.sync); built for whatever TORCH_CUDA_ARCH_LIST
-names (9.0 as sm_90a, for v10, v11, v13, v14, v17, v19 and v20; no list and no GPU: 9.0).
+Limits: pair_dim and hidden_dim up to 256 (larger raises a clear error); hidden_dim is zero-padded to
+16/32/64/128/256 inside the kernels. The mma and fma kernels stage the weights in shared memory when they
+fit beside the tile (227 KB per block on the H200), else read them through the L1 cache: correct but
+slower. Needs an sm_80+ GPU; built for whatever TORCH_CUDA_ARCH_LIST names (9.0 as sm_90a, for the
+wgmma kernel; no list: the visible GPUs', and no GPU: 9.0, the same flags an H100 / H200 picks).
 
-Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it
-against eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2 minutes
-on a GPU machine's 16 cores, up to 5 on a 2-core laptop or CI runner);
-later imports load it from PyTorch's extension cache. Set CONTACT_MAP_VERBOSE=1 to see the compiler
-output, including `ptxas -v` register and spill counts.
+Half precision and training: float16 / bfloat16 input and parameters are converted to float32 at the
+boundary (PyTorch casts), the kernel runs as above, and the output comes back in the input's dtype (the
+autocast dtype under CUDA autocast, as the reference's). The backward runs in PyTorch ops
+(contact_map_backward, float32 inside): it saves only the inputs and recomputes the LayerNorm, s and the
+MLP for chunks of rows i (about 256 MB each), so no (B, N, N, hidden) tensor is ever whole; its one
+(B, N, N, C) buffer becomes the input's gradient. Gradients for the input and every parameter; double
+backward raises.
+
+Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it against
+eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2.5 minutes on a
+2-core machine); later imports load it from PyTorch's extension cache. Set CONTACT_MAP_VERBOSE=1 to see the
+compiler output, including `ptxas -v` register and spill counts.
 """
 import hashlib
 import os
@@ -177,7 +81,14 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 from torch.utils.cpp_extension import load_inline
+
+# The variant table, read by ModelNew, by the CUDA enum `Variant` (generated from it below: the
+# forward's TORCH_CHECK reads Variant::kCount) and by the dispatch in forward(). _KERNELS names the
+# kernel that ran (the forward returns its index, CUDA enum `Kernel`), for `model.last_variant`.
+_VARIANT_IDS = {"auto": 0, "mma": 1, "fma": 2}  # first = default
+_KERNELS = ("wgmma", "mma", "fma")
 
 CUDA_SRC = r"""
 #include <torch/extension.h>
@@ -189,13 +100,18 @@ CUDA_SRC = r"""
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
 namespace contact_map {
 
+// What the caller asks for (ModelNew.variant) and what runs; generated from _VARIANT_IDS / _KERNELS.
+enum class Variant : int { @VARIANT_ENUM@ };
+enum class Kernel : int { @KERNEL_ENUM@ };
+
 // =============================================================================================
-// Helpers
+// Common pieces
 // =============================================================================================
 constexpr int TILE = 8;                  // a tile is 8 x 8 positions (i in I-tile, j in J-tile)
 constexpr int PAIRS = TILE * TILE;       // 64 pairs per tile
@@ -237,7 +153,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 
 // s = (LN(va) + LN(vb)) / 2 per component: va, vb the raw values of x[b,i,j] and x[b,j,i] at the
 // same 4 channels, (ma, ra) and (mb, rb) their rows' mean and 1 / std, gg and be gamma and beta.
-// One expression for every variant (v1-v3 build s^T, v5 build_s, v7 stats_build_fused).
+// One expression for the fma kernel's s^T and the mma kernel's build_s and stats_build_fused.
 __device__ __forceinline__ float4 sym_ln4(float4 va, float4 vb, float ma, float ra, float mb, float rb, float4 gg,
                                           float4 be) {
   float4 o;
@@ -261,17 +177,111 @@ __device__ __forceinline__ float relu(float v) {
   return r;
 }
 
-// LayerNorm statistics by the corrected two-pass algorithm (Chan, Golub & LeVeque 1983): with the first
-// pass's mean m and d = x - m over the C valid channels, d1 = sum d, d2 = sum d^2:
+// LayerNorm statistics by the corrected two-sweep algorithm (Chan, Golub & LeVeque 1983): with the first
+// sweep's mean m and d = x - m over the C valid channels, d1 = sum d, d2 = sum d^2:
 // mean = m + d1 / C, var = (d2 - d1^2 / C) / C. The correction absorbs the rounding of m, which a
-// plain two-pass keeps: on a row of one value at C = 48 or 80, m = sum * (1 / C) misses the value by an
-// ulp and rstd = 1 / sqrt(eps) turned that into 160x the reference's error (ninth session's review).
+// plain two-sweep keeps: on a row of one value at C = 48 or 80, m = sum * (1 / C) misses the value by an
+// ulp and rstd = 1 / sqrt(eps) turned that into 160x the reference's error.
 __device__ __forceinline__ void ln_stats(float m, float d1, float d2, float inv_c, float eps, float& mean, float& rstd) {
   mean = m + d1 * inv_c;
   const float var = (d2 - d1 * d1 * inv_c) * inv_c;
   rstd = rsqrtf((var < 0.f ? 0.f : var) + eps);
 }
 
+// Tile (I, J) as linear index u in [0, nT(nT+1)/2): u = J(J+1)/2 + I with I <= J. Below 2^31 tiles
+// (every realistic input) in 32-bit arithmetic with a float square root (~710 cycles per tile against
+// 905 with a 64-bit division and a double square root: NOTES.md); the loops correct the root's rounding
+// either way.
+__device__ __forceinline__ void decode_tile(long long t, long long tiles_per_b, int& b, int& I, int& J) {
+  long long u, jj;
+  if (t + tiles_per_b < (1ll << 31)) {
+    const unsigned tu = static_cast<unsigned>(t), tpb = static_cast<unsigned>(tiles_per_b);
+    const unsigned q = tu / tpb;
+    b = static_cast<int>(q);
+    u = tu - q * tpb;
+    jj = static_cast<long long>((sqrtf(8.f * static_cast<float>(u) + 1.f) - 1.f) * 0.5f);
+  } else {
+    b = static_cast<int>(t / tiles_per_b);
+    u = t - static_cast<long long>(b) * tiles_per_b;
+    jj = static_cast<long long>((sqrt(8.0 * static_cast<double>(u) + 1.0) - 1.0) * 0.5);
+  }
+  while (jj * (jj + 1) / 2 > u) --jj;
+  while ((jj + 1) * (jj + 2) / 2 <= u) ++jj;
+  J = static_cast<int>(jj);
+  I = static_cast<int>(u - jj * (jj + 1) / 2);
+}
+
+// decode_tile for t < 2^31 and row J < 46341 (jj (jj + 1) in int; the host checks both): the wgmma
+// kernel's tile producer, in 24 registers.
+__device__ __forceinline__ void decode_tile32(unsigned t, unsigned tiles_per_b, int& b, int& I, int& J) {
+  const unsigned q = t / tiles_per_b, u = t - q * tiles_per_b;
+  int jj = static_cast<int>((sqrtf(8.f * static_cast<float>(u) + 1.f) - 1.f) * 0.5f);
+  while (static_cast<unsigned>(jj * (jj + 1) / 2) > u) --jj;
+  while (static_cast<unsigned>((jj + 1) * (jj + 2) / 2) <= u) ++jj;
+  b = static_cast<int>(q);
+  J = jj;
+  I = static_cast<int>(u - static_cast<unsigned>(jj * (jj + 1) / 2));
+}
+
+// Parameters into shared memory, zero-padded: gamma, beta (CP); b1, b2, w3 (HP). Asynchronous
+// (cp.async, zero-filled past C / H): they land with the first tile's copies, waited for with them.
+template <int NTHR = THREADS>
+__device__ __forceinline__ void stage_vectors(const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              const float* __restrict__ b1, const float* __restrict__ b2,
+                                              const float* __restrict__ w3, int C, int H, int CP, int HP,
+                                              float* gam) {
+  float *bet = gam + CP, *b1s = bet + CP, *b2s = b1s + HP, *w3s = b2s + HP;
+  for (int c = threadIdx.x; c < CP; c += NTHR) {
+    const bool ok = c < C;
+    cp_async4(gam + c, ln_w + (ok ? c : 0), ok);
+    cp_async4(bet + c, ln_b + (ok ? c : 0), ok);
+  }
+  for (int h = threadIdx.x; h < HP; h += NTHR) {
+    const bool ok = h < H;
+    cp_async4(b1s + h, b1 + (ok ? h : 0), ok);
+    cp_async4(b2s + h, b2 + (ok ? h : 0), ok);
+    cp_async4(w3s + h, w3 + (ok ? h : 0), ok);
+  }
+  cp_async_commit();
+}
+
+// ---- split TF32 -----------------------------------------------------------------------------
+// x = hi + lo with hi = x rounded to TF32 (10 mantissa bits) and lo = (x - hi) rounded to TF32; x - hi
+// is exact in fp32. a*b ~ hi_a*hi_b + hi_a*lo_b + lo_a*hi_b: the dropped lo_a*lo_b is ~2^-22 |a*b|.
+// (The "3xTF32" scheme of CUTLASS's tfloat32x3 / big+small GEMMs.) On sm_90 cvt.rna.tf32.f32 is
+// emulated (4 instructions with an Inf/NaN test), so a split costs 9 instructions.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - __uint_as_float(hi));
+}
+// The split in 4 instructions: hi = x rounded to TF32 by adding half a TF32 ulp to the magnitude and
+// clearing the low 13 bits (ties away from zero, as cvt.rna); lo = x - hi (exact in fp32) truncated to
+// TF32 by clearing its low 13 bits (lo's error is then ~2^-21 |x| instead of ~2^-22, against 2^-24 for an
+// fp32 rounding; the max errors: NOTES.md). Finite x only: within half a TF32 ulp of FLT_MAX, hi becomes
+// inf and the products NaN (cvt.rna.tf32 does the same); the operands here are LayerNorm and ReLU outputs
+// and the weights. MASK_LO = false: lo keeps its low 13 bits, one LOP3 less. The tensor cores read the top
+// 19 bits of a TF32 operand, which is the same truncation (with and without the mask the outputs were
+// bit-identical on the H200: NOTES.md).
+template <bool MASK_LO = true>
+__device__ __forceinline__ void split_tf32_fast(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
+  if constexpr (MASK_LO) lo &= 0xffffe000u;
+}
+template <bool FAST>
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+  if constexpr (FAST) split_tf32_fast(x, hi, lo);
+  else split_tf32(x, hi, lo);
+}
+
+// =============================================================================================
+// The fma kernel: plain fp32 FMA products, no tensor cores (the check on the other two)
+// =============================================================================================
 // Hidden unit owned by register r of the thread at hidden-group hg (0..15), RH = HP / 16 units per
 // thread. For RH >= 4 the units come in float4 groups interleaved across the 16 threads, so a
 // warp's 16-byte weight loads cover one contiguous 256-byte run (no bank conflicts).
@@ -332,82 +342,227 @@ __device__ __forceinline__ void mlp_gemm(const float* A, int K, const float* WT,
   }
 }
 
-// v3: the same product with the operands of the next G values of k loaded into registers while
-// the FMAs of the current G run (two named register buffers, so no run-time register indexing).
-// In v2 the warps stalled on these shared-memory loads (ncu, crop: "short scoreboard" was 36% of
-// the stall cycles at 2 warps per scheduler). K must be a multiple of G (CP and HP are multiples
-// of 4).
-template <int RH, bool W_SMEM>
-__device__ __forceinline__ void mlp_gemm_pipelined(const float* A, int K, const float* WT, int HP,
-                                                   const float* __restrict__ Wg, int n_in, int n_out,
-                                                   int pg, int hg, float (&acc)[RM][RH]) {
-  constexpr int G = RH <= 8 ? 4 : 2;  // k values per register buffer (register budget)
-  float4 a0[G], a1[G];
-  float w0[G][RH], w1[G][RH];
-  auto load = [&](float4 (&a)[G], float (&w)[G][RH], int k0) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      a[g] = *reinterpret_cast<const float4*>(A + (k0 + g) * LDP + pg * RM);
-      if constexpr (W_SMEM) load_w_smem<RH>(WT + (k0 + g) * HP, hg, w[g]);
-      else load_w_global<RH>(Wg, n_in, n_out, k0 + g, hg, w[g]);
-    }
-  };
-  auto fma_group = [&](const float4 (&a)[G], const float (&w)[G][RH]) {
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int r = 0; r < RH; ++r) {
-        acc[0][r] = fmaf(a[g].x, w[g][r], acc[0][r]);
-        acc[1][r] = fmaf(a[g].y, w[g][r], acc[1][r]);
-        acc[2][r] = fmaf(a[g].z, w[g][r], acc[2][r]);
-        acc[3][r] = fmaf(a[g].w, w[g][r], acc[3][r]);
-      }
-  };
-  load(a0, w0, 0);
-  for (int k0 = 0; k0 < K; k0 += 2 * G) {
-    load(a1, w1, k0 + G < K ? k0 + G : k0);  // past the end: reload (harmless, no branch)
-    fma_group(a0, w0);
-    if (k0 + G >= K) break;
-    load(a0, w0, k0 + 2 * G < K ? k0 + 2 * G : k0);
-    fma_group(a1, w1);
+// Queue the copies of tile (b, I, J) into shared memory:
+//   raw[p]         = x[b, 8I+ti, 8J+tj, :]   (p = 8 ti + tj, rows 0..63)
+//   raw[PAIRS + p] = x[b, 8J+tj, 8I+ti, :]   (the mirror, rows 64..127)
+// Rows whose i or j is past N are zero-filled. Each row of x is C contiguous floats, so consecutive
+// threads' copies are consecutive chunks of a row: coalesced. A flat walk over (row, chunk) indices.
+__device__ __forceinline__ void load_tile_flat(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
+                                               int J, int N, int C, bool vec) {
+  const int per_row = vec ? C / 4 : C;
+  for (int e = threadIdx.x; e < 2 * PAIRS * per_row; e += THREADS) {
+    const int q = e % per_row, rr = e / per_row;
+    const int p = rr % PAIRS, mirror = rr / PAIRS;
+    const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
+    const bool valid = i < N && j < N;
+    const long long row = mirror ? (static_cast<long long>(b) * N + j) * N + i
+                                 : (static_cast<long long>(b) * N + i) * N + j;
+    if (vec) cp_async16(raw + rr * raw_ld + 4 * q, valid ? x + row * C + 4 * q : x, valid);
+    else cp_async4(raw + rr * raw_ld + q, valid ? x + row * C + q : x, valid);
   }
 }
 
-// ---- split TF32 on the tensor cores (v5) ----------------------------------------------------
-// x = hi + lo with hi = x rounded to TF32 (10 mantissa bits) and lo = (x - hi) rounded to TF32; x - hi
-// is exact in fp32. a*b ~ hi_a*hi_b + hi_a*lo_b + lo_a*hi_b: the dropped lo_a*lo_b is ~2^-22 |a*b|.
-// (The "3xTF32" scheme of CUTLASS's tfloat32x3 / big+small GEMMs.) On sm_90 cvt.rna.tf32.f32 is
-// emulated (4 instructions with an Inf/NaN test), so a split costs 9 instructions.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = to_tf32(x);
-  lo = to_tf32(x - __uint_as_float(hi));
-}
-// v7's split in 4 instructions: hi = x rounded to TF32 by adding half a TF32 ulp to the magnitude
-// and clearing the low 13 bits (ties away from zero, as cvt.rna); lo = x - hi (exact in fp32)
-// truncated to TF32 by clearing its low 13 bits (lo's error is then ~2^-21 |x| instead of ~2^-22,
-// against 2^-24 for an fp32 rounding; the max errors: NOTES.md). Finite x only: within half a TF32
-// ulp of FLT_MAX, hi becomes inf and the products NaN (cvt.rna.tf32 does the same); the operands
-// here are LayerNorm and ReLU outputs and the weights. MASK_LO = false (v13's wgmma operands): lo
-// keeps its low 13 bits, one LOP3 less. The tensor cores read the top 19 bits of a TF32 operand,
-// which is the same truncation (with and without the mask, 10 of 10 outputs bit-identical on the
-// H200: scratch build, eleventh session's device run 4).
-template <bool MASK_LO = true>
-__device__ __forceinline__ void split_tf32_fast(float x, uint32_t& hi, uint32_t& lo) {
-  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-  lo = __float_as_uint(x - __uint_as_float(hi));
-  if constexpr (MASK_LO) lo &= 0xffffe000u;
-}
-template <bool FAST>
-__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
-  if constexpr (FAST) split_tf32_fast(x, hi, lo);
-  else split_tf32(x, hi, lo);
+// Shared-memory layout of the fma kernel, in floats (every term a multiple of 4: 16-byte aligned).
+struct Smem {
+  int raw, st, w1t, w2t, vec, stats, total;
+  __host__ __device__ Smem(int CP, int HP, bool w_smem) {
+    raw = 2 * PAIRS * (CP + 4);                   // x tile and its mirror, rows padded by 4 floats
+    st = (CP > HP ? CP : HP) * LDP;               // s^T (CP x 64), later h1^T (HP x 64)
+    w1t = w_smem ? CP * HP : 0;                   // W1^T zero-padded
+    w2t = w_smem ? HP * HP : 0;                   // W2^T zero-padded
+    vec = 2 * CP + 3 * HP;                        // gamma, beta, b1, b2, w3 (zero-padded)
+    stats = 4 * PAIRS;                            // mean, rstd of the 128 vectors
+    total = raw + st + w1t + w2t + vec + stats;
+  }
+};
+
+// Persistent; one 256-thread block per resident slot walks tiles (b, I <= J) with a stride of
+// gridDim.x. Per tile: stats -> s^T -> prefetch next tile -> GEMM1 -> h1^T -> GEMM2 -> layer 3.
+// Assumptions: C = pair_dim <= 256, CP = round_up(C, 4); H = hidden_dim <= HP (padded hidden);
+// vec => C % 4 == 0 and x 16-byte aligned. Shared memory: Smem(CP, HP, W_SMEM).total floats.
+template <int HP, bool W_SMEM>
+__global__ void __launch_bounds__(THREADS, 1)
+contact_map_fma_kernel(const float* __restrict__ x,       // (B, N, N, C)
+                       float* __restrict__ out,           // (B, N, N)
+                       const float* __restrict__ ln_w,    // (C)
+                       const float* __restrict__ ln_b,    // (C)
+                       const float* __restrict__ w1,      // (H, C)
+                       const float* __restrict__ b1,      // (H)
+                       const float* __restrict__ w2,      // (H, H)
+                       const float* __restrict__ b2,      // (H)
+                       const float* __restrict__ w3,      // (1, H)
+                       const float* __restrict__ b3,      // (1)
+                       float eps, int B, int N, int C, int H, int CP, bool vec) {
+  constexpr int RH = HP / TH_H;
+  extern __shared__ __align__(16) float smem[];
+  const Smem L(CP, HP, W_SMEM);
+  const int raw_ld = CP + 4;
+  float* raw = smem;                      // 2*PAIRS x raw_ld
+  float* st = raw + L.raw;                // max(CP, HP) x LDP
+  float* w1t = st + L.st;                 // CP x HP
+  float* w2t = w1t + L.w1t;               // HP x HP
+  float* gam = w2t + L.w2t;               // CP
+  float* bet = gam + CP;                  // CP
+  float* b1s = bet + CP;                  // HP
+  float* b2s = b1s + HP;                  // HP
+  float* w3s = b2s + HP;                  // HP
+  float* stats = w3s + HP;                // mean[128], rstd[128]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hg = tid & (TH_H - 1), pg = tid / TH_H;  // GEMM layout: a warp holds 2 pair groups
+  const int nT = cdiv(N, TILE);
+  const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2;
+  const long long total = static_cast<long long>(B) * tiles_per_b;
+
+  // Zero the raw rows once: their padding columns (c >= C) are never copied into and must stay 0.
+  for (int e = tid; e < L.raw; e += THREADS) raw[e] = 0.f;
+  __syncthreads();  // the zeros must land before any cp.async writes the same rows
+
+  long long t = blockIdx.x;
+  if (t < total) {
+    int b, I, J;
+    decode_tile(t, tiles_per_b, b, I, J);
+    load_tile_flat(x, raw, raw_ld, b, I, J, N, C, vec);
+  }
+  cp_async_commit();
+
+  // Parameters, zero-padded, once per block (overlaps the first tile's copies): W^T walked in
+  // shared-memory order (the global reads are strided by C: simple, not fast).
+  if constexpr (W_SMEM) {
+    for (int e = tid; e < CP * HP; e += THREADS) {
+      const int k = e / HP, h = e % HP;
+      w1t[e] = (k < C && h < H) ? __ldg(w1 + static_cast<long long>(h) * C + k) : 0.f;
+    }
+    for (int e = tid; e < HP * HP; e += THREADS) {
+      const int k = e / HP, h = e % HP;
+      w2t[e] = (k < H && h < H) ? __ldg(w2 + static_cast<long long>(h) * H + k) : 0.f;
+    }
+  }
+  stage_vectors(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);  // gam | bet | b1s | b2s | w3s
+  const float bias3 = __ldg(b3);
+  const float inv_c = 1.f / static_cast<float>(C);
+
+  for (; t < total; t += gridDim.x) {
+    int b, I, J;
+    decode_tile(t, tiles_per_b, b, I, J);
+    cp_async_wait_all();
+    __syncthreads();  // this tile's copies (all threads') and the parameters are in shared memory
+
+    // LayerNorm statistics of the 128 vectors (ln_stats' corrected two-sweep over shared memory), one
+    // warp per vector: 16 vectors per warp in sequence, each ending in 5-step shuffle reductions.
+    for (int r = warp; r < 2 * PAIRS; r += THREADS / 32) {
+      const float* row = raw + r * raw_ld;
+      float s = 0.f;
+      for (int c = lane; c < C; c += 32) s += row[c];
+      const float mean = warp_sum(s) * inv_c;
+      float v = 0.f, e = 0.f;
+      for (int c = lane; c < C; c += 32) {
+        const float d = row[c] - mean;
+        v = fmaf(d, d, v);
+        e += d;
+      }
+      const float d2 = warp_sum(v), d1 = warp_sum(e);
+      if (lane == 0) {
+        float mc, rs;
+        ln_stats(mean, d1, d2, inv_c, eps, mc, rs);
+        stats[r] = mc;
+        stats[2 * PAIRS + r] = rs;
+      }
+    }
+    __syncthreads();  // statistics visible to all threads
+
+    // s^T[c][p] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2; thread: pair p = tid % 64, c in float4
+    // steps of 4. Reads 16 B per row (conflict-free: row stride = 4 mod 32 words), writes one
+    // column of s^T (consecutive p across the warp: conflict-free).
+    {
+      const int p = tid & (PAIRS - 1);
+      const float ma = stats[p], mb = stats[PAIRS + p];
+      const float ra = stats[2 * PAIRS + p], rb = stats[3 * PAIRS + p];
+      const float* ra_row = raw + p * raw_ld;
+      const float* rb_row = raw + (PAIRS + p) * raw_ld;
+      for (int c4 = tid / PAIRS; c4 < CP / 4; c4 += THREADS / PAIRS) {
+        const float4 va = *reinterpret_cast<const float4*>(ra_row + 4 * c4);
+        const float4 vb = *reinterpret_cast<const float4*>(rb_row + 4 * c4);
+        const float4 g = *reinterpret_cast<const float4*>(gam + 4 * c4);
+        const float4 be = *reinterpret_cast<const float4*>(bet + 4 * c4);
+        float* col = st + 4 * c4 * LDP + p;
+        const float4 o = sym_ln4(va, vb, ma, ra, mb, rb, g, be);
+        col[0 * LDP] = o.x;
+        col[1 * LDP] = o.y;
+        col[2 * LDP] = o.z;
+        col[3 * LDP] = o.w;
+      }
+    }
+    __syncthreads();  // s^T complete; the raw buffers are free for the next tile
+
+    if (t + gridDim.x < total) {
+      int nb, nI, nJ;
+      decode_tile(t + gridDim.x, tiles_per_b, nb, nI, nJ);
+      load_tile_flat(x, raw, raw_ld, nb, nI, nJ, N, C, vec);
+    }
+    cp_async_commit();
+
+    // h1[p][h] = relu(sum_c s[p][c] W1[h][c] + b1[h])
+    float acc[RM][RH];
+#pragma unroll
+    for (int m = 0; m < RM; ++m)
+#pragma unroll
+      for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
+    mlp_gemm<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
+    __syncthreads();  // every thread is done reading s^T before h1^T overwrites it
+#pragma unroll
+    for (int r = 0; r < RH; ++r) {
+      const int h = hidden_of<RH>(r, hg);
+      const float bb = b1s[h];
+      float4 v;
+      v.x = relu(acc[0][r] + bb);
+      v.y = relu(acc[1][r] + bb);
+      v.z = relu(acc[2][r] + bb);
+      v.w = relu(acc[3][r] + bb);
+      *reinterpret_cast<float4*>(st + h * LDP + pg * RM) = v;  // padded units: relu(0 + 0) = 0
+    }
+    __syncthreads();  // h1^T complete
+
+    // h2[p][g] = relu(sum_h h1[p][h] W2[g][h] + b2[g]); z[p] = sum_g w3[g] h2[p][g]
+#pragma unroll
+    for (int m = 0; m < RM; ++m)
+#pragma unroll
+      for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
+    mlp_gemm<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
+    float z[RM];
+#pragma unroll
+    for (int m = 0; m < RM; ++m) {
+      z[m] = 0.f;
+#pragma unroll
+      for (int r = 0; r < RH; ++r) {
+        const int h = hidden_of<RH>(r, hg);
+        z[m] = fmaf(w3s[h], relu(acc[m][r] + b2s[h]), z[m]);
+      }
+      // sum over the 16 hidden groups: lanes hg = 0..15 of this half-warp
+#pragma unroll
+      for (int o = TH_H / 2; o > 0; o >>= 1) z[m] += __shfl_xor_sync(0xffffffffu, z[m], o);
+    }
+    // out[b,i,j] = out[b,j,i] = sigmoid(z + b3). The next iteration's first barrier orders this
+    // tile's reads of h1^T before the next s^T is written.
+    if (hg == 0) {
+#pragma unroll
+      for (int m = 0; m < RM; ++m) {
+        const int p = pg * RM + m;
+        const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
+        if (i < N && j < N) {
+          const float o = 1.f / (1.f + expf(-(z[m] + bias3)));
+          out[(static_cast<long long>(b) * N + i) * N + j] = o;
+          out[(static_cast<long long>(b) * N + j) * N + i] = o;
+        }
+      }
+    }
+  }
+  cp_async_wait_all();  // no copy may be left in flight when the block exits
 }
 
+// =============================================================================================
+// The mma kernel (sm_80+): both products on mma.sync in split TF32, tiles by cp.async
+// =============================================================================================
 // d += A(16 x 8, row-major) * B(8 x 8, column-major), TF32 inputs, fp32 accumulate (sm_80+).
 // Fragments (g = lane / 4, t = lane % 4): a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]},
 // b = {B[t][g], B[t+4][g]}, d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}.
@@ -457,11 +612,11 @@ __device__ __forceinline__ void stage_weight_fragments(const float* __restrict__
 // step), or (kGlobal) the global W (n_out x n_in) read through L1 and split here.
 // Accumulation: the big products hi*hi of each k step go into a zeroed register set that is then
 // added to acc with an ordinary fp32 add (the tensor cores' internal accumulation truncates, so acc
-// never passes through it: the promotion FP8 GEMMs use), so the rounding of acc is that of an fp32
+// never goes through it: the promotion FP8 GEMMs use), so the rounding of acc is that of an fp32
 // FMA loop. The small products lo*hi and hi*lo (~2^-11 of the big ones) accumulate on the tensor
 // cores in two separate register sets over all of K (one set for 8+ n tiles per warp: registers;
 // their truncation error is ~2^-33 relative) and are added at the end. Each mma depends on at most
-// one earlier mma. (v5's first cut chained the three products of every k step into one set; this
+// one earlier mma. (An earlier build chained the three products of every k step into one set; this
 // order was meant to shorten the dependency chains but measured ~5% slower: NOTES.md, to re-test.)
 template <int NTW, WFormat WF, bool FAST>
 __device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const void* Wf, int NT, int nt0,
@@ -510,45 +665,12 @@ __device__ __forceinline__ void tc_gemm(const float* A, int lda, int K, const vo
     for (int q = 0; q < 4; ++q) acc[nt][q] += NTW >= 8 ? sm1[nt][q] : sm1[nt][q] + sm2[nt][q];
 }
 
-// Tile (I, J) as linear index u in [0, nT(nT+1)/2): u = J(J+1)/2 + I with I <= J. Below 2^31 tiles
-// (every realistic input) in 32-bit arithmetic with a float square root (clock64 at batch: 905 cycles
-// per tile with the 64-bit division and double square root, ~710 with this: NOTES.md); the loops
-// correct the root's rounding either way.
-__device__ __forceinline__ void decode_tile(long long t, long long tiles_per_b, int& b, int& I, int& J) {
-  long long u, jj;
-  if (t + tiles_per_b < (1ll << 31)) {
-    const unsigned tu = static_cast<unsigned>(t), tpb = static_cast<unsigned>(tiles_per_b);
-    const unsigned q = tu / tpb;
-    b = static_cast<int>(q);
-    u = tu - q * tpb;
-    jj = static_cast<long long>((sqrtf(8.f * static_cast<float>(u) + 1.f) - 1.f) * 0.5f);
-  } else {
-    b = static_cast<int>(t / tiles_per_b);
-    u = t - static_cast<long long>(b) * tiles_per_b;
-    jj = static_cast<long long>((sqrt(8.0 * static_cast<double>(u) + 1.0) - 1.0) * 0.5);
-  }
-  while (jj * (jj + 1) / 2 > u) --jj;
-  while ((jj + 1) * (jj + 2) / 2 <= u) ++jj;
-  J = static_cast<int>(jj);
-  I = static_cast<int>(u - jj * (jj + 1) / 2);
-}
-
-// decode_tile for t < 2^31 and row J < 46341 (jj (jj + 1) in int; the host checks both; v19's producer, in 24
-// registers).
-__device__ __forceinline__ void decode_tile32(unsigned t, unsigned tiles_per_b, int& b, int& I, int& J) {
-  const unsigned q = t / tiles_per_b, u = t - q * tiles_per_b;
-  int jj = static_cast<int>((sqrtf(8.f * static_cast<float>(u) + 1.f) - 1.f) * 0.5f);
-  while (static_cast<unsigned>(jj * (jj + 1) / 2) > u) --jj;
-  while (static_cast<unsigned>((jj + 1) * (jj + 2) / 2) <= u) ++jj;
-  b = static_cast<int>(q);
-  J = jj;
-  I = static_cast<int>(u - static_cast<unsigned>(jj * (jj + 1) / 2));
-}
-
-// Rows row0..row1-1 of load_tile below (v2 and later: a warp copies whole rows, so the index
-// arithmetic is per row), by nw warps of which the caller is warp wid. v5/v7 queue a tile in two
-// halves, the mirror half after the first product (measured 3-5% faster than all at once: NOTES.md);
-// v9 by the warps idle in the first product.
+// Queue the copies of rows row0..row1-1 of tile (b, I, J) into shared memory, by nw warps of which the
+// caller is warp wid (a warp copies whole rows, so the index arithmetic is per row):
+//   raw[p]         = x[b, 8I+ti, 8J+tj, :]   (p = 8 ti + tj, rows 0..63)
+//   raw[PAIRS + p] = x[b, 8J+tj, 8I+ti, :]   (the mirror, rows 64..127)
+// Rows whose i or j is past N are zero-filled. The kernel queues a tile in two parts (NOTES.md: 3-5%
+// faster than all at once): the first rows before or during GEMM1, the rest after it.
 __device__ __forceinline__ void load_rows(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
                                           int J, int N, int C, bool vec, int row0, int row1, int wid, int nw) {
   const int per_row = vec ? C / 4 : C, lane = threadIdx.x & 31;
@@ -571,48 +693,15 @@ __device__ __forceinline__ void load_rows(const float* __restrict__ x, float* ra
 //   raw[p]         = x[b, 8I+ti, 8J+tj, :]   (p = 8 ti + tj, rows 0..63)
 //   raw[PAIRS + p] = x[b, 8J+tj, 8I+ti, :]   (the mirror, rows 64..127)
 // Rows whose i or j is past N are zero-filled. Each row of x is C contiguous floats, so a warp's
-// copies cover whole rows: coalesced. v1 walks flat (row, chunk) indices (two integer divisions
-// per copy); v2 and later: load_rows.
-template <int V, int NTHR = THREADS>
-__device__ __forceinline__ void load_tile(const float* __restrict__ x, float* raw, int raw_ld, int b, int I,
-                                          int J, int N, int C, bool vec) {
-  if constexpr (V == 1) {
-    const int per_row = vec ? C / 4 : C;
-    for (int e = threadIdx.x; e < 2 * PAIRS * per_row; e += THREADS) {
-      const int q = e % per_row, rr = e / per_row;
-      const int p = rr % PAIRS, mirror = rr / PAIRS;
-      const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
-      const bool valid = i < N && j < N;
-      const long long row = mirror ? (static_cast<long long>(b) * N + j) * N + i
-                                   : (static_cast<long long>(b) * N + i) * N + j;
-      if (vec) cp_async16(raw + rr * raw_ld + 4 * q, valid ? x + row * C + 4 * q : x, valid);
-      else cp_async4(raw + rr * raw_ld + q, valid ? x + row * C + q : x, valid);
-    }
-  } else {
-    load_rows(x, raw, raw_ld, b, I, J, N, C, vec, 0, 2 * PAIRS, threadIdx.x >> 5, NTHR / 32);
-  }
-}
 
-// dst[k][h] = W[h][k] for k < n_in, h < n_out; 0 elsewhere in the (kp x hp) shared matrix.
-// W: (n_out, n_in) row-major in global memory. Reads coalesced along k, 4 loads in flight.
-__device__ __forceinline__ void stage_transposed(const float* __restrict__ W, int n_in, int n_out,
-                                                 float* dst, int kp, int hp) {
-  const int n = n_in * n_out;
-#pragma unroll 4
-  for (int e = threadIdx.x; e < n; e += THREADS) dst[(e % n_in) * hp + e / n_in] = __ldg(W + e);
-  for (int e = threadIdx.x; e < kp * hp; e += THREADS) {
-    const int k = e / hp, h = e % hp;
-    if (k >= n_in || h >= n_out) dst[e] = 0.f;
-  }
-}
 
-// LayerNorm statistics of the 128 rows of raw (2 * PAIRS x raw_ld, zero beyond column C), two-pass
-// (exact mean, then the mean of squared deviations: no cancellation at large offsets):
+// LayerNorm statistics of the 128 rows of raw (2 * PAIRS x raw_ld, zero beyond column C), ln_stats'
+// corrected two-sweep (a first mean, then the sums of the deviations and their squares):
 // stats[r] = mean, stats[2 * PAIRS + r] = 1 / sqrt(var + eps). nq = cdiv(C, 4) float4s per row.
 // TPR = NTHR / 128 threads per vector (2 or 4), each summing every TPR-th float4 of the row,
 // combined with shuffles. A warp holds 32 / TPR rows: lane l takes row l % (32 / TPR) of them and
 // part l / (32 / TPR), so the 8 lanes of a quarter-warp read the same float4 column of 8 consecutive
-// rows: conflict-free when raw_ld = 4 (mod 8) words (v5, v7: CP % 8 == 0), 2-way otherwise.
+// rows: conflict-free when raw_ld = 4 (mod 8) words (CP % 8 == 0 here), 2-way otherwise.
 template <int NTHR = THREADS>
 __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq, int C, float inv_c,
                                            float eps, float* stats) {
@@ -621,7 +710,7 @@ __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq,
   const int r = (threadIdx.x >> 5) * RPW + lane % RPW, part = lane / RPW;
   const float* row = raw + r * raw_ld;
   // Four partial sums per thread (this thread's float4s in turn): shorter rounding chains
-  // than one running sum (v2/v3 had one: at N = 1 its error was 7x the fp32 reference's).
+  // than one running sum (with one, the error at N = 1 was 7x the fp32 reference's).
   float s4[4] = {0.f, 0.f, 0.f, 0.f};
   for (int q0 = part; q0 < nq; q0 += 4 * TPR) {
 #pragma unroll
@@ -669,244 +758,7 @@ __device__ __forceinline__ void tile_stats(const float* raw, int raw_ld, int nq,
 }
 
 // Parameters into shared memory, zero-padded: gamma, beta (CP); b1, b2, w3 (HP). Asynchronous
-// (cp.async, zero-filled past C / H): they land with the first tile's copies, waited for with them.
-template <int NTHR = THREADS>
-__device__ __forceinline__ void stage_vectors(const float* __restrict__ ln_w, const float* __restrict__ ln_b,
-                                              const float* __restrict__ b1, const float* __restrict__ b2,
-                                              const float* __restrict__ w3, int C, int H, int CP, int HP,
-                                              float* gam) {
-  float *bet = gam + CP, *b1s = bet + CP, *b2s = b1s + HP, *w3s = b2s + HP;
-  for (int c = threadIdx.x; c < CP; c += NTHR) {
-    const bool ok = c < C;
-    cp_async4(gam + c, ln_w + (ok ? c : 0), ok);
-    cp_async4(bet + c, ln_b + (ok ? c : 0), ok);
-  }
-  for (int h = threadIdx.x; h < HP; h += NTHR) {
-    const bool ok = h < H;
-    cp_async4(b1s + h, b1 + (ok ? h : 0), ok);
-    cp_async4(b2s + h, b2 + (ok ? h : 0), ok);
-    cp_async4(w3s + h, w3 + (ok ? h : 0), ok);
-  }
-  cp_async_commit();
-}
-
-// Shared-memory layout of the kernel, in floats (every term a multiple of 4: 16-byte aligned).
-struct Smem {
-  int raw, st, w1t, w2t, vec, stats, total;
-  __host__ __device__ Smem(int CP, int HP, bool w_smem) {
-    raw = 2 * PAIRS * (CP + 4);                   // x tile and its mirror, rows padded by 4 floats
-    st = (CP > HP ? CP : HP) * LDP;               // s^T (CP x 64), later h1^T (HP x 64)
-    w1t = w_smem ? CP * HP : 0;                   // W1^T zero-padded
-    w2t = w_smem ? HP * HP : 0;                   // W2^T zero-padded
-    vec = 2 * CP + 3 * HP;                        // gamma, beta, b1, b2, w3 (zero-padded)
-    stats = 4 * PAIRS;                            // mean, rstd of the 128 vectors
-    total = raw + st + w1t + w2t + vec + stats;
-  }
-};
-
-// =============================================================================================
-// Kernels
-// =============================================================================================
-// Persistent; one 256-thread block per resident slot walks tiles (b, I <= J) with a stride of
-// gridDim.x. Per tile: stats -> s^T -> prefetch next tile -> GEMM1 -> h1^T -> GEMM2 -> layer 3.
-// Assumptions: C = pair_dim <= 256, CP = round_up(C, 4); H = hidden_dim <= HP (padded hidden);
-// vec => C % 4 == 0 and x 16-byte aligned. Shared memory: Smem(CP, HP, W_SMEM).total floats.
-template <int V, int HP, bool W_SMEM>
-__global__ void __launch_bounds__(THREADS, 1)
-contact_map_kernel(const float* __restrict__ x,       // (B, N, N, C)
-                      float* __restrict__ out,           // (B, N, N)
-                      const float* __restrict__ ln_w,    // (C)
-                      const float* __restrict__ ln_b,    // (C)
-                      const float* __restrict__ w1,      // (H, C)
-                      const float* __restrict__ b1,      // (H)
-                      const float* __restrict__ w2,      // (H, H)
-                      const float* __restrict__ b2,      // (H)
-                      const float* __restrict__ w3,      // (1, H)
-                      const float* __restrict__ b3,      // (1)
-                      float eps, int B, int N, int C, int H, int CP, bool vec) {
-  constexpr int RH = HP / TH_H;
-  extern __shared__ __align__(16) float smem[];
-  const Smem L(CP, HP, W_SMEM);
-  const int raw_ld = CP + 4;
-  float* raw = smem;                      // 2*PAIRS x raw_ld
-  float* st = raw + L.raw;                // max(CP, HP) x LDP
-  float* w1t = st + L.st;                 // CP x HP
-  float* w2t = w1t + L.w1t;               // HP x HP
-  float* gam = w2t + L.w2t;               // CP
-  float* bet = gam + CP;                  // CP
-  float* b1s = bet + CP;                  // HP
-  float* b2s = b1s + HP;                  // HP
-  float* w3s = b2s + HP;                  // HP
-  float* stats = w3s + HP;                // mean[128], rstd[128]
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hg = tid & (TH_H - 1), pg = tid / TH_H;  // GEMM layout: a warp holds 2 pair groups
-  const int nT = cdiv(N, TILE);
-  const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2;
-  const long long total = static_cast<long long>(B) * tiles_per_b;
-
-  // Zero the raw rows once: their padding columns (c >= C) are never copied into and must stay 0.
-  for (int e = tid; e < L.raw; e += THREADS) raw[e] = 0.f;
-  __syncthreads();  // the zeros must land before any cp.async writes the same rows
-
-  long long t = blockIdx.x;
-  if (t < total) {
-    int b, I, J;
-    decode_tile(t, tiles_per_b, b, I, J);
-    load_tile<V>(x, raw, raw_ld, b, I, J, N, C, vec);
-  }
-  cp_async_commit();
-
-  // Parameters, zero-padded, once per block (overlaps the first tile's copies).
-  if constexpr (W_SMEM && V == 1) {
-    // v1: walk W^T in shared-memory order; the global reads are strided by C (uncoalesced).
-    for (int e = tid; e < CP * HP; e += THREADS) {
-      const int k = e / HP, h = e % HP;
-      w1t[e] = (k < C && h < H) ? __ldg(w1 + static_cast<long long>(h) * C + k) : 0.f;
-    }
-    for (int e = tid; e < HP * HP; e += THREADS) {
-      const int k = e / HP, h = e % HP;
-      w2t[e] = (k < H && h < H) ? __ldg(w2 + static_cast<long long>(h) * H + k) : 0.f;
-    }
-  } else if constexpr (W_SMEM) {
-    // v2: coalesced global reads in W's own order, unrolled so that many are in flight; the
-    // transposed shared-memory writes conflict, once per block. Padding written separately
-    // (disjoint addresses: no barrier needed between the two loops).
-    stage_transposed(w1, C, H, w1t, CP, HP);
-    stage_transposed(w2, H, H, w2t, HP, HP);
-  }
-  stage_vectors(ln_w, ln_b, b1, b2, w3, C, H, CP, HP, gam);  // gam | bet | b1s | b2s | w3s
-  const float bias3 = __ldg(b3);
-  const float inv_c = 1.f / static_cast<float>(C);
-
-  for (; t < total; t += gridDim.x) {
-    int b, I, J;
-    decode_tile(t, tiles_per_b, b, I, J);
-    cp_async_wait_all();
-    __syncthreads();  // this tile's copies (all threads') and the parameters are in shared memory
-
-    // LayerNorm statistics of the 128 vectors, two-pass over shared memory (exact mean, then the
-    // mean of squared deviations: no cancellation at large offsets).
-    if constexpr (V == 1) {
-      // v1: one warp per vector: 16 vectors per warp in sequence, each ending in two 5-step
-      // shuffle reductions (a long dependent chain: measured ~4 us per tile).
-      for (int r = warp; r < 2 * PAIRS; r += THREADS / 32) {
-        const float* row = raw + r * raw_ld;
-        float s = 0.f;
-        for (int c = lane; c < C; c += 32) s += row[c];
-        const float mean = warp_sum(s) * inv_c;
-        float v = 0.f, e = 0.f;
-        for (int c = lane; c < C; c += 32) {
-          const float d = row[c] - mean;
-          v = fmaf(d, d, v);
-          e += d;
-        }
-        const float d2 = warp_sum(v), d1 = warp_sum(e);
-        if (lane == 0) {
-          float mc, rs;
-          ln_stats(mean, d1, d2, inv_c, eps, mc, rs);
-          stats[r] = mc;
-          stats[2 * PAIRS + r] = rs;
-        }
-      }
-    } else {
-      tile_stats(raw, raw_ld, CP / 4, C, inv_c, eps, stats);
-    }
-    __syncthreads();  // statistics visible to all threads
-
-    // s^T[c][p] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2; thread: pair p = tid % 64, c in float4
-    // steps of 4. Reads 16 B per row (conflict-free: row stride = 4 mod 32 words), writes one
-    // column of s^T (consecutive p across the warp: conflict-free).
-    {
-      const int p = tid & (PAIRS - 1);
-      const float ma = stats[p], mb = stats[PAIRS + p];
-      const float ra = stats[2 * PAIRS + p], rb = stats[3 * PAIRS + p];
-      const float* ra_row = raw + p * raw_ld;
-      const float* rb_row = raw + (PAIRS + p) * raw_ld;
-      for (int c4 = tid / PAIRS; c4 < CP / 4; c4 += THREADS / PAIRS) {
-        const float4 va = *reinterpret_cast<const float4*>(ra_row + 4 * c4);
-        const float4 vb = *reinterpret_cast<const float4*>(rb_row + 4 * c4);
-        const float4 g = *reinterpret_cast<const float4*>(gam + 4 * c4);
-        const float4 be = *reinterpret_cast<const float4*>(bet + 4 * c4);
-        float* col = st + 4 * c4 * LDP + p;
-        const float4 o = sym_ln4(va, vb, ma, ra, mb, rb, g, be);
-        col[0 * LDP] = o.x;
-        col[1 * LDP] = o.y;
-        col[2 * LDP] = o.z;
-        col[3 * LDP] = o.w;
-      }
-    }
-    __syncthreads();  // s^T complete; the raw buffers are free for the next tile
-
-    if (t + gridDim.x < total) {
-      int nb, nI, nJ;
-      decode_tile(t + gridDim.x, tiles_per_b, nb, nI, nJ);
-      load_tile<V>(x, raw, raw_ld, nb, nI, nJ, N, C, vec);
-    }
-    cp_async_commit();
-
-    // h1[p][h] = relu(sum_c s[p][c] W1[h][c] + b1[h])
-    float acc[RM][RH];
-#pragma unroll
-    for (int m = 0; m < RM; ++m)
-#pragma unroll
-      for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
-    if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
-    else mlp_gemm<RH, W_SMEM>(st, CP, w1t, HP, w1, C, H, pg, hg, acc);
-    __syncthreads();  // every thread is done reading s^T before h1^T overwrites it
-#pragma unroll
-    for (int r = 0; r < RH; ++r) {
-      const int h = hidden_of<RH>(r, hg);
-      const float bb = b1s[h];
-      float4 v;
-      v.x = relu(acc[0][r] + bb);
-      v.y = relu(acc[1][r] + bb);
-      v.z = relu(acc[2][r] + bb);
-      v.w = relu(acc[3][r] + bb);
-      *reinterpret_cast<float4*>(st + h * LDP + pg * RM) = v;  // padded units: relu(0 + 0) = 0
-    }
-    __syncthreads();  // h1^T complete
-
-    // h2[p][g] = relu(sum_h h1[p][h] W2[g][h] + b2[g]); z[p] = sum_g w3[g] h2[p][g]
-#pragma unroll
-    for (int m = 0; m < RM; ++m)
-#pragma unroll
-      for (int r = 0; r < RH; ++r) acc[m][r] = 0.f;
-    if constexpr (V >= 3) mlp_gemm_pipelined<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
-    else mlp_gemm<RH, W_SMEM>(st, HP, w2t, HP, w2, H, H, pg, hg, acc);
-    float z[RM];
-#pragma unroll
-    for (int m = 0; m < RM; ++m) {
-      z[m] = 0.f;
-#pragma unroll
-      for (int r = 0; r < RH; ++r) {
-        const int h = hidden_of<RH>(r, hg);
-        z[m] = fmaf(w3s[h], relu(acc[m][r] + b2s[h]), z[m]);
-      }
-      // sum over the 16 hidden groups: lanes hg = 0..15 of this half-warp
-#pragma unroll
-      for (int o = TH_H / 2; o > 0; o >>= 1) z[m] += __shfl_xor_sync(0xffffffffu, z[m], o);
-    }
-    // out[b,i,j] = out[b,j,i] = sigmoid(z + b3). The next iteration's first barrier orders this
-    // tile's reads of h1^T before the next s^T is written.
-    if (hg == 0) {
-#pragma unroll
-      for (int m = 0; m < RM; ++m) {
-        const int p = pg * RM + m;
-        const int i = I * TILE + (p >> 3), j = J * TILE + (p & 7);
-        if (i < N && j < N) {
-          const float o = 1.f / (1.f + expf(-(z[m] + bias3)));
-          out[(static_cast<long long>(b) * N + i) * N + j] = o;
-          out[(static_cast<long long>(b) * N + j) * N + i] = o;
-        }
-      }
-    }
-  }
-  cp_async_wait_all();  // no copy may be left in flight when the block exits
-}
-
-// ---- pieces of the tensor-core kernel (v5) ------------------------------------------------------
-// s[p][c] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2 (sym_ln4, as v1-v3 and v7) from the raw
+// s[p][c] = (LN(x[b,i,j])[c] + LN(x[b,j,i])[c]) / 2 (sym_ln4) from the raw
 // tile (rows p and PAIRS + p) and its statistics into act (PAIRS x lds, row-major). Consecutive
 // threads take consecutive float4s of a row: conflict-free reads and writes when CP % 32 == 0
 // (2-way at CP = 8, 16, 24, 48, ...: a quarter-warp then spans two rows).
@@ -925,14 +777,14 @@ __device__ __forceinline__ void build_s(const float* raw, int raw_ld, const floa
   }
 }
 
-// v7 at pair_dim <= 64 M: the LayerNorm statistics and s in one pass, the raw tile read once into
-// registers (tile_stats + build_s read it three times and pass the statistics through shared
+// At pair_dim <= 64 M: the LayerNorm statistics and s in one sweep, the raw tile read once into
+// registers (tile_stats + build_s read it three times and hand the statistics through shared
 // memory). Warp w owns pairs 4w..4w+3: their 8 rows (4 tile rows, 4 mirrors) x 4 lanes. Lane bits:
 // k = lane & 3 (pair 4w + k), part P = ((lane >> 4) << 1) | ((lane >> 2) & 1), half = (lane >> 3) & 1
 // (0: row p, 1: its mirror 64 + p; the partner lane is lane ^ 8). Lane P holds the float4s
 // q = 16 m + 4 P + u (m < M, u < 4) of its row, so a quarter-warp (4 rows x 2 parts 16 words apart)
 // reads 8 distinct 4-bank groups whenever raw_ld = 4 (mod 8). Same arithmetic as tile_stats (four
-// partial sums, two-pass) and build_s; s for u < 2 is built by the half-0 lane (its own values and
+// partial sums, corrected two-sweep) and build_s; s for u < 2 is built by the half-0 lane (its own values and
 // the mirror's from shared memory), for u >= 2 by the half-1 lane. Needs CP <= 64 M, 512 threads.
 // M = 1 where the kernel runs 2 blocks per SM (64 registers per thread), else 2.
 template <int M>
@@ -999,21 +851,21 @@ __device__ __forceinline__ void stats_build_fused(const float* raw, int raw_ld, 
 }
 
 // The MLP of one tile on the tensor cores, all NTHR threads; act holds s (PAIRS x lds) on entry.
-// The warps are 4 row blocks of 16 pairs x NG column groups of the hidden units (v5: 8 warps, NG = 2;
-// v7: 16 warps, NG = 4, or 2 at HP = 16 with the other 8 warps idle in the products; v9: NG = 2, the
+// The warps are 4 row blocks of 16 pairs x NG column groups of the hidden units (8 warps: NG = 2;
+// 16 warps: NG = 4, or 2 at HP = 16 with the other 8 warps idle in the products; PROD: NG = 2, the
 // other 8 warps copy). GEMM1 -> h1 (written over s in act, PAIRS x ldh) -> GEMM2 -> layer 3:
 // z[p] = sum_g w3[g] relu(h2[p][g] + b2[g]), the column groups' partial sums left in zpart[NG][PAIRS].
 // idle_gemm1(w, nw) runs instead of GEMM1 in the warps outside the column groups (w: their index
-// among those nw warps; v9: queue the next tile); after_gemm1() runs in every thread between the two
-// products (v5/v7: queue the mirror half of the next tile). Returns after a barrier.
-// PROD (v9): NG = 2 column groups; the idle warps queue the next tile's first kProdRows rows.
+// among those nw warps; PROD: queue the next tile); after_gemm1() runs in every thread between the two
+// products (queue the rest of the next tile). Returns after a barrier.
+// PROD (producer warps): NG = 2 column groups; the idle warps queue the next tile's first kProdRows rows.
 template <int HP, int NTHR, bool PROD = false>
 struct TcLayout {
   static constexpr int NT = HP / 8;                                    // n tiles of 8 hidden units
   static constexpr int NG = PROD ? (NT < 2 ? NT : 2)                   // column groups
                                  : (NTHR / 128 < NT ? NTHR / 128 : NT);
   static constexpr int NTW = NT / NG;                                  // n tiles per warp
-  static constexpr bool FAST = NTHR == 512;                            // v7, v9: 4-instruction split
+  static constexpr bool FAST = NTHR == 512;                            // 16 warps: 4-instruction split
 };
 
 template <int HP, WFormat WF, int NTHR, bool PROD, typename IdleGemm1, typename AfterGemm1>
@@ -1115,29 +967,30 @@ struct SmemTC {
   }
 };
 
-// v5 (NTHR = 256), v7 (NTHR = 512) and v9 (v7's with PROD): the tile walk, loader and statistics of
-// v2/v3, the two products on the tensor cores in split TF32 (mlp_tc), weights staged once per block
-// as split fragments. One raw buffer: the next tile's copies are queued once s is built (v5/v7: the
-// mirror half after GEMM1; v9: rows 0..kProdRows-1 by the warps idle in GEMM1, the rest after it)
-// and overlap the products.
-// MINB: the blocks per SM the registers are budgeted for (__launch_bounds__): 2 (v5 at HP <= 64;
-// v7 at HP <= 32 when two blocks' shared memory fits on an SM: 64 registers per thread at 512
-// threads), else 1. kMinBlocksTC gives v5's and v7's default; v7's launcher picks 1 at HP <= 32
-// when only one block fits anyway (batch: pair_dim 128, 146 KB), which lets the fused statistics
-// pass (FM = 2) run there.
+// Persistent; one block of NTHR threads (512: 16 warps; 256: 8 warps, at HP = 256 with the weights
+// from global memory) per resident slot walks tiles (b, I <= J) with a stride of gridDim.x. Per tile:
+// statistics and s (fused at small pair_dim), the two products on the tensor cores in split TF32
+// (mlp_tc), layer 3, both outputs. Weights staged once per block as split fragments (WF = kSplit) or read
+// through L1 (kGlobal). One raw buffer: the next tile's copies are queued once s is built (rows
+// 0..63 before GEMM1, the mirror half after it; PROD: rows 0..kProdRows-1 by the warps idle in GEMM1,
+// the rest after it) and overlap the products.
+// MINB: the blocks per SM the registers are budgeted for (__launch_bounds__): 2 at HP <= 32 and 512
+// threads when two blocks' shared memory fits on an SM (64 registers per thread), else 1; the
+// launcher picks 1 at HP <= 32 when only one block fits anyway (batch: pair_dim 128, 146 KB), which
+// lets the fused statistics sweep (FM = 2) and the producer warps (PROD) run there.
 // Assumptions: C = pair_dim <= 256, CP = round_up(C, 8); H = hidden_dim <= HP (HP in 16..256, a
 // power of two); vec => C % 4 == 0 and x 16-byte aligned. Shared memory: SmemTC(CP, HP, WF).total.
 template <int HP, int NTHR>
 constexpr int kMinBlocksTC = (NTHR == 256 && HP <= 64) || (NTHR == 512 && HP <= 32) ? 2 : 1;
 
-// v9: the rows of the next tile that the producer warps queue during GEMM1 (batch, H200: 48 / 64 / 80 /
-// 96 rows measured 0.200 / 0.196 / 0.200 / 0.205 ms; NOTES.md).
+// PROD: the rows of the next tile that the producer warps queue during GEMM1 (64 measured best of
+// 48 / 64 / 80 / 96 at batch on the H200: NOTES.md).
 constexpr int kProdRows = 64;
 
 template <int HP, WFormat WF, int NTHR, int MINB = kMinBlocksTC<HP, NTHR>, bool PROD = false>
 __global__ void __launch_bounds__(NTHR, MINB)
-contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
-                      float* __restrict__ out,           // (B, N, N)
+contact_map_mma_kernel(const float* __restrict__ x,       // (B, N, N, C)
+                       float* __restrict__ out,           // (B, N, N)
                       const float* __restrict__ ln_w,    // (C)
                       const float* __restrict__ ln_b,    // (C)
                       const float* __restrict__ w1,      // (H, C)
@@ -1172,7 +1025,7 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
   int b = 0, I = 0, J = 0;  // the tile being processed, decoded once (when its copies are queued)
   if (t < total) {
     decode_tile(t, tiles_per_b, b, I, J);
-    load_tile<2, NTHR>(x, raw, raw_ld, b, I, J, N, C, vec);
+    load_rows(x, raw, raw_ld, b, I, J, N, C, vec, 0, 2 * PAIRS, threadIdx.x >> 5, NTHR / 32);
   }
   cp_async_commit();
 
@@ -1186,8 +1039,8 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
   for (; t < total; t += gridDim.x) {
     cp_async_wait_all();
     __syncthreads();  // this tile's copies (all threads') and the parameters are in shared memory
-    // v7: statistics and s fused at pair_dim <= 64 FM (with the weights from global memory that
-    // happens only at HP = 128). FM = 2 needs more than 64 registers (it spilled 12 bytes there).
+    // Statistics and s fused at pair_dim <= 64 FM with 16 warps (with the weights from global memory
+    // only at HP = 128). FM = 2 needs more than 64 registers (it spilled 12 bytes there).
     constexpr int FM = MINB == 2 ? 1 : 2;
     bool fused = false;
     if constexpr (NTHR == 512 && (WF == WFormat::kSplit || HP == 128)) fused = CP <= 64 * FM;
@@ -1200,11 +1053,11 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
     }
     __syncthreads();  // s complete; the raw buffers are free for the next tile
 
-    // The next tile's copies. v5/v7: by every thread in two halves, rows 0..63 now, the mirror rows
-    // after GEMM1 (issued at once they took 3000-5000 cycles per tile at crop and batch; in halves
-    // the loop is 3-5% faster). Issuing costs a warp ~340 cycles per 16-byte copy per thread
-    // whatever the other warps do (NOTES.md), so v9 gives rows 0..kProdRows-1 to the 8 warps idle
-    // in GEMM1 (about GEMM1's length at batch) and the rest to all 16 warps after it.
+    // The next tile's copies: by every thread in two halves, rows 0..63 now, the mirror rows after
+    // GEMM1 (issued at once they took 3000-5000 cycles per tile at crop and batch; in halves the loop
+    // is 3-5% faster). Issuing costs a warp ~340 cycles per 16-byte copy per thread whatever the other
+    // warps do (NOTES.md), so PROD gives rows 0..kProdRows-1 to the 8 warps idle in GEMM1 (about
+    // GEMM1's length at batch) and the rest to all 16 warps after it.
     const bool more = t + gridDim.x < total;
     int nb = 0, nI = 0, nJ = 0;
     if (more) decode_tile(t + gridDim.x, tiles_per_b, nb, nI, nJ);
@@ -1226,90 +1079,110 @@ contact_map_tc_kernel(const float* __restrict__ x,       // (B, N, N, C)
   }
   cp_async_wait_all();  // no copy may be left in flight when the block exits
 }
-
 // =============================================================================================
-// v10 (Hopper, sm_90a): both products on wgmma, tiles by the TMA engine, one producer warp
+// The wgmma kernel (Hopper, sm_90a): both products on wgmma, tiles by the TMA engine
 // =============================================================================================
-// Per block (one per SM, kV10Threads = 384 threads):
-//   warpgroups 0, 1  consumers (setmaxnreg to kV10ConsumerRegs): warpgroup w takes the block's tiles
-//                    w, w + 2, w + 4, ... (block-local order), one 64-pair tile at a time:
-//                    statistics, s and its split into wgmma A fragments held in registers for all of
-//                    K (then the tile's two ring slots are released), GEMM1 = m64nHPk8 wgmma with A
-//                    from registers, GEMM1's accumulator turned in registers into GEMM2's A fragments,
-//                    GEMM2, layer 3 and the output. The two warpgroups overlap each other's phases
-//                    (v14, v17, v19, v20: their GEMM1 + GEMM2 take turns, named barriers 1 and 2).
-//   warpgroup 2      producer (setmaxnreg down to kV10ProducerRegs); thread 288 copies the packed
-//                    parameters (contact_map_v10_params_kernel's wpack, written by the same call just
-//                    before: this kernel is its programmatic dependent and waits for it there only,
-//                    griddepcontrol.wait) into shared memory on the `wbar` mbarrier; thread 256 queues every
-//                    tile as two half tiles (the tile x[b, 8I.., 8J.., :] and its mirror
-//                    x[b, 8J.., 8I.., :]) into a ring of R slots of 64 rows x KC channels: KC / 32
-//                    tensor-map copies (box 32 channels x 8 x 8 positions, 128-byte swizzle; v17, v19, v20: L2 evict_first) per half,
-//                    completing on the slot's `full` mbarrier; a consumer warp arrives on the slot's
-//                    `empty` mbarrier once it has read it (4 arrivals free it). Slot use u counts the
-//                    block's half tiles: slot u % R, mbarrier parity (u / R) & 1; tile q of the block
-//                    uses u = 2q (tile) and 2q + 1 (mirror). R is 8 or 4, so that each slot serves one
-//                    consumer warpgroup (launch_v10 says why).
+// Per block (one per SM, kWgThreads = 384 threads):
+//   warpgroups 0, 1  consumers (setmaxnreg up): warpgroup w takes every other tile of the block, one
+//                    64-pair tile at a time: its rows into registers (then the tile's two ring slots
+//                    are released), statistics, s and its split into wgmma A fragments for all of K,
+//                    GEMM1 = m64nHPk8 wgmma with A from registers, GEMM1's accumulator turned in
+//                    registers into GEMM2's A fragments, GEMM2, layer 3 and the output. KC = 128: the
+//                    two warpgroups' GEMM1 + GEMM2 take turns (WgBarrier), so one warpgroup's products
+//                    run while the other computes its statistics and s.
+//   warpgroup 2      producer (setmaxnreg down); thread kParamsThread copies the packed parameters
+//                    (contact_map_wgmma_params_kernel's wpack, written by the same call just before:
+//                    this kernel is its programmatic dependent and waits for it there only,
+//                    griddepcontrol.wait) into shared memory on the `wbar` mbarrier; thread
+//                    kTileThread queues every tile as two half tiles (the tile x[b, 8I.., 8J.., :] and
+//                    its mirror x[b, 8J.., 8I.., :]) into a ring of R slots of 64 rows x KC channels:
+//                    KC / 32 tensor-map copies (box 32 channels x 8 x 8 positions, 128-byte swizzle)
+//                    per half, completing on the slot's `full` mbarrier; a consumer warp arrives on the
+//                    slot's `empty` mbarrier once it has read it (4 arrivals free it). Slot use u counts
+//                    the block's half tiles: slot u % R, mbarrier parity (u / R) & 1; tile q of the
+//                    block uses u = 2q (tile) and 2q + 1 (mirror). R is 8 or 4, so that each slot
+//                    serves one consumer warpgroup (launch_wgmma says why).
+// Two builds: KC = 128 (pair_dim 65-128) is the streamlined one (kWide): the producer walks the tiles
+// itself and hands each tile's (b, I, J) to the consumers beside its slot (tinfo), taking tickets from
+// an atomic counter after each block's first two tiles; its copies are marked L2 evict_first; the
+// consumers track slots and parities incrementally, take turns on the tensor cores and compute each
+// side's LayerNorm term as one FFMA from the statistics' d = x - m. KC = 64 (pair_dim 32-64) keeps the
+// simpler path (a fixed stride of tiles decoded by each role, subtract-multiply terms, no ping-pong):
+// the streamlined statistics start their sums from the first four 16-channel chunks, which at KC = 64
+// may be zero-filled padding (pair_dim 32, 48), and the rest of that path was built and measured at
+// KC = 128 only (NOTES.md).
 // Both halves land with row p = 8 il + jl for pair p = (i, j) = (8I + il, 8J + jl): the mirror's
 // tensor map walks x with the two position strides swapped. Out-of-range positions are zero-filled
 // by the copy engine (edge tiles), channels C..KC-1 likewise.
 // Swizzle (the tensor map's 128B mode): channel c of row p sits at float
 //   (c / 32) * 2048 + 32 p + 4 ((c / 4 % 8) ^ (p % 8)) + c % 4
 // of its slot (each 32-channel box is 8 KB, 1024-byte aligned).
-// Fragment rows: warp w4 (of its warpgroup) owns the 16 pairs 16 w4 + lp, lp = v10_row(g) for the
+// Fragment rows: warp w4 (of its warpgroup) owns the 16 pairs 16 w4 + lp, lp = frag_pair(g) for the
 // fragment rows g = lane / 4 and g + 8 (lp + 8): rows g = 2m and 2m + 1 are pairs whose p % 8 differ
 // by 4, so a quarter-warp's 16-byte loads (two rows x lanes t = lane % 4) hit 8 distinct 16-byte bank
 // groups under the swizzle: conflict-free.
 // k order: lane t's 16-byte chunk 16 kk + 4 t of a row holds its A fragment columns of k steps 2 kk
 // (columns t, t + 4 = channels 16 kk + 4 t, + 1) and 2 kk + 1 (channels + 2, + 3); W1's planes are
-// packed in the same order (v10_k1). GEMM2's logical k (j, q) is hidden unit 8 j + 2 (q % 4) + q / 4
-// (v10_k2): GEMM1's accumulator register d[4 j + q'] (row g + 8 (q' / 2), unit 8 j + 2 t + q' % 2)
+// packed in the same order (gemm1_channel). GEMM2's logical k (j, q) is hidden unit 8 j + 2 (q % 4) + q / 4
+// (gemm2_unit): GEMM1's accumulator register d[4 j + q'] (row g + 8 (q' / 2), unit 8 j + 2 t + q' % 2)
 // is then directly the A fragment register of GEMM2's k step j (FlashAttention-3's P.V chaining).
 // Weights: W1' = W1 diag(gamma) and b1' = b1 + W1 beta (the LayerNorm affine folded in, the latter in
-// fp64), split into TF32 hi / lo planes in the unswizzled K-major core-matrix layout (v10_woff), W2
-// likewise with v10_k2's row order; packed per call by contact_map_v10_params_kernel, resident in
+// fp64), split into TF32 hi / lo planes in the unswizzled K-major core-matrix layout (plane_offset), W2
+// likewise with gemm2_unit's row order; packed per call by contact_map_wgmma_params_kernel, resident in
 // shared memory for the block's life.
 // Accumulation: per k step lo*hi, hi*lo, hi*hi on the tensor cores, into a fresh accumulator per
-// kV10Promo k steps that is then added to an fp32 accumulator (alternating two, so that one chunk runs
+// kPromoSteps k steps that is then added to an fp32 accumulator (alternating two, so that one chunk runs
 // while the other is promoted); both products.
-// Assumptions: C % 16 == 0, C <= KC (64 or 128), H <= HP (32 or 64); x 16-byte aligned, contiguous;
+// Assumptions: C % 16 == 0, 32 <= C <= KC (64 or 128), H <= HP (32 or 64); x 16-byte aligned, contiguous;
 // sm_90a (elsewhere the kernel is a trap that the host never launches).
-constexpr int kV10Threads = 384;
-constexpr int kV10ConsumerRegs = 232, kV10ProducerRegs = 40;
-// v13: 8 more registers per consumer thread (its producer's tile walk fits in 24; the FA3 split)
-constexpr int kV13ConsumerRegs = 240, kV13ProducerRegs = 24;
-static_assert(2 * 128 * kV10ConsumerRegs + 128 * kV10ProducerRegs <= kV10Threads * ((65536 / kV10Threads) & ~7),
+constexpr int kWgThreads = 384;
+constexpr int kProducerWarpgroup = 2;
+constexpr int kTileThread = 256, kParamsThread = 288;  // the producer warpgroup's two working threads
+// setmaxnreg per build: KC = 128's producer (32-bit ticket walk) fits in 24 registers, KC = 64's
+// (64-bit strided walk) takes 40 (FlashAttention-3's consumer / producer split)
+constexpr int kConsumerRegs128 = 240, kProducerRegs128 = 24;
+constexpr int kConsumerRegs64 = 232, kProducerRegs64 = 40;
+static_assert(2 * 128 * kConsumerRegs64 + 128 * kProducerRegs64 <= kWgThreads * ((65536 / kWgThreads) & ~7),
               "setmaxnreg budget");
-static_assert(2 * 128 * kV13ConsumerRegs + 128 * kV13ProducerRegs <= kV10Threads * ((65536 / kV10Threads) & ~7),
+static_assert(2 * 128 * kConsumerRegs128 + 128 * kProducerRegs128 <= kWgThreads * ((65536 / kWgThreads) & ~7),
               "setmaxnreg budget");
-constexpr int kV10MaxSlots = 8;  // 8 or 4 (launch_v10)
+constexpr int kWgMaxSlots = 8;  // 8 or 4 (launch_wgmma)
 
-// Shared memory of v10 in bytes, from a 1024-byte aligned base: the ring, W1 and W2 planes, b1', b2,
-// w3, v13's tile info, the mbarriers; plus 1024 for the alignment.
-struct SmemV10 {
+// Named barriers of the consumer warpgroups' turns on the tensor cores (KC = 128 build; 0 is
+// __syncthreads'): warpgroup w syncs on kMmaTurn0 + w before its GEMM1, and after its GEMM2 arrives on
+// the other's.
+enum class WgBarrier : int { kMmaTurn0 = 1, kMmaTurn1 = 2 };
+__host__ __device__ __forceinline__ int mma_turn(int warpgroup) {
+  return static_cast<int>(WgBarrier::kMmaTurn0) + warpgroup;
+}
+
+// Shared memory of the wgmma kernel in bytes, from a 1024-byte aligned base: the ring, W1 and W2 planes,
+// b1', b2, w3, the tile info, the mbarriers; plus 1024 for the alignment.
+struct SmemWg {
   int slot_floats, ring, w1, w2, vec, bars, total;
-  __host__ __device__ SmemV10(int KC, int HP, int R) {
+  __host__ __device__ SmemWg(int KC, int HP, int R) {
     slot_floats = PAIRS * KC;
     ring = 4 * R * slot_floats;
     w1 = 4 * 2 * HP * KC;
     w2 = 4 * 2 * HP * HP;
     vec = 4 * 3 * HP;
-    bars = 16 * R + 8 * (2 * R + 1);  // v13's tile info (an int4 per slot), then the mbarriers
+    bars = 16 * R + 8 * (2 * R + 1);  // the tile info (an int4 per slot), then the mbarriers
     total = ring + w1 + w2 + vec + bars + 1024;
   }
 };
 
-__host__ __device__ __forceinline__ int v10_row(int g) { return ((g & 1) << 2) | (g >> 1); }
+// Pair (within its warp's 16) of fragment row g.
+__host__ __device__ __forceinline__ int frag_pair(int g) { return ((g & 1) << 2) | (g >> 1); }
 // Physical channel of GEMM1's logical k = 8 ks + q (q < 8: fragment column).
-__host__ __device__ __forceinline__ int v10_k1(int k) {
+__host__ __device__ __forceinline__ int gemm1_channel(int k) {
   const int ks = k >> 3, q = k & 7;
   return 16 * (ks >> 1) + 4 * (q & 3) + 2 * (ks & 1) + (q >> 2);
 }
 // Hidden unit of GEMM2's logical k = 8 j + q.
-__host__ __device__ __forceinline__ int v10_k2(int k) { return (k & ~7) + 2 * (k & 3) + ((k >> 2) & 1); }
+__host__ __device__ __forceinline__ int gemm2_unit(int k) { return (k & ~7) + 2 * (k & 3) + ((k >> 2) & 1); }
 // Float offset of B(n, k) in a plane of NR rows n (K-major, no swizzle): k step blocks of NR x 8,
 // 8-row core-matrix groups 256 bytes apart (SBO), the two 4-k halves 128 bytes apart (LBO).
-__host__ __device__ __forceinline__ int v10_woff(int n, int k, int NR) {
+__host__ __device__ __forceinline__ int plane_offset(int n, int k, int NR) {
   return (k >> 3) * (NR * 8) + (n >> 3) * 64 + ((k >> 2) & 1) * 32 + (n & 7) * 4 + (k & 3);
 }
 
@@ -1332,7 +1205,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // 
                  : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
   } while (!done);
 }
-// Named barriers 1, 2 of v14's, v17's, v19's and v20's two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
+// Named barriers of the two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
 __device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 // bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
@@ -1360,7 +1233,7 @@ __device__ __forceinline__ void tma_load_4d(float* dst, const CUtensorMap* map, 
 }
 // Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4, LBO = 128 bytes (the
 // two 4-k core matrices), SBO = 256 bytes (8-row groups), no swizzle.
-__device__ __forceinline__ uint64_t v10_desc(const float* p) {
+__device__ __forceinline__ uint64_t plane_desc(const float* p) {
   return static_cast<uint64_t>((smem_u32(p) & 0x3ffff) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
          (static_cast<uint64_t>(256 >> 4) << 32);
 }
@@ -1391,32 +1264,30 @@ __device__ __forceinline__ void wg_fence(uint32_t (&a)[KS][4]) {
 }
 #endif
 
-// One tile's LayerNorm statistics (consumer thread: pairs p0 = 16 w4 + v10_row(g), p1 = p0 + 8; rows r = 0, 1:
-// the tile's rows p0, p1, r = 2, 3: the mirror's). Two-pass per row from registers (the lane's KC / 4
-// values, the quad's sums by shuffles): the same arithmetic as v7's fused pass. Invalid pairs (edge
-// tiles) get rstd = 0, so that their s is 0.
-__device__ __forceinline__ float4 v10_chunk4(const float* base, int p, int kk, int t) {  // channels 16 kk + 4 t ..
+// One 16-byte chunk of a swizzled slot: channels 16 kk + 4 t .. + 3 of row p.
+__device__ __forceinline__ float4 swizzled_chunk4(const float* base, int p, int kk, int t) {
   const int phys = (4 * (kk & 1) + t) ^ (p & 7);
   return reinterpret_cast<const float4*>(base)[(kk >> 1) * 512 + p * 8 + phys];
 }
-// One row's statistics from the lane's NK chunks (a quad holds the row; chunks >= nvalid are the
-// zero-filled channels C..KC-1; FULL: C == KC, no such chunks): ln_stats' corrected two-pass. FULL
-// is a template argument so that the full-width path has no per-chunk branch (a basic block per chunk
-// would keep the compiler from interleaving the rows' independent sums). V13 (v13, NK >= 4): the four
-// partial sums start from the first four chunks instead of 0 (no adds to 0), and the second pass sums
-// d^2 and d as FFMA / FADD chains (12 instructions per chunk instead of 14; other rounding, same class).
-// DX (v20, with V13): v's valid chunks are overwritten with d = x - m (m: the first pass's mean) and `mean` gets
-// delta = d1 / C, the amount by which ln_stats' mean exceeds m, so that x - mean = d - delta (v20_term4).
-template <int NK, bool FULL, bool V13 = false, bool DX = false>
-__device__ __forceinline__ void v10_row_stats(float4 (&v)[NK], int nvalid, float inv_c, float eps, bool ok,
-                                              float& mean, float& rstd) {
-  static_assert(!DX || V13, "v20's statistics are v13's");
-  static_assert(!V13 || NK >= 4, "v13's statistics start from four chunks");
+// One row's LayerNorm statistics from the lane's NK chunks (a quad holds the row, its sums combined by
+// shuffles; chunks >= nvalid are the zero-filled channels C..KC-1; FULL: C == KC, no such chunks):
+// ln_stats' corrected two-sweep. FULL is a template argument so that the full-width path has no
+// per-chunk branch (a basic block per chunk would keep the compiler from interleaving the rows'
+// independent sums). Invalid pairs (edge tiles, ok = false) get rstd = 0, so that their s is 0.
+// WIDE (the KC = 128 build, C > 64): the four partial sums start from the first four chunks instead of 0
+// (no adds to 0), the second sweep sums d^2 and d as FFMA / FADD chains (12 instructions per chunk
+// instead of 14), and v's valid chunks are overwritten with d = x - m (m: the first sweep's mean) while
+// `mean` gets delta = d1 / C, the amount by which ln_stats' mean exceeds m, so that x - mean = d - delta
+// (term_ffma).
+template <int NK, bool FULL, bool WIDE>
+__device__ __forceinline__ void row_stats(float4 (&v)[NK], int nvalid, float inv_c, float eps, bool ok,
+                                          float& mean, float& rstd) {
+  static_assert(!WIDE || NK >= 4, "the wide statistics start from four chunks");
   float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int kk = 0; kk < NK; ++kk) {
     const float cs = (v[kk].x + v[kk].y) + (v[kk].z + v[kk].w);
-    if (V13 && kk < 4) s4[kk] = cs;  // chunks 0..3 hold channels < 64 <= C (v13 runs at C > 64 only)
+    if (WIDE && kk < 4) s4[kk] = cs;  // chunks 0..3 hold channels < 64 < C
     else s4[kk & 3] += cs;
   }
   float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
@@ -1428,8 +1299,8 @@ __device__ __forceinline__ void v10_row_stats(float4 (&v)[NK], int nvalid, float
   for (int kk = 0; kk < NK; ++kk) {
     if (FULL || kk < nvalid) {  // channels >= C are zero-filled: (0 - mean)^2 must not count
       const float dx = v[kk].x - m, dy = v[kk].y - m, dz = v[kk].z - m, dw = v[kk].w - m;
-      if constexpr (DX) v[kk] = make_float4(dx, dy, dz, dw);
-      if constexpr (V13) {
+      if constexpr (WIDE) v[kk] = make_float4(dx, dy, dz, dw);
+      if constexpr (WIDE) {
         float& a = m4[kk & 3];
         float& e = e4[kk & 3];
         if (kk < 4) {
@@ -1453,118 +1324,82 @@ __device__ __forceinline__ void v10_row_stats(float4 (&v)[NK], int nvalid, float
   d1 += __shfl_xor_sync(0xffffffffu, d1, 2);
   float rs;
   ln_stats(m, d1, m2, inv_c, eps, mean, rs);
-  if constexpr (DX) mean = d1 * inv_c;
+  if constexpr (WIDE) mean = d1 * inv_c;
   rstd = ok ? rs : 0.f;
 }
-// v10: each row read from the slot for the statistics (and again for s, v10_build_kk).
-template <int KC, bool FULL>
-__device__ __forceinline__ void v10_stats(const float* tile, const float* mirror, int p0, int t, int C, float inv_c,
-                                          float eps, bool ok0, bool ok1, float (&mean)[4], float (&rstd)[4]) {
-  constexpr int NK = KC / 16;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    float4 v[NK];
-#pragma unroll
-    for (int kk = 0; kk < NK; ++kk) v[kk] = v10_chunk4(r < 2 ? tile : mirror, p0 + 8 * (r & 1), kk, t);
-    v10_row_stats<NK, FULL>(v, C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
-  }
-}
-// v11: the statistics of rows R0, R0 + 1 of v (one half: the tile's or the mirror's rows p0, p0 + 8), with
-// one uniform branch on C == KC around both rows. DX (v20): v10_row_stats' DX (mean gets delta, v gets d).
-template <int NK, int R0, bool V13 = false, bool DX = false>
-__device__ __forceinline__ void v11_half_stats(float4 (&v)[4][NK], int C, float inv_c, float eps, bool ok0,
-                                               bool ok1, float (&mean)[4], float (&rstd)[4]) {
+// The statistics of rows R0, R0 + 1 of v (one half: the tile's or the mirror's rows p0, p0 + 8), with
+// one uniform branch on C == KC around both rows. WIDE: row_stats' (mean gets delta, v gets d).
+template <int NK, int R0, bool WIDE>
+__device__ __forceinline__ void half_stats(float4 (&v)[4][NK], int C, float inv_c, float eps, bool ok0,
+                                           bool ok1, float (&mean)[4], float (&rstd)[4]) {
   if (C == 16 * NK) {
 #pragma unroll
     for (int r = R0; r < R0 + 2; ++r)
-      v10_row_stats<NK, true, V13, DX>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+      row_stats<NK, true, WIDE>(v[r], NK, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   } else {
 #pragma unroll
     for (int r = R0; r < R0 + 2; ++r)
-      v10_row_stats<NK, false, V13, DX>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
+      row_stats<NK, false, WIDE>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   }
 }
-// A fragments of k steps 2 kk and 2 kk + 1 (channels 16 kk + 4 t ..): s = ((xa - ma) ra + (xb - mb) rb) / 2
-// with the LayerNorm affine folded into W1, split into TF32 hi (rounded) and lo (truncated), as v7's
-// split_tf32_fast. Column t of k step 2 kk is channel + 0, column t + 4 channel + 1; k step 2 kk + 1: + 2, + 3.
-// s of fragment row h (0: g, 1: g + 8) at chunk kk from the tile's and the mirror's 4 channels.
-// One side's term (x - m) r of s, per channel; each product rounded on its own (no FMA contraction), so that
-// s(i, j) == s(j, i) bit for bit.
-__device__ __forceinline__ float4 v10_term4(const float4& x, float m, float r) {
+// s = ((xa - ma) ra + (xb - mb) rb) / 2 per channel (the LayerNorm affine is folded into W1; r = rstd / 2
+// here) from one term per side. Each product is rounded on its own (no FMA contraction between the
+// sides), and both sides of a pair and both roles of a position (tile row, mirror row) go through the
+// same expression, so s(i, j) == s(j, i) bit for bit.
+// term_sub_mul: (x - mean) r (KC = 64 build).
+__device__ __forceinline__ float4 term_sub_mul(const float4& x, float m, float r) {
   return make_float4(__fmul_rn(x.x - m, r), __fmul_rn(x.y - m, r), __fmul_rn(x.z - m, r), __fmul_rn(x.w - m, r));
 }
-// v20: the same term from the statistics' d = x - m and delta (v10_row_stats' DX) as one FFMA per channel,
-// fmaf(d, r, -delta r): (d - delta) r with a single rounding (the arguments as v10_term4's, d for x and delta for
-// the mean). Both sides of a pair and both roles of a position (tile row, mirror row) go through the same
-// expression, so s(i, j) == s(j, i) still holds.
-__device__ __forceinline__ float4 v20_term4(const float4& d, float delta, float r) {
+// term_ffma: the same term from the statistics' d = x - m and delta (row_stats' WIDE) as one FFMA per
+// channel, fmaf(d, r, -delta r) = (d - delta) r with a single rounding; the mean itself is never rounded.
+__device__ __forceinline__ float4 term_ffma(const float4& d, float delta, float r) {
   const float c = -delta * r;
   return make_float4(fmaf(d.x, r, c), fmaf(d.y, r, c), fmaf(d.z, r, c), fmaf(d.w, r, c));
 }
-// s = pa + pb from the two sides' terms, split into the A fragments of k steps 2 kk, 2 kk + 1 (fragment row h).
-template <int KC, bool V13 = false>
-__device__ __forceinline__ void v10_build4_s(const float4& pa, const float4& pb, int kk, int h,
-                                             uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
-  split_tf32_fast<!V13>(__fadd_rn(pa.x, pb.x), ah[2 * kk][h], al[2 * kk][h]);
-  split_tf32_fast<!V13>(__fadd_rn(pa.y, pb.y), ah[2 * kk][2 + h], al[2 * kk][2 + h]);
-  split_tf32_fast<!V13>(__fadd_rn(pa.z, pb.z), ah[2 * kk + 1][h], al[2 * kk + 1][h]);
-  split_tf32_fast<!V13>(__fadd_rn(pa.w, pb.w), ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
-}
-// s from the tile row's term pa (v10_term4, computed before the mirror lands in v19) and the mirror row vb.
-template <int KC, bool V13 = false>
-__device__ __forceinline__ void v10_build4_pre(const float4& pa, const float4& vb, float mb, float rb, int kk, int h,
-                                               uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
-  v10_build4_s<KC, V13>(pa, v10_term4(vb, mb, rb), kk, h, ah, al);
-}
-template <int KC, bool V13 = false>
-__device__ __forceinline__ void v10_build4(const float4& va, const float4& vb, float ma, float ra, float mb, float rb,
-                                           int kk, int h, uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
-  v10_build4_pre<KC, V13>(v10_term4(va, ma, ra), vb, mb, rb, kk, h, ah, al);
-}
-template <int KC>
-__device__ __forceinline__ void v10_build_kk(const float* tile, const float* mirror, int p0, int t, int kk,
-                                             const float (&mean)[4], const float (&rstd)[4],
-                                             uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {  // fragment rows g (h = 0) and g + 8
-    const int p = p0 + 8 * h;
-    v10_build4<KC>(v10_chunk4(tile, p, kk, t), v10_chunk4(mirror, p, kk, t), mean[h], 0.5f * rstd[h], mean[2 + h],
-                   0.5f * rstd[2 + h], kk, h, ah, al);
-  }
+// s = pa + pb from the two sides' terms of chunk kk, split into the A fragments of k steps 2 kk and 2 kk + 1
+// (fragment row h: 0 for g, 1 for g + 8): column t of k step 2 kk is channel + 0, column t + 4 channel + 1;
+// k step 2 kk + 1: + 2, + 3. Split as split_tf32_fast (hi rounded, lo truncated by the mask or the tensor cores).
+template <int KC, bool MASK_LO>
+__device__ __forceinline__ void s_fragments(const float4& pa, const float4& pb, int kk, int h,
+                                            uint32_t (&ah)[KC / 8][4], uint32_t (&al)[KC / 8][4]) {
+  split_tf32_fast<MASK_LO>(__fadd_rn(pa.x, pb.x), ah[2 * kk][h], al[2 * kk][h]);
+  split_tf32_fast<MASK_LO>(__fadd_rn(pa.y, pb.y), ah[2 * kk][2 + h], al[2 * kk][2 + h]);
+  split_tf32_fast<MASK_LO>(__fadd_rn(pa.z, pb.z), ah[2 * kk + 1][h], al[2 * kk + 1][h]);
+  split_tf32_fast<MASK_LO>(__fadd_rn(pa.w, pb.w), ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
 }
 
-// v10's parameters, packed once per call into the layout the kernel keeps in shared memory (one bulk
-// copy per block then): wpack = [W1' hi | W1' lo (HP x KC each, v10_woff order of rows n, logical k) |
+// The wgmma kernel's parameters, packed once per call into the layout the kernel keeps in shared memory (one bulk
+// copy per block then): wpack = [W1' hi | W1' lo (HP x KC each, plane_offset order of rows n, logical k) |
 // W2 hi | W2 lo (HP x HP) | b1' | b2 | w3 (HP each)], zero outside n < H, c < C. One thread per
 // weight element, then one warp per hidden unit n for b1'[n] = b1[n] + sum_c W1[n][c] beta[c] (fp64).
 template <int KC, int HP>
-constexpr int kV10PackFloats = 2 * HP * KC + 2 * HP * HP + 3 * HP;
+constexpr int kWgPackFloats = 2 * HP * KC + 2 * HP * HP + 3 * HP;
 template <int KC, int HP>
-__global__ void __launch_bounds__(256) contact_map_v10_params_kernel(
+__global__ void __launch_bounds__(256) contact_map_wgmma_params_kernel(
     const float* __restrict__ ln_w, const float* __restrict__ ln_b, const float* __restrict__ w1,
     const float* __restrict__ b1, const float* __restrict__ w2, const float* __restrict__ b2,
     const float* __restrict__ w3, int C, int H, float* __restrict__ wpack, int* __restrict__ tile_counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // v10's kernel may start its tile copies
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the wgmma kernel may start its tile copies
 #endif
   const int e = blockIdx.x * 256 + threadIdx.x;
-  if (e == 0 && tile_counter != nullptr) *tile_counter = 0;  // v19's tile tickets (read after griddepcontrol.wait)
+  if (e == 0 && tile_counter != nullptr) *tile_counter = 0;  // the tile tickets (read after griddepcontrol.wait)
   float* w2p = wpack + 2 * HP * KC;
   float* vec = w2p + 2 * HP * HP;
   if (e < HP * KC) {
-    const int n = e / KC, k = e % KC, c = v10_k1(k);
+    const int n = e / KC, k = e % KC, c = gemm1_channel(k);
     const float v = n < H && c < C ? __ldg(w1 + static_cast<long long>(n) * C + c) * __ldg(ln_w + c) : 0.f;
     uint32_t hi, lo;
     split_tf32(v, hi, lo);
-    wpack[v10_woff(n, k, HP)] = __uint_as_float(hi);
-    wpack[HP * KC + v10_woff(n, k, HP)] = __uint_as_float(lo);
+    wpack[plane_offset(n, k, HP)] = __uint_as_float(hi);
+    wpack[HP * KC + plane_offset(n, k, HP)] = __uint_as_float(lo);
   } else if (e < HP * KC + HP * HP) {
-    const int ee = e - HP * KC, n = ee / HP, k = ee % HP, h = v10_k2(k);
+    const int ee = e - HP * KC, n = ee / HP, k = ee % HP, h = gemm2_unit(k);
     const float v = n < H && h < H ? __ldg(w2 + static_cast<long long>(n) * H + h) : 0.f;
     uint32_t hi, lo;
     split_tf32(v, hi, lo);
-    w2p[v10_woff(n, k, HP)] = __uint_as_float(hi);
-    w2p[HP * HP + v10_woff(n, k, HP)] = __uint_as_float(lo);
+    w2p[plane_offset(n, k, HP)] = __uint_as_float(hi);
+    w2p[HP * HP + plane_offset(n, k, HP)] = __uint_as_float(lo);
   } else {
     const int n = (e - HP * KC - HP * HP) >> 5, lane = threadIdx.x & 31;  // whole warps (HP * KC + HP * HP % 32 == 0)
     if (n >= HP) return;
@@ -1582,26 +1417,27 @@ __global__ void __launch_bounds__(256) contact_map_v10_params_kernel(
   }
 }
 
+
 #if defined(CM_WG_DEVICE)
 // k steps per promotion (16 k): the tensor cores' own accumulation truncates, so each chunk of
-// kV10Promo k steps (lo*hi, hi*lo, hi*hi each) goes into a fresh accumulator that is then added to acc
+// kPromoSteps k steps (lo*hi, hi*lo, hi*hi each) goes into a fresh accumulator that is then added to acc
 // in fp32. (64 k per chunk, as outer_wg, measured up to 3.1x the fp32 reference's max error against
-// fp64 here; 16 k: at most 1.55x; scratch checks of device runs 1-2, NOTES.md.)
-constexpr int kV10Promo = 2;
+// fp64 here; 16 k: at most 1.55x; NOTES.md.)
+constexpr int kPromoSteps = 2;
 template <int NA>
-__device__ __forceinline__ void v10_promote(float (&acc)[NA], float (&d)[NA], bool first) {
+__device__ __forceinline__ void wg_promote(float (&acc)[NA], float (&d)[NA], bool first) {
   wg_fence(d);
 #pragma unroll
   for (int e = 0; e < NA; ++e) acc[e] = first ? d[e] : acc[e] + d[e];
 }
 template <int HP, int KS>
-__device__ __forceinline__ void v10_chunk(float (&d)[HP / 2], const uint32_t (&ah)[KS][4], const uint32_t (&al)[KS][4],
+__device__ __forceinline__ void wg_chunk(float (&d)[HP / 2], const uint32_t (&ah)[KS][4], const uint32_t (&al)[KS][4],
                                           int c0, uint64_t dh, uint64_t dl) {
   constexpr uint64_t kStep = (HP * 8 * 4) >> 4;  // descriptor increment per k step (HP x 8 floats)
   wg_fence(d);
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-  for (int i = 0; i < kV10Promo; ++i) {
+  for (int i = 0; i < kPromoSteps; ++i) {
     const int ks = c0 + i;
     wgmma_rs<HP>(d, al[ks], dh + ks * kStep, i == 0 ? 0 : 1);  // the small terms first
     wgmma_rs<HP>(d, ah[ks], dl + ks * kStep, 1);
@@ -1612,82 +1448,202 @@ __device__ __forceinline__ void v10_chunk(float (&d)[HP / 2], const uint32_t (&a
 // acc = A B^T over KS k steps: chunks alternate between d0 and d1, so that one is on the tensor cores
 // while the other is promoted.
 template <int HP, int KS>
-__device__ __forceinline__ void v10_gemm(const uint32_t (&ah)[KS][4], const uint32_t (&al)[KS][4], uint64_t dh,
+__device__ __forceinline__ void wg_gemm(const uint32_t (&ah)[KS][4], const uint32_t (&al)[KS][4], uint64_t dh,
                                          uint64_t dl, float (&d0)[HP / 2], float (&d1)[HP / 2], float (&acc)[HP / 2]) {
-  constexpr int NCH = KS / kV10Promo;
-  static_assert(KS % kV10Promo == 0, "k steps per chunk");
+  constexpr int NCH = KS / kPromoSteps;
+  static_assert(KS % kPromoSteps == 0, "k steps per chunk");
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
-    if (c & 1) v10_chunk<HP, KS>(d1, ah, al, c * kV10Promo, dh, dl);
-    else v10_chunk<HP, KS>(d0, ah, al, c * kV10Promo, dh, dl);
+    if (c & 1) wg_chunk<HP, KS>(d1, ah, al, c * kPromoSteps, dh, dl);
+    else wg_chunk<HP, KS>(d0, ah, al, c * kPromoSteps, dh, dl);
     if (c > 0) {
       asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // chunk c - 1 is done
-      if ((c - 1) & 1) v10_promote(acc, d1, c == 1);
-      else v10_promote(acc, d0, c == 1);
+      if ((c - 1) & 1) wg_promote(acc, d1, c == 1);
+      else wg_promote(acc, d0, c == 1);
     }
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  if ((NCH - 1) & 1) v10_promote(acc, d1, NCH == 1);
-  else v10_promote(acc, d0, NCH == 1);
+  if ((NCH - 1) & 1) wg_promote(acc, d1, NCH == 1);
+  else wg_promote(acc, d0, NCH == 1);
 }
 #endif
 
-// V (the variant): 10: v10; 11 (v11): each tile's rows read from the slots once, into registers (128 at
-// pair_dim 128): the slots are released before the statistics, which (and s) are then computed from the
-// registers. v10 reads them twice from the slots (statistics, then s) and releases the slots after s.
-// 13 (v13): v11, and
-//   - the producer thread walks the tiles incrementally and writes each tile's (b, I, J) beside its slot
-//     (tinfo), so that the consumers neither divide nor take a square root per tile (decode_tile: ~700
-//     cycles per tile on the consumers' path, clock64 timeline of the eleventh session);
-//   - the consumers track their slots and parities incrementally (no division by R);
-//   - the statistics' sums start from the first four chunks and the second pass is FFMA / FADD chains
-//     (v10_row_stats' V13), the A fragments' lo parts are not masked (split_tf32_fast<false>);
-//   - setmaxnreg 240 / 24 (kV13ConsumerRegs).
-// 14 (v14): v13 with the two consumer warpgroups' GEMM1 + GEMM2 taking turns (FlashAttention-3's ping-pong
-//   schedule): warpgroup w waits on named barrier 1 + w before GEMM1 and, after GEMM2, arrives on the other's
-//   barrier if the other has a next tile (t + gridDim.x < total). Warpgroup 1 grants warpgroup 0 the first
-//   turn. So one warpgroup's products run while the other computes statistics and s; each barrier phase gets
-//   exactly one sync (128 threads) and one arrive (128 threads): warpgroup 0 has as many tiles as warpgroup 1
-//   or one more, and the arrivals counted above match the syncs in both cases.
-// 17 (v17): v14 with the tile copies marked L2 evict_first (createpolicy.fractional.L2::evict_first, fraction
-//   1.0). Every input byte is read once (the tile and its mirror are different bytes), so its L2 lines are
-//   dead once they land in shared memory: with the hint, a later copy's miss replaces them rather than other
-//   lines. Under the harness's flush, which leaves L2 full of dirty lines, those would otherwise be written
-//   back during this kernel: the load-only build took 29.6 -> 26.1 us at crop (scratch, thirteenth session).
-// 19 (v19): v17 with the tiles handed out by an atomic counter (tile_counter, zeroed by the params kernel): a
-//   block's first two tiles are fixed, each later one is whichever is next when the producer takes its ticket,
-//   so blocks whose copies land sooner take more tiles (v17's fixed share left the last tiles' arrival spread
-//   over 63-70 us at batch: globaltimer stamps, fourteenth session). The consumers stop at a sentinel in the
-//   tile info, the ping-pong arrivals are unconditional and the sentinels balance them. The tile half's
-//   (x - mean) rstd / 2 is computed before the wait for the mirror (v10_build4_pre: the same operations), so
-//   less work follows the last copy's arrival; the tensor maps promote L2 requests to 128 bytes. Same
-//   arithmetic per tile as v17: bit-identical outputs.
-// 20 (v20): v19 with each side's term (x - mean) rstd / 2 as one FFMA per channel: the statistics' second pass
-//   leaves d = x - m (m: the first pass's mean) in the registers (v10_row_stats' DX) and the term is
-//   fmaf(d, r, -delta r) with delta = d1 / C (v20_term4; ln_stats' mean is m + delta) instead of (x - mean) * r
-//   (FADD + FMUL): 7 instructions per input value instead of 8 for the statistics, terms and split. Other
-//   roundings than v19: the mean itself is never rounded.
-// v13, v14, v17, v19 and v20 run at pair_dim > 64 only (KC == 128; the host sends smaller pair_dim to v11's kernel).
-template <int KC, int HP, int V>
-__global__ void __launch_bounds__(kV10Threads, 1)
-contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
-                       const __grid_constant__ CUtensorMap tm_mirror,  // x as (C, N (i), N (j), B)
-                       float* __restrict__ out,                        // (B, N, N)
-                       const float* __restrict__ wpack,                // kV10PackFloats<KC, HP>
-                       int* __restrict__ tile_counter,                 // v19: tickets handed out (0 at the start)
-                       const float* __restrict__ b3,                   // (1)
-                       float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
-  constexpr bool V11 = V >= 11, V13 = V >= 13, PING_PONG = V >= 14, EVICT_FIRST = V >= 17, DYNAMIC = V >= 19,
-                 FMA_TERMS = V >= 20;
-  static_assert(V == 10 || V == 11 || V == 13 || V == 14 || V == 17 || V == 19 || V == 20,
-                "contact_map_v10_kernel: V = 10, 11, 13, 14, 17, 19 or 20");
-  static_assert(!V13 || KC == 128, "v13, v14, v17, v19, v20: pair_dim > 64");
-  constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
-  constexpr int kConsumerRegs = V13 ? kV13ConsumerRegs : kV10ConsumerRegs;
-  constexpr int kProducerRegs = V13 ? kV13ProducerRegs : kV10ProducerRegs;
+// The ring of tile slots and its barriers, as the kernel lays them out in shared memory.
+struct Ring {
+  float* slots;     // R slots of slot_floats floats: half tile u in slot u % R
+  int4* tinfo;      // (b, I, J, 0) of the tile whose first half is in slot s (KC = 128 build)
+  uint64_t* full;   // full[s]: the slot's copies have landed (expect_tx, completed by the copy engine)
+  uint64_t* empty;  // empty[s]: the slot's 4 consumer warps have read it
+  int slot_floats, R;
+};
+
+// ---- producer -----------------------------------------------------------------------------------
+// Half tile `mirror` of tile (b, I, J) into slot s: KC / 32 boxes completing on full[s], with the L2
+// cache policy `policy` on the reads when EVICT_FIRST.
+template <int KC, bool EVICT_FIRST>
+__device__ __forceinline__ void copy_half_tile(float* slots, int slot_floats, uint64_t* full, const CUtensorMap& tm_tile,
+                                               const CUtensorMap& tm_mirror, unsigned bytes, uint64_t policy, int s,
+                                               bool mirror, int b, int I, int J) {
+  mbar_expect_tx(full + s, bytes);
+  float* dst = slots + s * slot_floats;
+  const CUtensorMap* map = mirror ? &tm_mirror : &tm_tile;
+#pragma unroll
+  for (int box = 0; box < KC / 32; ++box) {
+    if constexpr (EVICT_FIRST) tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s, policy);
+    else tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s);
+  }
+}
+
+// Thread kTileThread, KC = 128: the block's tiles q = 0, 1 are blockIdx.x and blockIdx.x + gridDim.x, the
+// later ones tickets from tile_counter (t = 2 gridDim.x + ticket; the params kernel zeroes the counter on
+// each call), so blocks whose copies land sooner take more tiles. Each ticket is taken two tiles ahead
+// (tk0 for q + 1, tk1 for q + 2), so that the atomic's round trip is over long before its use. Each
+// tile's (b, I, J) goes to the consumers in tinfo beside its first slot (ordered before their reads by
+// the copies' completion on full[s]). Past the last tile, use 2q gets a sentinel (b = -1, I = 1) for one
+// consumer warpgroup and use 2q + 2 one (b = -1, I = 0) for the other, each completing its slot's phase
+// with a plain arrive. The slot ps = u % R, pw = (u / R) & 1 and wrapped = u >= R of half-tile use u are
+// kept incrementally, and the tile indices are 32-bit (the host checks total < 2^31): with no division
+// by R and no 64-bit division the walk fits kProducerRegs128. The copies are marked L2 evict_first:
+// every input byte is read once, so its lines are the first to be replaced when a later copy misses
+// (under the harness's flush, which leaves L2 full of dirty lines, the other lines stay).
+template <int KC>
+__device__ __forceinline__ void produce_tiles_by_ticket(const Ring& rg, const CUtensorMap& tm_tile,
+                                                        const CUtensorMap& tm_mirror, int* tile_counter,
+                                                        long long total, long long tiles_per_b) {
+  const int R = rg.R;
+  int4* tinfo = rg.tinfo;
+  uint64_t* full = rg.full;
+  uint64_t* empty = rg.empty;
+  const unsigned bytes = static_cast<unsigned>(4 * rg.slot_floats);
+  uint64_t policy = 0;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  auto copy_half = [&](int s, bool mirror, int b, int I, int J) {
+    copy_half_tile<KC, true>(rg.slots, rg.slot_floats, full, tm_tile, tm_mirror, bytes, policy, s, mirror, b, I, J);
+  };
+  const unsigned total32 = static_cast<unsigned>(total), tpb32 = static_cast<unsigned>(tiles_per_b);
+  int ps = 0;
+  unsigned pw = 0;
+  bool wrapped = false;
+  auto next_slot = [&]() {
+    if (++ps == R) {
+      ps = 0;
+      pw ^= 1;
+      wrapped = true;
+    }
+  };
+  auto wait_slot = [&]() {  // until the consumers have released slot ps's previous phase
+    if (wrapped) mbar_wait(empty + ps, pw ^ 1);
+  };
+  unsigned t = blockIdx.x, tk0 = 0, tk1 = 0;
+  for (unsigned q = 0;; ++q) {
+    wait_slot();
+    if (t >= total32) {
+      tinfo[ps] = make_int4(-1, 1, 0, 0);  // the first sentinel (I = 1)
+      mbar_arrive(full + ps);
+      next_slot();
+      next_slot();
+      wait_slot();
+      tinfo[ps] = make_int4(-1, 0, 0, 0);
+      mbar_arrive(full + ps);
+      break;
+    }
+    int b, I, J;
+    decode_tile32(t, tpb32, b, I, J);
+    tinfo[ps] = make_int4(b, I, J, 0);
+    copy_half(ps, false, b, I, J);
+    next_slot();
+    wait_slot();
+    copy_half(ps, true, b, I, J);
+    next_slot();
+    if (q == 0) {
+      t = blockIdx.x + gridDim.x;
+    } else {
+      if (q == 1) {
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");  // tile_counter zeroed by the params kernel
+        tk0 = static_cast<unsigned>(atomicAdd(tile_counter, 1));
+      } else {
+        tk0 = tk1;
+      }
+      tk1 = static_cast<unsigned>(atomicAdd(tile_counter, 1));
+      t = 2u * gridDim.x + tk0;
+    }
+  }
+}
+
+// Thread kTileThread, KC = 64: the block's tiles blockIdx.x + k gridDim.x in order, each decoded here
+// (and again by its consumer warpgroup).
+template <int KC>
+__device__ __forceinline__ void produce_tiles_strided(const Ring& rg, const CUtensorMap& tm_tile,
+                                                      const CUtensorMap& tm_mirror, long long total,
+                                                      long long tiles_per_b) {
+  const int R = rg.R;
+  const unsigned bytes = static_cast<unsigned>(4 * rg.slot_floats);
+  unsigned u = 0;
+  for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+    int b, I, J;
+    decode_tile(t, tiles_per_b, b, I, J);
+    for (int half = 0; half < 2; ++half, ++u) {
+      const int s = static_cast<int>(u % R);
+      if (u >= static_cast<unsigned>(R)) mbar_wait(rg.empty + s, ((u / R) - 1) & 1);
+      copy_half_tile<KC, false>(rg.slots, rg.slot_floats, rg.full, tm_tile, tm_mirror, bytes, 0, s, half != 0, b, I, J);
+    }
+  }
+}
+
+// Thread kParamsThread: the packed parameters (w1s, w2s, vec are contiguous, from w1s on), in bulk copies of
+// <= 32 KB completing on wbar; launched as a programmatic dependent of the params kernel, it waits for its
+// writes first (the tile copies of thread kTileThread do not depend on it).
+template <int KC, int HP>
+__device__ __forceinline__ void produce_params(float* w1s, const float* wpack, uint64_t* wbar) {
+  constexpr int bytes = 4 * kWgPackFloats<KC, HP>;
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  mbar_expect_tx(wbar, bytes);
+  for (int off = 0; off < bytes; off += 32768)
+    bulk_copy(w1s + off / 4, wpack + off / 4, bytes - off < 32768 ? bytes - off : 32768, wbar);
+}
+
+// ---- epilogue -----------------------------------------------------------------------------------
+// Per tile, after layer 3 (z0, z1: this lane's partial sums of pairs p0 and p0 + 8 over its units): z
+// summed over the quad and out[b,i,j] = out[b,j,i] = sigmoid(z + b3), lanes t4 = 0 / 1 writing pair p0
+// (i0, j0) / p0 + 8 (i1, j0).
+__device__ __forceinline__ void write_pair_outputs(float z0, float z1, int t4, bool ok0, bool ok1, int i0, int i1,
+                                                   int j0, int b, int N, float bias3, float* out) {
+  z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
+  z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
+  z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
+  z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
+  if (t4 < 2) {
+    const bool ok = t4 == 0 ? ok0 : ok1;
+    if (ok) {
+      const int i = t4 == 0 ? i0 : i1;
+      const float o = 1.f / (1.f + expf(-((t4 == 0 ? z0 : z1) + bias3)));
+      out[(static_cast<long long>(b) * N + i) * N + j0] = o;
+      out[(static_cast<long long>(b) * N + j0) * N + i] = o;
+    }
+  }
+}
+#endif
+
+// Assumptions: see the section's head. tile_counter: KC = 128's ticket counter (the params kernel zeroes
+// it), unused at KC = 64. Shared memory: SmemWg(KC, HP, R).total bytes.
+template <int KC, int HP>
+__global__ void __launch_bounds__(kWgThreads, 1)
+contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
+                         const __grid_constant__ CUtensorMap tm_mirror,  // x as (C, N (i), N (j), B)
+                         float* __restrict__ out,                        // (B, N, N)
+                         const float* __restrict__ wpack,                // kWgPackFloats<KC, HP>
+                         int* __restrict__ tile_counter,                 // tickets handed out (0 at the start)
+                         const float* __restrict__ b3,                   // (1)
+                         float eps, int B, int N, int C, int H, int R) {
+#if defined(CM_WG_DEVICE)
+  // The build: KC = 128 takes the streamlined path (ticket walk, evict_first, ping-pong, FFMA terms)
+  static_assert((KC == 64 || KC == 128) && (HP == 32 || HP == 64), "contact_map_wgmma_kernel: KC 64 / 128, HP 32 / 64");
+  constexpr bool kWide = KC == 128;
+  constexpr int kConsumerRegs = kWide ? kConsumerRegs128 : kConsumerRegs64;
+  constexpr int kProducerRegs = kWide ? kProducerRegs128 : kProducerRegs64;
   extern __shared__ __align__(16) float smem_raw[];
-  const SmemV10 L(KC, HP, R);
+  const SmemWg L(KC, HP, R);
   // the ring 1024-byte aligned (the 128-byte swizzle's atom), as an offset from smem_raw so that the compiler
   // keeps these pointers in the shared space (LDS; through an integer cast it emitted generic LD.E)
   float* sm = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) / 4;
@@ -1695,10 +1651,11 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
   float* w1s = ring + L.ring / 4;     // hi plane, then lo plane: 2 x HP x KC
   float* w2s = w1s + L.w1 / 4;        // 2 x HP x HP
   float* vec = w2s + L.w2 / 4;        // b1' | b2 | w3 (HP each)
-  int4* tinfo = reinterpret_cast<int4*>(vec + 3 * HP);  // v13: (b, I, J, 0) of the tile in slot s
+  int4* tinfo = reinterpret_cast<int4*>(vec + 3 * HP);  // (b, I, J, 0) of the tile in slot s
   uint64_t* full = reinterpret_cast<uint64_t*>(tinfo + R);
   uint64_t* empty = full + R;
   uint64_t* wbar = empty + R;  // the parameters' bulk copies
+  const Ring rg{ring, tinfo, full, empty, L.slot_floats, R};
 
   const int tid = threadIdx.x, wg = tid / 128;
   const int nT = cdiv(N, TILE);
@@ -1712,153 +1669,58 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     mbar_init(wbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  int pb = 0, pI = 0, pJ = 0;  // v13's producer: the block's first tile, decoded before setmaxnreg.dec
-  if (V13 && !DYNAMIC && tid == 256 && blockIdx.x < total) decode_tile(blockIdx.x, tiles_per_b, pb, pI, pJ);
   __syncthreads();  // the mbarriers are initialised before anyone waits on them
 
-  if (wg == 2) {  // producer warpgroup
+  if (wg == kProducerWarpgroup) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (tid == 288) {  // the packed parameters (w1s, w2s, vec are contiguous), in pieces of <= 32 KB
-      constexpr int bytes = 4 * kV10PackFloats<KC, HP>;
-      // launched as a programmatic dependent of the params kernel: wait for its writes (the tile copies
-      // by thread 256 do not depend on it)
-      asm volatile("griddepcontrol.wait;\n" ::: "memory");
-      mbar_expect_tx(wbar, bytes);
-      for (int off = 0; off < bytes; off += 32768)
-        bulk_copy(w1s + off / 4, wpack + off / 4, bytes - off < 32768 ? bytes - off : 32768, wbar);
-    } else if (tid == 256) {
-      const unsigned bytes = static_cast<unsigned>(4 * L.slot_floats);
-      unsigned u = 0;
-      uint64_t policy = 0;  // v17: the tiles' L2 lines evicted first (read once)
-      if constexpr (EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-      // half tile `mirror` of tile (b, I, J) into slot s: KC / 32 boxes completing on full[s]
-      auto copy_half = [&](int s, bool mirror, int b, int I, int J) {
-        mbar_expect_tx(full + s, bytes);
-        float* dst = ring + s * L.slot_floats;
-        const CUtensorMap* map = mirror ? &tm_mirror : &tm_tile;
-#pragma unroll
-        for (int box = 0; box < KC / 32; ++box) {
-          if constexpr (EVICT_FIRST) tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s, policy);
-          else tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s);
-        }
-      };
-      if constexpr (DYNAMIC) {
-        // v19: the block's tiles q = 0, 1 are blockIdx.x and blockIdx.x + gridDim.x, the later ones tickets from
-        // tile_counter (t = 2 gridDim.x + ticket). Each ticket is taken two tiles ahead (tk0 for q + 1, tk1 for
-        // q + 2), so that the atomic's round trip is over long before its use. Past the last tile, use 2q gets a
-        // sentinel (b = -1, I = 1) for one consumer warpgroup and use 2q + 2 one (b = -1, I = 0) for the other,
-        // each completing its slot's phase with a plain arrive. The slot ps = u % R, pw = (u / R) & 1 and
-        // wrapped = u >= R of half-tile use u are kept incrementally, and the tile indices are 32-bit (the host
-        // checks total < 2^31): with no division by R and no 64-bit division the walk fits the 24 registers of
-        // kV13ProducerRegs.
-        const unsigned total32 = static_cast<unsigned>(total), tpb32 = static_cast<unsigned>(tiles_per_b);
-        int ps = 0;
-        unsigned pw = 0;
-        bool wrapped = false;
-        auto next_slot = [&]() {
-          if (++ps == R) {
-            ps = 0;
-            pw ^= 1;
-            wrapped = true;
-          }
-        };
-        auto wait_slot = [&]() {  // until the consumers have released slot ps's previous phase
-          if (wrapped) mbar_wait(empty + ps, pw ^ 1);
-        };
-        unsigned t = blockIdx.x, tk0 = 0, tk1 = 0;
-        for (unsigned q = 0;; ++q) {
-          wait_slot();
-          if (t >= total32) {
-            tinfo[ps] = make_int4(-1, 1, 0, 0);  // the first sentinel (I = 1)
-            mbar_arrive(full + ps);
-            next_slot();
-            next_slot();
-            wait_slot();
-            tinfo[ps] = make_int4(-1, 0, 0, 0);
-            mbar_arrive(full + ps);
-            break;
-          }
-          int b, I, J;
-          decode_tile32(t, tpb32, b, I, J);
-          tinfo[ps] = make_int4(b, I, J, 0);
-          copy_half(ps, false, b, I, J);
-          next_slot();
-          wait_slot();
-          copy_half(ps, true, b, I, J);
-          next_slot();
-          if (q == 0) {
-            t = blockIdx.x + gridDim.x;
-          } else {
-            if (q == 1) {
-              asm volatile("griddepcontrol.wait;\n" ::: "memory");  // tile_counter zeroed by the params kernel
-              tk0 = static_cast<unsigned>(atomicAdd(tile_counter, 1));
-            } else {
-              tk0 = tk1;
-            }
-            tk1 = static_cast<unsigned>(atomicAdd(tile_counter, 1));
-            t = 2u * gridDim.x + tk0;
-          }
-        }
-      }
-      for (long long t = blockIdx.x; !DYNAMIC && t < total; t += gridDim.x) {
-        int b, I, J;
-        if constexpr (V13) {
-          b = pb;
-          I = pI;
-          J = pJ;
-          // the next tile: t + gridDim.x, i.e. u = J (J + 1) / 2 + I (I <= J) advanced by gridDim.x,
-          // row by row (row J holds J + 1 tiles), the next batch after row nT - 1
-          pI += gridDim.x;
-          while (pI > pJ) {
-            pI -= pJ + 1;
-            if (++pJ == nT) {
-              pJ = 0;
-              ++pb;
-            }
-          }
-        } else {
-          decode_tile(t, tiles_per_b, b, I, J);
-        }
-        for (int half = 0; half < 2; ++half, ++u) {
-          const int s = static_cast<int>(u % R);
-          if (u >= static_cast<unsigned>(R)) mbar_wait(empty + s, ((u / R) - 1) & 1);
-          // (b, I, J) for the consumers, ordered before their reads by the arrive's release
-          if (V13 && half == 0) tinfo[s] = make_int4(b, I, J, 0);
-          copy_half(s, half != 0, b, I, J);
-        }
-      }
+    if (tid == kParamsThread) {
+      produce_params<KC, HP>(w1s, wpack, wbar);
+    } else if (tid == kTileThread) {
+      if constexpr (kWide) produce_tiles_by_ticket<KC>(rg, tm_tile, tm_mirror, tile_counter, total, tiles_per_b);
+      else produce_tiles_strided<KC>(rg, tm_tile, tm_mirror, total, tiles_per_b);
     }
     return;  // no block-wide barrier after this point
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-
+  // ---- consumer warpgroups 0 and 1 ------------------------------------------------------------
+  // The consumer warpgroup wg's tiles: q = wg, wg + 2, ... of the block (block-local order). KC = 128: the
+  // tiles' coordinates from the producer (tinfo), slots and parities kept incrementally, the loop ends at a
+  // sentinel; the products take turns with the other warpgroup: warpgroup w syncs on mma_turn(w) before
+  // GEMM1 and after GEMM2 arrives on the other's, warpgroup 1 granting warpgroup 0 the first turn. Every
+  // tile's GEMM2 arrives unconditionally; at its sentinel a warpgroup consumes the arrival meant for its
+  // next turn, and at the first sentinel gives the other warpgroup the arrival that its own sentinel (the
+  // second) will consume, so each barrier phase gets exactly one sync (128 threads) and one arrive (128).
+  // KC = 64: a fixed stride of tiles, each decoded here, slot u % R.
+  // The loop body stays in the kernel: as a function (or lambda) taking the shared-memory pointers (vec,
+  // w1s, the ring's), the compiler derives their addresses differently and the machine code changes
+  // write_pair_outputs takes values only.
+  constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3, w4 = (tid >> 5) & 3;
-  const int p0 = 16 * w4 + v10_row(g);  // this thread's pairs: p0 (fragment row g) and p0 + 8 (row g + 8)
+  const int p0 = 16 * w4 + frag_pair(g);  // this thread's pairs: p0 (fragment row g) and p0 + 8 (row g + 8)
   const float inv_c = 1.f / static_cast<float>(C), bias3 = __ldg(b3);
-  const uint64_t d1h = v10_desc(w1s), d1l = v10_desc(w1s + HP * KC);
-  const uint64_t d2h = v10_desc(w2s), d2l = v10_desc(w2s + HP * HP);
+  const uint64_t d1h = plane_desc(w1s), d1l = plane_desc(w1s + HP * KC);
+  const uint64_t d2h = plane_desc(w2s), d2l = plane_desc(w2s + HP * HP);
 
   float d0[NA], d1[NA];  // wgmma accumulators (each chunk starts with scale-d 0; zeroed once so they are defined)
 #pragma unroll
   for (int e = 0; e < NA; ++e) d0[e] = d1[e] = 0.f;
   bool staged = false;  // this thread has waited for the weights
-  if constexpr (PING_PONG) {
-    if (wg == 1) named_bar_arrive(1);  // warpgroup 0's products go first
+  if constexpr (kWide) {
+    if (wg == 1) named_bar_arrive(mma_turn(0));  // warpgroup 0's products go first
   }
-  unsigned q = wg;      // block-local tile index
-  // v13: slot and parity of use u0 = 2q, kept incrementally (u0 advances by 4 per tile; launch_v10 makes R a
-  // multiple of 4, so one wrap at most, but the two steps below hold for any R >= 2)
+  unsigned q = wg;  // block-local tile index
+  // KC = 128: slot and parity of use u0 = 2q, kept incrementally (u0 advances by 4 per tile; launch_wgmma
+  // makes R a multiple of 4, so one wrap at most, but the two steps below hold for any R >= 2)
   int cs = static_cast<int>((2u * q) % R);
   unsigned cph = ((2u * q) / R) & 1;
-  // v19: the tiles come from the producer's tickets; the loop ends at a sentinel (below)
-  for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; DYNAMIC || t < total;
+  for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; kWide || t < total;
        t += 2ll * gridDim.x, q += 2) {
     int b = 0, I = 0, J = 0;
-    if constexpr (!V13) decode_tile(t, tiles_per_b, b, I, J);
+    if constexpr (!kWide) decode_tile(t, tiles_per_b, b, I, J);
     const unsigned u0 = 2 * q, u1 = 2 * q + 1;
     int s0, s1;
     unsigned ph0, ph1;
-    if constexpr (V13) {
+    if constexpr (kWide) {
       s0 = cs;
       ph0 = cph;
       s1 = s0 + 1 == R ? 0 : s0 + 1;
@@ -1880,98 +1742,80 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
     }
     const float* tl = ring + s0 * L.slot_floats;
     const float* mi = ring + s1 * L.slot_floats;
-    if constexpr (V13) {  // the tile's coordinates from its producer
+    if constexpr (kWide) {  // the tile's coordinates from its producer
       mbar_wait(full + s0, ph0);
       const int4 ti = tinfo[s0];
       b = ti.x;
       I = ti.y;
       J = ti.z;
-      if (DYNAMIC && b < 0) {  // v19's sentinel: the block's tiles are done (I = 1: the first of its two sentinels)
-        if constexpr (PING_PONG) {
-          // every tile's GEMM2 arrived on the other's barrier unconditionally: consume the arrival meant for this
-          // warpgroup's next turn, and at the first sentinel give the other warpgroup the arrival that its own
-          // sentinel (the second) will consume. Each barrier phase then gets one sync and one arrive.
-          named_bar_sync(1 + wg);
-          if (I != 0) named_bar_arrive(2 - wg);
-        }
+      if (b < 0) {  // a sentinel: the block's tiles are done (I = 1: the first of its two sentinels)
+        named_bar_sync(mma_turn(wg));
+        if (I != 0) named_bar_arrive(mma_turn(1 - wg));
         break;
       }
     }
     const int i0 = TILE * I + (p0 >> 3), j0 = TILE * J + (p0 & 7);
     const int i1 = i0 + 1;  // p1 = p0 + 8: next tile row, same column
     const bool ok0 = i0 < N && j0 < N, ok1 = i1 < N && j0 < N;
-    float mean[4], rstd[4];
+    float mean[4], rstd[4];  // KC = 128: mean[] holds each row's delta, v the rows' d = x - m (row_stats' WIDE)
     uint32_t ah[KS1][4], al[KS1][4];
-    if constexpr (V11) {
-      // ---- the 4 rows (tile p0, p0 + 8; mirror p0, p0 + 8) into registers, both slots released ----
+    {
+      // ---- operands: this thread's 4 rows (tile p0, p0 + 8; mirror p0, p0 + 8) into registers, both
+      // slots released once this warp has read them, the rows' statistics, and s split into GEMM1's A
+      // fragments for all of K. KC = 64 waits for slot s0 here (KC = 128 has waited above, for the tile's
+      // coordinates) and KC = 128 computes the tile half's terms before the wait for the mirror, so that
+      // less work follows the last copy's arrival.
       float4 v[4][NK];
-      if constexpr (!V13) mbar_wait(full + s0, ph0);
+      if constexpr (!kWide) mbar_wait(full + s0, ph0);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
-        v[0][kk] = v10_chunk4(tl, p0, kk, t4);
-        v[1][kk] = v10_chunk4(tl, p0 + 8, kk, t4);
+        v[0][kk] = swizzled_chunk4(tl, p0, kk, t4);
+        v[1][kk] = swizzled_chunk4(tl, p0 + 8, kk, t4);
       }
-      // (v20: mean[] holds each row's delta, v the rows' d = x - m: v10_row_stats' DX)
-      v11_half_stats<NK, 0, V13, FMA_TERMS>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
-      if constexpr (DYNAMIC) {  // v19: the tile half's (x - mean) rstd / 2 before the mirror's wait (v10_build4_pre)
+      half_stats<NK, 0, kWide>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
+      if constexpr (kWide) {  // the tile half's terms before the mirror's wait
 #pragma unroll
         for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if constexpr (FMA_TERMS) v[h][kk] = v20_term4(v[h][kk], mean[h], 0.5f * rstd[h]);
-            else v[h][kk] = v10_term4(v[h][kk], mean[h], 0.5f * rstd[h]);
+          for (int h = 0; h < 2; ++h) v[h][kk] = term_ffma(v[h][kk], mean[h], 0.5f * rstd[h]);
       }
       mbar_wait(full + s1, ph1);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
-        v[2][kk] = v10_chunk4(mi, p0, kk, t4);
-        v[3][kk] = v10_chunk4(mi, p0 + 8, kk, t4);
+        v[2][kk] = swizzled_chunk4(mi, p0, kk, t4);
+        v[3][kk] = swizzled_chunk4(mi, p0 + 8, kk, t4);
       }
       __syncwarp();
       if (lane == 0) {  // this warp has read both slots
         mbar_arrive(empty + s0);
         mbar_arrive(empty + s1);
       }
-      v11_half_stats<NK, 2, V13, FMA_TERMS>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
-      // ---- s split into A fragments for all of K ----
+      half_stats<NK, 2, kWide>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          if constexpr (FMA_TERMS)
-            v10_build4_s<KC, V13>(v[h][kk], v20_term4(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah, al);
-          else if constexpr (DYNAMIC) v10_build4_pre<KC, V13>(v[h][kk], v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h], kk, h, ah, al);
-          else v10_build4<KC, V13>(v[h][kk], v[2 + h][kk], mean[h], 0.5f * rstd[h], mean[2 + h], 0.5f * rstd[2 + h], kk,
-                              h, ah, al);
-    } else {
-      mbar_wait(full + s0, ph0);
-      mbar_wait(full + s1, ph1);
-      if (C == KC) v10_stats<KC, true>(tl, mi, p0, t4, C, inv_c, eps, ok0, ok1, mean, rstd);
-      else v10_stats<KC, false>(tl, mi, p0, t4, C, inv_c, eps, ok0, ok1, mean, rstd);
-      // ---- s split into A fragments for all of K (then both slots are free) ----
-      // (building chunk kk while chunk kk - 1 ran on the tensor cores measured slower at long: 507 vs 493 us)
-#pragma unroll
-      for (int kk = 0; kk < KS1 / 2; ++kk) v10_build_kk<KC>(tl, mi, p0, t4, kk, mean, rstd, ah, al);
-      __syncwarp();
-      if (lane == 0) {  // this warp has read both slots
-        mbar_arrive(empty + s0);
-        mbar_arrive(empty + s1);
-      }
+          if constexpr (kWide) {
+            s_fragments<KC, false>(v[h][kk], term_ffma(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah, al);
+          } else {
+            const float4 pa = term_sub_mul(v[h][kk], mean[h], 0.5f * rstd[h]);
+            s_fragments<KC, true>(pa, term_sub_mul(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah, al);
+          }
     }
-    // ---- GEMM1: h1 = s W1'^T ----
     if (!staged) {  // the parameters are in shared memory
       mbar_wait(wbar, 0);
       staged = true;
     }
-    if constexpr (PING_PONG) named_bar_sync(1 + wg);  // this warpgroup's turn on the tensor cores
+    // ---- MLP on the tensor cores: GEMM1 acc = s W1'^T; h1 = relu(acc + b1') split in registers into
+    // GEMM2's A fragments (gemm2_unit's order); GEMM2 acc = h1 W2^T ----
+    if constexpr (kWide) named_bar_sync(mma_turn(wg));  // this warpgroup's turn on the tensor cores
     float acc[NA];
     wg_fence(ah);
     wg_fence(al);
-    v10_gemm<HP, KS1>(ah, al, d1h, d1l, d0, d1, acc);
+    wg_gemm<HP, KS1>(ah, al, d1h, d1l, d0, d1, acc);
     wg_fence(ah);  // the A registers stay live until every wgmma reading them has completed
     wg_fence(al);
 
-    // ---- h1 = relu(acc + b1') in registers -> GEMM2's A fragments (v10_k2's order) ----
     uint32_t bh[KS2][4], bl[KS2][4];
 #pragma unroll
     for (int j = 0; j < KS2; ++j)
@@ -1980,19 +1824,16 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         const int unit = 8 * j + 2 * t4 + (e & 1);
         const float h = relu(acc[4 * j + e] + vec[unit]);
         const int slot = (e >> 1) | ((e & 1) << 1);  // d[4j + e]: row g + 8 (e / 2), unit + e % 2 -> a[(e/2) + 2 (e%2)]
-        split_tf32_fast<!V13>(h, bh[j][slot], bl[j][slot]);
+        split_tf32_fast<!kWide>(h, bh[j][slot], bl[j][slot]);
       }
     wg_fence(bh);
     wg_fence(bl);
-    // ---- GEMM2: h2 = h1 W2^T (into acc) ----
-    v10_gemm<HP, KS2>(bh, bl, d2h, d2l, d0, d1, acc);
+    wg_gemm<HP, KS2>(bh, bl, d2h, d2l, d0, d1, acc);
     wg_fence(bh);
     wg_fence(bl);
-    if constexpr (PING_PONG) {
-      if (DYNAMIC || t + gridDim.x < total) named_bar_arrive(2 - wg);  // the other warpgroup's next tile: its turn
-    }
+    if constexpr (kWide) named_bar_arrive(mma_turn(1 - wg));  // the other warpgroup's turn
 
-    // ---- layer 3 and the output: z = sum_u w3[u] relu(h2[u] + b2[u]) ----
+    // ---- layer 3: z = sum_u w3[u] relu(h2[u] + b2[u]) over this lane's units, then the output ----
     float z0 = 0.f, z1 = 0.f;
 #pragma unroll
     for (int j = 0; j < KS2; ++j)
@@ -2003,23 +1844,10 @@ contact_map_v10_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (
         z0 = fmaf(ww, relu(acc[4 * j + e] + bb), z0);
         z1 = fmaf(ww, relu(acc[4 * j + 2 + e] + bb), z1);
       }
-    z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
-    z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
-    z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
-    z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
-    // lanes t4 = 0 / 1 write pair p0 / p1 (both orientations)
-    if (t4 < 2) {
-      const bool ok = t4 == 0 ? ok0 : ok1;
-      if (ok) {
-        const int i = t4 == 0 ? i0 : i1;
-        const float o = 1.f / (1.f + expf(-((t4 == 0 ? z0 : z1) + bias3)));
-        out[(static_cast<long long>(b) * N + i) * N + j0] = o;
-        out[(static_cast<long long>(b) * N + j0) * N + i] = o;
-      }
-    }
+    write_pair_outputs(z0, z1, t4, ok0, ok1, i0, i1, j0, b, N, bias3, out);
   }
 #else
-  __trap();  // built without sm_90a: the host never launches this (v10_supported)
+  __trap();  // built without sm_90a: the host never launches this (wgmma_supported)
 #endif
 }
 
@@ -2036,7 +1864,7 @@ struct Args {
 };
 
 // A device's facts that every forward needs, queried once per device (four driver calls, ~1.5 us of host time
-// per forward on the H200 machine's host otherwise; thirteenth session's profile).
+// per forward on the H200 machine's host otherwise: NOTES.md).
 struct DeviceFacts {
   int max_smem, num_sms, major, minor;
 };
@@ -2070,7 +1898,7 @@ void ensure_max_dynamic_smem(const void* kernel, int device, int smem) {
   set_to[key] = smem;
 }
 
-// Persistent launch of either kernel (same signature): as many blocks of `threads` threads as fit on
+// Persistent launch of the fma or the mma kernel (same signature): as many blocks of `threads` threads as fit on
 // the device, at most one per tile.
 using KernelFn = void (*)(const float*, float*, const float*, const float*, const float*, const float*,
                           const float*, const float*, const float*, const float*, float, int, int, int, int,
@@ -2098,84 +1926,73 @@ void launch_persistent(KernelFn kernel, int threads, size_t smem, const Args& a,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int V, int HP, bool W_SMEM>
-void launch(const Args& a, cudaStream_t stream, int num_sms) {
-  launch_persistent(contact_map_kernel<V, HP, W_SMEM>, THREADS, sizeof(float) * Smem(a.CP, HP, W_SMEM).total,
+
+template <int HP, bool W_SMEM>
+void launch_fma(const Args& a, cudaStream_t stream, int num_sms) {
+  launch_persistent(contact_map_fma_kernel<HP, W_SMEM>, THREADS, sizeof(float) * Smem(a.CP, HP, W_SMEM).total,
                     a, stream, num_sms);
 }
 
-template <int V, bool W_SMEM>
-void dispatch_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
+template <bool W_SMEM>
+void dispatch_fma_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
   switch (HP) {
-    case 16: launch<V, 16, W_SMEM>(a, s, sms); break;
-    case 32: launch<V, 32, W_SMEM>(a, s, sms); break;
-    case 64: launch<V, 64, W_SMEM>(a, s, sms); break;
-    case 128: launch<V, 128, W_SMEM>(a, s, sms); break;
-    default: launch<V, 256, W_SMEM>(a, s, sms); break;  // HP <= MAX_HIDDEN checked by forward()
+    case 16: launch_fma<16, W_SMEM>(a, s, sms); break;
+    case 32: launch_fma<32, W_SMEM>(a, s, sms); break;
+    case 64: launch_fma<64, W_SMEM>(a, s, sms); break;
+    case 128: launch_fma<128, W_SMEM>(a, s, sms); break;
+    default: launch_fma<256, W_SMEM>(a, s, sms); break;  // HP <= MAX_HIDDEN checked by forward()
   }
 }
 
-template <int V>
-void dispatch(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
-  if (w_smem) dispatch_hidden<V, true>(a, HP, s, sms);
-  else dispatch_hidden<V, false>(a, HP, s, sms);
+void dispatch_fma(const Args& a, int HP, bool w_smem, cudaStream_t s, int sms) {
+  if (w_smem) dispatch_fma_hidden<true>(a, HP, s, sms);
+  else dispatch_fma_hidden<false>(a, HP, s, sms);
 }
 
-// v5 / v7 (contact_map_tc_kernel with 256 / 512 threads): weights as split fragments in shared memory
-// when they fit beside the tile, else read from global memory.
-// v7 at HP <= 32: the 2-blocks-per-SM build (64 registers) only where two blocks fit by shared memory,
-// else the 1-block build with the fused statistics pass (MINB above).
-// v9 (PROD): the producer-warp build where one block fits per SM; where two fit, v7's 2-block build
-// (under 64 registers per thread the PROD build at HP = 32, 2 n tiles per warp, spilled 8 bytes).
-template <int HP, WFormat WF, int NTHR, bool PROD = false>
-void launch_tc(const Args& a, cudaStream_t stream, int num_sms) {
-  const size_t smem = sizeof(float) * SmemTC(a.CP, HP, WF).total;
-  if constexpr (kMinBlocksTC<HP, NTHR> == 2 && NTHR == 512) {
-    const int per_sm = blocks_per_sm(contact_map_tc_kernel<HP, WF, NTHR, 2>, a.device, NTHR, smem);
-    if (per_sm < 2)
-      launch_persistent(contact_map_tc_kernel<HP, WF, NTHR, 1, PROD>, NTHR, smem, a, stream, num_sms);
-    else
-      launch_persistent(contact_map_tc_kernel<HP, WF, NTHR, 2>, NTHR, smem, a, stream, num_sms, per_sm);
-  } else {
-    launch_persistent(contact_map_tc_kernel<HP, WF, NTHR, kMinBlocksTC<HP, NTHR>, PROD>, NTHR, smem, a, stream,
-                      num_sms);
-  }
-}
-
-// v9's producer warps at HP <= 32 only: at HP = 64 (crop, long) NG = 2 takes half the warps out of
-// products that are ~50% of the loop there, and measured 8-10% slower than v7 (NOTES.md).
+// PROD (the producer-warp build) at HP <= 32 only: at HP = 64 (crop, long) NG = 2 takes half the warps out
+// of products that are ~50% of the loop there, and measured 8-10% slower than without (NOTES.md).
 constexpr int kProdMaxHP = 32;
 
-// variant 5: v5 (256 threads); 7: v7 (512 threads); 9: v9 (v7 with producer warps at HP <= kProdMaxHP).
+// The mma kernel with 512 threads (or 256 at HP = 256: below): weights as split fragments in shared memory
+// when they fit beside the tile (WF), else read from global memory. At HP <= 32: the 2-blocks-per-SM build
+// (64 registers) where two blocks fit by shared memory, else the 1-block build with the producer warps
+// (PROD) and the fused statistics sweep (under 64 registers per thread the PROD build at HP = 32, 2 n
+// tiles per warp, spilled 8 bytes).
 template <int HP, WFormat WF>
-void launch_tc_variant(const Args& a, int variant, cudaStream_t s, int sms) {
-  if (variant == 5) {
-    launch_tc<HP, WF, 256>(a, s, sms);
-  } else if constexpr (HP <= kProdMaxHP) {
-    if (variant == 9) launch_tc<HP, WF, 512, true>(a, s, sms);
-    else launch_tc<HP, WF, 512>(a, s, sms);
+void launch_mma(const Args& a, cudaStream_t stream, int num_sms) {
+  constexpr int NTHR = 512;
+  const size_t smem = sizeof(float) * SmemTC(a.CP, HP, WF).total;
+  if constexpr (HP <= kProdMaxHP) {
+    static_assert(kMinBlocksTC<HP, NTHR> == 2, "the 2-block build at HP <= 32");
+    const int per_sm = blocks_per_sm(contact_map_mma_kernel<HP, WF, NTHR, 2>, a.device, NTHR, smem);
+    if (per_sm < 2)
+      launch_persistent(contact_map_mma_kernel<HP, WF, NTHR, 1, true>, NTHR, smem, a, stream, num_sms);
+    else
+      launch_persistent(contact_map_mma_kernel<HP, WF, NTHR, 2>, NTHR, smem, a, stream, num_sms, per_sm);
   } else {
-    launch_tc<HP, WF, 512>(a, s, sms);
+    launch_persistent(contact_map_mma_kernel<HP, WF, NTHR, kMinBlocksTC<HP, NTHR>>, NTHR, smem, a, stream, num_sms);
   }
 }
 
 template <WFormat WF>
-void dispatch_tc_hidden(const Args& a, int HP, int variant, cudaStream_t s, int sms) {
+void dispatch_mma_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
   switch (HP) {
-    case 16: launch_tc_variant<16, WF>(a, variant, s, sms); break;
-    case 32: launch_tc_variant<32, WF>(a, variant, s, sms); break;
-    case 64: launch_tc_variant<64, WF>(a, variant, s, sms); break;
-    case 128: launch_tc_variant<128, WF>(a, variant, s, sms); break;
+    case 16: launch_mma<16, WF>(a, s, sms); break;
+    case 32: launch_mma<32, WF>(a, s, sms); break;
+    case 64: launch_mma<64, WF>(a, s, sms); break;
+    case 128: launch_mma<128, WF>(a, s, sms); break;
     // HP <= MAX_HIDDEN checked by forward(); at 256 the weights (>= 512 KB) never fit in shared memory,
-    // and v7's 16 warps would need more than the 128 registers per thread they may have: v5's kernel
-    // (also for v9).
-    default: launch_tc<256, WFormat::kGlobal, 256>(a, s, sms); break;
+    // and 16 warps would need more than the 128 registers per thread they may have: 8 warps
+    default:
+      launch_persistent(contact_map_mma_kernel<256, WFormat::kGlobal, 256>, 256,
+                        sizeof(float) * SmemTC(a.CP, 256, WFormat::kGlobal).total, a, s, sms);
+      break;
   }
 }
 
-// v10's host side: sm_90a in this build and a compute capability 9.0 device; the shapes its tiles fit.
+// The wgmma kernel's host side: sm_90a in this build and a compute capability 9.0 device; the shapes its tiles fit.
 #if defined(CM_SM90A)
-constexpr bool kBuiltSm90a = true;  // the build has sm_90a code (v10's wgmma)
+constexpr bool kBuiltSm90a = true;  // the build has sm_90a code (the wgmma kernel)
 #else
 constexpr bool kBuiltSm90a = false;
 #endif
@@ -2195,7 +2012,7 @@ EncodeTiledFn encode_tiled() {
     C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
 #endif
     TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
-                "contact_map: the CUDA driver has no cuTensorMapEncodeTiled (v10 needs CUDA 12+)");
+                "contact_map: the CUDA driver has no cuTensorMapEncodeTiled (the wgmma kernel needs CUDA 12+)");
     fn = reinterpret_cast<EncodeTiledFn>(p);
   }
   return fn;
@@ -2204,8 +2021,8 @@ EncodeTiledFn encode_tiled() {
 // x (B, N, N, C) contiguous as a 4-D tensor map (C, N, N, B) with boxes of 32 channels x 8 x 8
 // positions, 128-byte swizzle, zero fill out of range. Tile map: dimension 1 is x's j (stride C),
 // dimension 2 its i (stride N C); mirror map: the two swapped, so that both land with row 8 il + jl.
-// L2 promotion: 256 bytes for v10-v17, 128 bytes (a box row's size) for v19 and v20: at batch the load-only build took
-// 72.67 -> 72.13 us per call and v19 75.94 -> 75.46 (fourteenth session, device run 6; none: 72.19 / 75.39).
+// L2 promotion: 128 bytes (a box row's size) for the KC = 128 build, 256 bytes for KC = 64 (128 measured
+// 0.6% faster at batch, NOTES.md).
 CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror,
                           CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   CUtensorMap m;
@@ -2221,53 +2038,54 @@ CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror,
   return m;
 }
 
-// Where v10, v11, v13, v14, v17, v19 and v20 run (else they run v9): built with sm_90a, a compute capability 9.0 device, 32 <= C <= 128
-// with C % 16 == 0, H <= 64, N >= 8 (a box never exceeds the tensor), x 16-byte aligned.
-bool v10_supported(const Args& a, const DeviceFacts& dev) {
+// Where "auto" runs the wgmma kernel (else the mma kernel): built with sm_90a, a compute capability 9.0 device,
+// 32 <= C <= 128 with C % 16 == 0, H <= 64, N >= 8 (a box never exceeds the tensor), x 16-byte aligned.
+bool wgmma_supported(const Args& a, const DeviceFacts& dev) {
   if (!kBuiltSm90a) return false;
   return dev.major == 9 && dev.minor == 0 && a.C % 16 == 0 && a.C >= 32 && a.C <= 128 && a.H <= 64 && a.N >= TILE &&
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
-// As many ring slots as fit (8 or 4: a multiple of 4); one block per SM, at most one per tile. V: the variant's
-// build of the kernel (10, 11, 13, 14, 17, 19, 20).
-template <int KC, int HP, int V>
-void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
+
+// As many ring slots as fit (8 or 4: a multiple of 4); one block per SM, at most one per tile.
+template <int KC, int HP>
+void launch_wgmma(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
+  constexpr bool kWide = KC == 128;  // the streamlined build (contact_map_wgmma_kernel)
   // R a multiple of 4, so that every slot serves one warpgroup only (warpgroup w's uses u = 4k + 2w, 4k + 2w + 1):
   // a parity wait is safe only for a waiter that also waited on the slot's previous phase. At R = 5 a
   // warpgroup could find the other's earlier copy into the slot still in flight, read the parity of that
-  // incomplete phase as its own completed one and read the slot early (seen in the eleventh session: wrong
-  // outputs at batch, R = 5, in 6 of 300 back-to-back v13 calls).
-  int R = kV10MaxSlots;
-  while (R > 4 && SmemV10(KC, HP, R).total > max_smem) R -= 4;
-  const int smem = SmemV10(KC, HP, R).total;
-  TORCH_CHECK(smem <= max_smem, "contact_map: v10 needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
-  auto kernel = contact_map_v10_kernel<KC, HP, V>;
+  // incomplete phase as its own completed one and read the slot early (wrong outputs at batch, R = 5, in 6 of
+  // 300 back-to-back calls: NOTES.md).
+  int R = kWgMaxSlots;
+  while (R > 4 && SmemWg(KC, HP, R).total > max_smem) R -= 4;
+  const int smem = SmemWg(KC, HP, R).total;
+  TORCH_CHECK(smem <= max_smem, "contact_map: the wgmma kernel needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
+  auto kernel = contact_map_wgmma_kernel<KC, HP>;
   ensure_max_dynamic_smem(reinterpret_cast<const void*>(kernel), a.device, smem);
-  const CUtensorMapL2promotion promotion = V >= 19 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  const CUtensorMapL2promotion promotion = kWide ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false, promotion),
                     mm = make_tile_map(a.x, a.B, a.N, a.C, true, promotion);
   constexpr int pack_threads = HP * KC + HP * HP + 32 * HP;
   float* wpack = wpack_buf.data_ptr<float>();
-  constexpr int counter_at = kV10PackFloats<128, 64>;  // after the largest pack: v19's tile counter
-  TORCH_CHECK(wpack_buf.numel() >= counter_at + 4, "contact_map: internal error: v10 parameter buffer too small");
-  int* tile_counter = V >= 19 ? reinterpret_cast<int*>(wpack + counter_at) : nullptr;
-  contact_map_v10_params_kernel<KC, HP><<<cdiv(pack_threads, 256), 256, 0, stream>>>(
+  constexpr int counter_at = kWgPackFloats<128, 64>;  // after the largest pack: the tile counter
+  TORCH_CHECK(wpack_buf.numel() >= counter_at + 4, "contact_map: internal error: wgmma parameter buffer too small");
+  int* tile_counter = kWide ? reinterpret_cast<int*>(wpack + counter_at) : nullptr;
+  contact_map_wgmma_params_kernel<KC, HP><<<cdiv(pack_threads, 256), 256, 0, stream>>>(
       a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.C, a.H, wpack, tile_counter);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int nT = cdiv(a.N, TILE);
   const long long tiles = static_cast<long long>(a.B) * nT * (nT + 1) / 2;
-  // v19's and v20's producer counts tiles in 32 bits and decode_tile32 squares the tile row in int (either limit
+  // the KC = 128 producer counts tiles in 32 bits and decode_tile32 squares the tile row in int (either limit
   // means terabytes of input)
-  TORCH_CHECK(V < 19 || (tiles < (1ll << 31) && nT <= 46340),
-              "contact_map: v19 and v20 handle fewer than 2^31 tiles and N <= 370720, got " + num(tiles) + " tiles, N = " +
-                  num(a.N));
+  TORCH_CHECK(!kWide || (tiles < (1ll << 31) && nT <= 46340),
+              "contact_map: the wgmma kernel handles fewer than 2^31 tiles and N <= 370720, got " + num(tiles) +
+                  " tiles, N = " + num(a.N));
   const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
   // a programmatic dependent launch: the kernel starts (barriers, the first tiles' copies) while the params
   // kernel runs, and waits for it (griddepcontrol.wait) only before copying wpack
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kV10Threads);
+  cfg.blockDim = dim3(kWgThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -2280,17 +2098,14 @@ void launch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stre
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// wpack_buf: float32 scratch of at least kV10PackFloats<128, 64> + 4 elements on the input's device (v19's tile
-// counter after the pack). V = 13, 14, 17, 19, 20 at pair_dim <= 64 run v11's kernel (v13's statistics start from four
-// 16-channel chunks).
-template <int V>
-void dispatch_v10(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
-  constexpr int V64 = V >= 13 ? 11 : V;
+// wpack_buf: float32 workspace of at least kWgPackFloats<128, 64> + 4 elements on the input's device (the tile
+// counter after the pack). pair_dim <= 64: the KC = 64 build.
+void dispatch_wgmma(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   const bool k64 = a.C <= 64, h32 = a.H <= 32;
-  if (k64 && h32) launch_v10<64, 32, V64>(a, wpack_buf, stream, num_sms, max_smem);
-  else if (k64) launch_v10<64, 64, V64>(a, wpack_buf, stream, num_sms, max_smem);
-  else if (h32) launch_v10<128, 32, V>(a, wpack_buf, stream, num_sms, max_smem);
-  else launch_v10<128, 64, V>(a, wpack_buf, stream, num_sms, max_smem);
+  if (k64 && h32) launch_wgmma<64, 32>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (k64) launch_wgmma<64, 64>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (h32) launch_wgmma<128, 32>(a, wpack_buf, stream, num_sms, max_smem);
+  else launch_wgmma<128, 64>(a, wpack_buf, stream, num_sms, max_smem);
 }
 
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
@@ -2307,9 +2122,10 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
 // =============================================================================================
 // Bound function
 // =============================================================================================
-torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
-                      torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
-                      torch::Tensor w3, torch::Tensor b3, int64_t variant) {
+// Returns (out, the Kernel that ran; -1 for an empty input, where none runs).
+std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
+                                           torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
+                                           torch::Tensor w3, torch::Tensor b3, int64_t variant) {
   TORCH_CHECK(pair.scalar_type() == torch::kFloat32, "contact_map: pair_repr must be float32, got ",
               c10::toString(pair.scalar_type()));
   TORCH_CHECK(pair.dim() == 4, "contact_map: pair_repr must be (B, N, N, pair_dim), got shape ",
@@ -2332,15 +2148,15 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
               "], got ", num(C));
   TORCH_CHECK(H >= 1 && H <= MAX_HIDDEN, "contact_map: hidden_dim must be in [1, ", num(MAX_HIDDEN),
               "], got ", num(H));
-  TORCH_CHECK((variant >= 1 && variant <= 3) || variant == 5 || variant == 7 || (variant >= 9 && variant <= 11) || variant == 13 || variant == 14 || variant == 17 || variant == 19 || variant == 20,
-              "contact_map: unknown kernel variant ",
+  TORCH_CHECK(variant >= 0 && variant < static_cast<int64_t>(Variant::kCount), "contact_map: unknown kernel variant ",
               num(variant));
   TORCH_CHECK(pair.size(1) < (1LL << 30) && pair.size(0) < (1LL << 31),
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
+  const Variant v = static_cast<Variant>(variant);
 
   const int64_t B = pair.size(0), N = pair.size(1);
   auto out = torch::empty({B, N, N}, pair.options());
-  if (B == 0 || N == 0) return out;
+  if (B == 0 || N == 0) return {out, -1};
 
   const c10::cuda::CUDAGuard guard(pair.device());
   auto x = pair.contiguous();
@@ -2356,7 +2172,8 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   a.w3 = w3c.data_ptr<float>(); a.b3 = b3c.data_ptr<float>();
   a.eps = static_cast<float>(eps);
   a.B = static_cast<int>(B); a.N = static_cast<int>(N); a.C = static_cast<int>(C); a.H = static_cast<int>(H);
-  a.CP = round_up(a.C, variant >= 5 ? 8 : 4);  // the tensor-core k step is 8
+  const bool fma = v == Variant::kFma;
+  a.CP = round_up(a.C, fma ? 4 : 8);  // the tensor-core k step is 8
   a.vec = (C % 4 == 0) && (reinterpret_cast<uintptr_t>(a.x) % 16 == 0);
 
   int HP = 16;
@@ -2365,45 +2182,38 @@ torch::Tensor forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b
   a.device = device;
   const DeviceFacts dev = device_facts(device);
   const int max_smem = dev.max_smem, num_sms = dev.num_sms;
-  const bool tc = variant >= 5;
   const size_t smem_w = sizeof(float) * Smem(a.CP, HP, true).total;
-  const size_t smem_g = sizeof(float) * (tc ? SmemTC(a.CP, HP, WFormat::kGlobal).total
-                                            : Smem(a.CP, HP, false).total);
+  const size_t smem_g = sizeof(float) * (fma ? Smem(a.CP, HP, false).total
+                                             : SmemTC(a.CP, HP, WFormat::kGlobal).total);
   TORCH_CHECK(smem_g <= static_cast<size_t>(max_smem), "contact_map: pair_dim=", num(C),
               " needs ", num(smem_g), " bytes of shared memory per block; this device allows ",
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  const bool w_smem = smem_w <= static_cast<size_t>(max_smem);
-  const int tc_variant = variant >= 10 ? 9 : static_cast<int>(variant);  // v10-v20 outside their tiles: v9
-  if (variant >= 10 && v10_supported(a, dev)) {
-    // the packed parameters, then 4 floats whose first holds v19's tile counter (an int)
-    const auto wpack = torch::empty({kV10PackFloats<128, 64> + 4}, pair.options());
-    if (variant == 20) dispatch_v10<20>(a, wpack, stream, num_sms, max_smem);
-    else if (variant == 19) dispatch_v10<19>(a, wpack, stream, num_sms, max_smem);
-    else if (variant == 17) dispatch_v10<17>(a, wpack, stream, num_sms, max_smem);
-    else if (variant == 14) dispatch_v10<14>(a, wpack, stream, num_sms, max_smem);
-    else if (variant == 13) dispatch_v10<13>(a, wpack, stream, num_sms, max_smem);
-    else if (variant == 11) dispatch_v10<11>(a, wpack, stream, num_sms, max_smem);
-    else dispatch_v10<10>(a, wpack, stream, num_sms, max_smem);
-  } else if (tc) {
+  Kernel ran;
+  if (v == Variant::kAuto && wgmma_supported(a, dev)) {
+    // the packed parameters, then 4 floats whose first holds the tile counter (an int)
+    const auto wpack = torch::empty({kWgPackFloats<128, 64> + 4}, pair.options());
+    dispatch_wgmma(a, wpack, stream, num_sms, max_smem);
+    ran = Kernel::kWgmma;
+  } else if (!fma) {  // kMma, and kAuto outside the wgmma kernel's shapes
     if (sizeof(float) * SmemTC(a.CP, HP, WFormat::kSplit).total <= static_cast<size_t>(max_smem))
-      dispatch_tc_hidden<WFormat::kSplit>(a, HP, tc_variant, stream, num_sms);
+      dispatch_mma_hidden<WFormat::kSplit>(a, HP, stream, num_sms);
     else
-      dispatch_tc_hidden<WFormat::kGlobal>(a, HP, tc_variant, stream, num_sms);
+      dispatch_mma_hidden<WFormat::kGlobal>(a, HP, stream, num_sms);
+    ran = Kernel::kMma;
+  } else {
+    dispatch_fma(a, HP, smem_w <= static_cast<size_t>(max_smem), stream, num_sms);
+    ran = Kernel::kFma;
   }
-  else if (variant == 1) dispatch<1>(a, HP, w_smem, stream, num_sms);
-  else if (variant == 2) dispatch<2>(a, HP, w_smem, stream, num_sms);
-  else dispatch<3>(a, HP, w_smem, stream, num_sms);
-  return out;
+  return {out, static_cast<int64_t>(ran)};
 }
 
 }  // namespace contact_map
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &contact_map::forward, "contact-map head forward (CUDA, fp32)");
+  m.def("forward", &contact_map::forward, "contact-map head forward (CUDA, fp32): (out, the kernel that ran)");
 }
 """
-
 
 
 def _wgmma_rs(n):
@@ -2420,17 +2230,24 @@ def _wgmma_rs(n):
             f"                 : {ins});")
 
 
-CUDA_SRC = CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_32@", _wgmma_rs(32))
+def _enum_body(names):
+    """The enumerators of a CUDA enum class from Python names ("auto" -> kAuto = 0, ...), then kCount."""
+    return ", ".join(f"k{n.capitalize()} = {i}" for i, n in enumerate(names)) + f", kCount = {len(names)}"
+
+
+assert list(_VARIANT_IDS.values()) == list(range(len(_VARIANT_IDS)))
+CUDA_SRC = (CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_32@", _wgmma_rs(32))
+            .replace("@VARIANT_ENUM@", _enum_body(_VARIANT_IDS)).replace("@KERNEL_ENUM@", _enum_body(_KERNELS)))
 
 def _gencode_flags():
     """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
     reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
-    this PyTorch supports, the last with PTX), except that 9.0 gets sm_90a code: v10's, v11's, v13's, v14's, v17's, v19's and v20's wgmma and
-    setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
+    this PyTorch supports, the last with PTX), but with sm_90a code for 9.0: the wgmma kernel's wgmma
+    and setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
     does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
     9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
     Returns [] for lists it cannot parse (names such as "Hopper"): PyTorch then builds as usual,
-    without sm_90a (v10, v11, v13, v14, v17, v19 and v20 then run v9). The same function as outer_product_mean.py's: each kernel
+    without sm_90a ("auto" then runs the mma kernel). The same function as outer_product_mean.py's: each kernel
     file stands alone (one file to drop in), so it is not shared."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if env and env != "native":
@@ -2440,9 +2257,10 @@ def _gencode_flags():
     else:
         sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
         newest = max((sm // 10, sm % 10) for sm in sms)
-        archs = sorted({"%d.%d" % min(newest, torch.cuda.get_device_capability(i))
-                        for i in range(torch.cuda.device_count())})
-        archs[-1:] = [a + "+PTX" for a in archs[-1:]]
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        archs = sorted({"%d.%d" % min(newest, cap) for cap in caps})
+        if any(cap > newest for cap in caps):  # a GPU newer than this PyTorch's list: PTX for it
+            archs[-1] += "+PTX"
     flags = []
     for a in archs:
         m = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", a)
@@ -2466,14 +2284,12 @@ def _build():
              + (["-Xptxas", "-v"] if verbose else []))
     digest = hashlib.sha1((CUDA_SRC + " ".join(flags)).encode()).hexdigest()[:12]
     name = f"contact_map_{digest}"
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        cached = os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
-    except Exception:  # private helper moved: just say what may happen
-        cached = False
+    # built already? (PyTorch's private build-directory function; a rebuild in one process adds _v1, ... to the name)
+    build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
+    d = build_directory(name, False) if build_directory is not None else ""
+    cached = os.path.isdir(d) and any(f.startswith(name) and f.endswith(".so") for f in os.listdir(d))
     if not cached:
-        print("building contact_map CUDA extension, about 2-5 minutes the first time ...",
+        print("building contact_map CUDA extension, about 2.5 minutes the first time on a 2-core machine ...",
               file=sys.stderr, flush=True)
     return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=flags,
                        verbose=verbose)
@@ -2481,33 +2297,208 @@ def _build():
 
 _ext = _build()
 
-_VARIANT_IDS = {"v20": 20, "v19": 19, "v17": 17, "v14": 14, "v13": 13, "v11": 11, "v10": 10, "v9": 9, "v7": 7, "v5": 5, "v3": 3, "v2": 2, "v1": 1}  # first = default (the fastest)
+
+# =============================================================================================
+# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs)
+# =============================================================================================
+def _rows_per_chunk(row_bytes, n, chunk_bytes):
+    """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
+    return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
 
 
-class _ForwardOnly(torch.autograd.Function):
-    """Runs the kernel inside autograd so that a later backward raises instead of dropping grads.
+def _ln_recompute(x, eps, ct):
+    """LayerNorm statistics of x (..., D) in dtype ct: xhat (..., D) and rstd (..., 1)."""
+    x = x.to(ct)
+    d = x - x.mean(-1, keepdim=True)
+    d = d - d.mean(-1, keepdim=True)  # removes the rounding of the first mean (rows far from 0)
+    rstd = ((d * d).mean(-1, keepdim=True) + eps).rsqrt()
+    return d * rstd, rstd
 
-    The node's tensor inputs are exactly the kernel's arguments that require grad (`tracked`), so that any
-    backward or `torch.autograd.grad` that asks for one of them reaches this node and raises; the kernel's
-    arguments themselves travel in `args`."""
+
+def _ln_input_grad(dy, xhat, rstd, w):
+    """dx (..., D) = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w."""
+    dxhat = dy * w
+    return rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+
+
+def contact_map_rows(B, N, C, H, itemsize, chunk_bytes):
+    """(rows i per MLP chunk, rows i per LayerNorm chunk) for contact_map_backward.
+
+    An MLP chunk of r rows holds, per row i, B*N positions of: y rows and y columns, s, ds (4 C values)
+    and h1, r1, h2, r2, dh2, dr1 / dh1 (about 6 H values) plus the scalars; a LayerNorm chunk holds
+    about 5 C values per position (dy, xhat, dxhat, dx, the temporary).
+    """
+    mlp = _rows_per_chunk(B * N * (4 * C + 6 * H + 4) * itemsize, N, chunk_bytes)
+    ln = _rows_per_chunk(B * N * 5 * C * itemsize, N, chunk_bytes)
+    return mlp, ln
+
+
+def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out, chunk_bytes=256 << 20):
+    """Gradients of out = sigmoid(MLP((y + y^T) / 2)), y = LayerNorm(pair), with respect to every input.
+
+    Shapes: pair (B, N, N, C), ln_w / ln_b (C,), w1 (H, C), b1 (H,), w2 (H, H), b2 (H,), w3 (1, H),
+    b3 (1,), grad_out g (B, N, N). Forward, per position p = (b, i, j):
+        s[b,i,j,c] = (y[b,i,j,c] + y[b,j,i,c]) / 2
+        h1 = s W1^T + b1,  h2 = relu(h1) W2^T + b2,  z = relu(h2) w3^T + b3,  out = sigmoid(z)
+    Backward:
+        dz  = g * out * (1 - out)                                 (B, r, N)
+        dh2 = (dz w3) * [h2 > 0],  dh1 = (dh2 W2) * [h1 > 0]       (B, r, N, H)
+        dW3 = sum_p dz relu(h2), dW2 = sum_p dh2^T relu(h1), dW1 = sum_p dh1^T s, db* = sum_p d*
+        ds  = dh1 W1                                              (B, r, N, C)
+        dy[b,i,j] = (ds[b,i,j] + ds[b,j,i]) / 2                   (B, N, N, C)
+        then the LayerNorm backward (module docstring) per position.
+
+    Memory beyond the returned gradients: one chunk (about chunk_bytes, at least one row i:
+    B N (4 C + 6 H + 4) ct values), plus the fp32 dy buffer (B, N, N, C) for fp16 / bf16 pair.
+    Chunks of r rows i (r from chunk_bytes, at least 1): s[:, rows] needs y[:, rows] and y[:, :, rows],
+    both recomputed from pair; ds/2 goes into dy[:, rows] and, transposed, into dy[:, :, rows]. dy is
+    one (B, N, N, C) buffer in ct; when ct is pair's dtype it is d_pair itself, and the LayerNorm
+    backward (chunks of rows i again) overwrites it in place. Returns (d_pair, d_ln_w, d_ln_b, d_w1,
+    d_b1, d_w2, d_b2, d_w3, d_b3), each in its tensor's dtype.
+    """
+    B, N, _, C = pair.shape
+    H = w1.shape[0]
+    ct = torch.promote_types(pair.dtype, torch.float32)
+    lw, lb = ln_w.to(ct), ln_b.to(ct)
+    W1, B1, W2, B2, W3, B3 = (t.to(ct) for t in (w1, b1, w2, b2, w3, b3))
+    itemsize = torch.empty((), dtype=ct).element_size()
+    rows_mlp, rows_ln = contact_map_rows(B, N, C, H, itemsize, chunk_bytes)
+
+    dy = torch.zeros((B, N, N, C), dtype=ct, device=pair.device)  # d_pair itself when ct == pair.dtype
+    d_w1 = torch.zeros((H, C), dtype=ct, device=pair.device)
+    d_b1 = torch.zeros((H,), dtype=ct, device=pair.device)
+    d_w2 = torch.zeros((H, H), dtype=ct, device=pair.device)
+    d_b2 = torch.zeros((H,), dtype=ct, device=pair.device)
+    d_w3 = torch.zeros((1, H), dtype=ct, device=pair.device)
+    d_b3 = torch.zeros((1,), dtype=ct, device=pair.device)
+
+    for r0 in range(0, N, rows_mlp):
+        r1 = min(N, r0 + rows_mlp)
+        # s[b, i, j] for i in rows: (y[b, i, j] + y[b, j, i]) / 2            (B, r, N, C)
+        xh, _ = _ln_recompute(pair[:, r0:r1], eps, ct)
+        y_rows = xh * lw + lb                                                # (B, r, N, C)
+        xh, _ = _ln_recompute(pair[:, :, r0:r1], eps, ct)
+        y_cols = (xh * lw + lb).transpose(1, 2)                              # (B, r, N, C)
+        del xh
+        s = ((y_rows + y_cols) / 2.0).reshape(-1, C)                         # (M, C), M = B r N
+        del y_rows, y_cols
+        # MLP forward again                                                    (M, H), (M, 1)
+        h1 = s @ W1.t() + B1
+        a1 = h1.relu()
+        h2 = a1 @ W2.t() + B2
+        a2 = h2.relu()
+        o = (a2 @ W3.t() + B3).sigmoid()                                     # (M, 1)
+        # dz = g * out * (1 - out)                                            (M, 1)
+        dz = grad_out[:, r0:r1].to(ct).reshape(-1, 1) * (1 - o) * o
+        del o
+        d_w3 += dz.t() @ a2                                                  # (1, H)
+        d_b3 += dz.sum(0)
+        dh2 = (dz @ W3) * (h2 > 0)                                           # (M, H)
+        del dz, a2, h2
+        d_w2 += dh2.t() @ a1                                                 # (H, H)
+        d_b2 += dh2.sum(0)
+        dh1 = (dh2 @ W2) * (h1 > 0)                                          # (M, H)
+        del dh2, a1, h1
+        d_w1 += dh1.t() @ s                                                  # (H, C)
+        d_b1 += dh1.sum(0)
+        del s
+        ds = (dh1 @ W1).reshape(B, r1 - r0, N, C) / 2.0                      # ds / 2 (B, r, N, C)
+        del dh1
+        # dy[b, i, j] += ds[b, i, j] / 2 and dy[b, j, i] += ds[b, i, j] / 2
+        dy[:, r0:r1] += ds
+        dy[:, :, r0:r1] += ds.transpose(1, 2)
+        del ds
+
+    # LayerNorm backward, chunks of rows i                                      (B, r, N, C)
+    d_pair = dy if ct == pair.dtype else torch.empty_like(pair, memory_format=torch.contiguous_format)
+    d_ln_w = torch.zeros((C,), dtype=ct, device=pair.device)
+    d_ln_b = torch.zeros((C,), dtype=ct, device=pair.device)
+    for r0 in range(0, N, rows_ln):
+        r1 = min(N, r0 + rows_ln)
+        g = dy[:, r0:r1]
+        xh, rstd = _ln_recompute(pair[:, r0:r1], eps, ct)
+        d_ln_w += (g * xh).sum((0, 1, 2))
+        d_ln_b += g.sum((0, 1, 2))
+        dx = _ln_input_grad(g, xh, rstd, lw)
+        del g, xh, rstd
+        d_pair[:, r0:r1] = dx  # may overwrite dy's own rows: they are read above
+        del dx
+
+    return (d_pair, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_w1.to(w1.dtype), d_b1.to(b1.dtype),
+            d_w2.to(w2.dtype), d_b2.to(b2.dtype), d_w3.to(w3.dtype), d_b3.to(b3.dtype))
+
+
+# =============================================================================================
+# Module
+# =============================================================================================
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PARAM_NAMES = ("layer_norm.weight", "layer_norm.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias",
+                "mlp.4.weight", "mlp.4.bias")
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _output_dtype(pair, params):
+    """The dtype the reference returns for these tensors: under CUDA autocast the autocast dtype, else the
+    one dtype of pair_repr and every parameter (float32, float16 or bfloat16; others raise)."""
+    if pair.dtype not in _FLOAT_DTYPES:
+        raise RuntimeError(f"contact_map: pair_repr must be float32, float16 or bfloat16, got {_dtype_name(pair.dtype)}")
+    if pair.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    for name, p in zip(_PARAM_NAMES, params):
+        if p.dtype != pair.dtype:
+            raise RuntimeError(f"contact_map: parameter {name} must be {_dtype_name(pair.dtype)} like pair_repr, got "
+                               f"{_dtype_name(p.dtype)} (cast the module and its input to one of float32, float16, "
+                               "bfloat16)")
+    return pair.dtype
+
+
+def _f32(t):
+    """t in float32 (the kernels' dtype), t itself when it is float32 already."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _run_kernel(model, pair, params, eps, vid, out_dtype):
+    """The CUDA forward in float32: half-precision input and parameters are converted here, the output is
+    returned in out_dtype. Records the kernel that ran in model.last_variant (None after an empty input)."""
+    f = [_f32(p) for p in params]
+    out, kernel = _ext.forward(_f32(pair), f[0], f[1], eps, *f[2:], vid)
+    # a plain attribute: skips nn.Module.__setattr__ (~1 us)
+    object.__setattr__(model, "last_variant", _KERNELS[kernel] if kernel >= 0 else None)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+class _ContactMap(torch.autograd.Function):
+    """out = ContactMap(pair; params): the forward is the CUDA kernel, the backward contact_map_backward
+    (PyTorch ops); double backward raises."""
 
     @staticmethod
-    def forward(ctx, args, *tracked):
-        return _ext.forward(*args)
+    def forward(ctx, model, eps, vid, out_dtype, pair, *params):
+        ctx.eps = eps
+        ctx.save_for_backward(pair, *params)
+        return _run_kernel(model, pair, params, eps, vid, out_dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
-        raise RuntimeError("contact_map.ModelNew is forward-only: its CUDA kernel has no backward. "
-                           "Use reference/contact_map.py's Model to train.")
+        pair, *params = ctx.saved_tensors
+        grads = contact_map_backward(pair, params[0], params[1], ctx.eps, *params[2:], grad_out)
+        return (None, None, None, None) + tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[4:]))
 
 
 class ModelNew(nn.Module):
-    """Contact-map head: pair (B, N, N, pair_dim) fp32 CUDA -> contact probabilities (B, N, N) fp32.
+    """Contact-map head: pair (B, N, N, pair_dim) on a CUDA device -> contact probabilities (B, N, N).
 
     Same submodules, names and creation order as the reference `Model` (so `load_state_dict` and
-    seeding work identically). Raises RuntimeError for a CPU input, an input on another device than
-    the parameters, a dtype other than float32, a shape other than (B, N, N, pair_dim), or
-    pair_dim / hidden_dim above 256; `.backward()` through the output raises (forward-only).
+    seeding work identically). float32, float16 or bfloat16 (module and input in one dtype), computed in
+    float32, returned in the input's dtype (the autocast dtype under CUDA autocast). Differentiable
+    with respect to the input and every parameter. Raises RuntimeError for a CPU input, an input on
+    another device than the parameters, another dtype, a shape other than (B, N, N, pair_dim), or
+    pair_dim / hidden_dim above 256. `variant` selects "auto", "mma" or "fma"; after a call
+    `last_variant` names the kernel that ran ("wgmma", "mma" or "fma"; None after an empty input,
+    where none runs).
     """
 
     VARIANTS = tuple(_VARIANT_IDS)
@@ -2532,22 +2523,23 @@ class ModelNew(nn.Module):
         `nn.Sequential.__getitem__` look up, at several times the cost (the attribute path took ~8 us of a
         call's host time on the CPU). A weight that is not a plain parameter (a parametrization) is not in
         those dicts: then the attribute path."""
-        try:
-            ln = self._modules["layer_norm"]
-            mlp = self._modules["mlp"]._modules
-            a, b, c, d = ln._parameters, mlp["0"]._parameters, mlp["2"]._parameters, mlp["4"]._parameters
-            return ln, (a["weight"], a["bias"], b["weight"], b["bias"], c["weight"], c["bias"], d["weight"], d["bias"])
-        except KeyError:
-            ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
-            return ln, (ln.weight, ln.bias, l1.weight, l1.bias, l2.weight, l2.bias, l3.weight, l3.bias)
+        ln, mlp = self._modules.get("layer_norm"), self._modules.get("mlp")
+        if ln is not None and mlp is not None:
+            layers = [ln] + [mlp._modules.get(k) for k in ("0", "2", "4")]
+            if all(m is not None for m in layers):
+                params = tuple(m._parameters.get(k) for m in layers for k in ("weight", "bias"))
+                if all(p is not None for p in params):
+                    return ln, params
+        ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
+        return ln, (ln.weight, ln.bias, l1.weight, l1.bias, l2.weight, l2.bias, l3.weight, l3.bias)
 
     def forward(self, pair_repr):
         vid = _VARIANT_IDS.get(self.variant)
         if vid is None:
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {self.VARIANTS}")
         ln, params = self._parameters_in_order()
-        args = (pair_repr, params[0], params[1], float(ln.eps), *params[2:], vid)
-        tracked = [t for t in (pair_repr, *params) if t.requires_grad] if torch.is_grad_enabled() else ()
-        out = _ForwardOnly.apply(args, *tracked) if tracked else _ext.forward(*args)
-        object.__setattr__(self, "last_variant", self.variant)  # a plain attribute: skips nn.Module.__setattr__ (~1 us)
-        return out
+        eps = float(ln.eps)
+        out_dtype = _output_dtype(pair_repr, params)
+        if torch.is_grad_enabled() and (pair_repr.requires_grad or any(p.requires_grad for p in params)):
+            return _ContactMap.apply(self, eps, vid, out_dtype, pair_repr, *params)
+        return _run_kernel(self, pair_repr, params, eps, vid, out_dtype)
