@@ -2765,7 +2765,7 @@ _EXT_NAME = f"outer_product_mean_{_HASH}"
 def _is_cached(name):
     """Whether load_inline will find `name` already built (its build directory as PyTorch names it)."""
     build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
-    if build_directory is None:  # a PyTorch without the helper: assume a build
+    if build_directory is None:  # a PyTorch without that function: report a build
         return False
     d = build_directory(name, verbose=False)
     return os.path.isdir(d) and any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
