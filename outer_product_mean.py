@@ -50,10 +50,10 @@ every name; forcing one that cannot run raises with the reason):
 
 Precision: the FMA paths accumulate in fp32; the tensor-core paths use split TF32 (x = hi + lo,
 a b ~ hi hi + hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma accumulators promoted into fp32
-by ordinary adds every 64 k. Maximum error against fp64 over the harness's trials, relative to the
-fp32 PyTorch reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x, w_first_tc / _tc2 at most
-1.8x (deep, S = 2048), outer_first 0.5x at deep, the FMA w_first up to 5.3x there ("auto" does
-not take it at deep). inv_denom sums float masks in fp64 and integer masks in int64.
+by ordinary adds every 64 k. Max error against fp64 over all the harness's trials over the fp32
+reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x, w_first_tc / _tc2 up to 1.8x at deep (S =
+2048; 2.2-2.5x in single trials), outer_first 0.5x there, the FMA w_first 5.3x (7.9x in one trial; not
+"auto"'s choice there). inv_denom sums float masks in fp64 and integer masks in int64.
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
 launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case), any pair_dim >= 1,
