@@ -2299,7 +2299,8 @@ _ext = _build()
 
 
 # =============================================================================================
-# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs)
+# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs). _rows_per_chunk,
+# _ln_recompute and _ln_input_grad are outer_product_mean.py's too: each kernel file stands alone.
 # =============================================================================================
 def _rows_per_chunk(row_bytes, n, chunk_bytes):
     """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""

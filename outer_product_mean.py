@@ -2805,7 +2805,8 @@ class _VariantsHere:
 
 
 # =============================================================================================
-# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs)
+# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs). _rows_per_chunk,
+# _ln_recompute and _ln_input_grad are contact_map.py's too: each kernel file stands alone.
 # =============================================================================================
 def _rows_per_chunk(row_bytes, n, chunk_bytes):
     """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
@@ -2980,12 +2981,12 @@ def _f32(t):
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _run_kernels(model, msa, mask, params, eps, out_dtype):
+def _run_kernels(model, code, msa, mask, params, eps, out_dtype):
     """The CUDA forward in float32: half-precision msa, masks and parameters are converted here, the
     output is returned in out_dtype. Records the variant that ran in model.last_variant."""
     if mask.dtype in (torch.float16, torch.bfloat16):
         mask = mask.float()
-    out, ran = _ext.opm_forward(_f32(msa), mask, *(_f32(p) for p in params), eps, model._variant_code())
+    out, ran = _ext.opm_forward(_f32(msa), mask, *(_f32(p) for p in params), eps, code)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
@@ -2995,19 +2996,19 @@ class _OuterProductMean(torch.autograd.Function):
     outer_product_mean_backward (PyTorch ops). No gradient for the mask; double backward raises."""
 
     @staticmethod
-    def forward(ctx, model, eps, out_dtype, msa, mask, *params):
+    def forward(ctx, model, code, eps, out_dtype, msa, mask, *params):
         ctx.eps = eps
         ctx.save_for_backward(msa, mask, *params)
-        return _run_kernels(model, msa, mask, params, eps, out_dtype)
+        return _run_kernels(model, code, msa, mask, params, eps, out_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out)
-        need = ctx.needs_input_grad[3:4] + ctx.needs_input_grad[5:]
+        need = ctx.needs_input_grad[4:5] + ctx.needs_input_grad[6:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
-        return (None, None, None, grads[0], None) + grads[1:]
+        return (None, None, None, None, grads[0], None) + grads[1:]
 
 
 class ModelNew(nn.Module):
@@ -3042,19 +3043,19 @@ class ModelNew(nn.Module):
         return _ALL_VARIANTS.index(self.variant)
 
     def forward(self, msa_repr, msa_mask):
-        self._variant_code()
+        code = self._variant_code()
         eps = float(self.layer_norm.eps)
         params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,
                   self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
         out_dtype = _output_dtype(msa_repr, params)
         if not torch.is_grad_enabled():
-            return _run_kernels(self, msa_repr, msa_mask, params, eps, out_dtype)
+            return _run_kernels(self, code, msa_repr, msa_mask, params, eps, out_dtype)
         if msa_mask.requires_grad:
             raise RuntimeError("outer_product_mean: no gradient for msa_mask (the mask is data here); "
                                "use msa_mask.detach()")
         if msa_repr.requires_grad or any(p.requires_grad for p in params):
-            return _OuterProductMean.apply(self, eps, out_dtype, msa_repr, msa_mask, *params)
-        return _run_kernels(self, msa_repr, msa_mask, params, eps, out_dtype)
+            return _OuterProductMean.apply(self, code, eps, out_dtype, msa_repr, msa_mask, *params)
+        return _run_kernels(self, code, msa_repr, msa_mask, params, eps, out_dtype)
 
 
 batch_size = 2
