@@ -1202,21 +1202,28 @@ def _timed_variants(new, time_variants):
     return [default_variant if default_variant is not None or not declared else declared[0]]
 
 
-def _time_forward(res, ref, new, sets, name, args, timer, time_variants, do_compile, ref_oom):
-    """Forward timing into `res`: ModelNew per variant, the eager reference, torch.compile(reference)."""
-    cuda = timer.cuda
+def _time_each_variant(res, new, variants, what, fn, sets, timer, **kw):
+    """Time fn on `sets` with new.variant set to each of `variants` in turn (None: as constructed) into
+    res["new"][name]; `what` (" forward+backward" or "") names the timed step in labels and failures.
+    new.variant is restored afterwards."""
     default_variant = getattr(new, "variant", None)
-    for v in time_variants:
+    for v in variants:
         key = v or "-"
         if v is not None:
             new.variant = v
-        r = time_candidate(timer, f"ModelNew [{key}]", lambda *a: new(*a), sets, want_graph=cuda)
+        r = time_candidate(timer, f"ModelNew [{key}]{what}", fn, sets, **kw)
         r["last_variant"] = getattr(new, "last_variant", None)
         res["new"][key] = r
         if r["error"]:
-            res["failures"].append(f"ModelNew [{key}] failed while timing: {r['error']}")
+            res["failures"].append(f"ModelNew [{key}] failed while timing{what}: {r['error']}")
     if default_variant is not None:
         new.variant = default_variant
+
+
+def _time_forward(res, ref, new, sets, name, args, timer, time_variants, do_compile, ref_oom):
+    """Forward timing into `res`: ModelNew per variant, the eager reference, torch.compile(reference)."""
+    cuda = timer.cuda
+    _time_each_variant(res, new, time_variants, "", lambda *a: new(*a), sets, timer, want_graph=cuda)
     if ref_oom:
         res["eager"] = dict(per_call=None, graph=None, graph_error="reference OOM", peak_bytes=None,
                             error="out of memory (seen in correctness)", oom=True)
@@ -1312,19 +1319,8 @@ def time_training(refmod, ref, new, sets, name, dims, args, timer, time_variants
     gen = torch.Generator(device=timer.device).manual_seed(args.seed + 77)
     g = torch.randn(shape, generator=gen, device=timer.device).to(args.torch_dtype)
     no_graph = "not captured for forward+backward"
-    default_variant = getattr(new, "variant", None)
-    for v in time_variants:
-        key = v or "-"
-        if v is not None:
-            new.variant = v
-        r = time_candidate(timer, f"ModelNew [{key}] forward+backward", train_step(new, g), tsets,
-                           want_graph=False, no_graph=no_graph)
-        r["last_variant"] = getattr(new, "last_variant", None)
-        res["new"][key] = r
-        if r["error"]:
-            res["failures"].append(f"ModelNew [{key}] failed while timing forward+backward: {r['error']}")
-    if default_variant is not None:
-        new.variant = default_variant
+    _time_each_variant(res, new, time_variants, " forward+backward", train_step(new, g), tsets, timer,
+                       want_graph=False, no_graph=no_graph)
     res["eager"] = time_candidate(timer, "eager reference forward+backward", train_step(ref, g), tsets,
                                   want_graph=False, no_graph=no_graph)
     if do_compile:
