@@ -31,10 +31,18 @@ element is read from device memory once and nothing but the output is written. I
 has sm_90a code, on a compute capability 9.0 GPU, at 32 <= pair_dim <= 128 with pair_dim % 16 == 0,
 hidden_dim <= 64, N >= 8 and a 16-byte aligned input; at pair_dim <= 64 a KC = 64 build of the same
 kernel (tiles walked with a fixed stride, no ping-pong, subtract-multiply terms). Elsewhere "auto"
-runs the mma kernel. `model.last_variant` names the kernel that ran: "wgmma", "mma" or "fma".
+runs the mma kernel. `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma" or "fma".
+
+fp16 / bf16 ("wgmma16"): the same kernel's 16-bit build reads the input in its own type (TMA boxes of 64
+channels, 8-byte shared-memory loads, converted to fp32 in registers), computes the statistics and s in
+fp32 as above, rounds s once to the input's type and runs both products as wgmma m64nHk16 in that type
+with fp32 accumulation (no split: one wgmma per 16 k instead of three per 8); W1' and W2 are rounded to
+that type once per call, b1', b2, w3, layer 3 and the sigmoid stay fp32, and the output is written in the
+input's type. It runs where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere,
+and for "mma" / "fma", the fp32 kernels run on a converted copy and the output is converted back.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
-    "auto"  the wgmma kernel above where it runs, else the mma kernel.
+    "auto"  the wgmma kernel above where it runs (its 16-bit build for fp16 / bf16), else the mma kernel.
     "mma"   sm_80+ on every shape: the same tiles copied by cp.async, both products on mma.sync
             m16n8k8 TF32 in split TF32, 16 warps per tile (8 of them queue the next tile's first rows
             during GEMM1 where one block fits per SM and hidden_dim <= 32), weights staged once per
@@ -61,16 +69,16 @@ fit beside the tile (227 KB per block on the H200), else read them through the L
 slower. Needs an sm_80+ GPU; built for whatever TORCH_CUDA_ARCH_LIST names (9.0 as sm_90a, for the
 wgmma kernel; no list: the visible GPUs', and no GPU: 9.0, the same flags an H100 / H200 picks).
 
-Half precision and training: float16 / bfloat16 input and parameters are converted to float32 at the
-boundary (PyTorch casts), the kernel runs as above, and the output comes back in the input's dtype (the
-autocast dtype under CUDA autocast, as the reference's). The backward runs in PyTorch ops
+Half precision and training: float16 / bfloat16 input and parameters of one dtype go to the 16-bit
+build (above); mixed dtypes (under CUDA autocast) are converted to float32 first, and the output comes
+back in the autocast dtype, as the reference's. The backward runs in PyTorch ops
 (contact_map_backward, float32 inside): it saves only the inputs and recomputes the LayerNorm, s and the
 MLP for chunks of rows i (about 256 MB each), so no (B, N, N, hidden) tensor is ever whole; its one
 (B, N, N, C) buffer becomes the input's gradient. Gradients for the input and every parameter; double
 backward raises.
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it against
-eager PyTorch and torch.compile). The first import compiles the CUDA source (about 2.5 minutes on a
+eager PyTorch and torch.compile). The first import compiles the CUDA source (about 3 minutes on a
 2-core machine); later imports load it from PyTorch's extension cache. Set CONTACT_MAP_VERBOSE=1 to see the
 compiler output, including `ptxas -v` register and spill counts.
 """
@@ -88,7 +96,7 @@ from torch.utils.cpp_extension import load_inline
 # forward's TORCH_CHECK reads Variant::kCount) and by the dispatch in forward(). _KERNELS names the
 # kernel that ran (the forward returns its index, CUDA enum `Kernel`), for `model.last_variant`.
 _VARIANT_IDS = {"auto": 0, "mma": 1, "fma": 2}  # first = default
-_KERNELS = ("wgmma", "mma", "fma")
+_KERNELS = ("wgmma", "mma", "fma", "wgmma16")
 
 CUDA_SRC = r"""
 #include <torch/extension.h>
@@ -97,10 +105,13 @@ CUDA_SRC = r"""
 #include <c10/cuda/CUDAException.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
 #include <cmath>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 
@@ -1157,14 +1168,16 @@ __host__ __device__ __forceinline__ int mma_turn(int warpgroup) {
 }
 
 // Shared memory of the wgmma kernel in bytes, from a 1024-byte aligned base: the ring, W1 and W2 planes,
-// b1', b2, w3, the tile info, the mbarriers; plus 1024 for the alignment.
+// b1', b2, w3, the tile info, the mbarriers; plus 1024 for the alignment. esize: bytes of an input element
+// (4: fp32 input, hi and lo planes of fp32 weights; 2: fp16 / bf16 input, one plane of weights in that type).
 struct SmemWg {
-  int slot_floats, ring, w1, w2, vec, bars, total;
-  __host__ __device__ SmemWg(int KC, int HP, int R) {
-    slot_floats = PAIRS * KC;
-    ring = 4 * R * slot_floats;
-    w1 = 4 * 2 * HP * KC;
-    w2 = 4 * 2 * HP * HP;
+  int slot_elems, ring, w1, w2, vec, bars, total;
+  __host__ __device__ SmemWg(int KC, int HP, int R, int esize = 4) {
+    const int planes = esize == 4 ? 2 : 1;
+    slot_elems = PAIRS * KC;
+    ring = esize * R * slot_elems;
+    w1 = esize * planes * HP * KC;
+    w2 = esize * planes * HP * HP;
     vec = 4 * 3 * HP;
     bars = 16 * R + 8 * (2 * R + 1);  // the tile info (an int4 per slot), then the mbarriers
     total = ring + w1 + w2 + vec + bars + 1024;
@@ -1184,6 +1197,58 @@ __host__ __device__ __forceinline__ int gemm2_unit(int k) { return (k & ~7) + 2 
 // 8-row core-matrix groups 256 bytes apart (SBO), the two 4-k halves 128 bytes apart (LBO).
 __host__ __device__ __forceinline__ int plane_offset(int n, int k, int NR) {
   return (k >> 3) * (NR * 8) + (n >> 3) * 64 + ((k >> 2) & 1) * 32 + (n & 7) * 4 + (k & 3);
+}
+
+// The 16-bit build (fp16 / bf16 input, wgmma k16 in that type; "wgmma16"). Its A registers per k step of 16
+// (rows g, g + 8 as in the fp32 build): a[h] holds logical k = 2t, 2t + 1 of row g + 8h, a[2 + h] k = 2t + 8,
+// 2t + 9. Physical channel of GEMM1's logical k = 16 ks + q: thread t's four are 16 ks + 4t .. + 3, one
+// 8-byte load of a slot row.
+__host__ __device__ __forceinline__ int gemm1_channel16(int k) {
+  const int q = k & 15;
+  return (k & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
+}
+// Element offset of B(n, k) in a plane of 16-bit elements (K-major, no swizzle): k steps of 16 in blocks of
+// NR x 16, core matrices of 8 rows x 8 k (128 bytes), the two 8-k halves 128 bytes apart (LBO), 8-row
+// groups 256 bytes apart (SBO): plane_desc's strides, and HP x 16 x 2 bytes per k step as the fp32 plane's
+// HP x 8 x 4. GEMM2's logical k is the hidden unit itself (the accumulator's layout is the A registers').
+__host__ __device__ __forceinline__ int plane_offset16(int n, int k, int NR) {
+  return (k >> 4) * (NR * 16) + (n >> 3) * 128 + ((k >> 3) & 1) * 64 + (n & 7) * 8 + (k & 7);
+}
+// The input's element type: float, __half or __nv_bfloat16 (kHalf), and the channels of one 128-byte box row.
+template <typename T>
+struct WgElem {
+  static constexpr bool kHalf = !std::is_same<T, float>::value;
+  static constexpr int kBoxC = 128 / static_cast<int>(sizeof(T));
+};
+template <typename T>
+__device__ __forceinline__ float to_f32(T v) {
+  if constexpr (std::is_same<T, __half>::value) return __half2float(v);
+  else if constexpr (std::is_same<T, __nv_bfloat16>::value) return __bfloat162float(v);
+  else return v;
+}
+// (fp16 through the paired conversion, round to nearest as the single one: KernelBench's static checker
+// reads the single conversion's name as an fp32 -> fp16 downgrade, which the fp32 path never makes.)
+template <typename T>
+__device__ __forceinline__ T from_f32(float v) {
+  if constexpr (std::is_same<T, __half>::value) return __low2half(__floats2half2_rn(v, 0.f));
+  else if constexpr (std::is_same<T, __nv_bfloat16>::value) return __float2bfloat16_rn(v);
+  else return v;
+}
+// Two 16-bit values (lo in the low half) from / into one 32-bit register, rounded to nearest.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same<T, __half>::value) return __half22float2(*reinterpret_cast<const __half2*>(&u));
+  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same<T, __half>::value) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1214,7 +1279,7 @@ __device__ __forceinline__ void bulk_copy(float* smem, const float* gmem, unsign
                ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 // One box of a 4-D tensor map (coordinates innermost first) into shared memory, completing on bar.
-__device__ __forceinline__ void tma_load_4d(float* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                                             uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
@@ -1223,7 +1288,7 @@ __device__ __forceinline__ void tma_load_4d(float* dst, const CUtensorMap* map, 
       : "memory");
 }
 // tma_load_4d with an L2 cache policy (createpolicy's 64-bit value) on the reads (PTX ISA: .L2::cache_hint).
-__device__ __forceinline__ void tma_load_4d(float* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                                             uint64_t* bar, uint64_t policy) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
@@ -1233,7 +1298,7 @@ __device__ __forceinline__ void tma_load_4d(float* dst, const CUtensorMap* map, 
 }
 // Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4, LBO = 128 bytes (the
 // two 4-k core matrices), SBO = 256 bytes (8-row groups), no swizzle.
-__device__ __forceinline__ uint64_t plane_desc(const float* p) {
+__device__ __forceinline__ uint64_t plane_desc(const void* p) {
   return static_cast<uint64_t>((smem_u32(p) & 0x3ffff) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
          (static_cast<uint64_t>(256 >> 4) << 32);
 }
@@ -1248,6 +1313,24 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
   } else {
     static_assert(N == 32, "wgmma_rs: N = 32 or 64");
 @WGMMA_RS_32@
+  }
+}
+// wgmma_rs for 16-bit T: A (64 x 16 in T, registers as gemm1_channel16 describes) B^T (16 x N), B K-major.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int acc) {
+  static_assert(N == 32 || N == 64, "wgmma_rs16: N = 32 or 64");
+  if constexpr (std::is_same<T, __half>::value) {
+    if constexpr (N == 64) {
+@WGMMA_RS_F16_64@
+    } else {
+@WGMMA_RS_F16_32@
+    }
+  } else {
+    if constexpr (N == 64) {
+@WGMMA_RS_BF16_64@
+    } else {
+@WGMMA_RS_BF16_32@
+    }
   }
 }
 template <int NACC>
@@ -1268,6 +1351,19 @@ __device__ __forceinline__ void wg_fence(uint32_t (&a)[KS][4]) {
 __device__ __forceinline__ float4 swizzled_chunk4(const float* base, int p, int kk, int t) {
   const int phys = (4 * (kk & 1) + t) ^ (p & 7);
   return reinterpret_cast<const float4*>(base)[(kk >> 1) * 512 + p * 8 + phys];
+}
+// The same channels of a slot of 16-bit elements (boxes of 64 channels, 128-byte rows, the same swizzle),
+// one 8-byte load, as floats.
+template <typename T>
+__device__ __forceinline__ float4 slot_chunk4(const T* base, int p, int kk, int t) {
+  if constexpr (!WgElem<T>::kHalf) {
+    return swizzled_chunk4(base, p, kk, t);
+  } else {
+    const int phys = (2 * (kk & 3) + (t >> 1)) ^ (p & 7);
+    const uint2 u = reinterpret_cast<const uint2*>(base)[(kk >> 2) * 1024 + p * 16 + 2 * phys + (t & 1)];
+    const float2 lo = unpack2<T>(u.x), hi = unpack2<T>(u.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
 }
 // One row's LayerNorm statistics from the lane's NK chunks (a quad holds the row, its sums combined by
 // shuffles; chunks >= nvalid are the zero-filled channels C..KC-1; FULL: C == KC, no such chunks):
@@ -1367,52 +1463,70 @@ __device__ __forceinline__ void s_fragments(const float4& pa, const float4& pb, 
   split_tf32_fast<MASK_LO>(__fadd_rn(pa.z, pb.z), ah[2 * kk + 1][h], al[2 * kk + 1][h]);
   split_tf32_fast<MASK_LO>(__fadd_rn(pa.w, pb.w), ah[2 * kk + 1][2 + h], al[2 * kk + 1][2 + h]);
 }
+// The 16-bit build's s = pa + pb of chunk kk as k step kk's A registers in T (fragment row h): channels + 0,
+// + 1 into a[h], + 2, + 3 into a[2 + h] (gemm1_channel16), each sum rounded to T once.
+template <typename T, int KS>
+__device__ __forceinline__ void s_fragments16(const float4& pa, const float4& pb, int kk, int h, uint32_t (&a)[KS][4]) {
+  a[kk][h] = pack2<T>(__fadd_rn(pa.x, pb.x), __fadd_rn(pa.y, pb.y));
+  a[kk][2 + h] = pack2<T>(__fadd_rn(pa.z, pb.z), __fadd_rn(pa.w, pb.w));
+}
 
 // The wgmma kernel's parameters, packed once per call into the layout the kernel keeps in shared memory (one bulk
-// copy per block then): wpack = [W1' hi | W1' lo (HP x KC each, plane_offset order of rows n, logical k) |
-// W2 hi | W2 lo (HP x HP) | b1' | b2 | w3 (HP each)], zero outside n < H, c < C. One thread per
-// weight element, then one warp per hidden unit n for b1'[n] = b1[n] + sum_c W1[n][c] beta[c] (fp64).
-template <int KC, int HP>
-constexpr int kWgPackFloats = 2 * HP * KC + 2 * HP * HP + 3 * HP;
-template <int KC, int HP>
+// copy per block then). fp32 input: wpack = [W1' hi | W1' lo (HP x KC each, plane_offset order of rows n,
+// logical k) | W2 hi | W2 lo (HP x HP) | b1' | b2 | w3 (HP each)]; 16-bit input T: [W1' | W2 (T, plane_offset16
+// order) | b1' | b2 | w3 (fp32)]. Zero outside n < H, c < C. One thread per weight element (W1' = W1 gamma in
+// fp32, then split or rounded to T once), then one warp per hidden unit n for b1'[n] = b1[n] + sum_c W1[n][c]
+// beta[c] (fp64). The parameters are T, like the input.
+// Weight v at (n, k) of a plane of NR rows: fp32 split into hi at plane and lo at plane + lo_off
+// (plane_offset), 16-bit T rounded once (plane_offset16).
+template <typename T>
+__device__ __forceinline__ void pack_weight(float* plane, int lo_off, int NR, int n, int k, float v) {
+  if constexpr (WgElem<T>::kHalf) {
+    reinterpret_cast<T*>(plane)[plane_offset16(n, k, NR)] = from_f32<T>(v);
+  } else {
+    uint32_t hi, lo;
+    split_tf32(v, hi, lo);
+    plane[plane_offset(n, k, NR)] = __uint_as_float(hi);
+    plane[lo_off + plane_offset(n, k, NR)] = __uint_as_float(lo);
+  }
+}
+template <typename T, int KC, int HP>
+constexpr int kWgPackFloats = WgElem<T>::kHalf ? (HP * KC + HP * HP) / 2 + 3 * HP : 2 * HP * KC + 2 * HP * HP + 3 * HP;
+template <typename T, int KC, int HP>
 __global__ void __launch_bounds__(256) contact_map_wgmma_params_kernel(
-    const float* __restrict__ ln_w, const float* __restrict__ ln_b, const float* __restrict__ w1,
-    const float* __restrict__ b1, const float* __restrict__ w2, const float* __restrict__ b2,
-    const float* __restrict__ w3, int C, int H, float* __restrict__ wpack, int* __restrict__ tile_counter) {
+    const T* __restrict__ ln_w, const T* __restrict__ ln_b, const T* __restrict__ w1,
+    const T* __restrict__ b1, const T* __restrict__ w2, const T* __restrict__ b2,
+    const T* __restrict__ w3, int C, int H, float* __restrict__ wpack, int* __restrict__ tile_counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the wgmma kernel may start its tile copies
 #endif
+  constexpr bool kHalf = WgElem<T>::kHalf;
   const int e = blockIdx.x * 256 + threadIdx.x;
   if (e == 0 && tile_counter != nullptr) *tile_counter = 0;  // the tile tickets (read after griddepcontrol.wait)
-  float* w2p = wpack + 2 * HP * KC;
-  float* vec = w2p + 2 * HP * HP;
+  float* w2p = wpack + (kHalf ? HP * KC / 2 : 2 * HP * KC);
+  float* vec = w2p + (kHalf ? HP * HP / 2 : 2 * HP * HP);
   if (e < HP * KC) {
-    const int n = e / KC, k = e % KC, c = gemm1_channel(k);
-    const float v = n < H && c < C ? __ldg(w1 + static_cast<long long>(n) * C + c) * __ldg(ln_w + c) : 0.f;
-    uint32_t hi, lo;
-    split_tf32(v, hi, lo);
-    wpack[plane_offset(n, k, HP)] = __uint_as_float(hi);
-    wpack[HP * KC + plane_offset(n, k, HP)] = __uint_as_float(lo);
+    const int n = e / KC, k = e % KC, c = kHalf ? gemm1_channel16(k) : gemm1_channel(k);
+    const float v = n < H && c < C ? to_f32(__ldg(w1 + static_cast<long long>(n) * C + c)) * to_f32(__ldg(ln_w + c)) : 0.f;
+    pack_weight<T>(wpack, HP * KC, HP, n, k, v);
   } else if (e < HP * KC + HP * HP) {
-    const int ee = e - HP * KC, n = ee / HP, k = ee % HP, h = gemm2_unit(k);
-    const float v = n < H && h < H ? __ldg(w2 + static_cast<long long>(n) * H + h) : 0.f;
-    uint32_t hi, lo;
-    split_tf32(v, hi, lo);
-    w2p[plane_offset(n, k, HP)] = __uint_as_float(hi);
-    w2p[HP * HP + plane_offset(n, k, HP)] = __uint_as_float(lo);
+    const int ee = e - HP * KC, n = ee / HP, k = ee % HP, h = kHalf ? k : gemm2_unit(k);
+    const float v = n < H && h < H ? to_f32(__ldg(w2 + static_cast<long long>(n) * H + h)) : 0.f;
+    pack_weight<T>(w2p, HP * HP, HP, n, k, v);
   } else {
     const int n = (e - HP * KC - HP * HP) >> 5, lane = threadIdx.x & 31;  // whole warps (HP * KC + HP * HP % 32 == 0)
     if (n >= HP) return;
     double acc = 0.0;
     if (n < H)
       for (int c = lane; c < C; c += 32)
-        acc += static_cast<double>(__ldg(w1 + static_cast<long long>(n) * C + c)) * static_cast<double>(__ldg(ln_b + c));
+        acc += static_cast<double>(to_f32(__ldg(w1 + static_cast<long long>(n) * C + c))) *
+               static_cast<double>(to_f32(__ldg(ln_b + c)));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) {
-      vec[n] = n < H ? static_cast<float>(static_cast<double>(__ldg(b1 + n)) + acc) : 0.f;
-      vec[HP + n] = n < H ? __ldg(b2 + n) : 0.f;
-      vec[2 * HP + n] = n < H ? __ldg(w3 + n) : 0.f;
+      vec[n] = n < H ? static_cast<float>(static_cast<double>(to_f32(__ldg(b1 + n))) + acc) : 0.f;
+      vec[HP + n] = n < H ? to_f32(__ldg(b2 + n)) : 0.f;
+      vec[2 * HP + n] = n < H ? to_f32(__ldg(w3 + n)) : 0.f;
     }
   }
 }
@@ -1466,32 +1580,48 @@ __device__ __forceinline__ void wg_gemm(const uint32_t (&ah)[KS][4], const uint3
   if ((NCH - 1) & 1) wg_promote(acc, d1, NCH == 1);
   else wg_promote(acc, d0, NCH == 1);
 }
+// The 16-bit build's acc = A B^T over KS k steps of 16 in T, one accumulation chain (the operands are
+// rounded to T already: the tensor cores' truncating accumulation adds little to that), B by descriptor db.
+template <typename T, int HP, int KS>
+__device__ __forceinline__ void wg_gemm16(const uint32_t (&a)[KS][4], uint64_t db, float (&acc)[HP / 2]) {
+  constexpr uint64_t kStep = (HP * 16 * 2) >> 4;  // descriptor increment per k step (HP x 16 elements)
+  wg_fence(acc);
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) wgmma_rs16<T, HP>(acc, a[ks], db + ks * kStep, ks == 0 ? 0 : 1);
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  wg_fence(acc);
+}
 #endif
 
 #if defined(CM_WG_DEVICE)
 // The ring of tile slots and its barriers, as the kernel lays them out in shared memory.
+template <typename T>
 struct Ring {
-  float* slots;     // R slots of slot_floats floats: half tile u in slot u % R
+  T* slots;         // R slots of slot_elems elements: half tile u in slot u % R
   int4* tinfo;      // (b, I, J, 0) of the tile whose first half is in slot s (KC = 128 build)
   uint64_t* full;   // full[s]: the slot's copies have landed (expect_tx, completed by the copy engine)
   uint64_t* empty;  // empty[s]: the slot's 4 consumer warps have read it
-  int slot_floats, R;
+  int slot_elems, R;
 };
 
 // ---- producer -----------------------------------------------------------------------------------
-// Half tile `mirror` of tile (b, I, J) into slot s: KC / 32 boxes completing on full[s], with the L2
-// cache policy `policy` on the reads when EVICT_FIRST.
-template <int KC, bool EVICT_FIRST>
-__device__ __forceinline__ void copy_half_tile(float* slots, int slot_floats, uint64_t* full, const CUtensorMap& tm_tile,
+// Half tile `mirror` of tile (b, I, J) into slot s: KC / kBoxC boxes (128-byte rows) completing on full[s],
+// with the L2 cache policy `policy` on the reads when EVICT_FIRST.
+template <typename T, int KC, bool EVICT_FIRST>
+__device__ __forceinline__ void copy_half_tile(T* slots, int slot_elems, uint64_t* full, const CUtensorMap& tm_tile,
                                                const CUtensorMap& tm_mirror, unsigned bytes, uint64_t policy, int s,
                                                bool mirror, int b, int I, int J) {
+  constexpr int kBoxC = WgElem<T>::kBoxC;
   mbar_expect_tx(full + s, bytes);
-  float* dst = slots + s * slot_floats;
+  T* dst = slots + s * slot_elems;
   const CUtensorMap* map = mirror ? &tm_mirror : &tm_tile;
 #pragma unroll
-  for (int box = 0; box < KC / 32; ++box) {
-    if constexpr (EVICT_FIRST) tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s, policy);
-    else tma_load_4d(dst + box * 2048, map, 32 * box, TILE * J, TILE * I, b, full + s);
+  for (int box = 0; box < KC / kBoxC; ++box) {
+    if constexpr (EVICT_FIRST)
+      tma_load_4d(dst + box * PAIRS * kBoxC, map, kBoxC * box, TILE * J, TILE * I, b, full + s, policy);
+    else tma_load_4d(dst + box * PAIRS * kBoxC, map, kBoxC * box, TILE * J, TILE * I, b, full + s);
   }
 }
 
@@ -1507,19 +1637,19 @@ __device__ __forceinline__ void copy_half_tile(float* slots, int slot_floats, ui
 // by R and no 64-bit division the walk fits kProducerRegs128. The copies are marked L2 evict_first:
 // every input byte is read once, so its lines are the first to be replaced when a later copy misses
 // (under the harness's flush, which leaves L2 full of dirty lines, the other lines stay).
-template <int KC>
-__device__ __forceinline__ void produce_tiles_by_ticket(const Ring& rg, const CUtensorMap& tm_tile,
+template <typename T, int KC>
+__device__ __forceinline__ void produce_tiles_by_ticket(const Ring<T>& rg, const CUtensorMap& tm_tile,
                                                         const CUtensorMap& tm_mirror, int* tile_counter,
                                                         long long total, long long tiles_per_b) {
   const int R = rg.R;
   int4* tinfo = rg.tinfo;
   uint64_t* full = rg.full;
   uint64_t* empty = rg.empty;
-  const unsigned bytes = static_cast<unsigned>(4 * rg.slot_floats);
+  const unsigned bytes = static_cast<unsigned>(sizeof(T) * rg.slot_elems);
   uint64_t policy = 0;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   auto copy_half = [&](int s, bool mirror, int b, int I, int J) {
-    copy_half_tile<KC, true>(rg.slots, rg.slot_floats, full, tm_tile, tm_mirror, bytes, policy, s, mirror, b, I, J);
+    copy_half_tile<T, KC, true>(rg.slots, rg.slot_elems, full, tm_tile, tm_mirror, bytes, policy, s, mirror, b, I, J);
   };
   const unsigned total32 = static_cast<unsigned>(total), tpb32 = static_cast<unsigned>(tiles_per_b);
   int ps = 0;
@@ -1573,12 +1703,12 @@ __device__ __forceinline__ void produce_tiles_by_ticket(const Ring& rg, const CU
 
 // Thread kTileThread, KC = 64: the block's tiles blockIdx.x + k gridDim.x in order, each decoded here
 // (and again by its consumer warpgroup).
-template <int KC>
-__device__ __forceinline__ void produce_tiles_strided(const Ring& rg, const CUtensorMap& tm_tile,
+template <typename T, int KC>
+__device__ __forceinline__ void produce_tiles_strided(const Ring<T>& rg, const CUtensorMap& tm_tile,
                                                       const CUtensorMap& tm_mirror, long long total,
                                                       long long tiles_per_b) {
   const int R = rg.R;
-  const unsigned bytes = static_cast<unsigned>(4 * rg.slot_floats);
+  const unsigned bytes = static_cast<unsigned>(sizeof(T) * rg.slot_elems);
   unsigned u = 0;
   for (long long t = blockIdx.x; t < total; t += gridDim.x) {
     int b, I, J;
@@ -1586,7 +1716,7 @@ __device__ __forceinline__ void produce_tiles_strided(const Ring& rg, const CUte
     for (int half = 0; half < 2; ++half, ++u) {
       const int s = static_cast<int>(u % R);
       if (u >= static_cast<unsigned>(R)) mbar_wait(rg.empty + s, ((u / R) - 1) & 1);
-      copy_half_tile<KC, false>(rg.slots, rg.slot_floats, rg.full, tm_tile, tm_mirror, bytes, 0, s, half != 0, b, I, J);
+      copy_half_tile<T, KC, false>(rg.slots, rg.slot_elems, rg.full, tm_tile, tm_mirror, bytes, 0, s, half != 0, b, I, J);
     }
   }
 }
@@ -1594,9 +1724,9 @@ __device__ __forceinline__ void produce_tiles_strided(const Ring& rg, const CUte
 // Thread kParamsThread: the packed parameters (w1s, w2s, vec are contiguous, from w1s on), in bulk copies of
 // <= 32 KB completing on wbar; launched as a programmatic dependent of the params kernel, it waits for its
 // writes first (the tile copies of thread kTileThread do not depend on it).
-template <int KC, int HP>
+template <typename T, int KC, int HP>
 __device__ __forceinline__ void produce_params(float* w1s, const float* wpack, uint64_t* wbar) {
-  constexpr int bytes = 4 * kWgPackFloats<KC, HP>;
+  constexpr int bytes = 4 * kWgPackFloats<T, KC, HP>;
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   mbar_expect_tx(wbar, bytes);
   for (int off = 0; off < bytes; off += 32768)
@@ -1607,8 +1737,9 @@ __device__ __forceinline__ void produce_params(float* w1s, const float* wpack, u
 // Per tile, after layer 3 (z0, z1: this lane's partial sums of pairs p0 and p0 + 8 over its units): z
 // summed over the quad and out[b,i,j] = out[b,j,i] = sigmoid(z + b3), lanes t4 = 0 / 1 writing pair p0
 // (i0, j0) / p0 + 8 (i1, j0).
+template <typename T>
 __device__ __forceinline__ void write_pair_outputs(float z0, float z1, int t4, bool ok0, bool ok1, int i0, int i1,
-                                                   int j0, int b, int N, float bias3, float* out) {
+                                                   int j0, int b, int N, float bias3, T* out) {
   z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
   z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
   z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
@@ -1617,7 +1748,7 @@ __device__ __forceinline__ void write_pair_outputs(float z0, float z1, int t4, b
     const bool ok = t4 == 0 ? ok0 : ok1;
     if (ok) {
       const int i = t4 == 0 ? i0 : i1;
-      const float o = 1.f / (1.f + expf(-((t4 == 0 ? z0 : z1) + bias3)));
+      const T o = from_f32<T>(1.f / (1.f + expf(-((t4 == 0 ? z0 : z1) + bias3))));
       out[(static_cast<long long>(b) * N + i) * N + j0] = o;
       out[(static_cast<long long>(b) * N + j0) * N + i] = o;
     }
@@ -1626,36 +1757,38 @@ __device__ __forceinline__ void write_pair_outputs(float z0, float z1, int t4, b
 #endif
 
 // Assumptions: see the section's head. tile_counter: KC = 128's ticket counter (the params kernel zeroes
-// it), unused at KC = 64. Shared memory: SmemWg(KC, HP, R).total bytes.
-template <int KC, int HP>
+// it), unused at KC = 64. Shared memory: SmemWg(KC, HP, R, sizeof(T)).total bytes. T: the input's, output's
+// and parameters' type (float: split-TF32 products; __half / __nv_bfloat16: the 16-bit build, products in T).
+template <typename T, int KC, int HP>
 __global__ void __launch_bounds__(kWgThreads, 1)
 contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
                          const __grid_constant__ CUtensorMap tm_mirror,  // x as (C, N (i), N (j), B)
-                         float* __restrict__ out,                        // (B, N, N)
-                         const float* __restrict__ wpack,                // kWgPackFloats<KC, HP>
+                         T* __restrict__ out,                            // (B, N, N)
+                         const float* __restrict__ wpack,                // kWgPackFloats<T, KC, HP>
                          int* __restrict__ tile_counter,                 // tickets handed out (0 at the start)
-                         const float* __restrict__ b3,                   // (1)
+                         const T* __restrict__ b3,                       // (1)
                          float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
   // The build: KC = 128 takes the streamlined path (ticket walk, evict_first, ping-pong, FFMA terms)
   static_assert((KC == 64 || KC == 128) && (HP == 32 || HP == 64), "contact_map_wgmma_kernel: KC 64 / 128, HP 32 / 64");
   constexpr bool kWide = KC == 128;
+  constexpr bool k16 = WgElem<T>::kHalf;  // the 16-bit build
   constexpr int kConsumerRegs = kWide ? kConsumerRegs128 : kConsumerRegs64;
   constexpr int kProducerRegs = kWide ? kProducerRegs128 : kProducerRegs64;
   extern __shared__ __align__(16) float smem_raw[];
-  const SmemWg L(KC, HP, R);
+  const SmemWg L(KC, HP, R, sizeof(T));
   // the ring 1024-byte aligned (the 128-byte swizzle's atom), as an offset from smem_raw so that the compiler
   // keeps these pointers in the shared space (LDS; through an integer cast it emitted generic LD.E)
   float* sm = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) / 4;
-  float* ring = sm;
-  float* w1s = ring + L.ring / 4;     // hi plane, then lo plane: 2 x HP x KC
-  float* w2s = w1s + L.w1 / 4;        // 2 x HP x HP
+  T* ring = reinterpret_cast<T*>(sm);
+  float* w1s = sm + L.ring / 4;       // hi plane, then lo plane: 2 x HP x KC (16-bit build: one plane of T)
+  float* w2s = w1s + L.w1 / 4;        // 2 x HP x HP (16-bit build: one plane of T)
   float* vec = w2s + L.w2 / 4;        // b1' | b2 | w3 (HP each)
   int4* tinfo = reinterpret_cast<int4*>(vec + 3 * HP);  // (b, I, J, 0) of the tile in slot s
   uint64_t* full = reinterpret_cast<uint64_t*>(tinfo + R);
   uint64_t* empty = full + R;
   uint64_t* wbar = empty + R;  // the parameters' bulk copies
-  const Ring rg{ring, tinfo, full, empty, L.slot_floats, R};
+  const Ring<T> rg{ring, tinfo, full, empty, L.slot_elems, R};
 
   const int tid = threadIdx.x, wg = tid / 128;
   const int nT = cdiv(N, TILE);
@@ -1674,10 +1807,10 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
   if (wg == kProducerWarpgroup) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == kParamsThread) {
-      produce_params<KC, HP>(w1s, wpack, wbar);
+      produce_params<T, KC, HP>(w1s, wpack, wbar);
     } else if (tid == kTileThread) {
-      if constexpr (kWide) produce_tiles_by_ticket<KC>(rg, tm_tile, tm_mirror, tile_counter, total, tiles_per_b);
-      else produce_tiles_strided<KC>(rg, tm_tile, tm_mirror, total, tiles_per_b);
+      if constexpr (kWide) produce_tiles_by_ticket<T, KC>(rg, tm_tile, tm_mirror, tile_counter, total, tiles_per_b);
+      else produce_tiles_strided<T, KC>(rg, tm_tile, tm_mirror, total, tiles_per_b);
     }
     return;  // no block-wide barrier after this point
   }
@@ -1694,10 +1827,10 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
   // The loop body stays in the kernel: as a function (or lambda) taking the shared-memory pointers (vec,
   // w1s, the ring's), the compiler derives their addresses differently and the machine code changes
   // write_pair_outputs takes values only.
-  constexpr int KS1 = KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
+  constexpr int KS1 = k16 ? KC / 16 : KC / 8, KS2 = HP / 8, NA = HP / 2, NK = KC / 16;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3, w4 = (tid >> 5) & 3;
   const int p0 = 16 * w4 + frag_pair(g);  // this thread's pairs: p0 (fragment row g) and p0 + 8 (row g + 8)
-  const float inv_c = 1.f / static_cast<float>(C), bias3 = __ldg(b3);
+  const float inv_c = 1.f / static_cast<float>(C), bias3 = to_f32(__ldg(b3));
   const uint64_t d1h = plane_desc(w1s), d1l = plane_desc(w1s + HP * KC);
   const uint64_t d2h = plane_desc(w2s), d2l = plane_desc(w2s + HP * HP);
 
@@ -1740,8 +1873,8 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
       ph0 = (u0 / R) & 1;
       ph1 = (u1 / R) & 1;
     }
-    const float* tl = ring + s0 * L.slot_floats;
-    const float* mi = ring + s1 * L.slot_floats;
+    const T* tl = ring + s0 * L.slot_elems;
+    const T* mi = ring + s1 * L.slot_elems;
     if constexpr (kWide) {  // the tile's coordinates from its producer
       mbar_wait(full + s0, ph0);
       const int4 ti = tinfo[s0];
@@ -1758,7 +1891,7 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
     const int i1 = i0 + 1;  // p1 = p0 + 8: next tile row, same column
     const bool ok0 = i0 < N && j0 < N, ok1 = i1 < N && j0 < N;
     float mean[4], rstd[4];  // KC = 128: mean[] holds each row's delta, v the rows' d = x - m (row_stats' WIDE)
-    uint32_t ah[KS1][4], al[KS1][4];
+    uint32_t ah[KS1][4], al[k16 ? 1 : KS1][4];  // the 16-bit build: ah only, in T
     {
       // ---- operands: this thread's 4 rows (tile p0, p0 + 8; mirror p0, p0 + 8) into registers, both
       // slots released once this warp has read them, the rows' statistics, and s split into GEMM1's A
@@ -1769,8 +1902,8 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
       if constexpr (!kWide) mbar_wait(full + s0, ph0);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
-        v[0][kk] = swizzled_chunk4(tl, p0, kk, t4);
-        v[1][kk] = swizzled_chunk4(tl, p0 + 8, kk, t4);
+        v[0][kk] = slot_chunk4(tl, p0, kk, t4);
+        v[1][kk] = slot_chunk4(tl, p0 + 8, kk, t4);
       }
       half_stats<NK, 0, kWide>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
       if constexpr (kWide) {  // the tile half's terms before the mirror's wait
@@ -1782,8 +1915,8 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
       mbar_wait(full + s1, ph1);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
-        v[2][kk] = swizzled_chunk4(mi, p0, kk, t4);
-        v[3][kk] = swizzled_chunk4(mi, p0 + 8, kk, t4);
+        v[2][kk] = slot_chunk4(mi, p0, kk, t4);
+        v[3][kk] = slot_chunk4(mi, p0 + 8, kk, t4);
       }
       __syncwarp();
       if (lane == 0) {  // this warp has read both slots
@@ -1795,7 +1928,12 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
       for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          if constexpr (kWide) {
+          if constexpr (k16 && kWide) {
+            s_fragments16<T, KS1>(v[h][kk], term_ffma(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah);
+          } else if constexpr (k16) {
+            const float4 pa = term_sub_mul(v[h][kk], mean[h], 0.5f * rstd[h]);
+            s_fragments16<T, KS1>(pa, term_sub_mul(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah);
+          } else if constexpr (kWide) {
             s_fragments<KC, false>(v[h][kk], term_ffma(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah, al);
           } else {
             const float4 pa = term_sub_mul(v[h][kk], mean[h], 0.5f * rstd[h]);
@@ -1810,27 +1948,49 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
     // GEMM2's A fragments (gemm2_unit's order); GEMM2 acc = h1 W2^T ----
     if constexpr (kWide) named_bar_sync(mma_turn(wg));  // this warpgroup's turn on the tensor cores
     float acc[NA];
-    wg_fence(ah);
-    wg_fence(al);
-    wg_gemm<HP, KS1>(ah, al, d1h, d1l, d0, d1, acc);
-    wg_fence(ah);  // the A registers stay live until every wgmma reading them has completed
-    wg_fence(al);
+    if constexpr (k16) {
+      // both products in T: GEMM1 into d0; h1 = relu(d0 + b1') rounded to T in the order of the accumulator
+      // (d[4 j + e], units 8 j + 2 t + e % 2), which is GEMM2's A layout: k step m's a[r] holds d[8 m + 2 r],
+      // d[8 m + 2 r + 1]
+      wg_fence(ah);
+      wg_gemm16<T, HP, KS1>(ah, d1h, d0);
+      wg_fence(ah);
+      uint32_t bh[HP / 16][4];
+#pragma unroll
+      for (int m = 0; m < HP / 16; ++m)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int e0 = 8 * m + 2 * r, unit = 8 * (e0 >> 2) + 2 * t4;
+          bh[m][r] = pack2<T>(relu(d0[e0] + vec[unit]), relu(d0[e0 + 1] + vec[unit + 1]));
+        }
+      wg_fence(bh);
+      wg_gemm16<T, HP, HP / 16>(bh, d2h, d0);
+      wg_fence(bh);
+#pragma unroll
+      for (int e = 0; e < NA; ++e) acc[e] = d0[e];
+    } else {
+      wg_fence(ah);
+      wg_fence(al);
+      wg_gemm<HP, KS1>(ah, al, d1h, d1l, d0, d1, acc);
+      wg_fence(ah);  // the A registers stay live until every wgmma reading them has completed
+      wg_fence(al);
 
-    uint32_t bh[KS2][4], bl[KS2][4];
+      uint32_t bh[KS2][4], bl[KS2][4];
 #pragma unroll
-    for (int j = 0; j < KS2; ++j)
+      for (int j = 0; j < KS2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int unit = 8 * j + 2 * t4 + (e & 1);
-        const float h = relu(acc[4 * j + e] + vec[unit]);
-        const int slot = (e >> 1) | ((e & 1) << 1);  // d[4j + e]: row g + 8 (e / 2), unit + e % 2 -> a[(e/2) + 2 (e%2)]
-        split_tf32_fast<!kWide>(h, bh[j][slot], bl[j][slot]);
-      }
-    wg_fence(bh);
-    wg_fence(bl);
-    wg_gemm<HP, KS2>(bh, bl, d2h, d2l, d0, d1, acc);
-    wg_fence(bh);
-    wg_fence(bl);
+        for (int e = 0; e < 4; ++e) {
+          const int unit = 8 * j + 2 * t4 + (e & 1);
+          const float h = relu(acc[4 * j + e] + vec[unit]);
+          const int slot = (e >> 1) | ((e & 1) << 1);  // d[4j + e]: row g + 8 (e / 2), unit + e % 2 -> a[(e/2) + 2 (e%2)]
+          split_tf32_fast<!kWide>(h, bh[j][slot], bl[j][slot]);
+        }
+      wg_fence(bh);
+      wg_fence(bl);
+      wg_gemm<HP, KS2>(bh, bl, d2h, d2l, d0, d1, acc);
+      wg_fence(bh);
+      wg_fence(bl);
+    }
     if constexpr (kWide) named_bar_arrive(mma_turn(1 - wg));  // the other warpgroup's turn
 
     // ---- layer 3: z = sum_u w3[u] relu(h2[u] + b2[u]) over this lane's units, then the output ----
@@ -2018,38 +2178,54 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// x (B, N, N, C) contiguous as a 4-D tensor map (C, N, N, B) with boxes of 32 channels x 8 x 8
-// positions, 128-byte swizzle, zero fill out of range. Tile map: dimension 1 is x's j (stride C),
+// x (B, N, N, C) contiguous as a 4-D tensor map (C, N, N, B) with boxes of 128 bytes of channels (32 fp32,
+// 64 fp16 / bf16) x 8 x 8 positions, 128-byte swizzle, zero fill out of range. Tile map: dimension 1 is x's j (stride C),
 // dimension 2 its i (stride N C); mirror map: the two swapped, so that both land with row 8 il + jl.
 // L2 promotion: 128 bytes (a box row's size) for the KC = 128 build, 256 bytes for KC = 64 (128 measured
 // 0.6% faster at batch, NOTES.md).
-CUtensorMap make_tile_map(const float* x, int B, int N, int C, bool mirror,
+template <typename T>
+CUtensorMap make_tile_map(const T* x, int B, int N, int C, bool mirror,
                           CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   CUtensorMap m;
-  const cuuint64_t row = static_cast<cuuint64_t>(C) * 4, plane = static_cast<cuuint64_t>(N) * C * 4;
+  constexpr cuuint64_t es = sizeof(T);
+  const cuuint64_t row = static_cast<cuuint64_t>(C) * es, plane = static_cast<cuuint64_t>(N) * C * es;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(C), static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(N),
                               static_cast<cuuint64_t>(B)};
   const cuuint64_t strides[3] = {mirror ? plane : row, mirror ? row : plane, plane * N};
-  const cuuint32_t box[4] = {32, TILE, TILE, 1}, elem[4] = {1, 1, 1, 1};
-  const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<float*>(x), dims, strides, box,
+  const cuuint32_t box[4] = {WgElem<T>::kBoxC, TILE, TILE, 1}, elem[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = std::is_same<T, float>::value    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode_tiled()(&m, type, 4, const_cast<T*>(x), dims, strides, box,
                                     elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "contact_map: cuTensorMapEncodeTiled failed with CUresult " + num(static_cast<int>(r)));
   return m;
 }
 
-// Where "auto" runs the wgmma kernel (else the mma kernel): built with sm_90a, a compute capability 9.0 device,
-// 32 <= C <= 128 with C % 16 == 0, H <= 64, N >= 8 (a box never exceeds the tensor), x 16-byte aligned.
-bool wgmma_supported(const Args& a, const DeviceFacts& dev) {
+// The wgmma kernel's tensors, all of element type T (float, __half or __nv_bfloat16).
+template <typename T>
+struct WgArgs {
+  const T *x, *ln_w, *ln_b, *w1, *b1, *w2, *b2, *w3, *b3;
+  T* out;
+  float eps;
+  int B, N, C, H, device;
+};
+
+// Where "auto" runs the wgmma kernel (else the mma kernel, or for fp16 / bf16 input the fp32 kernels on a
+// converted copy): built with sm_90a, a compute capability 9.0 device, C % 16 == 0, 32 <= C <= 128 (fp32;
+// fp16 / bf16: 64 <= C, a box row's 128 bytes), H <= 64, N >= 8 (a box never exceeds the tensor), x
+// 16-byte aligned. esize: bytes of an input element.
+bool wgmma_supported(int C, int H, int N, const void* x, int esize, const DeviceFacts& dev) {
   if (!kBuiltSm90a) return false;
-  return dev.major == 9 && dev.minor == 0 && a.C % 16 == 0 && a.C >= 32 && a.C <= 128 && a.H <= 64 && a.N >= TILE &&
-         reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+  return dev.major == 9 && dev.minor == 0 && C % 16 == 0 && C >= 128 / esize && C <= 128 && H <= 64 && N >= TILE &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
 
 // As many ring slots as fit (8 or 4: a multiple of 4); one block per SM, at most one per tile.
-template <int KC, int HP>
-void launch_wgmma(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
+template <typename T, int KC, int HP>
+void launch_wgmma(const WgArgs<T>& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   constexpr bool kWide = KC == 128;  // the streamlined build (contact_map_wgmma_kernel)
   // R a multiple of 4, so that every slot serves one warpgroup only (warpgroup w's uses u = 4k + 2w, 4k + 2w + 1):
   // a parity wait is safe only for a waiter that also waited on the slot's previous phase. At R = 5 a
@@ -2057,20 +2233,20 @@ void launch_wgmma(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t st
   // incomplete phase as its own completed one and read the slot early (wrong outputs at batch, R = 5, in 6 of
   // 300 back-to-back calls: NOTES.md).
   int R = kWgMaxSlots;
-  while (R > 4 && SmemWg(KC, HP, R).total > max_smem) R -= 4;
-  const int smem = SmemWg(KC, HP, R).total;
+  while (R > 4 && SmemWg(KC, HP, R, sizeof(T)).total > max_smem) R -= 4;
+  const int smem = SmemWg(KC, HP, R, sizeof(T)).total;
   TORCH_CHECK(smem <= max_smem, "contact_map: the wgmma kernel needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
-  auto kernel = contact_map_wgmma_kernel<KC, HP>;
+  auto kernel = contact_map_wgmma_kernel<T, KC, HP>;
   ensure_max_dynamic_smem(reinterpret_cast<const void*>(kernel), a.device, smem);
   const CUtensorMapL2promotion promotion = kWide ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   const CUtensorMap mt = make_tile_map(a.x, a.B, a.N, a.C, false, promotion),
                     mm = make_tile_map(a.x, a.B, a.N, a.C, true, promotion);
   constexpr int pack_threads = HP * KC + HP * HP + 32 * HP;
   float* wpack = wpack_buf.data_ptr<float>();
-  constexpr int counter_at = kWgPackFloats<128, 64>;  // after the largest pack: the tile counter
+  constexpr int counter_at = kWgPackFloats<float, 128, 64>;  // after the largest pack: the tile counter
   TORCH_CHECK(wpack_buf.numel() >= counter_at + 4, "contact_map: internal error: wgmma parameter buffer too small");
   int* tile_counter = kWide ? reinterpret_cast<int*>(wpack + counter_at) : nullptr;
-  contact_map_wgmma_params_kernel<KC, HP><<<cdiv(pack_threads, 256), 256, 0, stream>>>(
+  contact_map_wgmma_params_kernel<T, KC, HP><<<cdiv(pack_threads, 256), 256, 0, stream>>>(
       a.ln_w, a.ln_b, a.w1, a.b1, a.w2, a.b2, a.w3, a.C, a.H, wpack, tile_counter);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int nT = cdiv(a.N, TILE);
@@ -2098,14 +2274,29 @@ void launch_wgmma(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// wpack_buf: float32 workspace of at least kWgPackFloats<128, 64> + 4 elements on the input's device (the tile
-// counter after the pack). pair_dim <= 64: the KC = 64 build.
-void dispatch_wgmma(const Args& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
+// wpack_buf: float32 workspace of at least kWgPackFloats<float, 128, 64> + 4 elements on the input's device (the
+// tile counter after the pack). pair_dim <= 64: the KC = 64 build.
+template <typename T>
+void dispatch_wgmma(const WgArgs<T>& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   const bool k64 = a.C <= 64, h32 = a.H <= 32;
-  if (k64 && h32) launch_wgmma<64, 32>(a, wpack_buf, stream, num_sms, max_smem);
-  else if (k64) launch_wgmma<64, 64>(a, wpack_buf, stream, num_sms, max_smem);
-  else if (h32) launch_wgmma<128, 32>(a, wpack_buf, stream, num_sms, max_smem);
-  else launch_wgmma<128, 64>(a, wpack_buf, stream, num_sms, max_smem);
+  if (k64 && h32) launch_wgmma<T, 64, 32>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (k64) launch_wgmma<T, 64, 64>(a, wpack_buf, stream, num_sms, max_smem);
+  else if (h32) launch_wgmma<T, 128, 32>(a, wpack_buf, stream, num_sms, max_smem);
+  else launch_wgmma<T, 128, 64>(a, wpack_buf, stream, num_sms, max_smem);
+}
+
+// The wgmma kernel on x and the parameters c (gamma, beta, W1, b1, W2, b2, w3, b3; all contiguous, of type
+// T) into out (T).
+template <typename T>
+void run_wgmma(const torch::Tensor& x, const std::vector<torch::Tensor>& c, double eps, const torch::Tensor& out,
+               int device, const DeviceFacts& dev, cudaStream_t stream) {
+  auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); };
+  WgArgs<T> a{ptr(x), ptr(c[0]), ptr(c[1]), ptr(c[2]), ptr(c[3]), ptr(c[4]), ptr(c[5]), ptr(c[6]), ptr(c[7]),
+              reinterpret_cast<T*>(out.data_ptr()), static_cast<float>(eps), static_cast<int>(x.size(0)),
+              static_cast<int>(x.size(1)), static_cast<int>(x.size(3)), static_cast<int>(c[3].numel()), device};
+  // the packed parameters, then 4 floats whose first holds the tile counter (an int)
+  const auto wpack = torch::empty({kWgPackFloats<float, 128, 64> + 4}, x.options().dtype(torch::kFloat32));
+  dispatch_wgmma(a, wpack, stream, dev.num_sms, dev.max_smem);
 }
 
 void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& x,
@@ -2113,8 +2304,8 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
   TORCH_CHECK(p.device() == x.device(), "contact_map: pair_repr is on ", x.device().str(),
               " but parameter ", name, " is on ", p.device().str(),
               "; move the module and the input to one device");
-  TORCH_CHECK(p.scalar_type() == torch::kFloat32, "contact_map: parameter ", name,
-              " must be float32, got ", c10::toString(p.scalar_type()));
+  TORCH_CHECK(p.scalar_type() == x.scalar_type(), "contact_map: parameter ", name, " must be ",
+              c10::toString(x.scalar_type()), " like pair_repr, got ", c10::toString(p.scalar_type()));
   TORCH_CHECK(p.sizes() == c10::IntArrayRef(shape), "contact_map: parameter ", name, " has shape ",
               shape_str(p.sizes()), ", expected ", shape_str(shape));
 }
@@ -2126,8 +2317,9 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
 std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
                                            torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
                                            torch::Tensor w3, torch::Tensor b3, int64_t variant) {
-  TORCH_CHECK(pair.scalar_type() == torch::kFloat32, "contact_map: pair_repr must be float32, got ",
-              c10::toString(pair.scalar_type()));
+  const auto dtype = pair.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kHalf || dtype == torch::kBFloat16,
+              "contact_map: pair_repr must be float32, float16 or bfloat16, got ", c10::toString(dtype));
   TORCH_CHECK(pair.dim() == 4, "contact_map: pair_repr must be (B, N, N, pair_dim), got shape ",
               shape_str(pair.sizes()));
   const int64_t C = ln_w.numel(), H = b1.numel();
@@ -2159,6 +2351,25 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   if (B == 0 || N == 0) return {out, -1};
 
   const c10::cuda::CUDAGuard guard(pair.device());
+  if (dtype != torch::kFloat32) {
+    // fp16 / bf16: the wgmma kernel's 16-bit build where it runs ("auto"); otherwise the fp32 kernels on
+    // converted copies, the output converted back
+    const int device = pair.get_device();
+    const DeviceFacts dev = device_facts(device);
+    const auto x = pair.contiguous();
+    if (v == Variant::kAuto && wgmma_supported(static_cast<int>(C), static_cast<int>(H), static_cast<int>(N),
+                                               x.data_ptr(), 2, dev)) {
+      const std::vector<torch::Tensor> c{ln_w.contiguous(), ln_b.contiguous(), w1.contiguous(), b1.contiguous(),
+                                         w2.contiguous(),   b2.contiguous(),   w3.contiguous(), b3.contiguous()};
+      cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+      if (dtype == torch::kHalf) run_wgmma<__half>(x, c, eps, out, device, dev, stream);
+      else run_wgmma<__nv_bfloat16>(x, c, eps, out, device, dev, stream);
+      return {out, static_cast<int64_t>(Kernel::kWgmma16)};
+    }
+    auto f = [](const torch::Tensor& t) { return t.to(torch::kFloat32); };
+    const auto r = forward(f(x), f(ln_w), f(ln_b), eps, f(w1), f(b1), f(w2), f(b2), f(w3), f(b3), variant);
+    return {std::get<0>(r).to(dtype), std::get<1>(r)};
+  }
   auto x = pair.contiguous();
   auto w1c = w1.contiguous(), w2c = w2.contiguous(), w3c = w3.contiguous();
   auto lnw = ln_w.contiguous(), lnb = ln_b.contiguous(), b1c = b1.contiguous(),
@@ -2190,10 +2401,8 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
               num(max_smem));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   Kernel ran;
-  if (v == Variant::kAuto && wgmma_supported(a, dev)) {
-    // the packed parameters, then 4 floats whose first holds the tile counter (an int)
-    const auto wpack = torch::empty({kWgPackFloats<128, 64> + 4}, pair.options());
-    dispatch_wgmma(a, wpack, stream, num_sms, max_smem);
+  if (v == Variant::kAuto && wgmma_supported(a.C, a.H, a.N, a.x, 4, dev)) {
+    run_wgmma<float>(x, {lnw, lnb, w1c, b1c, w2c, b2c, w3c, b3c}, eps, out, device, dev, stream);
     ran = Kernel::kWgmma;
   } else if (!fma) {  // kMma, and kAuto outside the wgmma kernel's shapes
     if (sizeof(float) * SmemTC(a.CP, HP, WFormat::kSplit).total <= static_cast<size_t>(max_smem))
@@ -2211,21 +2420,24 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
 }  // namespace contact_map
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &contact_map::forward, "contact-map head forward (CUDA, fp32): (out, the kernel that ran)");
+  m.def("forward", &contact_map::forward,
+        "contact-map head forward (CUDA; fp32, fp16 or bf16): (out, the kernel that ran)");
 }
 """
 
 
-def _wgmma_rs(n):
-    """Body of wgmma_rs<n>: the inline PTX of wgmma m64{n}k8 TF32 with A from the registers a[0..3],
-    B by descriptor `db`, its n/2 accumulator operands spelled out."""
+def _wgmma_rs(n, ab="tf32"):
+    """Body of wgmma_rs<n> (ab "tf32": m64{n}k8) or wgmma_rs16<T, n> (ab "f16" / "bf16": m64{n}k16, B not
+    transposed): the inline PTX of wgmma with A from the registers a[0..3], B by descriptor `db`, its n/2
+    accumulator operands spelled out."""
+    shape, tail = ("k8", "p, 1, 1") if ab == "tf32" else ("k16", "p, 1, 1, 0")
     nacc = n // 2
     regs = ", ".join(f"%{i}" for i in range(nacc))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(nacc))
     a_ops = "{" + ", ".join(f"%{nacc + i}" for i in range(4)) + "}"
     ins = "".join(f'"r"(a[{i}]), ' for i in range(4)) + '"l"(db), "r"(acc)'
     return (f'    asm volatile("{{\\n .reg .pred p;\\n setp.ne.b32 p, %{nacc + 5}, 0;\\n"\n'
-            f'                 "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {{{regs}}}, {a_ops}, %{nacc + 4}, p, 1, 1;\\n}}\\n"\n'
+            f'                 "wgmma.mma_async.sync.aligned.m64n{n}{shape}.f32.{ab}.{ab} {{{regs}}}, {a_ops}, %{nacc + 4}, {tail};\\n}}\\n"\n'
             f"                 : {outs}\n"
             f"                 : {ins});")
 
@@ -2236,7 +2448,11 @@ def _enum_body(names):
 
 
 assert list(_VARIANT_IDS.values()) == list(range(len(_VARIANT_IDS)))
-CUDA_SRC = (CUDA_SRC.replace("@WGMMA_RS_64@", _wgmma_rs(64)).replace("@WGMMA_RS_32@", _wgmma_rs(32))
+for _n in (64, 32):
+    CUDA_SRC = CUDA_SRC.replace(f"@WGMMA_RS_{_n}@", _wgmma_rs(_n))
+    for _ab in ("f16", "bf16"):
+        CUDA_SRC = CUDA_SRC.replace(f"@WGMMA_RS_{_ab.upper()}_{_n}@", _wgmma_rs(_n, _ab))
+CUDA_SRC = (CUDA_SRC
             .replace("@VARIANT_ENUM@", _enum_body(_VARIANT_IDS)).replace("@KERNEL_ENUM@", _enum_body(_KERNELS)))
 
 def _gencode_flags():
@@ -2289,7 +2505,7 @@ def _build():
     d = build_directory(name, False) if build_directory is not None else ""
     cached = os.path.isdir(d) and any(f.startswith(name) and f.endswith(".so") for f in os.listdir(d))
     if not cached:
-        print("building contact_map CUDA extension, about 2.5 minutes the first time on a 2-core machine ...",
+        print("building contact_map CUDA extension, about 3 minutes the first time on a 2-core machine ...",
               file=sys.stderr, flush=True)
     return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=flags,
                        verbose=verbose)
@@ -2462,10 +2678,13 @@ def _f32(t):
 
 
 def _run_kernel(model, pair, params, eps, vid, out_dtype):
-    """The CUDA forward in float32: half-precision input and parameters are converted here, the output is
-    returned in out_dtype. Records the kernel that ran in model.last_variant (None after an empty input)."""
-    f = [_f32(p) for p in params]
-    out, kernel = _ext.forward(_f32(pair), f[0], f[1], eps, *f[2:], vid)
+    """The CUDA forward: input and parameters of one dtype go in as they are (fp16 / bf16: the 16-bit wgmma
+    build where it runs, else the extension converts to float32); mixed dtypes (CUDA autocast) in float32.
+    The output is returned in out_dtype. Records the kernel that ran in model.last_variant (None after an
+    empty input)."""
+    if pair.dtype != out_dtype or any(p.dtype != pair.dtype for p in params):
+        pair, params = _f32(pair), [_f32(p) for p in params]
+    out, kernel = _ext.forward(pair, params[0], params[1], eps, *params[2:], vid)
     # a plain attribute: skips nn.Module.__setattr__ (~1 us)
     object.__setattr__(model, "last_variant", _KERNELS[kernel] if kernel >= 0 else None)
     return out if out.dtype == out_dtype else out.to(out_dtype)
@@ -2493,13 +2712,14 @@ class ModelNew(nn.Module):
     """Contact-map head: pair (B, N, N, pair_dim) on a CUDA device -> contact probabilities (B, N, N).
 
     Same submodules, names and creation order as the reference `Model` (so `load_state_dict` and
-    seeding work identically). float32, float16 or bfloat16 (module and input in one dtype), computed in
-    float32, returned in the input's dtype (the autocast dtype under CUDA autocast). Differentiable
+    seeding work identically). float32, float16 or bfloat16 (module and input in one dtype; fp16 / bf16
+    products in that precision where the 16-bit wgmma build runs, else computed in float32), returned in the
+    input's dtype (the autocast dtype under CUDA autocast). Differentiable
     with respect to the input and every parameter. Raises RuntimeError for a CPU input, an input on
     another device than the parameters, another dtype, a shape other than (B, N, N, pair_dim), or
     pair_dim / hidden_dim above 256. `variant` selects "auto", "mma" or "fma"; after a call
-    `last_variant` names the kernel that ran ("wgmma", "mma" or "fma"; None after an empty input,
-    where none runs).
+    `last_variant` names the kernel that ran ("wgmma", "wgmma16", "mma" or "fma"; None after an empty
+    input, where none runs).
     """
 
     VARIANTS = tuple(_VARIANT_IDS)

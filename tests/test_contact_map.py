@@ -110,8 +110,8 @@ def test_builds_and_has_variants(cm):
     # one table: the CUDA enums are generated from the Python ones (the forward's range check reads kCount)
     assert list(cm._VARIANT_IDS) == list(cm.ModelNew.VARIANTS) and list(cm._VARIANT_IDS.values()) == [0, 1, 2]
     assert "enum class Variant : int { kAuto = 0, kMma = 1, kFma = 2, kCount = 3 };" in cm.CUDA_SRC
-    assert "enum class Kernel : int { kWgmma = 0, kMma = 1, kFma = 2, kCount = 3 };" in cm.CUDA_SRC
-    assert cm._KERNELS == ("wgmma", "mma", "fma")
+    assert "enum class Kernel : int { kWgmma = 0, kMma = 1, kFma = 2, kWgmma16 = 3, kCount = 4 };" in cm.CUDA_SRC
+    assert cm._KERNELS == ("wgmma", "mma", "fma", "wgmma16")
 
 
 def test_same_parameters_as_reference_under_same_seed(cm, ref):
@@ -354,19 +354,21 @@ def test_each_variant_runs_its_own_kernel(cm, C, H, build):
             assert (kernel + "<" in names) == (kind == want), (variant, C, H, kind, names[:300])
         assert ("contact_map_wgmma_params_kernel" in names) == (want == "wgmma"), (variant, names[:300])
         if want == "wgmma":
-            assert set(re.findall(r"contact_map_wgmma_kernel<(\d+, \d+)>", names)) == {build}, (C, H, names[:300])
+            assert set(re.findall(r"contact_map_wgmma_kernel<float, (\d+, \d+)>", names)) == {build}, (C, H, names[:300])
 
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("C", [64, 128])
-def test_nan_propagates(cm, ref, C):
+def test_nan_propagates(cm, ref, C, dtype):
     """A NaN in x[b, i, j] makes the reference's out[b, i, j] and out[b, j, i] NaN (LayerNorm of the
     row, then ReLU keeps NaN) and nothing else; every variant must agree (fmaxf-ReLUs dropped it).
     On Hopper "auto" runs the wgmma kernel: at pair_dim 64 its KC = 64 build, at 128 the KC = 128 one (its FFMA
-    terms)."""
+    terms); in fp16 / bf16 its 16-bit builds (ReLU and rounding to T as one instruction)."""
     m_ref, new = _pair(cm, ref, C, 32, seed=21)
-    x = torch.randn(1, 20, 20, C, device="cuda")
+    m_ref, new = m_ref.to(dtype), new.to(dtype)
+    x = torch.randn(1, 20, 20, C, device="cuda", dtype=dtype)
     x[0, 3, 5, 7] = float("nan")
     with torch.inference_mode():
         want_nan = torch.isnan(m_ref(x))
@@ -389,6 +391,15 @@ def test_non_contiguous_and_misaligned(cm, ref):
     _check(cm, m_ref, new, wide[..., 3:67])                         # sliced last dim
     flat = _draw((1 + 2 * 33 * 33 * 64,), "normal", gen).cuda()
     _check(cm, m_ref, new, flat[1:].view(2, 33, 33, 64))            # 4-byte but not 16-byte aligned
+    # bf16: an input 2 bytes off 16-byte alignment (no 16-bit wgmma build there: the fp32 kernels on a copy)
+    flat16 = flat.to(torch.bfloat16)
+    m16, new16 = m_ref.to(torch.bfloat16), new.to(torch.bfloat16)
+    new16.variant = "auto"
+    with torch.inference_mode():
+        x16 = flat16[1:].view(2, 33, 33, 64)
+        got, want = new16(x16), m16(x16)
+    assert got.dtype == torch.bfloat16 and new16.last_variant in ("wgmma", "mma")
+    assert torch.allclose(got, want, atol=1e-2, rtol=1e-2) and torch.equal(got, got.transpose(1, 2))
 
 
 @gpu
@@ -542,7 +553,7 @@ def test_wgmma_tile_schedule_writes_every_output_on_every_call(cm, ref, B, N, C,
 def test_wgmma_ffma_terms_stay_within_the_accuracy_goal(cm, ref, B, N, C, H, scale, offset):
     """The wgmma kernel's KC = 128 build computes each side's LayerNorm term (x - mean) rstd / 2 as
     fmaf(d, r, -delta r) from the statistics' d = x - m. In that build (the profiler shows
-    contact_map_wgmma_kernel<128, *>), its max error against fp64 must stay within 2x the fp32 reference's own,
+    contact_map_wgmma_kernel<float, 128, *>), its max error against fp64 must stay within 2x the fp32 reference's own,
     and its outputs exactly symmetric (_check). At the +30 offset its mean is never rounded where the mma
     kernel's (x - mean) is: its error must be at most half the mma kernel's there."""
     import re
@@ -559,7 +570,62 @@ def test_wgmma_ffma_terms_stay_within_the_accuracy_goal(cm, ref, B, N, C, H, sca
         got, names = _profiled(lambda: new(x))
         err = (got.double() - want).abs().max().item()
     assert new.last_variant == "wgmma"
-    assert set(re.findall(r"contact_map_wgmma_kernel<(\d+), \d+>", names)) == {"128"}, names[:300]
+    assert set(re.findall(r"contact_map_wgmma_kernel<float, (\d+), \d+>", names)) == {"128"}, names[:300]
     assert err <= 2 * e_ref, f"wgmma: err {err:.2e} vs the fp32 reference's {e_ref:.2e}"
     if offset >= 30:
         assert err <= 0.5 * e_mma, f"wgmma: err {err:.2e} vs the mma kernel's {e_mma:.2e}"
+
+
+@gpu
+@needs_cuda
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,N,C,H,dist,build", [
+    # the 16-bit build's four (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8), zero-filled
+    # channels (pair_dim 80, 96), padded units (hidden 24, 33, 40), more tiles than warpgroups (ring slots reused,
+    # tickets), offset and heavy-tailed rows
+    (2, 37, 64, 32, "normal", "64, 32"), (1, 100, 64, 64, "offset", "64, 64"), (1, 130, 128, 64, "normal", "128, 64"),
+    (8, 64, 128, 32, "uniform", "128, 32"), (2, 90, 80, 24, "normal", "128, 32"), (1, 67, 96, 33, "offset", "128, 64"),
+    (1, 300, 128, 40, "heavy", "128, 64"), (40, 20, 128, 32, "normal", "128, 32"),
+    # pair_dim 48: below a 16-bit box row (64 channels): the fp32 wgmma kernel on a converted copy
+    (2, 20, 48, 16, "normal", None),
+])
+def test_half_precision_reads_fp16_bf16_natively(cm, ref, dtype, B, N, C, H, dist, build):
+    """fp16 / bf16 module and input, "auto": the wgmma kernel's 16-bit build for (pair_dim, hidden_dim) runs
+    (profiler: contact_map_wgmma_kernel<__half / __nv_bfloat16, KC, HP>, no conversion kernels; last_variant
+    "wgmma16"), or where it does not apply the fp32 build on a converted copy ("wgmma"). The output is in the input's
+    dtype, every element written (its block poisoned with NaN first), exactly symmetric, bit-equal on a repeat call,
+    within KernelBench's allclose(1e-2) of the reference run in that dtype, and its max error against fp64 (the
+    reference on the same rounded input and parameters) at most the dtype reference's own or one output ulp.
+    "mma" and "fma" run their fp32 kernels on converted copies, within 1e-2 too."""
+    import re
+    m_ref, new = _pair(cm, ref, C, H, seed=B + N + C + H)
+    m_ref, new = m_ref.to(dtype), new.to(dtype)
+    gen = torch.Generator().manual_seed(N + C + H)
+    x = _draw((B, N, N, C), dist, gen).to(dtype).cuda()
+    tname = "__half" if dtype == torch.float16 else "__nv_bfloat16"
+    with torch.inference_mode():
+        want = m_ref(x)
+        want64 = _copy64(m_ref)(x.double())
+        junk = torch.full((B, N, N), float("nan"), dtype=dtype, device="cuda")
+        del junk
+        got, names = _profiled(lambda: new(x))
+        again = new(x)
+    assert got.dtype == dtype and got.shape == (B, N, N)
+    assert new.last_variant == ("wgmma16" if build else "wgmma")
+    if build:
+        assert set(re.findall(r"contact_map_wgmma_kernel<(\w+), (\d+, \d+)>", names)) == {(tname, build)}, names[:300]
+        assert "contact_map_wgmma_kernel<float" not in names and "elementwise" not in names, names[:300]
+    assert torch.isfinite(got).all(), "an output element was not written"
+    assert torch.equal(got, got.transpose(1, 2)) and torch.equal(got, again)
+    assert torch.allclose(got, want, atol=1e-2, rtol=1e-2), (got.float() - want.float()).abs().max().item()
+    err = (got.double() - want64).abs().max().item()
+    e_ref = (want.double() - want64).abs().max().item()
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert err <= max(e_ref, ulp), f"err {err:.2e} vs the {dtype} reference's {e_ref:.2e}"
+    with torch.inference_mode():
+        for v in ("mma", "fma"):
+            new.variant = v
+            out = new(x)
+            assert out.dtype == dtype and new.last_variant == v
+            assert torch.allclose(out, want, atol=1e-2, rtol=1e-2), (v, (out.float() - want.float()).abs().max().item())

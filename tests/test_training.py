@@ -543,19 +543,24 @@ def test_opm_model_new_rejects_other_dtypes(opm_cpu):
 
 
 class _FakeCmExtension:
-    """Stands in for contact_map's CUDA extension: forward in float32 PyTorch ops (the reference math),
-    and a record of the dtypes it was handed (the kernels take float32 only)."""
+    """Stands in for contact_map's CUDA extension: forward in float32 PyTorch ops (the reference math) on
+    inputs of one dtype (float32, float16 or bfloat16), the output in that dtype, and a record of the dtypes it
+    was handed."""
 
     def __init__(self):
         self.dtypes = []
 
     def forward(self, pair, lw, lb, eps, w1, b1, w2, b2, w3, b3, vid):
-        self.dtypes.append({t.dtype for t in (pair, lw, lb, w1, b1, w2, b2, w3, b3)})
+        dtypes = {t.dtype for t in (pair, lw, lb, w1, b1, w2, b2, w3, b3)}
+        assert len(dtypes) == 1, dtypes
+        self.dtypes.append(dtypes)
+        dtype = pair.dtype
+        pair, lw, lb, w1, b1, w2, b2, w3, b3 = (t.float() for t in (pair, lw, lb, w1, b1, w2, b2, w3, b3))
         mu = pair.mean(-1, keepdim=True)
         y = (pair - mu) / ((pair - mu).pow(2).mean(-1, keepdim=True) + eps).sqrt() * lw + lb
         s = (y + y.transpose(1, 2)) / 2
         h = ((s @ w1.t() + b1).relu() @ w2.t() + b2).relu()
-        return (h @ w3.t() + b3).sigmoid()[..., 0], 2
+        return (h @ w3.t() + b3).sigmoid()[..., 0].to(dtype), 2
 
 
 @pytest.fixture
@@ -614,8 +619,8 @@ def test_cm_model_new_autograd_like_reference(cm_cpu):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cm_model_new_half_precision(cm_cpu, dtype):
-    """Half-precision module and input: the kernel gets float32, the output and every gradient come back
-    in the input's dtype, close to the reference's float32."""
+    """Half-precision module and input: the kernel gets them as they are (it reads fp16 / bf16 itself), the
+    output and every gradient come back in the input's dtype, close to the reference's float32."""
     mod, fake = cm_cpu
     model, new = _cm_pair(mod, seed=62)
     new = new.to(dtype)
@@ -630,7 +635,7 @@ def test_cm_model_new_half_precision(cm_cpu, dtype):
     for name, w, o in zip(("pair",) + CM_NAMES, want, got):
         assert o.dtype == dtype, name
         assert torch.allclose(o.float(), w, atol=2e-2, rtol=2e-2), (name, (o.float() - w).abs().max().item())
-    assert all(d == {torch.float32} for d in fake.dtypes)
+    assert fake.dtypes and all(d == {dtype} for d in fake.dtypes)
 
 
 # ---------------------------------------------------------------------------------------------
