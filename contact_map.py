@@ -2515,39 +2515,37 @@ _ext = _build()
 
 
 # =============================================================================================
-# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs). _rows_per_chunk,
-# _ln_recompute and _ln_input_grad are outer_product_mean.py's too: each kernel file stands alone.
+# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs). _rows_per_chunk is
+# outer_product_mean.py's too: each kernel file stands alone.
 # =============================================================================================
 def _rows_per_chunk(row_bytes, n, chunk_bytes):
     """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
     return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
 
 
-def _ln_recompute(x, eps, ct):
-    """LayerNorm statistics of x (..., D) in dtype ct: xhat (..., D) and rstd (..., 1)."""
-    x = x.to(ct)
-    d = x - x.mean(-1, keepdim=True)
-    d = d - d.mean(-1, keepdim=True)  # removes the rounding of the first mean (rows far from 0)
-    rstd = ((d * d).mean(-1, keepdim=True) + eps).rsqrt()
-    return d * rstd, rstd
-
-
-def _ln_input_grad(dy, xhat, rstd, w):
-    """dx (..., D) = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w."""
-    dxhat = dy * w
-    return rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+def _layer_norm(x, w, b, eps):
+    """PyTorch's own LayerNorm of x (..., C) as the reference's forward runs it: (y, mean, rstd)."""
+    return torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, eps)
 
 
 def contact_map_rows(B, N, C, H, itemsize, chunk_bytes):
     """(rows i per MLP chunk, rows i per LayerNorm chunk) for contact_map_backward.
 
     An MLP chunk of r rows holds, per row i, B*N positions of: y rows and y columns, s, ds (4 C values)
-    and h1, r1, h2, r2, dh2, dr1 / dh1 (about 6 H values) plus the scalars; a LayerNorm chunk holds
-    about 5 C values per position (dy, xhat, dxhat, dx, the temporary).
+    and h1, r1, h2, r2, dh2, dr1 / dh1 (about 6 H values) plus the scalars, and the float64 copies of s
+    and dh1 for dW1 (C + H values of 8 bytes); a LayerNorm chunk holds about 5 C values per position (dy,
+    xhat, dxhat, dx, the temporary).
     """
-    mlp = _rows_per_chunk(B * N * (4 * C + 6 * H + 4) * itemsize, N, chunk_bytes)
+    mlp = _rows_per_chunk(B * N * ((4 * C + 6 * H + 4) * itemsize + 8 * (C + H)), N, chunk_bytes)
     ln = _rows_per_chunk(B * N * 5 * C * itemsize, N, chunk_bytes)
     return mlp, ln
+
+
+def _t_mm64(a, b):
+    """a^T b in float64: a parameter's gradient sums over every position (millions at N = 1536), and
+    float32 sums of that length lose digits (up to 2x the reference's error at crop and long) that float64
+    keeps."""
+    return a.t().to(torch.float64) @ b.to(torch.float64)
 
 
 def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out, chunk_bytes=256 << 20):
@@ -2563,10 +2561,18 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
         dW3 = sum_p dz relu(h2), dW2 = sum_p dh2^T relu(h1), dW1 = sum_p dh1^T s, db* = sum_p d*
         ds  = dh1 W1                                              (B, r, N, C)
         dy[b,i,j] = (ds[b,i,j] + ds[b,j,i]) / 2                   (B, N, N, C)
-        then the LayerNorm backward (module docstring) per position.
+        then PyTorch's LayerNorm backward (aten.native_layer_norm_backward) per position.
+    y, s, h1, h2 and out are recomputed with the reference's own ops (PyTorch's LayerNorm, mm then add),
+    so the ReLU masks [h > 0] are the fp32 reference's. A unit within rounding of 0 takes its kink on
+    either side in two evaluations, and one such position changes a weight's gradient by a whole term:
+    with the forward kernel's more accurate LayerNorm the masks differ from the reference's at other
+    positions than fp64's do, and the max gradient error came out 2-3x the reference's in some trials
+    (crop, +100 offset, CPU 2026-12-01: s 20x closer to fp64, two flipped masks each, mlp.0.weight
+    2.8e-2 against 8.3e-3).
 
     Memory beyond the returned gradients: one chunk (about chunk_bytes, at least one row i:
-    B N (4 C + 6 H + 4) ct values), plus the fp32 dy buffer (B, N, N, C) for fp16 / bf16 pair.
+    B N (4 C + 6 H + 4) ct values and B N (C + H) float64 ones), plus the fp32 dy buffer (B, N, N, C)
+    for fp16 / bf16 pair. The parameters' gradients (sums over all positions) accumulate in float64.
     Chunks of r rows i (r from chunk_bytes, at least 1): s[:, rows] needs y[:, rows] and y[:, :, rows],
     both recomputed from pair; ds/2 goes into dy[:, rows] and, transposed, into dy[:, :, rows]. dy is
     one (B, N, N, C) buffer in ct; when ct is pair's dtype it is d_pair itself, and the LayerNorm
@@ -2582,21 +2588,19 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
     rows_mlp, rows_ln = contact_map_rows(B, N, C, H, itemsize, chunk_bytes)
 
     dy = torch.zeros((B, N, N, C), dtype=ct, device=pair.device)  # d_pair itself when ct == pair.dtype
-    d_w1 = torch.zeros((H, C), dtype=ct, device=pair.device)
-    d_b1 = torch.zeros((H,), dtype=ct, device=pair.device)
-    d_w2 = torch.zeros((H, H), dtype=ct, device=pair.device)
-    d_b2 = torch.zeros((H,), dtype=ct, device=pair.device)
-    d_w3 = torch.zeros((1, H), dtype=ct, device=pair.device)
-    d_b3 = torch.zeros((1,), dtype=ct, device=pair.device)
+    f64 = torch.float64
+    d_w1 = torch.zeros((H, C), dtype=f64, device=pair.device)
+    d_b1 = torch.zeros((H,), dtype=f64, device=pair.device)
+    d_w2 = torch.zeros((H, H), dtype=f64, device=pair.device)
+    d_b2 = torch.zeros((H,), dtype=f64, device=pair.device)
+    d_w3 = torch.zeros((1, H), dtype=f64, device=pair.device)
+    d_b3 = torch.zeros((1,), dtype=f64, device=pair.device)
 
     for r0 in range(0, N, rows_mlp):
         r1 = min(N, r0 + rows_mlp)
         # s[b, i, j] for i in rows: (y[b, i, j] + y[b, j, i]) / 2            (B, r, N, C)
-        xh, _ = _ln_recompute(pair[:, r0:r1], eps, ct)
-        y_rows = xh * lw + lb                                                # (B, r, N, C)
-        xh, _ = _ln_recompute(pair[:, :, r0:r1], eps, ct)
-        y_cols = (xh * lw + lb).transpose(1, 2)                              # (B, r, N, C)
-        del xh
+        y_rows = _layer_norm(pair[:, r0:r1].to(ct), lw, lb, eps)[0]          # (B, r, N, C)
+        y_cols = _layer_norm(pair[:, :, r0:r1].to(ct), lw, lb, eps)[0].transpose(1, 2)
         s = ((y_rows + y_cols) / 2.0).reshape(-1, C)                         # (M, C), M = B r N
         del y_rows, y_cols
         # MLP forward again                                                    (M, H), (M, 1)
@@ -2608,16 +2612,16 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
         # dz = g * out * (1 - out)                                            (M, 1)
         dz = grad_out[:, r0:r1].to(ct).reshape(-1, 1) * (1 - o) * o
         del o
-        d_w3 += dz.t() @ a2                                                  # (1, H)
-        d_b3 += dz.sum(0)
+        d_w3 += _t_mm64(dz, a2)                                              # (1, H)
+        d_b3 += dz.sum(0, dtype=f64)
         dh2 = (dz @ W3) * (h2 > 0)                                           # (M, H)
         del dz, a2, h2
-        d_w2 += dh2.t() @ a1                                                 # (H, H)
-        d_b2 += dh2.sum(0)
+        d_w2 += _t_mm64(dh2, a1)                                             # (H, H)
+        d_b2 += dh2.sum(0, dtype=f64)
         dh1 = (dh2 @ W2) * (h1 > 0)                                          # (M, H)
         del dh2, a1, h1
-        d_w1 += dh1.t() @ s                                                  # (H, C)
-        d_b1 += dh1.sum(0)
+        d_w1 += _t_mm64(dh1, s)                                              # (H, C)
+        d_b1 += dh1.sum(0, dtype=f64)
         del s
         ds = (dh1 @ W1).reshape(B, r1 - r0, N, C) / 2.0                      # ds / 2 (B, r, N, C)
         del dh1
@@ -2628,16 +2632,17 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
 
     # LayerNorm backward, chunks of rows i                                      (B, r, N, C)
     d_pair = dy if ct == pair.dtype else torch.empty_like(pair, memory_format=torch.contiguous_format)
-    d_ln_w = torch.zeros((C,), dtype=ct, device=pair.device)
-    d_ln_b = torch.zeros((C,), dtype=ct, device=pair.device)
+    d_ln_w = torch.zeros((C,), dtype=f64, device=pair.device)
+    d_ln_b = torch.zeros((C,), dtype=f64, device=pair.device)
     for r0 in range(0, N, rows_ln):
         r1 = min(N, r0 + rows_ln)
-        g = dy[:, r0:r1]
-        xh, rstd = _ln_recompute(pair[:, r0:r1], eps, ct)
-        d_ln_w += (g * xh).sum((0, 1, 2))
-        d_ln_b += g.sum((0, 1, 2))
-        dx = _ln_input_grad(g, xh, rstd, lw)
-        del g, xh, rstd
+        x = pair[:, r0:r1].to(ct).contiguous()
+        _, mean, rstd = _layer_norm(x, lw, lb, eps)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy[:, r0:r1].contiguous(), x, [C], mean, rstd, lw, lb,
+                                                                [True, True, True])
+        d_ln_w += dw.to(f64)
+        d_ln_b += db.to(f64)
+        del x, mean, rstd
         d_pair[:, r0:r1] = dx  # may overwrite dy's own rows: they are read above
         del dx
 

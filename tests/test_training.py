@@ -383,7 +383,7 @@ def test_contact_map_memory():
     gen = torch.Generator().manual_seed(140)
     pair = _activations((B, N, N, C), "normal", gen).float()
     g = torch.randn(B, N, N, generator=gen)
-    chunk_bytes = 3 * B * N * (4 * C + 6 * H + 4) * 4
+    chunk_bytes = 3 * B * N * ((4 * C + 6 * H + 4) * 4 + 8 * (C + H))
     rows_mlp, rows_ln = training.contact_map_rows(B, N, C, H, 4, chunk_bytes)
     assert rows_mlp == 3 and rows_ln < N
     clones = [pair.clone(), g.clone()]
