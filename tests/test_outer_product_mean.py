@@ -6,7 +6,7 @@ these checks run before any CUDA call, so CPU tensors reach them.
 GPU tests (marker `gpu`, skipped without CUDA): both contraction orders against fp64 at
 atol = rtol = 1e-4 on the named shapes (except "huge"), awkward sizes, hidden_dim 8/16/24/64/128,
 pair_dim not a multiple of 4, float/bool/integer masks, fully masked positions, non-contiguous
-inputs, empty sizes, a > 2^31-element output, state_dict loading, and forward-only backward.
+inputs, empty sizes, a > 2^31-element output, state_dict loading, and a grad-enabled forward with its backward.
 """
 
 import ast
@@ -545,16 +545,24 @@ def test_misaligned_contiguous_msa(opm, ref, v):
 
 
 @gpu
-def test_backward_raises_forward_only(opm, ref):
-    _, new = _pair(opm, ref, 16, 8, 16, 71)
-    msa = torch.randn(1, 3, 9, 16, device="cuda")
-    mask = torch.ones(1, 3, 9, device="cuda")
-    out = new(msa, mask)  # grad enabled, parameters require grad: forward still works
+def test_grad_enabled_forward_matches_no_grad_and_backward_runs(opm, ref):
+    """With grad enabled (parameters require grad, as KernelBench times it) the forward is the same kernel
+    call bit for bit, and a backward gives every parameter and the input the reference's gradient."""
+    m_ref, new = _pair(opm, ref, 16, 8, 16, 71)
+    gen = torch.Generator().manual_seed(71)
+    msa = torch.randn(1, 3, 9, 16, generator=gen).cuda()
+    mask = (torch.rand(1, 3, 9, generator=gen) > 0.3).float().cuda()
+    x_new, x_ref = msa.clone().requires_grad_(), msa.clone().requires_grad_()
+    out = new(x_new, mask)
     assert out.requires_grad and torch.isfinite(out).all()
     with torch.no_grad():
         torch.testing.assert_close(out, new(msa, mask), atol=0, rtol=0)
-    with pytest.raises(RuntimeError, match="forward-only"):
-        out.sum().backward()
+    g = torch.randn(out.shape, generator=gen).cuda()
+    (out * g).sum().backward()
+    (m_ref(x_ref, mask) * g).sum().backward()
+    torch.testing.assert_close(x_new.grad, x_ref.grad, atol=1e-4, rtol=1e-4)
+    for (name, p), q in zip(new.named_parameters(), m_ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
 @gpu
