@@ -51,7 +51,7 @@ Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
     "fma"   plain fp32 FMA products on the same tiles (4 pairs x hidden/16 outputs per thread): no
             tensor cores, kept as an independent check of the other two in the tests and the harness.
 
-Precision: fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core kernels run
+Precision (fp32 input): fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core kernels run
 both products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, a*b ~ hi*hi + hi*lo +
 lo*hi; CUTLASS's fp32-accurate tensor-core GEMM), promoting short partial sums into an fp32 accumulator by
 ordinary adds (the tensor cores' own accumulation truncates): every k step (mma) or every 16 k (wgmma).
@@ -71,11 +71,12 @@ wgmma kernel; no list: the visible GPUs', and no GPU: 9.0, the same flags an H10
 
 Half precision and training: float16 / bfloat16 input and parameters of one dtype go to the 16-bit
 build (above); mixed dtypes (under CUDA autocast) are converted to float32 first, and the output comes
-back in the autocast dtype, as the reference's. The backward runs in PyTorch ops
-(contact_map_backward, float32 inside): it saves only the inputs and recomputes the LayerNorm, s and the
-MLP for chunks of rows i (about 256 MB each), so no (B, N, N, hidden) tensor is ever whole; its one
-(B, N, N, C) buffer becomes the input's gradient. Gradients for the input and every parameter; double
-backward raises.
+back in the autocast dtype, as the reference's (the fp32 kernels run there). The backward runs in PyTorch
+ops (contact_map_backward, float32 inside): it saves only the inputs and recomputes the LayerNorm, s and
+the MLP for chunks of rows i (about 256 MB each) with the reference's own ops (PyTorch's LayerNorm, so in
+fp32 the ReLU masks are the reference's), so no (B, N, N, hidden) tensor is ever whole; its one
+(B, N, N, C) buffer becomes the input's gradient, and the parameters' gradients sum in float64.
+Gradients for the input and every parameter; double backward raises.
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it against
 eager PyTorch and torch.compile). The first import compiles the CUDA source (about 3 minutes on a
@@ -2542,9 +2543,9 @@ def contact_map_rows(B, N, C, H, itemsize, chunk_bytes):
 
 
 def _t_mm64(a, b):
-    """a^T b in float64: a parameter's gradient sums over every position (millions at N = 1536), and
-    float32 sums of that length lose digits (up to 2x the reference's error at crop and long) that float64
-    keeps."""
+    """a^T b in float64: a parameter's gradient sums over every position (millions at N = 1536); float64
+    keeps the digits that float32 sums of that length lose (a margin: the reference's own errors come from
+    its ReLU kinks, contact_map_backward)."""
     return a.t().to(torch.float64) @ b.to(torch.float64)
 
 
@@ -2566,9 +2567,9 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
     so the ReLU masks [h > 0] are the fp32 reference's. A unit within rounding of 0 takes its kink on
     either side in two evaluations, and one such position changes a weight's gradient by a whole term:
     with the forward kernel's more accurate LayerNorm the masks differ from the reference's at other
-    positions than fp64's do, and the max gradient error came out 2-3x the reference's in some trials
-    (crop, +100 offset, CPU 2026-12-01: s 20x closer to fp64, two flipped masks each, mlp.0.weight
-    2.8e-2 against 8.3e-3).
+    positions than fp64's do, and the max gradient error came out 2-30x the reference's in single
+    trials (H200, 2026-12-01); on the CPU at crop with a +100 offset: s 20x closer to fp64, two flipped
+    masks each, mlp.0.weight 2.8e-2 against 8.3e-3.
 
     Memory beyond the returned gradients: one chunk (about chunk_bytes, at least one row i:
     B N (4 C + 6 H + 4) ct values and B N (C + H) float64 ones), plus the fp32 dy buffer (B, N, N, C)
