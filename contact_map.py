@@ -2312,6 +2312,587 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
 }
 
 // =============================================================================================
+// The fused backward (sm_80+): one pass over the pair, the forward recomputed per tile
+// =============================================================================================
+// A block takes tiles (b, I <= J) in turn (persistent). Per tile, its 64 positions p = (i, j) and both
+// sides x[b,i,j], x[b,j,i]: the statistics, s, h1, h2 and out again; dz = w g_s out (1 - out), g_s =
+// (g[b,i,j] + g[b,j,i]) / 2 and w = 2 off the diagonal (the position stands for (i, j) and (j, i), whose
+// s, activations and masks are the same), 1 on it. dh2 = dz w3 [h2 > 0], dh1 = (dh2 W2) [h1 > 0], ds =
+// dh1 W1 (all scaled by w), dy = ds / w on both sides, then the LayerNorm backward of each side's row
+// (dx written once per position). dW1 += dh1^T s and dW2 += dh2^T relu(h1) are mma.sync products over
+// the tile's positions into registers that stay for the block's tiles; the vectors' sums stay per warp.
+// Each block writes one fp32 partial of every parameter gradient; the caller sums them in fp64.
+//
+// The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
+// evaluations, and one position on the other side changes a weight's gradient by a whole term (several
+// times the fp32 reference's whole error). A position with any |h1| or |h2| below kKink (|s| |W_u| +
+// |b_u|) (the unit's input and row norms; fp32 and split-TF32 errors are ~2^-21 of that / sqrt(K)) is
+// computed again in fp64 from x by its warp (about 1% of positions), and its h1, h2 replaced by the fp64
+// values rounded to fp32.
+namespace bwd {
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kRows = 64 / kWarps;  // positions per warp in the per-row steps
+constexpr int kMaxC = 128, kMaxH = 64;  // pair_dim, hidden_dim: multiples of 16 up to these
+constexpr float kKink = 7.62939453125e-6f;  // 2^-17
+}  // namespace bwd
+
+template <typename T>
+struct BwArgs {
+  const T* x;
+  const float *g, *gamma, *beta, *w1, *b1, *w2, *b2, *w3, *b3;  // g: (B, N, N) fp32
+  T* dx;
+  float* part;  // (gridDim.x, bw_partial_len(C, H))
+  double eps;
+  int B, N, C, H;
+};
+
+// One block's partial: dW1 (H x C), dW2 (H x H), dgamma, dbeta (C), dw3, db2 (H), db3, db1 (H).
+__host__ __device__ inline int bw_partial_len(int C, int H) { return H * C + H * H + 2 * C + 3 * H + 1; }
+
+// Shared memory, in floats: the two sides' rows (x, then xhat) and s (then dy), 64 x ldx each; W1 (H x ldx),
+// W2 (H x ldh); h1 and h2 (then dh2, then dh1), 64 x ldh each; the vectors; per warp C + H doubles.
+// Row strides of 4 mod 32 floats: the m16n8k8 fragment loads of row-major operands are conflict-free.
+struct BwSmem {
+  int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, f64, total;
+  __host__ __device__ BwSmem(int C, int H) {
+    ldx = C + 4;
+    ldh = H + 4;
+    xa = 0;
+    xb = xa + 64 * ldx;
+    s = xb + 64 * ldx;
+    w1 = s + 64 * ldx;
+    w2 = w1 + H * ldx;
+    h1 = w2 + H * ldh;
+    h2 = h1 + 64 * ldh;
+    vec = h2 + 64 * ldh;  // gamma, beta (C); b1, b2, w3, |W1_u|, |W2_u| (H); rstd_a, rstd_b, |s|, g_s (64)
+    f64 = round_up(vec + 2 * C + 5 * H + 4 * 64, 4);
+    total = f64 + 2 * bwd::kWarps * (C + H);
+  }
+};
+
+template <bool RELU>
+__device__ __forceinline__ float bw_ld(float v) { return RELU ? fmaxf(v, 0.f) : v; }
+
+// acc[r] += A(16 rows, K) B(K, 16 columns) in split TF32 for the strips s = warp + 8 r < nstrips of an
+// (16 MT) x (16 nstrips / MT) output: strip s is m tile s % MT (= warp % MT: MT divides 8, so a warp's
+// strips share their A fragments, split once per k step), columns 16 (s / MT) .. + 15 (two n tiles).
+// A(m, k) = A[m am + k ak], B(k, n) = B[k bk + n bn], ReLU on load if asked. The k steps run in order
+// (R x 2 independent accumulators per step); each mma.sync truncates its fp32 sum, so a long sum goes
+// into fresh accumulators per tile and is added to its total in fp32 (bias ~2^-24 per step of the tile's
+// part instead of the whole sum's).
+template <int R, bool RELU_A, bool RELU_B>
+__device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
+                                        const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
+                                        int warp, int lane) {
+  if (warp >= nstrips) return;
+  const int g = lane >> 2, t = lane & 3;
+  const float* pa = A + ((warp % MT) * 16 + g) * am + t * ak;
+  const float* pb = Bm + g * bn + t * bk;
+#pragma unroll 1
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    uint32_t ah[4], al[4];
+    split_tf32_fast<false>(bw_ld<RELU_A>(pa[k0 * ak]), ah[0], al[0]);
+    split_tf32_fast<false>(bw_ld<RELU_A>(pa[k0 * ak + 8 * am]), ah[1], al[1]);
+    split_tf32_fast<false>(bw_ld<RELU_A>(pa[(k0 + 4) * ak]), ah[2], al[2]);
+    split_tf32_fast<false>(bw_ld<RELU_A>(pa[(k0 + 4) * ak + 8 * am]), ah[3], al[3]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int s = warp + bwd::kWarps * r;
+      if (s < nstrips) {
+        const float* b = pb + (s / MT) * 16 * bn + k0 * bk;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          uint32_t bh0, bl0, bh1, bl1;
+          split_tf32_fast<false>(bw_ld<RELU_B>(b[8 * n * bn]), bh0, bl0);
+          split_tf32_fast<false>(bw_ld<RELU_B>(b[4 * bk + 8 * n * bn]), bh1, bl1);
+          mma_tf32(acc[r][n], al, bh0, bh1);
+          mma_tf32(acc[r][n], ah, bl0, bl1);
+          mma_tf32(acc[r][n], ah, bh0, bh1);
+        }
+      }
+    }
+  }
+}
+
+// total += part, element by element.
+template <int R>
+__device__ __forceinline__ void bw_add(float (&total)[R][2][4], const float (&part)[R][2][4]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) total[r][n][e] += part[r][n][e];
+}
+
+// f(row, column, value) for every accumulator element of bw_gemm's strips.
+template <int R, typename F>
+__device__ __forceinline__ void bw_each(const float (&acc)[R][2][4], int MT, int nstrips, int warp, int lane, F&& f) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int s = warp + bwd::kWarps * r;
+    if (s < nstrips) {
+      const int m = (s % MT) * 16 + g, n0 = (s / MT) * 16 + 2 * t;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(m + (e >> 1) * 8, n0 + 8 * n + (e & 1), acc[r][n][e]);
+    }
+  }
+}
+
+template <int R>
+__device__ __forceinline__ void bw_zero(float (&acc)[R][2][4]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][n][e] = 0.f;
+}
+
+// Both sides of tile (b, I, J) into xa / xb (= xa + 64 ldx) as fp32: row p = 8 a + c of side 0 is
+// x[b, 8I + a, 8J + c], of side 1 x[b, 8J + c, 8I + a]; zeros outside N. Consecutive 16-byte chunks read one
+// global run of 8 positions (C contiguous values each). fp32: cp.async, all in flight at once; fp16 / bf16:
+// eight loads per thread in flight, converted on the way into shared memory.
+template <typename T>
+__device__ __forceinline__ void bw_load_sides(const T* __restrict__ x, int N, int C, int b, int I, int J, float* xa,
+                                              int ldx) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T)), U = 8;
+  const int cpr = C / V, per_side = 64 * cpr, total = 2 * per_side;
+  auto chunk = [&](int e, int& dst) -> const T* {
+    const int side = e >= per_side, r = e - side * per_side, q = r / cpr, cc = r - q * cpr;
+    const int hi = q >> 3, lo = q & 7;
+    const int gi = (side ? J : I) * 8 + hi, gj = (side ? I : J) * 8 + lo;
+    dst = side * 64 * ldx + (side ? lo * 8 + hi : hi * 8 + lo) * ldx + cc * V;
+    return (gi < N && gj < N) ? x + ((static_cast<long long>(b) * N + gi) * N + gj) * C + cc * V : nullptr;
+  };
+  if constexpr (std::is_same<T, float>::value) {
+    for (int e = threadIdx.x; e < total; e += bwd::kThreads) {
+      int dst;
+      const float* src = chunk(e, dst);
+      cp_async16(xa + dst, src ? src : x, src != nullptr);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+  } else {
+    for (int e0 = threadIdx.x; e0 < total; e0 += U * bwd::kThreads) {
+      uint4 v[U];
+      int dst[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int e = e0 + k * bwd::kThreads;
+        v[k] = make_uint4(0u, 0u, 0u, 0u);
+        dst[k] = -1;
+        if (e < total) {
+          const T* src = chunk(e, dst[k]);
+          if (src) v[k] = __ldg(reinterpret_cast<const uint4*>(src));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (dst[k] >= 0) {
+          const float2 p0 = unpack2<T>(v[k].x), p1 = unpack2<T>(v[k].y), p2 = unpack2<T>(v[k].z),
+                       p3 = unpack2<T>(v[k].w);
+          *reinterpret_cast<float4*>(xa + dst[k]) = make_float4(p0.x, p0.y, p1.x, p1.y);
+          *reinterpret_cast<float4*>(xa + dst[k] + 4) = make_float4(p2.x, p2.y, p3.x, p3.y);
+        }
+    }
+  }
+}
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// fp64 to fp32 keeping the sign a ReLU mask reads (a positive value below fp32's range stays positive).
+__device__ __forceinline__ float bw_kink_f32(double v) {
+  const float f = static_cast<float>(v);
+  return (v > 0.0 && !(f > 0.f)) ? 1.17549435e-38f : f;
+}
+
+// Position (b, i, j) again in fp64 by one warp, from x and the fp32 parameters (exact copies): h1 and h2
+// (pre-activation) into the rows h1r, h2r. s64 / a64: the warp's C + H doubles.
+template <typename T>
+__device__ __noinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int j, const float* gam, const float* bet,
+                          const float* w1s, const float* w2s, const float* b1s, const float* b2s, int ldx, int ldh,
+                          double* s64, float* h1r, float* h2r, int lane) {
+  const int C = a.C, H = a.H, N = a.N;
+  const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
+  const T* rb = a.x + ((static_cast<long long>(b) * N + j) * N + i) * C;
+  double* a64 = s64 + C;
+  double sa = 0.0, sb = 0.0;
+  for (int c = lane; c < C; c += 32) {
+    sa += static_cast<double>(to_f32(ra[c]));
+    sb += static_cast<double>(to_f32(rb[c]));
+  }
+  const double ma = warp_sum_d(sa) / C, mb = warp_sum_d(sb) / C;
+  double qa = 0.0, qb = 0.0;
+  for (int c = lane; c < C; c += 32) {
+    const double da = static_cast<double>(to_f32(ra[c])) - ma, db = static_cast<double>(to_f32(rb[c])) - mb;
+    qa += da * da;
+    qb += db * db;
+  }
+  const double rsa = 1.0 / sqrt(warp_sum_d(qa) / C + a.eps), rsb = 1.0 / sqrt(warp_sum_d(qb) / C + a.eps);
+  for (int c = lane; c < C; c += 32) {
+    const double gc = gam[c], bc = bet[c];
+    const double ya = (static_cast<double>(to_f32(ra[c])) - ma) * rsa * gc + bc;
+    const double yb = (static_cast<double>(to_f32(rb[c])) - mb) * rsb * gc + bc;
+    s64[c] = 0.5 * (ya + yb);
+  }
+  __syncwarp();
+  for (int u = lane; u < H; u += 32) {
+    double h = b1s[u];
+    for (int c = 0; c < C; ++c) h += static_cast<double>(w1s[u * ldx + c]) * s64[c];
+    h1r[u] = bw_kink_f32(h);
+    a64[u] = h > 0.0 ? h : 0.0;
+  }
+  __syncwarp();
+  for (int u = lane; u < H; u += 32) {
+    double h = b2s[u];
+    for (int k = 0; k < H; ++k) h += static_cast<double>(w2s[u * ldh + k]) * a64[k];
+    h2r[u] = bw_kink_f32(h);
+  }
+  __syncwarp();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(const BwArgs<T> a) {
+  using namespace bwd;
+  extern __shared__ __align__(16) float sm[];
+  const int C = a.C, H = a.H, N = a.N;
+  const BwSmem L(C, H);
+  const int ldx = L.ldx, ldh = L.ldh;
+  float *xa = sm + L.xa, *xb = sm + L.xb, *ss = sm + L.s, *w1s = sm + L.w1, *w2s = sm + L.w2;
+  float *h1s = sm + L.h1, *h2s = sm + L.h2;
+  float *gam = sm + L.vec, *bet = gam + C, *b1s = bet + C, *b2s = b1s + H, *w3s = b2s + H, *w1n = w3s + H,
+        *w2n = w1n + H, *rsa = w2n + H, *rsb = rsa + 64, *snorm = rsb + 64, *gsym = snorm + 64;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  double* s64 = reinterpret_cast<double*>(sm + L.f64) + warp * (C + H);
+
+  for (int e = tid; e < H * C; e += kThreads) w1s[(e / C) * ldx + e % C] = a.w1[e];
+  for (int e = tid; e < H * H; e += kThreads) w2s[(e / H) * ldh + e % H] = a.w2[e];
+  for (int c = tid; c < C; c += kThreads) {
+    gam[c] = a.gamma[c];
+    bet[c] = a.beta[c];
+  }
+  for (int u = tid; u < H; u += kThreads) {
+    b1s[u] = a.b1[u];
+    b2s[u] = a.b2[u];
+    w3s[u] = a.w3[u];
+  }
+  __syncthreads();
+  for (int u = warp; u < H; u += kWarps) {
+    float q1 = 0.f, q2 = 0.f;
+    for (int c = lane; c < C; c += 32) q1 += w1s[u * ldx + c] * w1s[u * ldx + c];
+    for (int k = lane; k < H; k += 32) q2 += w2s[u * ldh + k] * w2s[u * ldh + k];
+    q1 = warp_sum(q1);
+    q2 = warp_sum(q2);
+    if (lane == 0) {
+      w1n[u] = sqrtf(q1);
+      w2n[u] = sqrtf(q2);
+    }
+  }
+  const float b3 = a.b3[0], inv_c = 1.f / static_cast<float>(C), eps = static_cast<float>(a.eps);
+  const int MH = H / 16;  // m tiles of the weight-gradient products
+
+  float dw1[4][2][4], dw2[2][2][4];  // dW1 (MH x C / 16 strips), dW2 (MH x H / 16 strips)
+  bw_zero(dw1);
+  bw_zero(dw2);
+  float dgam[4] = {0.f, 0.f, 0.f, 0.f}, dbet[4] = {0.f, 0.f, 0.f, 0.f};  // channels lane + 32 q
+  float dw3[2] = {0.f, 0.f}, db2[2] = {0.f, 0.f};                       // units lane + 32 q
+  float db1 = 0.f, db3 = 0.f;                                           // unit tid; lane 0
+
+  const int nT = cdiv(N, TILE);
+  const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2, tiles = tiles_per_b * a.B;
+  for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+    int b, I, J;
+    decode_tile(t, tiles_per_b, b, I, J);
+    const bool diag = I == J;
+    bw_load_sides<T>(a.x, N, C, b, I, J, xa, ldx);
+    if (tid < 64) {
+      const int i = I * 8 + (tid >> 3), j = J * 8 + (tid & 7);
+      gsym[tid] = (i < N && j < N) ? 0.5f * (a.g[(static_cast<long long>(b) * N + i) * N + j] +
+                                             a.g[(static_cast<long long>(b) * N + j) * N + i])
+                                   : 0.f;
+    }
+    __syncthreads();
+
+    // statistics of both sides, xhat in place, s and |s|; warp w: positions kRows w .. kRows (w + 1) - 1
+    for (int k = 0; k < kRows; ++k) {
+      const int p = warp * kRows + k;
+      float* ra = xa + p * ldx;
+      float* rb = xb + p * ldx;
+      float va[4], vb[4], sa = 0.f, sb = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int c = lane + 32 * q;
+        va[q] = c < C ? ra[c] : 0.f;
+        vb[q] = c < C ? rb[c] : 0.f;
+        sa += va[q];
+        sb += vb[q];
+      }
+      const float m0a = warp_sum(sa) * inv_c, m0b = warp_sum(sb) * inv_c;
+      float d1a = 0.f, d2a = 0.f, d1b = 0.f, d2b = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        if (lane + 32 * q < C) {
+          const float da = va[q] - m0a, db = vb[q] - m0b;
+          d1a += da;
+          d2a += da * da;
+          d1b += db;
+          d2b += db * db;
+        }
+      float ma, rs_a, mb, rs_b;
+      ln_stats(m0a, warp_sum(d1a), warp_sum(d2a), inv_c, eps, ma, rs_a);
+      ln_stats(m0b, warp_sum(d1b), warp_sum(d2b), inv_c, eps, mb, rs_b);
+      float sq = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int c = lane + 32 * q;
+        if (c < C) {
+          const float xha = (va[q] - ma) * rs_a, xhb = (vb[q] - mb) * rs_b;
+          ra[c] = xha;
+          rb[c] = xhb;
+          const float s = 0.5f * ((xha * gam[c] + bet[c]) + (xhb * gam[c] + bet[c]));
+          ss[p * ldx + c] = s;
+          sq += s * s;
+        }
+      }
+      sq = warp_sum(sq);
+      if (lane == 0) {
+        rsa[p] = rs_a;
+        rsb[p] = rs_b;
+        snorm[p] = sqrtf(sq);
+      }
+    }
+    __syncthreads();
+
+    {  // h1 = s W1^T + b1                                                          (64 x H)
+      float acc[2][2][4];
+      bw_zero(acc);
+      bw_gemm<2, false, false>(acc, ss, ldx, 1, w1s, 1, ldx, 4, H / 4, C, warp, lane);
+      bw_each(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) { h1s[p * ldh + u] = v + b1s[u]; });
+    }
+    __syncthreads();
+    {  // h2 = relu(h1) W2^T + b2                                                   (64 x H)
+      float acc[2][2][4];
+      bw_zero(acc);
+      bw_gemm<2, true, false>(acc, h1s, ldh, 1, w2s, 1, ldh, 4, H / 4, H, warp, lane);
+      bw_each(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) { h2s[p * ldh + u] = v + b2s[u]; });
+    }
+    __syncthreads();
+
+    // per position (warp w: kRows w .. kRows (w + 1) - 1): the kink test and fp64 recomputation, out, dz, dh2 (into h2s)
+    const float wgt = diag ? 1.f : 2.f;
+    for (int k = 0; k < kRows; ++k) {
+      const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
+      const bool valid = i < N && j < N;
+      float* h1r = h1s + p * ldh;
+      float* h2r = h2s + p * ldh;
+      float q = 0.f;
+      for (int u = lane; u < H; u += 32) q += fmaxf(h1r[u], 0.f) * fmaxf(h1r[u], 0.f);
+      const float anorm = sqrtf(warp_sum(q)), sn = snorm[p];
+      bool near = false;
+      for (int u = lane; u < H; u += 32)
+        near |= fabsf(h1r[u]) < kKink * (sn * w1n[u] + fabsf(b1s[u])) ||
+                fabsf(h2r[u]) < kKink * (anorm * w2n[u] + fabsf(b2s[u]));
+      if (__any_sync(0xffffffffu, near && valid))
+        bw_refine(a, b, i, j, gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64, h1r, h2r, lane);
+      float o = 0.f;
+      for (int u = lane; u < H; u += 32) o += fmaxf(h2r[u], 0.f) * w3s[u];
+      o = warp_sum(o) + b3;
+      const float out = 1.f / (1.f + __expf(-o));
+      const float dz = valid ? wgt * gsym[p] * out * (1.f - out) : 0.f;
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const int u = lane + 32 * m;
+        if (u < H) {
+          const float h2 = h2r[u], d = h2 > 0.f ? dz * w3s[u] : 0.f;
+          dw3[m] += dz * fmaxf(h2, 0.f);
+          db2[m] += d;
+          h2r[u] = d;
+        }
+      }
+      db3 += lane == 0 ? dz : 0.f;
+    }
+    __syncthreads();
+
+    {  // dW2 += dh2^T relu(h1) (K = 64 positions); dh1 = (dh2 W2) [h1 > 0] into h2s
+      float acc[2][2][4];
+      bw_zero(acc);
+      bw_gemm<2, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
+      bw_add(dw2, acc);
+      bw_zero(acc);
+      bw_gemm<2, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H, warp, lane);
+      __syncthreads();
+      bw_each(acc, 4, H / 4, warp, lane,
+              [&](int p, int u, float v) { h2s[p * ldh + u] = h1s[p * ldh + u] > 0.f ? v : 0.f; });
+    }
+    __syncthreads();
+    {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss
+      float acc[4][2][4];
+      bw_zero(acc);
+      bw_gemm<4, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
+      bw_add(dw1, acc);
+      if (tid < H)
+        for (int p = 0; p < 64; ++p) db1 += h2s[p * ldh + tid];
+      bw_zero(acc);
+      bw_gemm<4, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H, warp, lane);
+      __syncthreads();
+      const float inv_w = diag ? 1.f : 0.5f;
+      bw_each(acc, 4, C / 4, warp, lane, [&](int p, int c, float v) { ss[p * ldx + c] = v * inv_w; });
+    }
+    __syncthreads();
+
+    // LayerNorm backward of each side's row: dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)),
+    // dxhat = gamma dy; side 1 only off the diagonal (on it, (j, i) is a position of the tile itself)
+    for (int k = 0; k < kRows; ++k) {
+      const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
+      if (i >= N || j >= N) continue;
+      float dy[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) dy[q] = lane + 32 * q < C ? ss[p * ldx + lane + 32 * q] : 0.f;
+      for (int side = 0; side < (diag ? 1 : 2); ++side) {
+        const float* xh = (side ? xb : xa) + p * ldx;
+        float q1 = 0.f, q2 = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int c = lane + 32 * q;
+          if (c < C) {
+            const float d = gam[c] * dy[q];
+            q1 += d;
+            q2 += d * xh[c];
+            dgam[q] += dy[q] * xh[c];
+            dbet[q] += dy[q];
+          }
+        }
+        const float m1 = warp_sum(q1) * inv_c, m2 = warp_sum(q2) * inv_c, rs = side ? rsb[p] : rsa[p];
+        T* dst = a.dx + ((static_cast<long long>(b) * N + (side ? j : i)) * N + (side ? i : j)) * C;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int c = lane + 32 * q;
+          if (c < C) dst[c] = from_f32<T>(rs * (gam[c] * dy[q] - m1 - xh[c] * m2));
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // the block's partial (see bw_partial_len); per-warp sums through shared memory, in warp order
+  float* part = a.part + static_cast<long long>(blockIdx.x) * bw_partial_len(C, H);
+  bw_each(dw1, MH, MH * (C / 16), warp, lane, [&](int u, int c, float v) { part[u * C + c] = v; });
+  bw_each(dw2, MH, MH * (H / 16), warp, lane, [&](int u, int k, float v) { part[H * C + u * H + k] = v; });
+  float* vec_part = part + H * C + H * H;  // dgamma, dbeta, dw3, db2, db3, db1
+  const int nv = 2 * C + 2 * H + 1;
+  float* red = sm;  // kWarps x nv, over the sides' rows and s (3 x 64 ldx floats: enough for H <= 64)
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int c = lane + 32 * q;
+    if (c < C) {
+      red[warp * nv + c] = dgam[q];
+      red[warp * nv + C + c] = dbet[q];
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const int u = lane + 32 * m;
+    if (u < H) {
+      red[warp * nv + 2 * C + u] = dw3[m];
+      red[warp * nv + 2 * C + H + u] = db2[m];
+    }
+  }
+  if (lane == 0) red[warp * nv + 2 * C + 2 * H] = db3;
+  __syncthreads();
+  for (int e = tid; e < nv; e += kThreads) {
+    float v = 0.f;
+    for (int w = 0; w < kWarps; ++w) v += red[w * nv + e];
+    vec_part[e] = v;
+  }
+  if (tid < H) vec_part[nv + tid] = db1;
+}
+
+bool backward_fits(int64_t C, int64_t H, const DeviceFacts& dev) {
+  return C % 16 == 0 && H % 16 == 0 && C >= 16 && H >= 16 && C <= bwd::kMaxC && H <= bwd::kMaxH &&
+         dev.major >= 8 &&
+         sizeof(float) * BwSmem(static_cast<int>(C), static_cast<int>(H)).total <= static_cast<size_t>(dev.max_smem);
+}
+
+// Whether backward() runs for pair_dim C, hidden_dim H on `device`.
+bool backward_supported(int64_t C, int64_t H, int64_t device) {
+  return backward_fits(C, H, device_facts(static_cast<int>(device)));
+}
+
+template <typename T>
+void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cudaStream_t stream) {
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T>), device,
+                          static_cast<int>(smem));
+  contact_map_backward_kernel<T><<<grid, bwd::kThreads, smem, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The fused backward: (d_pair in pair's dtype, the blocks' partial parameter gradients (blocks, P) in fp32).
+// pair (B, N, N, C) fp32 / fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any float dtype
+// (used in fp32). Raises where backward_supported is false.
+std::tuple<torch::Tensor, torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b,
+                                                  double eps, torch::Tensor w1, torch::Tensor b1, torch::Tensor w2,
+                                                  torch::Tensor b2, torch::Tensor w3, torch::Tensor b3,
+                                                  torch::Tensor grad_out) {
+  const auto dtype = pair.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kHalf || dtype == torch::kBFloat16,
+              "contact_map backward: pair_repr must be float32, float16 or bfloat16, got ", c10::toString(dtype));
+  TORCH_CHECK(pair.is_cuda() && pair.dim() == 4 && pair.size(1) == pair.size(2),
+              "contact_map backward: pair_repr must be a CUDA tensor (B, N, N, pair_dim), got shape ",
+              shape_str(pair.sizes()));
+  const int64_t B = pair.size(0), N = pair.size(1), C = pair.size(3), H = b1.numel();
+  TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef({B, N, N}), "contact_map backward: grad_out has shape ",
+              shape_str(grad_out.sizes()), ", expected ", shape_str({B, N, N}));
+  TORCH_CHECK(ln_w.numel() == C && ln_b.numel() == C && w1.numel() == H * C && w2.numel() == H * H &&
+              b2.numel() == H && w3.numel() == H && b3.numel() == 1,
+              "contact_map backward: parameter shapes do not match pair_dim ", num(C), " and hidden_dim ", num(H));
+  TORCH_CHECK(N < 46341 && B < (1LL << 31), "contact_map backward: B or N too large, got shape ",
+              shape_str(pair.sizes()));
+  const c10::cuda::CUDAGuard guard(pair.device());
+  const int device = pair.get_device();
+  const DeviceFacts dev = device_facts(device);
+  TORCH_CHECK(backward_fits(C, H, dev), "contact_map backward: pair_dim ", num(C), " / hidden_dim ", num(H),
+              " not supported here (multiples of 16 up to ", num(bwd::kMaxC), " / ", num(bwd::kMaxH),
+              ", compute capability 8.0+)");
+  const auto x = pair.contiguous();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "contact_map backward: pair_repr's data must be 16-byte aligned");
+  auto f = [&](const torch::Tensor& t) {
+    return t.to(t.options().dtype(torch::kFloat32).device(pair.device())).contiguous();
+  };
+  const auto g = f(grad_out), lw = f(ln_w), lb = f(ln_b), w1c = f(w1), b1c = f(b1), w2c = f(w2), b2c = f(b2),
+             w3c = f(w3), b3c = f(b3);
+  auto dx = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t nT = (N + TILE - 1) / TILE, tiles = B * nT * (nT + 1) / 2;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(tiles, dev.num_sms)));
+  auto part = torch::empty({grid, bw_partial_len(static_cast<int>(C), static_cast<int>(H))},
+                           x.options().dtype(torch::kFloat32));
+  if (tiles == 0) return {dx, part.zero_()};
+  const size_t smem = sizeof(float) * BwSmem(static_cast<int>(C), static_cast<int>(H)).total;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    BwArgs<T> a{reinterpret_cast<const T*>(x.data_ptr()), g.data_ptr<float>(), lw.data_ptr<float>(),
+                lb.data_ptr<float>(), w1c.data_ptr<float>(), b1c.data_ptr<float>(), w2c.data_ptr<float>(),
+                b2c.data_ptr<float>(), w3c.data_ptr<float>(), b3c.data_ptr<float>(),
+                reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), eps, static_cast<int>(B),
+                static_cast<int>(N), static_cast<int>(C), static_cast<int>(H)};
+    launch_backward<T>(a, grid, smem, device, stream);
+  };
+  if (dtype == torch::kFloat32) run(float{});
+  else if (dtype == torch::kHalf) run(__half{});
+  else run(__nv_bfloat16{});
+  return {dx, part};
+}
+
+// =============================================================================================
 // Bound function
 // =============================================================================================
 // Returns (out, the Kernel that ran; -1 for an empty input, where none runs).
@@ -2423,6 +3004,10 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &contact_map::forward,
         "contact-map head forward (CUDA; fp32, fp16 or bf16): (out, the kernel that ran)");
+  m.def("backward", &contact_map::backward,
+        "contact-map head fused backward (CUDA): (d_pair, per-block fp32 partials of the parameter gradients)");
+  m.def("backward_supported", &contact_map::backward_supported,
+        "whether backward runs for (pair_dim, hidden_dim, device index)");
 }
 """
 
@@ -2651,6 +3236,37 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
             d_w2.to(w2.dtype), d_b2.to(b2.dtype), d_w3.to(w3.dtype), d_b3.to(b3.dtype))
 
 
+def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out):
+    """contact_map_backward's gradients from the fused CUDA kernel (one pass over pair; see the kernel's
+    comment): the same arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of
+    every parameter gradient per block; the partials are summed here in float64. Only where
+    fused_backward_runs() is True (otherwise the extension raises)."""
+    H, C = w1.shape
+    d_pair, part = _ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out)
+    d_w1, d_w2, d_ln_w, d_ln_b, d_w3, d_b2, d_b3, d_b1 = torch.split(
+        part.sum(0, dtype=torch.float64), (H * C, H * H, C, C, H, H, 1, H))
+    return (d_pair, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_w1.view(H, C).to(w1.dtype), d_b1.to(b1.dtype),
+            d_w2.view(H, H).to(w2.dtype), d_b2.to(b2.dtype), d_w3.view(1, H).to(w3.dtype), d_b3.to(b3.dtype))
+
+
+_FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool
+
+
+def fused_backward_runs(pair, w1):
+    """Whether contact_map_backward_fused runs for this input: a CUDA tensor (B, N, N, C) of float32, float16 or
+    bfloat16, 16-byte aligned when contiguous, N < 46341, and (C, H) = w1.shape multiples of 16 up to 128 / 64 on
+    a device of compute capability 8.0+ with the shared memory for them."""
+    if not (pair.is_cuda and pair.dtype in _FLOAT_DTYPES and pair.dim() == 4 and pair.shape[1] < 46341):
+        return False
+    if pair.is_contiguous() and pair.data_ptr() % 16:
+        return False
+    key = (int(w1.shape[1]), int(w1.shape[0]), pair.get_device())
+    fits = _FUSED_FITS.get(key)
+    if fits is None:
+        fits = _FUSED_FITS[key] = bool(_ext.backward_supported(*key))
+    return fits
+
+
 # =============================================================================================
 # Module
 # =============================================================================================
@@ -2697,12 +3313,13 @@ def _run_kernel(model, pair, params, eps, vid, out_dtype):
 
 
 class _ContactMap(torch.autograd.Function):
-    """out = ContactMap(pair; params): the forward is the CUDA kernel, the backward contact_map_backward
-    (PyTorch ops); double backward raises."""
+    """out = ContactMap(pair; params): the forward is the CUDA kernel, the backward the fused kernel
+    (contact_map_backward_fused) where it runs, else contact_map_backward (PyTorch ops); recorded in
+    model.last_backward ("fused" / "ops"). Double backward raises."""
 
     @staticmethod
     def forward(ctx, model, eps, vid, out_dtype, pair, *params):
-        ctx.eps = eps
+        ctx.eps, ctx.model = eps, model
         ctx.save_for_backward(pair, *params)
         return _run_kernel(model, pair, params, eps, vid, out_dtype)
 
@@ -2710,7 +3327,10 @@ class _ContactMap(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         pair, *params = ctx.saved_tensors
-        grads = contact_map_backward(pair, params[0], params[1], ctx.eps, *params[2:], grad_out)
+        fused = fused_backward_runs(pair, params[2])
+        run = contact_map_backward_fused if fused else contact_map_backward
+        grads = run(pair, params[0], params[1], ctx.eps, *params[2:], grad_out)
+        object.__setattr__(ctx.model, "last_backward", "fused" if fused else "ops")
         return (None, None, None, None) + tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[4:]))
 
 
@@ -2725,7 +3345,8 @@ class ModelNew(nn.Module):
     another device than the parameters, another dtype, a shape other than (B, N, N, pair_dim), or
     pair_dim / hidden_dim above 256. `variant` selects "auto", "mma" or "fma"; after a call
     `last_variant` names the kernel that ran ("wgmma", "wgmma16", "mma" or "fma"; None after an empty
-    input, where none runs).
+    input, where none runs), after a backward `last_backward` the backward that ran ("fused": the CUDA
+    kernel, pair_dim / hidden_dim multiples of 16 up to 128 / 64; else "ops": PyTorch ops).
     """
 
     VARIANTS = tuple(_VARIANT_IDS)
@@ -2742,6 +3363,7 @@ class ModelNew(nn.Module):
         )
         self.variant = next(iter(_VARIANT_IDS))
         self.last_variant = None
+        self.last_backward = None
 
     def _parameters_in_order(self):
         """(layer_norm, (gamma, beta, W1, b1, W2, b2, w3, b3)), read at every call.

@@ -629,3 +629,118 @@ def test_half_precision_reads_fp16_bf16_natively(cm, ref, dtype, B, N, C, H, dis
             out = new(x)
             assert out.dtype == dtype and new.last_variant == v
             assert torch.allclose(out, want, atol=1e-2, rtol=1e-2), (v, (out.float() - want.float()).abs().max().item())
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the fused backward against fp64 autograd and the PyTorch-ops backward
+# ------------------------------------------------------------------------------------------------
+def _grads64(ref, x, params, g):
+    """fp64 autograd of (Model(x) * g).sum() on the same values: (d_pair, d_param for each parameter)."""
+    C, H = params[2].shape[1], params[2].shape[0]
+    m = ref.Model(C, H).double().cuda()
+    with torch.no_grad():
+        for p, v in zip(m.parameters(), params):
+            p.copy_(v.double())
+    x64 = x.double().requires_grad_(True)
+    (m(x64) * g.double()).sum().backward()
+    return (x64.grad,) + tuple(p.grad for p in m.parameters())
+
+
+def _backward_case(ref, B, N, C, H, dist, dtype, seed):
+    """x, the parameters (LayerNorm, W1, b1, W2, b2, w3, b3 as the module orders them) and g, in dtype on the GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    m = ref.Model(C, H)
+    _randomise(m, gen)
+    params = [p.detach().to(dtype).cuda() for p in m.parameters()]
+    x = _draw((B, N, N, C), dist, gen).to(dtype).cuda()
+    g = torch.randn((B, N, N), generator=gen).to(dtype).cuda()
+    return x, params, g
+
+
+def _rel_errs(got, want):
+    """max |got - want| / max |want| per gradient."""
+    return [(a.double() - b.double()).abs().max().item() / max(b.double().abs().max().item(), 1e-30)
+            for a, b in zip(got, want)]
+
+
+GRAD_NAMES = ("pair", "layer_norm.weight", "layer_norm.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight",
+              "mlp.2.bias", "mlp.4.weight", "mlp.4.bias")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, N, C, H, dist", [
+    (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 40, 48, 16, "uniform"), (3, 9, 96, 32, "heavy"),
+    (1, 1, 64, 32, "normal"), (1, 130, 128, 32, "normal"), (2, 64, 128, 64, "uniform"),
+])
+def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, dtype, B, N, C, H, dist):
+    """contact_map_backward_fused and contact_map_backward (PyTorch ops) on the same inputs, both against fp64
+    autograd of the reference: each fused gradient's max error at most 2x the ops backward's or, below that,
+    a rounding floor (fp32: 1e-5 of the gradient's largest value; fp16 / bf16: an ulp of d_pair's dtype). Shapes,
+    dtypes and strides as the inputs'; every d_pair element written (NaN-poisoned memory first); a repeat
+    call bit-equal (fixed tile order, partials summed in a fixed order)."""
+    x, params, g = _backward_case(ref, B, N, C, H, dist, dtype, seed=B * 1000 + N + C + H)
+    assert cm.fused_backward_runs(x, params[2])
+    junk = torch.full(x.shape, float("nan"), dtype=dtype, device="cuda")
+    del junk
+    fused = cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
+    again = cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
+    ops = cm.contact_map_backward(x, params[0], params[1], 1e-5, *params[2:], g)
+    want = _grads64(ref, x, params, g)
+    for name, f, r, a in zip(GRAD_NAMES, fused, again, ops):
+        assert f.shape == a.shape and f.dtype == a.dtype, (name, f.shape, a.shape, f.dtype, a.dtype)
+        assert torch.isfinite(f).all(), name
+        assert torch.equal(f, r), f"{name}: a repeat call differs"
+    floor = 1e-5 if dtype == torch.float32 else (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11)
+    for name, e_f, e_o in zip(GRAD_NAMES, _rel_errs(fused, want), _rel_errs(ops, want)):
+        assert e_f <= max(2 * e_o, floor), f"{name}: fused {e_f:.2e} vs ops {e_o:.2e} (relative to the largest)"
+
+
+@gpu
+@needs_cuda
+def test_fused_backward_takes_fp64s_side_of_relu_kinks(cm, ref):
+    """Hidden unit u set within fp32 rounding of 0 at one position each (b1_u = -(s W1_u) at that position in
+    fp64, rounded to fp32): the fused backward's masks are fp64's, so every gradient stays within 1e-5 of fp64
+    autograd (relative to its largest value); masks taken on the fp32 side move a weight's gradient by a whole
+    term, as the ops backward (fp32 masks) shows on the same inputs."""
+    B, N, C, H = 1, 24, 64, 32
+    x, params, g = _backward_case(ref, B, N, C, H, "normal", torch.float32, seed=7)
+    x64, lw, lb, w1 = x.double(), params[0].double(), params[1].double(), params[2].double()
+    y = torch.nn.functional.layer_norm(x64, (C,), lw, lb, 1e-5)
+    s = (y + y.transpose(1, 2)) / 2
+    b1 = params[3].clone()
+    for u in range(H):
+        i, j = u % N, (5 * u + 3) % N
+        b1[u] = -(s[0, i, j] @ w1[u]).float()
+    params[3] = b1
+    fused = cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
+    ops = cm.contact_map_backward(x, params[0], params[1], 1e-5, *params[2:], g)
+    want = _grads64(ref, x, params, g)
+    e_fused, e_ops = _rel_errs(fused, want), _rel_errs(ops, want)
+    assert max(e_fused) <= 1e-5, dict(zip(GRAD_NAMES, e_fused))
+    assert max(e_ops) > 1e-5, ("no mask of the fp32 evaluation fell on the other side: the inputs test nothing",
+                               dict(zip(GRAD_NAMES, e_ops)))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_step_runs_the_fused_backward(cm, ref, dtype):
+    """Autograd through ModelNew: at (pair_dim 128, hidden 64) last_backward is "fused" and the gradients are
+    contact_map_backward_fused's on the same inputs; at pair_dim 40 (not a multiple of 16) "ops", with
+    contact_map_backward's."""
+    for C, H, kind in ((128, 64, "fused"), (40, 16, "ops")):
+        m_ref, new = _pair(cm, ref, C, H, seed=C + H)
+        new = new.to(dtype)
+        gen = torch.Generator().manual_seed(C)
+        x = torch.randn((2, 20, 20, C), generator=gen).to(dtype).cuda().requires_grad_(True)
+        g = torch.randn((2, 20, 20), generator=gen).to(dtype).cuda()
+        (new(x) * g).sum().backward()
+        assert new.last_backward == kind
+        params = [p.detach() for p in new.parameters()]
+        run = cm.contact_map_backward_fused if kind == "fused" else cm.contact_map_backward
+        want = run(x.detach(), params[0], params[1], 1e-5, *params[2:], g)
+        got = (x.grad,) + tuple(p.grad for p in new.parameters())
+        for name, a, b in zip(GRAD_NAMES, got, want):
+            assert a.dtype == dtype and torch.equal(a, b), name
