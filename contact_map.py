@@ -71,11 +71,14 @@ wgmma kernel; no list: the visible GPUs', and no GPU: 9.0, the same flags an H10
 
 Half precision and training: float16 / bfloat16 input and parameters of one dtype go to the 16-bit
 build (above); mixed dtypes (under CUDA autocast) are converted to float32 first, and the output comes
-back in the autocast dtype, as the reference's (the fp32 kernels run there). The backward runs in PyTorch
-ops (contact_map_backward, float32 inside): it saves only the inputs and recomputes the LayerNorm, s and
-the MLP for chunks of rows i (about 256 MB each) with the reference's own ops (PyTorch's LayerNorm, so in
-fp32 the ReLU masks are the reference's), so no (B, N, N, hidden) tensor is ever whole; its one
-(B, N, N, C) buffer becomes the input's gradient, and the parameters' gradients sum in float64.
+back in the autocast dtype, as the reference's (the fp32 kernels run there). The backward saves only the
+inputs. Where pair_dim and hidden_dim are multiples of 16 up to 128 / 64 (sm_80+) it is the fused kernel
+(contact_map_backward_kernel, contact_map_backward_fused): the pair read once, per tile the forward
+recomputed, the products in split TF32, the ReLU masks fp64's (positions near a kink recomputed in fp64),
+d_pair written once in the input's dtype, the parameters' gradients summed per block and then in
+float64. Elsewhere it runs in PyTorch ops (contact_map_backward, float32 inside): the LayerNorm, s and
+the MLP recomputed for chunks of rows i (about 256 MB each) with the reference's own ops, so no (B, N, N,
+hidden) tensor is ever whole. ModelNew.last_backward names the one that ran ("fused" / "ops").
 Gradients for the input and every parameter; double backward raises.
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it against
@@ -3237,7 +3240,7 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
 
 
 def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out):
-    """contact_map_backward's gradients from the fused CUDA kernel (one pass over pair; see the kernel's
+    """contact_map_backward's gradients from the fused CUDA kernel (pair read once; see the kernel's
     comment): the same arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of
     every parameter gradient per block; the partials are summed here in float64. Only where
     fused_backward_runs() is True (otherwise the extension raises)."""
