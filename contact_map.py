@@ -2323,15 +2323,16 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
 // s, activations and masks are the same), 1 on it. dh2 = dz w3 [h2 > 0], dh1 = (dh2 W2) [h1 > 0], ds =
 // dh1 W1 (all scaled by w), dy = ds / w on both sides, then the LayerNorm backward of each side's row
 // (dx written once per position). dW1 += dh1^T s and dW2 += dh2^T relu(h1) are mma.sync products over
-// the tile's positions into registers that stay for the block's tiles; the vectors' sums stay per warp.
-// Each block writes one fp32 partial of every parameter gradient; the caller sums them in fp64.
+// the tile's positions, added to totals in registers that stay for the block's tiles; the vectors' sums
+// stay per warp. Each block writes one fp32 partial of every parameter gradient; the caller sums them in
+// fp64.
 //
 // The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
 // evaluations, and one position on the other side changes a weight's gradient by a whole term (several
 // times the fp32 reference's whole error). A position with any |h1| or |h2| below kKink (|s| |W_u| +
 // |b_u|) (the unit's input and row norms; fp32 and split-TF32 errors are ~2^-21 of that / sqrt(K)) is
-// computed again in fp64 from x by its warp (about 1% of positions), and its h1, h2 replaced by the fp64
-// values rounded to fp32.
+// computed again in fp64 from x by its warp (about 1% of positions, from the thresholds' ratio to the
+// units' spread at the harness's weights), and its h1, h2 replaced by the fp64 values rounded to fp32.
 namespace bwd {
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kRows = 64 / kWarps;  // positions per warp in the per-row steps
@@ -2521,8 +2522,8 @@ __device__ __forceinline__ float bw_kink_f32(double v) {
 // (pre-activation) into the rows h1r, h2r. s64 / a64: the warp's C + H doubles.
 template <typename T>
 __device__ __noinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int j, const float* gam, const float* bet,
-                          const float* w1s, const float* w2s, const float* b1s, const float* b2s, int ldx, int ldh,
-                          double* s64, float* h1r, float* h2r, int lane) {
+                                       const float* w1s, const float* w2s, const float* b1s, const float* b2s,
+                                       int ldx, int ldh, double* s64, float* h1r, float* h2r, int lane) {
   const int C = a.C, H = a.H, N = a.N;
   const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
   const T* rb = a.x + ((static_cast<long long>(b) * N + j) * N + i) * C;
@@ -2689,7 +2690,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     }
     __syncthreads();
 
-    // per position (warp w: kRows w .. kRows (w + 1) - 1): the kink test and fp64 recomputation, out, dz, dh2 (into h2s)
+    // per position (warp w: kRows w .. kRows (w + 1) - 1): the kink test and fp64 recomputation, out, dz,
+    // dh2 (into h2s)
     const float wgt = diag ? 1.f : 2.f;
     for (int k = 0; k < kRows; ++k) {
       const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
