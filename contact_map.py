@@ -2330,8 +2330,8 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
 // The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
 // evaluations, and one position on the other side changes a weight's gradient by a whole term (several
 // times the fp32 reference's whole error). A position with any |h1| or |h2| below kKink (|s| |W_u| +
-// |b_u|) (the unit's input and row norms; fp32 and split-TF32 errors are ~2^-21 of that / sqrt(K)) is
-// computed again in fp64 from x by its warp (about 1% of positions, from the thresholds' ratio to the
+// |b_u|) (the Cauchy-Schwarz bound on the unit's input; fp32 and split-TF32 rounding of h is about 2^-21
+// of that bound / sqrt(K), so 2^-17 leaves a wide margin) is computed again in fp64 from x by its warp (about 1% of positions, from the thresholds' ratio to the
 // units' spread at the harness's weights), and its h1, h2 replaced by the fp64 values rounded to fp32.
 namespace bwd {
 constexpr int kThreads = 256, kWarps = kThreads / 32;
@@ -2355,7 +2355,8 @@ __host__ __device__ inline int bw_partial_len(int C, int H) { return H * C + H *
 
 // Shared memory, in floats: the two sides' rows (x, then xhat) and s (then dy), 64 x ldx each; W1 (H x ldx),
 // W2 (H x ldh); h1 and h2 (then dh2, then dh1), 64 x ldh each; the vectors; per warp C + H doubles.
-// Row strides of 4 mod 32 floats: the m16n8k8 fragment loads of row-major operands are conflict-free.
+// Row strides C + 4 and H + 4 floats (4 or 20 mod 32 for multiples of 16): the m16n8k8 fragment loads of
+// row-major operands are conflict-free.
 struct BwSmem {
   int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, f64, total;
   __host__ __device__ BwSmem(int C, int H) {
