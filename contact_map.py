@@ -2323,9 +2323,10 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
 // s, activations and masks are the same), 1 on it. dh2 = dz w3 [h2 > 0], dh1 = (dh2 W2) [h1 > 0], ds =
 // dh1 W1 (all scaled by w), dy = ds / w on both sides, then the LayerNorm backward of each side's row
 // (dx written once per position). dW1 += dh1^T s and dW2 += dh2^T relu(h1) are mma.sync products over
-// the tile's positions, added to totals in registers that stay for the block's tiles; the vectors' sums
-// stay per warp. Each block writes one fp32 partial of every parameter gradient; the caller sums them in
-// fp64.
+// the tile's positions, added to totals in registers that stay for the block's tiles; dgamma, dbeta and db1
+// (column sums by one thread each) and dw3, db2, db3 (per warp) add up in shared memory. Each block writes
+// one fp32 partial of every parameter gradient; the caller sums them in fp64. 16 warps of at most 128
+// registers each (4 per scheduler).
 //
 // The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
 // evaluations, and one position on the other side changes a weight's gradient by a whole term (several
@@ -2334,7 +2335,7 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
 // of that bound / sqrt(K), so 2^-17 leaves a wide margin) is computed again in fp64 from x by its warp (about 1% of positions, from the thresholds' ratio to the
 // units' spread at the harness's weights), and its h1, h2 replaced by the fp64 values rounded to fp32.
 namespace bwd {
-constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kRows = 64 / kWarps;  // positions per warp in the per-row steps
 constexpr int kMaxC = 128, kMaxH = 64;  // pair_dim, hidden_dim: multiples of 16 up to these
 constexpr float kKink = 7.62939453125e-6f;  // 2^-17
@@ -2354,11 +2355,11 @@ struct BwArgs {
 __host__ __device__ inline int bw_partial_len(int C, int H) { return H * C + H * H + 2 * C + 3 * H + 1; }
 
 // Shared memory, in floats: the two sides' rows (x, then xhat) and s (then dy), 64 x ldx each; W1 (H x ldx),
-// W2 (H x ldh); h1 and h2 (then dh2, then dh1), 64 x ldh each; the vectors; per warp C + H doubles.
-// Row strides C + 4 and H + 4 floats (4 or 20 mod 32 for multiples of 16): the m16n8k8 fragment loads of
-// row-major operands are conflict-free.
+// W2 (H x ldh); h1 and h2 (then dh2, then dh1), 64 x ldh each; the vectors; the vector gradients' sums; per
+// warp C + H doubles.
+// Row strides of 4 mod 32 floats: the m16n8k8 fragment loads of row-major operands are conflict-free.
 struct BwSmem {
-  int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, f64, total;
+  int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, vacc, f64, total;
   __host__ __device__ BwSmem(int C, int H) {
     ldx = C + 4;
     ldh = H + 4;
@@ -2370,7 +2371,8 @@ struct BwSmem {
     h1 = w2 + H * ldh;
     h2 = h1 + 64 * ldh;
     vec = h2 + 64 * ldh;  // gamma, beta (C); b1, b2, w3, |W1_u|, |W2_u| (H); rstd_a, rstd_b, |s|, g_s (64)
-    f64 = round_up(vec + 2 * C + 5 * H + 4 * 64, 4);
+    vacc = vec + 2 * C + 5 * H + 4 * 64;  // sums: dgamma, dbeta (C), db1 (H); per warp dw3, db2 (H), db3
+    f64 = round_up(vacc + 2 * C + H + bwd::kWarps * (2 * H + 1), 4);
     total = f64 + 2 * bwd::kWarps * (C + H);
   }
 };
@@ -2378,8 +2380,8 @@ struct BwSmem {
 template <bool RELU>
 __device__ __forceinline__ float bw_ld(float v) { return RELU ? fmaxf(v, 0.f) : v; }
 
-// acc[r] += A(16 rows, K) B(K, 16 columns) in split TF32 for the strips s = warp + 8 r < nstrips of an
-// (16 MT) x (16 nstrips / MT) output: strip s is m tile s % MT (= warp % MT: MT divides 8, so a warp's
+// acc[r] += A(16 rows, K) B(K, 16 columns) in split TF32 for the strips s = warp + 16 r < nstrips of an
+// (16 MT) x (16 nstrips / MT) output: strip s is m tile s % MT (= warp % MT: MT divides 16, so a warp's
 // strips share their A fragments, split once per k step), columns 16 (s / MT) .. + 15 (two n tiles).
 // A(m, k) = A[m am + k ak], B(k, n) = B[k bk + n bn], ReLU on load if asked. The k steps run in order
 // (R x 2 independent accumulators per step); each mma.sync truncates its fp32 sum, so a long sum goes
@@ -2390,6 +2392,7 @@ __device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __re
                                         const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
                                         int warp, int lane) {
   if (warp >= nstrips) return;
+  asm volatile("" : "+r"(lane));  // the fragment addresses recomputed per call, not held across the tile loop
   const int g = lane >> 2, t = lane & 3;
   const float* pa = A + ((warp % MT) * 16 + g) * am + t * ak;
   const float* pb = Bm + g * bn + t * bk;
@@ -2460,11 +2463,11 @@ __device__ __forceinline__ void bw_zero(float (&acc)[R][2][4]) {
 // Both sides of tile (b, I, J) into xa / xb (= xa + 64 ldx) as fp32: row p = 8 a + c of side 0 is
 // x[b, 8I + a, 8J + c], of side 1 x[b, 8J + c, 8I + a]; zeros outside N. Consecutive 16-byte chunks read one
 // global run of 8 positions (C contiguous values each). fp32: cp.async, all in flight at once; fp16 / bf16:
-// eight loads per thread in flight, converted on the way into shared memory.
+// four loads per thread in flight (all of a tile at pair_dim 128), converted on the way into shared memory.
 template <typename T>
 __device__ __forceinline__ void bw_load_sides(const T* __restrict__ x, int N, int C, int b, int I, int J, float* xa,
                                               int ldx) {
-  constexpr int V = 16 / static_cast<int>(sizeof(T)), U = 8;
+  constexpr int V = 16 / static_cast<int>(sizeof(T)), U = 4;
   const int cpr = C / V, per_side = 64 * cpr, total = 2 * per_side;
   auto chunk = [&](int e, int& dst) -> const T* {
     const int side = e >= per_side, r = e - side * per_side, q = r / cpr, cc = r - q * cpr;
@@ -2474,6 +2477,7 @@ __device__ __forceinline__ void bw_load_sides(const T* __restrict__ x, int N, in
     return (gi < N && gj < N) ? x + ((static_cast<long long>(b) * N + gi) * N + gj) * C + cc * V : nullptr;
   };
   if constexpr (std::is_same<T, float>::value) {
+#pragma unroll 1
     for (int e = threadIdx.x; e < total; e += bwd::kThreads) {
       int dst;
       const float* src = chunk(e, dst);
@@ -2520,28 +2524,33 @@ __device__ __forceinline__ float bw_kink_f32(double v) {
 }
 
 // Position (b, i, j) again in fp64 by one warp, from x and the fp32 parameters (exact copies): h1 and h2
-// (pre-activation) into the rows h1r, h2r. s64 / a64: the warp's C + H doubles.
+// (pre-activation) into the rows h1r, h2r. s64 / a64: the warp's C + H doubles. Loops kept rolled: the
+// kernel has 128 registers per thread.
 template <typename T>
-__device__ __noinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int j, const float* gam, const float* bet,
-                                       const float* w1s, const float* w2s, const float* b1s, const float* b2s,
-                                       int ldx, int ldh, double* s64, float* h1r, float* h2r, int lane) {
+__device__ __forceinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int j, const float* gam,
+                                          const float* bet, const float* w1s, const float* w2s, const float* b1s,
+                                          const float* b2s, int ldx, int ldh, double* s64, float* h1r, float* h2r,
+                                          int lane) {
   const int C = a.C, H = a.H, N = a.N;
   const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
   const T* rb = a.x + ((static_cast<long long>(b) * N + j) * N + i) * C;
   double* a64 = s64 + C;
   double sa = 0.0, sb = 0.0;
+#pragma unroll 1
   for (int c = lane; c < C; c += 32) {
     sa += static_cast<double>(to_f32(ra[c]));
     sb += static_cast<double>(to_f32(rb[c]));
   }
   const double ma = warp_sum_d(sa) / C, mb = warp_sum_d(sb) / C;
   double qa = 0.0, qb = 0.0;
+#pragma unroll 1
   for (int c = lane; c < C; c += 32) {
     const double da = static_cast<double>(to_f32(ra[c])) - ma, db = static_cast<double>(to_f32(rb[c])) - mb;
     qa += da * da;
     qb += db * db;
   }
   const double rsa = 1.0 / sqrt(warp_sum_d(qa) / C + a.eps), rsb = 1.0 / sqrt(warp_sum_d(qb) / C + a.eps);
+#pragma unroll 1
   for (int c = lane; c < C; c += 32) {
     const double gc = gam[c], bc = bet[c];
     const double ya = (static_cast<double>(to_f32(ra[c])) - ma) * rsa * gc + bc;
@@ -2549,15 +2558,19 @@ __device__ __noinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int j, 
     s64[c] = 0.5 * (ya + yb);
   }
   __syncwarp();
+#pragma unroll 1
   for (int u = lane; u < H; u += 32) {
     double h = b1s[u];
+#pragma unroll 4
     for (int c = 0; c < C; ++c) h += static_cast<double>(w1s[u * ldx + c]) * s64[c];
     h1r[u] = bw_kink_f32(h);
     a64[u] = h > 0.0 ? h : 0.0;
   }
   __syncwarp();
+#pragma unroll 1
   for (int u = lane; u < H; u += 32) {
     double h = b2s[u];
+#pragma unroll 4
     for (int k = 0; k < H; ++k) h += static_cast<double>(w2s[u * ldh + k]) * a64[k];
     h2r[u] = bw_kink_f32(h);
   }
@@ -2576,6 +2589,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
   float *gam = sm + L.vec, *bet = gam + C, *b1s = bet + C, *b2s = b1s + H, *w3s = b2s + H, *w1n = w3s + H,
         *w2n = w1n + H, *rsa = w2n + H, *rsb = rsa + 64, *snorm = rsb + 64, *gsym = snorm + 64;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float *cacc = sm + L.vacc, *wacc = cacc + 2 * C + H + warp * (2 * H + 1);  // see BwSmem
   double* s64 = reinterpret_cast<double*>(sm + L.f64) + warp * (C + H);
 
   for (int e = tid; e < H * C; e += kThreads) w1s[(e / C) * ldx + e % C] = a.w1[e];
@@ -2589,6 +2603,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     b2s[u] = a.b2[u];
     w3s[u] = a.w3[u];
   }
+  for (int e = tid; e < 2 * C + H + kWarps * (2 * H + 1); e += kThreads) cacc[e] = 0.f;
   __syncthreads();
   for (int u = warp; u < H; u += kWarps) {
     float q1 = 0.f, q2 = 0.f;
@@ -2604,12 +2619,9 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
   const float b3 = a.b3[0], inv_c = 1.f / static_cast<float>(C), eps = static_cast<float>(a.eps);
   const int MH = H / 16;  // m tiles of the weight-gradient products
 
-  float dw1[4][2][4], dw2[2][2][4];  // dW1 (MH x C / 16 strips), dW2 (MH x H / 16 strips)
+  float dw1[2][2][4], dw2[1][2][4];  // dW1 (MH x C / 16 strips), dW2 (MH x H / 16 strips)
   bw_zero(dw1);
   bw_zero(dw2);
-  float dgam[4] = {0.f, 0.f, 0.f, 0.f}, dbet[4] = {0.f, 0.f, 0.f, 0.f};  // channels lane + 32 q
-  float dw3[2] = {0.f, 0.f}, db2[2] = {0.f, 0.f};                       // units lane + 32 q
-  float db1 = 0.f, db3 = 0.f;                                           // unit tid; lane 0
 
   const int nT = cdiv(N, TILE);
   const long long tiles_per_b = static_cast<long long>(nT) * (nT + 1) / 2, tiles = tiles_per_b * a.B;
@@ -2677,28 +2689,28 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     __syncthreads();
 
     {  // h1 = s W1^T + b1                                                          (64 x H)
-      float acc[2][2][4];
+      float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm<2, false, false>(acc, ss, ldx, 1, w1s, 1, ldx, 4, H / 4, C, warp, lane);
+      bw_gemm<1, false, false>(acc, ss, ldx, 1, w1s, 1, ldx, 4, H / 4, C, warp, lane);
       bw_each(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) { h1s[p * ldh + u] = v + b1s[u]; });
     }
     __syncthreads();
     {  // h2 = relu(h1) W2^T + b2                                                   (64 x H)
-      float acc[2][2][4];
+      float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm<2, true, false>(acc, h1s, ldh, 1, w2s, 1, ldh, 4, H / 4, H, warp, lane);
+      bw_gemm<1, true, false>(acc, h1s, ldh, 1, w2s, 1, ldh, 4, H / 4, H, warp, lane);
       bw_each(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) { h2s[p * ldh + u] = v + b2s[u]; });
     }
     __syncthreads();
 
-    // per position (warp w: kRows w .. kRows (w + 1) - 1): the kink test and fp64 recomputation, out, dz,
-    // dh2 (into h2s)
+    // per position (warp w: kRows w .. kRows (w + 1) - 1): the kink test, then the fp64 recomputation of the
+    // positions near a kink, then out, dz and dh2 (into h2s)
     const float wgt = diag ? 1.f : 2.f;
+    unsigned near_rows = 0u;  // bit k: position kRows w + k has a unit near a kink
     for (int k = 0; k < kRows; ++k) {
       const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
-      const bool valid = i < N && j < N;
-      float* h1r = h1s + p * ldh;
-      float* h2r = h2s + p * ldh;
+      const float* h1r = h1s + p * ldh;
+      const float* h2r = h2s + p * ldh;
       float q = 0.f;
       for (int u = lane; u < H; u += 32) q += fmaxf(h1r[u], 0.f) * fmaxf(h1r[u], 0.f);
       const float anorm = sqrtf(warp_sum(q)), sn = snorm[p];
@@ -2706,54 +2718,76 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
       for (int u = lane; u < H; u += 32)
         near |= fabsf(h1r[u]) < kKink * (sn * w1n[u] + fabsf(b1s[u])) ||
                 fabsf(h2r[u]) < kKink * (anorm * w2n[u] + fabsf(b2s[u]));
-      if (__any_sync(0xffffffffu, near && valid))
-        bw_refine(a, b, i, j, gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64, h1r, h2r, lane);
+      if (__any_sync(0xffffffffu, near) && i < N && j < N) near_rows |= 1u << k;
+    }
+    for (; near_rows; near_rows &= near_rows - 1) {
+      const int k = __ffs(near_rows) - 1, p = warp * kRows + k;
+      bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64, h1s + p * ldh,
+                h2s + p * ldh, lane);
+    }
+    for (int k = 0; k < kRows; ++k) {
+      const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
+      float* h2r = h2s + p * ldh;
       float o = 0.f;
       for (int u = lane; u < H; u += 32) o += fmaxf(h2r[u], 0.f) * w3s[u];
       o = warp_sum(o) + b3;
       const float out = 1.f / (1.f + __expf(-o));
-      const float dz = valid ? wgt * gsym[p] * out * (1.f - out) : 0.f;
+      const float dz = (i < N && j < N) ? wgt * gsym[p] * out * (1.f - out) : 0.f;
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int u = lane + 32 * m;
         if (u < H) {
           const float h2 = h2r[u], d = h2 > 0.f ? dz * w3s[u] : 0.f;
-          dw3[m] += dz * fmaxf(h2, 0.f);
-          db2[m] += d;
+          wacc[u] += dz * fmaxf(h2, 0.f);
+          wacc[H + u] += d;
           h2r[u] = d;
         }
       }
-      db3 += lane == 0 ? dz : 0.f;
+      if (lane == 0) wacc[2 * H] += dz;
     }
     __syncthreads();
 
     {  // dW2 += dh2^T relu(h1) (K = 64 positions); dh1 = (dh2 W2) [h1 > 0] into h2s
-      float acc[2][2][4];
+      float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm<2, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
+      bw_gemm<1, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
       bw_add(dw2, acc);
       bw_zero(acc);
-      bw_gemm<2, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H, warp, lane);
+      bw_gemm<1, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H, warp, lane);
       __syncthreads();
       bw_each(acc, 4, H / 4, warp, lane,
               [&](int p, int u, float v) { h2s[p * ldh + u] = h1s[p * ldh + u] > 0.f ? v : 0.f; });
     }
     __syncthreads();
     {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss
-      float acc[4][2][4];
+      float acc[2][2][4];
       bw_zero(acc);
-      bw_gemm<4, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
+      bw_gemm<2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
       bw_add(dw1, acc);
-      if (tid < H)
-        for (int p = 0; p < 64; ++p) db1 += h2s[p * ldh + tid];
+      if (tid < H) {
+        float d = 0.f;
+        for (int p = 0; p < 64; ++p) d += h2s[p * ldh + tid];
+        cacc[2 * C + tid] += d;
+      }
       bw_zero(acc);
-      bw_gemm<4, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H, warp, lane);
+      bw_gemm<2, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H, warp, lane);
       __syncthreads();
       const float inv_w = diag ? 1.f : 0.5f;
       bw_each(acc, 4, C / 4, warp, lane, [&](int p, int c, float v) { ss[p * ldx + c] = v * inv_w; });
     }
     __syncthreads();
 
+    // dgamma += sum_p dy (xhat_a + xhat_b), dbeta += 2 sum_p dy (one side on the diagonal): thread c
+    if (tid < C) {
+      float sg = 0.f, sb = 0.f;
+      for (int p = 0; p < 64; ++p) {
+        const float d = ss[p * ldx + tid];
+        sg += d * (diag ? xa[p * ldx + tid] : xa[p * ldx + tid] + xb[p * ldx + tid]);
+        sb += d;
+      }
+      cacc[tid] += sg;
+      cacc[C + tid] += diag ? sb : 2.f * sb;
+    }
     // LayerNorm backward of each side's row: dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)),
     // dxhat = gamma dy; side 1 only off the diagonal (on it, (j, i) is a position of the tile itself)
     for (int k = 0; k < kRows; ++k) {
@@ -2772,8 +2806,6 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
             const float d = gam[c] * dy[q];
             q1 += d;
             q2 += d * xh[c];
-            dgam[q] += dy[q] * xh[c];
-            dbet[q] += dy[q];
           }
         }
         const float m1 = warp_sum(q1) * inv_c, m2 = warp_sum(q2) * inv_c, rs = side ? rsb[p] : rsa[p];
@@ -2793,32 +2825,14 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
   bw_each(dw1, MH, MH * (C / 16), warp, lane, [&](int u, int c, float v) { part[u * C + c] = v; });
   bw_each(dw2, MH, MH * (H / 16), warp, lane, [&](int u, int k, float v) { part[H * C + u * H + k] = v; });
   float* vec_part = part + H * C + H * H;  // dgamma, dbeta, dw3, db2, db3, db1
-  const int nv = 2 * C + 2 * H + 1;
-  float* red = sm;  // kWarps x nv, over the sides' rows and s (3 x 64 ldx floats: enough for H <= 64)
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int c = lane + 32 * q;
-    if (c < C) {
-      red[warp * nv + c] = dgam[q];
-      red[warp * nv + C + c] = dbet[q];
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const int u = lane + 32 * m;
-    if (u < H) {
-      red[warp * nv + 2 * C + u] = dw3[m];
-      red[warp * nv + 2 * C + H + u] = db2[m];
-    }
-  }
-  if (lane == 0) red[warp * nv + 2 * C + 2 * H] = db3;
-  __syncthreads();
-  for (int e = tid; e < nv; e += kThreads) {
+  for (int e = tid; e < 2 * C; e += kThreads) vec_part[e] = cacc[e];
+  if (tid < H) vec_part[2 * C + 2 * H + 1 + tid] = cacc[2 * C + tid];
+  const int nv = 2 * H + 1;
+  for (int e = tid; e < nv; e += kThreads) {  // the warps' dw3, db2, db3 in warp order
     float v = 0.f;
-    for (int w = 0; w < kWarps; ++w) v += red[w * nv + e];
-    vec_part[e] = v;
+    for (int w = 0; w < kWarps; ++w) v += cacc[2 * C + H + w * nv + e];
+    vec_part[2 * C + e] = v;
   }
-  if (tid < H) vec_part[nv + tid] = db1;
 }
 
 bool backward_fits(int64_t C, int64_t H, const DeviceFacts& dev) {
