@@ -2846,6 +2846,41 @@ bool backward_supported(int64_t C, int64_t H, int64_t device) {
   return backward_fits(C, H, device_facts(static_cast<int>(device)));
 }
 
+// The parameter gradients from the blocks' partials: segment k of the partial (bw_partial_len's order) is
+// gradient k, of dtype kind[k] (0 float32, 1 float16, 2 bfloat16, 3 float64).
+struct BwGrads {
+  void* ptr[8];
+  int begin[9];  // segment k: partial elements [begin[k], begin[k + 1])
+  int kind[8];
+};
+
+// grads = sum over the blocks of part (blocks x P, fp32) in fp64, rounded once to each gradient's dtype. A
+// block takes 32 consecutive elements; warp w sums the partials of blocks w, w + 8, ... in order (coalesced
+// 128-byte rows), then warp 0 adds the 8 warps' sums in warp order: the result does not depend on the launch.
+__global__ void __launch_bounds__(256) bw_sum_partials_kernel(const float* __restrict__ part, int blocks, int P,
+                                                              BwGrads g) {
+  __shared__ double red[8][32];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, e = blockIdx.x * 32 + lane;
+  double v = 0.0;
+  if (e < P)
+    for (int b = w; b < blocks; b += 8) v += part[static_cast<long long>(b) * P + e];
+  red[w][lane] = v;
+  __syncthreads();
+  if (w != 0 || e >= P) return;
+  double t = 0.0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) t += red[k][lane];
+  int k = 0;
+  while (e >= g.begin[k + 1]) ++k;
+  const int o = e - g.begin[k];
+  switch (g.kind[k]) {
+    case 0: static_cast<float*>(g.ptr[k])[o] = static_cast<float>(t); break;
+    case 1: static_cast<__half*>(g.ptr[k])[o] = __double2half(t); break;
+    case 2: static_cast<__nv_bfloat16*>(g.ptr[k])[o] = __double2bfloat16(t); break;
+    default: static_cast<double*>(g.ptr[k])[o] = t; break;
+  }
+}
+
 template <typename T>
 void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cudaStream_t stream) {
   ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T>), device,
@@ -2854,13 +2889,14 @@ void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cuda
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The fused backward: (d_pair in pair's dtype, the blocks' partial parameter gradients (blocks, P) in fp32).
-// pair (B, N, N, C) fp32 / fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any float dtype
-// (used in fp32). Raises where backward_supported is false.
-std::tuple<torch::Tensor, torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b,
-                                                  double eps, torch::Tensor w1, torch::Tensor b1, torch::Tensor w2,
-                                                  torch::Tensor b2, torch::Tensor w3, torch::Tensor b3,
-                                                  torch::Tensor grad_out) {
+// The fused backward: (d_pair in pair's dtype, d_ln_w, d_ln_b, d_w1, d_b1, d_w2, d_b2, d_w3, d_b3), each
+// parameter's gradient in its shape and dtype (float32, float16, bfloat16 or float64). pair (B, N, N, C) fp32 /
+// fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). Two
+// launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel. Raises
+// where backward_supported is false.
+std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
+                                    torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
+                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out) {
   const auto dtype = pair.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kHalf || dtype == torch::kBFloat16,
               "contact_map backward: pair_repr must be float32, float16 or bfloat16, got ", c10::toString(dtype));
@@ -2890,11 +2926,32 @@ std::tuple<torch::Tensor, torch::Tensor> backward(torch::Tensor pair, torch::Ten
   const auto g = f(grad_out), lw = f(ln_w), lb = f(ln_b), w1c = f(w1), b1c = f(b1), w2c = f(w2), b2c = f(b2),
              w3c = f(w3), b3c = f(b3);
   auto dx = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  // the gradients in bw_partial_len's order, each like its parameter
+  const torch::Tensor* like[8] = {&w1, &w2, &ln_w, &ln_b, &w3, &b2, &b3, &b1};
+  std::vector<torch::Tensor> d(8);
+  BwGrads gs{};
+  for (int k = 0; k < 8; ++k) {
+    const auto dt = like[k]->scalar_type();
+    TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kHalf || dt == torch::kBFloat16 || dt == torch::kFloat64,
+                "contact_map backward: parameters must be float32, float16, bfloat16 or float64, got ",
+                c10::toString(dt));
+    d[k] = torch::empty(like[k]->sizes(), x.options().dtype(dt));
+    gs.ptr[k] = d[k].data_ptr();
+    gs.kind[k] = dt == torch::kFloat32 ? 0 : dt == torch::kHalf ? 1 : dt == torch::kBFloat16 ? 2 : 3;
+    gs.begin[k + 1] = gs.begin[k] + static_cast<int>(d[k].numel());
+  }
+  const int P = bw_partial_len(static_cast<int>(C), static_cast<int>(H));
+  TORCH_CHECK(gs.begin[8] == P, "contact_map backward: parameter sizes do not add up to the partial's length");
   const int64_t nT = (N + TILE - 1) / TILE, tiles = B * nT * (nT + 1) / 2;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(tiles, dev.num_sms)));
-  auto part = torch::empty({grid, bw_partial_len(static_cast<int>(C), static_cast<int>(H))},
-                           x.options().dtype(torch::kFloat32));
-  if (tiles == 0) return {dx, part.zero_()};
+  const auto result = [&]() -> std::vector<torch::Tensor> {  // the order of contact_map_backward's returns
+    return {dx, d[2], d[3], d[0], d[7], d[1], d[5], d[4], d[6]};
+  };
+  if (tiles == 0) {
+    for (auto& t : d) t.zero_();
+    return result();
+  }
+  const int grid = static_cast<int>(std::min<int64_t>(tiles, dev.num_sms));
+  auto part = torch::empty({grid, P}, x.options().dtype(torch::kFloat32));
   const size_t smem = sizeof(float) * BwSmem(static_cast<int>(C), static_cast<int>(H)).total;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   auto run = [&](auto tag) {
@@ -2909,7 +2966,9 @@ std::tuple<torch::Tensor, torch::Tensor> backward(torch::Tensor pair, torch::Ten
   if (dtype == torch::kFloat32) run(float{});
   else if (dtype == torch::kHalf) run(__half{});
   else run(__nv_bfloat16{});
-  return {dx, part};
+  bw_sum_partials_kernel<<<(P + 31) / 32, 256, 0, stream>>>(part.data_ptr<float>(), grid, P, gs);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return result();
 }
 
 // =============================================================================================
@@ -3025,7 +3084,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &contact_map::forward,
         "contact-map head forward (CUDA; fp32, fp16 or bf16): (out, the kernel that ran)");
   m.def("backward", &contact_map::backward,
-        "contact-map head fused backward (CUDA): (d_pair, per-block fp32 partials of the parameter gradients)");
+        "contact-map head fused backward (CUDA): [d_pair, d_ln_w, d_ln_b, d_w1, d_b1, d_w2, d_b2, d_w3, d_b3]");
   m.def("backward_supported", &contact_map::backward_supported,
         "whether backward runs for (pair_dim, hidden_dim, device index)");
 }
@@ -3259,14 +3318,10 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
 def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out):
     """contact_map_backward's gradients from the fused CUDA kernel (pair read once; see the kernel's
     comment): the same arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of
-    every parameter gradient per block; the partials are summed here in float64. Only where
+    every parameter gradient per block; a second kernel sums the partials in float64 and writes each gradient
+    in its parameter's dtype (two launches, no other torch op: the host time of a training step). Only where
     fused_backward_runs() is True (otherwise the extension raises)."""
-    H, C = w1.shape
-    d_pair, part = _ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out)
-    d_w1, d_w2, d_ln_w, d_ln_b, d_w3, d_b2, d_b3, d_b1 = torch.split(
-        part.sum(0, dtype=torch.float64), (H * C, H * H, C, C, H, H, 1, H))
-    return (d_pair, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_w1.view(H, C).to(w1.dtype), d_b1.to(b1.dtype),
-            d_w2.view(H, H).to(w2.dtype), d_b2.to(b2.dtype), d_w3.view(1, H).to(w3.dtype), d_b3.to(b3.dtype))
+    return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out))
 
 
 _FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool

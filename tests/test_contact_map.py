@@ -699,6 +699,33 @@ def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, dtype, B, N, 
 
 @gpu
 @needs_cuda
+def test_fused_backward_is_two_kernels_with_each_parameters_dtype(cm, ref):
+    """The fused backward of fp32 tensors runs two CUDA kernels and no torch op on the GPU (the kernel, the
+    fp64 sum of its partials): the profiler lists exactly those. With a bfloat16 pair and float32 parameters
+    (CUDA autocast's case) d_pair is bfloat16 and every parameter's gradient float32, as the ops backward
+    returns them, and each within max(2x the ops backward's error, 2^-8) of fp64 (relative to its largest)."""
+    B, N, C, H = 1, 33, 64, 32
+    x, params, g = _backward_case(ref, B, N, C, H, "normal", torch.float32, seed=11)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
+        torch.cuda.synchronize()
+    on_gpu = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(on_gpu) == 2, on_gpu
+    assert "contact_map_backward_kernel<float>" in on_gpu[0] and "bw_sum_partials_kernel" in on_gpu[1], on_gpu
+    xb = x.bfloat16()
+    fused = cm.contact_map_backward_fused(xb, params[0], params[1], 1e-5, *params[2:], g)
+    ops = cm.contact_map_backward(xb, params[0], params[1], 1e-5, *params[2:], g)
+    want = _grads64(ref, xb, params, g)
+    for name, f, a in zip(GRAD_NAMES, fused, ops):
+        assert f.shape == a.shape and f.dtype == a.dtype, (name, f.shape, a.shape, f.dtype, a.dtype)
+        assert f.dtype == (torch.bfloat16 if name == "pair" else torch.float32), (name, f.dtype)
+    for name, e_f, e_o in zip(GRAD_NAMES, _rel_errs(fused, want), _rel_errs(ops, want)):
+        assert e_f <= max(2 * e_o, 2.0 ** -8), f"{name}: fused {e_f:.2e} vs ops {e_o:.2e} (relative to the largest)"
+
+
+@gpu
+@needs_cuda
 def test_fused_backward_takes_fp64s_side_of_relu_kinks(cm, ref):
     """Hidden unit u set within fp32 rounding of 0 at one position each (b1_u = -(s W1_u) at that position in
     fp64, rounded to fp32): the fused backward's masks are fp64's, so every gradient stays within 1e-5 of fp64
