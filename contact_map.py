@@ -2325,15 +2325,16 @@ void check_param(const torch::Tensor& p, const char* name, const torch::Tensor& 
 // (dx written once per position). dW1 += dh1^T s and dW2 += dh2^T relu(h1) are mma.sync products over
 // the tile's positions, added to totals in registers that stay for the block's tiles; dgamma, dbeta and db1
 // (column sums by one thread each) and dw3, db2, db3 (per warp) add up in shared memory. Each block writes
-// one fp32 partial of every parameter gradient; the caller sums them in fp64. 16 warps of at most 128
-// registers each (4 per scheduler).
+// one fp32 partial of every parameter gradient; bw_sum_partials_kernel sums them in fp64. 16 warps of at
+// most 128 registers each (4 per scheduler).
 //
 // The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
 // evaluations, and one position on the other side changes a weight's gradient by a whole term (several
 // times the fp32 reference's whole error). A position with any |h1| or |h2| below kKink (|s| |W_u| +
 // |b_u|) (the Cauchy-Schwarz bound on the unit's input; fp32 and split-TF32 rounding of h is about 2^-21
-// of that bound / sqrt(K), so 2^-17 leaves a wide margin) is computed again in fp64 from x by its warp (about 1% of positions, from the thresholds' ratio to the
-// units' spread at the harness's weights), and its h1, h2 replaced by the fp64 values rounded to fp32.
+// of that bound / sqrt(K), so 2^-17 leaves a wide margin) is computed again in fp64 from x by its warp
+// (0.3-1.6% of the positions at crop and batch with random weights), and its h1, h2 replaced by the fp64
+// values rounded to fp32.
 namespace bwd {
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kRows = 64 / kWarps;  // positions per warp in the per-row steps
