@@ -1,4 +1,4 @@
-"""Contact-map head as one fused CUDA kernel (KernelBench format: defines `ModelNew`).
+"""Contact-map head as fused CUDA kernels (KernelBench format: defines `ModelNew`).
 
 Drop-in replacement for `reference/contact_map.py`'s `Model`:
 
@@ -72,11 +72,11 @@ wgmma kernel; no list: the visible GPUs', and no GPU: 9.0, the same flags an H10
 Half precision and training: float16 / bfloat16 input and parameters of one dtype go to the 16-bit
 build (above); mixed dtypes (under CUDA autocast) are converted to float32 first, and the output comes
 back in the autocast dtype, as the reference's (the fp32 kernels run there). The backward saves only the
-inputs. Where pair_dim and hidden_dim are multiples of 16 up to 128 / 64 (sm_80+) it is the fused kernel
-(contact_map_backward_kernel, contact_map_backward_fused): the pair read once, per tile the forward
+inputs. Where pair_dim and hidden_dim are multiples of 16 up to 128 / 64 (sm_80+; the whole test:
+fused_backward_runs) it is the fused kernel (contact_map_backward_kernel, contact_map_backward_fused): the pair read once, per tile the forward
 recomputed, the products in split TF32, the ReLU masks fp64's (positions near a kink recomputed in fp64),
 d_pair written once in the input's dtype, the parameters' gradients summed per block and then in
-float64. Elsewhere it runs in PyTorch ops (contact_map_backward, float32 inside): the LayerNorm, s and
+float64 (bw_sum_partials_kernel). Elsewhere it runs in PyTorch ops (contact_map_backward, float32 inside): the LayerNorm, s and
 the MLP recomputed for chunks of rows i (about 256 MB each) with the reference's own ops, so no (B, N, N,
 hidden) tensor is ever whole. ModelNew.last_backward names the one that ran ("fused" / "ops").
 Gradients for the input and every parameter; double backward raises.
@@ -3181,8 +3181,8 @@ _ext = _build()
 
 
 # =============================================================================================
-# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs). _rows_per_chunk is
-# outer_product_mean.py's too: each kernel file stands alone.
+# Backward: the fused CUDA kernel's wrapper, and PyTorch ops elsewhere (chunked recomputation, nothing saved
+# but the inputs). _rows_per_chunk is outer_product_mean.py's too: each kernel file stands alone.
 # =============================================================================================
 def _rows_per_chunk(row_bytes, n, chunk_bytes):
     """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
@@ -3320,7 +3320,8 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     """contact_map_backward's gradients from the fused CUDA kernel (pair read once; see the kernel's
     comment): the same arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of
     every parameter gradient per block; a second kernel sums the partials in float64 and writes each gradient
-    in its parameter's dtype (two launches, no other torch op: the host time of a training step). Only where
+    in its parameter's dtype: for a contiguous pair and float32 parameters and grad_out, two launches and no
+    other torch op (others are converted to float32 first, a strided pair copied). Only where
     fused_backward_runs() is True (otherwise the extension raises)."""
     return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out))
 
@@ -3422,7 +3423,8 @@ class ModelNew(nn.Module):
     pair_dim / hidden_dim above 256. `variant` selects "auto", "mma" or "fma"; after a call
     `last_variant` names the kernel that ran ("wgmma", "wgmma16", "mma" or "fma"; None after an empty
     input, where none runs), after a backward `last_backward` the backward that ran ("fused": the CUDA
-    kernel, pair_dim / hidden_dim multiples of 16 up to 128 / 64; else "ops": PyTorch ops).
+    kernel, pair_dim / hidden_dim multiples of 16 up to 128 / 64: fused_backward_runs(); else "ops": PyTorch
+    ops).
     """
 
     VARIANTS = tuple(_VARIANT_IDS)

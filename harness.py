@@ -1445,7 +1445,7 @@ def select_shapes(refmod, args, device):
                              input_sets=args.input_sets, backward=getattr(args, "backward", False))
         reason = None
         if need > 0.9 * avail:
-            reason = f"needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB free"
+            reason = f"needs about {need / 2**30:.1f} GiB, over 90% of the {avail / 2**30:.1f} GiB free"
         elif device.type == "cpu" and not forced and refmod.flops(d) > CPU_MAX_FLOPS:
             reason = f"{refmod.flops(d):.1e} FLOP is slow on the CPU; name it in --shapes to force"
         out.append((n, d, reason))
