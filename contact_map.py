@@ -73,12 +73,13 @@ Half precision and training: float16 / bfloat16 input and parameters of one dtyp
 build (above); mixed dtypes (under CUDA autocast) are converted to float32 first, and the output comes
 back in the autocast dtype, as the reference's (the fp32 kernels run there). The backward saves only the
 inputs. Where pair_dim and hidden_dim are multiples of 16 up to 128 / 64 (sm_80+; the whole test:
-fused_backward_runs) it is the fused kernel (contact_map_backward_kernel, contact_map_backward_fused): the pair read once, per tile the forward
-recomputed, the products in split TF32, the ReLU masks fp64's (positions near a kink recomputed in fp64),
-d_pair written once in the input's dtype, the parameters' gradients summed per block and then in
-float64 (bw_sum_partials_kernel). Elsewhere it runs in PyTorch ops (contact_map_backward, float32 inside): the LayerNorm, s and
-the MLP recomputed for chunks of rows i (about 256 MB each) with the reference's own ops, so no (B, N, N,
-hidden) tensor is ever whole. ModelNew.last_backward names the one that ran ("fused" / "ops").
+fused_backward_runs) it is the fused kernel (contact_map_backward_kernel, contact_map_backward_fused):
+the pair read once, per tile the forward recomputed, the products in split TF32, the ReLU masks fp64's
+(positions near a kink recomputed in fp64), d_pair written once in the input's dtype, the parameters'
+gradients summed per block and then in float64 (bw_sum_partials_kernel). Elsewhere it runs in PyTorch
+ops (contact_map_backward, float32 inside): the LayerNorm, s and the MLP recomputed for chunks of rows i
+(about 256 MB each) with the reference's own ops, so no (B, N, N, hidden) tensor is ever whole.
+ModelNew.last_backward names the one that ran ("fused" / "ops").
 Gradients for the input and every parameter; double backward raises.
 
 Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it against
