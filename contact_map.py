@@ -186,6 +186,15 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// K independent warp sums at once: the K chains of 5 shuffles interleaved (one chain's latency for all).
+template <int K>
+__device__ __forceinline__ void warp_sum_n(float (&v)[K]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+}
+
 // ReLU that keeps NaN (fmaxf(NaN, 0) is 0; torch.relu gives NaN): max.NaN (sm_80+), one instruction.
 __device__ __forceinline__ float relu(float v) {
   float r;
@@ -2705,47 +2714,92 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     }
     __syncthreads();
 
-    // per position (warp w: kRows w .. kRows (w + 1) - 1): the kink test, then the fp64 recomputation of the
-    // positions near a kink, then out, dz and dh2 (into h2s)
+    // per position (warp w: kRows w .. kRows (w + 1) - 1, all kRows at once: their reductions interleaved):
+    // the kink test, then the fp64 recomputation of the positions near a kink, then out, dz and dh2 (into h2s)
     const float wgt = diag ? 1.f : 2.f;
     unsigned near_rows = 0u;  // bit k: position kRows w + k has a unit near a kink
-    for (int k = 0; k < kRows; ++k) {
-      const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
-      const float* h1r = h1s + p * ldh;
-      const float* h2r = h2s + p * ldh;
-      float q = 0.f;
-      for (int u = lane; u < H; u += 32) q += fmaxf(h1r[u], 0.f) * fmaxf(h1r[u], 0.f);
-      const float anorm = sqrtf(warp_sum(q)), sn = snorm[p];
-      bool near = false;
-      for (int u = lane; u < H; u += 32)
-        near |= fabsf(h1r[u]) < kKink * (sn * w1n[u] + fabsf(b1s[u])) ||
-                fabsf(h2r[u]) < kKink * (anorm * w2n[u] + fabsf(b2s[u]));
-      if (__any_sync(0xffffffffu, near) && i < N && j < N) near_rows |= 1u << k;
+    {
+      float q[kRows];
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) {
+        const float* h1r = h1s + (warp * kRows + k) * ldh;
+        q[k] = 0.f;
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const int u = lane + 32 * m;
+          if (u < H) q[k] += fmaxf(h1r[u], 0.f) * fmaxf(h1r[u], 0.f);
+        }
+      }
+      warp_sum_n(q);
+      unsigned mine = 0u;
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) {
+        const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
+        const float* h1r = h1s + p * ldh;
+        const float* h2r = h2s + p * ldh;
+        const float anorm = sqrtf(q[k]), sn = snorm[p];
+        bool near = false;
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const int u = lane + 32 * m;
+          if (u < H)
+            near |= fabsf(h1r[u]) < kKink * (sn * w1n[u] + fabsf(b1s[u])) ||
+                    fabsf(h2r[u]) < kKink * (anorm * w2n[u] + fabsf(b2s[u]));
+        }
+        if (near && i < N && j < N) mine |= 1u << k;
+      }
+      near_rows = __reduce_or_sync(0xffffffffu, mine);
     }
     for (; near_rows; near_rows &= near_rows - 1) {
       const int k = __ffs(near_rows) - 1, p = warp * kRows + k;
       bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64, h1s + p * ldh,
                 h2s + p * ldh, lane);
     }
-    for (int k = 0; k < kRows; ++k) {
-      const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
-      float* h2r = h2s + p * ldh;
-      float o = 0.f;
-      for (int u = lane; u < H; u += 32) o += fmaxf(h2r[u], 0.f) * w3s[u];
-      o = warp_sum(o) + b3;
-      const float out = 1.f / (1.f + __expf(-o));
-      const float dz = (i < N && j < N) ? wgt * gsym[p] * out * (1.f - out) : 0.f;
+    {
+      float dz[kRows];  // o, then dz
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) {
+        const float* h2r = h2s + (warp * kRows + k) * ldh;
+        dz[k] = 0.f;
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const int u = lane + 32 * m;
+          if (u < H) dz[k] += fmaxf(h2r[u], 0.f) * w3s[u];
+        }
+      }
+      warp_sum_n(dz);
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) {
+        const int p = warp * kRows + k, i = I * 8 + (p >> 3), j = J * 8 + (p & 7);
+        const float out = 1.f / (1.f + __expf(-(dz[k] + b3)));
+        dz[k] = (i < N && j < N) ? wgt * gsym[p] * out * (1.f - out) : 0.f;
+      }
+      // dw3 += dz relu(h2), db2 += dh2 over the warp's positions, then one shared-memory update per unit
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int u = lane + 32 * m;
         if (u < H) {
-          const float h2 = h2r[u], d = h2 > 0.f ? dz * w3s[u] : 0.f;
-          wacc[u] += dz * fmaxf(h2, 0.f);
-          wacc[H + u] += d;
-          h2r[u] = d;
+          const float w3u = w3s[u];
+          float s3 = 0.f, s2 = 0.f;
+#pragma unroll
+          for (int k = 0; k < kRows; ++k) {
+            float* h2r = h2s + (warp * kRows + k) * ldh;
+            const float h2 = h2r[u], d = h2 > 0.f ? dz[k] * w3u : 0.f;
+            s3 += dz[k] * fmaxf(h2, 0.f);
+            s2 += d;
+            h2r[u] = d;
+          }
+          float* wv = sm + BwSmem(C, H).vacc + 2 * C + H + warp * (2 * H + 1);  // wacc (recomputed: registers)
+          wv[u] += s3;
+          wv[H + u] += s2;
         }
       }
-      if (lane == 0) wacc[2 * H] += dz;
+      if (lane == 0) {
+        float t = 0.f;
+#pragma unroll
+        for (int k = 0; k < kRows; ++k) t += dz[k];
+        wacc[2 * H] += t;
+      }
     }
     __syncthreads();
 
@@ -2798,19 +2852,22 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
       float dy[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) dy[q] = lane + 32 * q < C ? ss[p * ldx + lane + 32 * q] : 0.f;
+      // mean(dxhat) is the same for both sides: one interleaved reduction of it and of both sides' dxhat . xhat
+      float r[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int c = lane + 32 * q;
+        if (c < C) {
+          const float d = gam[c] * dy[q];
+          r[0] += d;
+          r[1] += d * xa[p * ldx + c];
+          r[2] += d * xb[p * ldx + c];
+        }
+      }
+      warp_sum_n(r);
       for (int side = 0; side < (diag ? 1 : 2); ++side) {
         const float* xh = (side ? xb : xa) + p * ldx;
-        float q1 = 0.f, q2 = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int c = lane + 32 * q;
-          if (c < C) {
-            const float d = gam[c] * dy[q];
-            q1 += d;
-            q2 += d * xh[c];
-          }
-        }
-        const float m1 = warp_sum(q1) * inv_c, m2 = warp_sum(q2) * inv_c, rs = side ? rsb[p] : rsa[p];
+        const float m1 = r[0] * inv_c, m2 = (side ? r[2] : r[1]) * inv_c, rs = side ? rsb[p] : rsa[p];
         T* dst = a.dx + ((static_cast<long long>(b) * N + (side ? j : i)) * N + (side ? i : j)) * C;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
