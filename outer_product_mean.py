@@ -61,11 +61,12 @@ outputs over 2^31 elements, non-contiguous inputs (copied first). One CUDA devic
 the device of the inputs.
 Half precision and training: float16 / bfloat16 inputs and parameters are converted to float32 at
 the boundary (PyTorch casts), the kernels run as above and the output comes back in the input's
-dtype (under CUDA autocast, in the autocast dtype, as the reference's is). The backward runs in
-PyTorch ops (outer_product_mean_backward, float32 inside): it saves only the inputs, recomputes a and
-b, and builds the outer product and its gradient G = (g / denom) Wo for a chunk of rows i at a time
-(about 256 MB), never the whole (B, N, N, c*c); gradients for msa_repr and every parameter, none for
-the mask (one that requires grad raises); double backward raises.
+dtype (under CUDA autocast, in the autocast dtype, as the reference's is); with bfloat16 inputs and
+parameters outer_wg's products are single TF32 products (bfloat16 values are exact in TF32). The
+backward runs in PyTorch ops (outer_product_mean_backward, float32 inside): it saves only the inputs,
+recomputes a and b, and builds the outer product and its gradient G = (g / denom) Wo for a chunk of
+rows i at a time (about 256 MB), never the whole (B, N, N, c*c); gradients for msa_repr and every
+parameter, none for the mask (one that requires grad raises); double backward raises.
 Limits: float32 inside (float16 / bfloat16 cost one conversion each way); msa_dim <= 768 (64 rows of
 msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller residue tiles, slower per
 FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N rounded up to 16).
@@ -2018,9 +2019,13 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
 // Every stage's wgmmas are waited for (wait_group 0) before the next stage's are issued; the two
 //   warpgroups fill each other's waits (keeping one stage in flight, wait_group 1 with a full wait
 //   only at each promotion, is no faster).
+// kSplit false (inputs that were bfloat16, whose values TF32 holds exactly): one TF32 pass per product,
+//   hi x hi, and only the hi planes copied (half the bytes per slot); the output still fp32. Its TF32
+//   rounding of a, b and O (2^-11) is below the bfloat16 reference's own (2^-9 per rounding).
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
+template <bool kSplit>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const float* __restrict__ Aow, const float* __restrict__ Bow, const float* __restrict__ WoP,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, float* __restrict__ out, int64_t B, int64_t N,
@@ -2039,10 +2044,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
     if (tid == 256) {
       int64_t u = 0;  // ring slots used so far
-      auto slot = [&]() -> float* {  // the next slot, once free; its full barrier expects 32 KB
+      auto slot = [&](unsigned bytes) -> float* {  // the next slot, once free; its full barrier expects `bytes`
         const int st = static_cast<int>(u % kOwStages);
         if (u >= kOwStages) mbar_wait(empty + st, static_cast<unsigned>((u / kOwStages - 1) & 1));
-        mbar_expect_tx(full + st, 4 * kOwStage);
+        mbar_expect_tx(full + st, bytes);
         ++u;
         return sm + st * kOwStage;
       };
@@ -2053,15 +2058,24 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const float* bb = Bow + (b * NBB + jt) * KB16 * (2 * kOwBPlane);
           for (int64_t kb = 0; kb < KB16; ++kb) {
             const int st = static_cast<int>(u % kOwStages);
-            float* dst = slot();
-            bulk_copy(dst, a + kb * MBA * (2 * kOwAPlane), 4 * 4 * kOwAPlane, full + st);
-            bulk_copy(dst + 4 * kOwAPlane, bb + kb * (2 * kOwBPlane), 4 * 2 * kOwBPlane, full + st);
+            if constexpr (kSplit) {
+              float* dst = slot(4 * kOwStage);
+              bulk_copy(dst, a + kb * MBA * (2 * kOwAPlane), 4 * 4 * kOwAPlane, full + st);
+              bulk_copy(dst + 4 * kOwAPlane, bb + kb * (2 * kOwBPlane), 4 * 2 * kOwBPlane, full + st);
+            } else {  // the hi planes only, each where the split layout has it
+              float* dst = slot(4 * (2 * kOwAPlane + kOwBPlane));
+              const float* a0 = a + kb * MBA * (2 * kOwAPlane);
+              bulk_copy(dst, a0, 4 * kOwAPlane, full + st);
+              bulk_copy(dst + 2 * kOwAPlane, a0 + 2 * kOwAPlane, 4 * kOwAPlane, full + st);
+              bulk_copy(dst + 4 * kOwAPlane, bb + kb * (2 * kOwBPlane), 4 * kOwBPlane, full + st);
+            }
           }
           const float* w = WoP + (zc * kOwNQ + q) * kOwHC * (2 * kOwWPlane);
           for (int hl = 0; hl < kOwHC; ++hl) {
             const int st = static_cast<int>(u % kOwStages);
-            float* dst = slot();
-            bulk_copy(dst, w + hl * (2 * kOwWPlane), 4 * 2 * kOwWPlane, full + st);
+            constexpr unsigned wbytes = kSplit ? 4 * 2 * kOwWPlane : 4 * kOwWPlane;  // both planes, or hi
+            float* dst = slot(wbytes);
+            bulk_copy(dst, w + hl * (2 * kOwWPlane), wbytes, full + st);
           }
         }
       }
@@ -2094,18 +2108,22 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         const int64_t us = u;  // this stage's slot use
         const float* stg = wait_full();
         const float* a_hi = stg + wg * 2 * kOwAPlane;
-        const float* a_lo = a_hi + kOwAPlane;
+        [[maybe_unused]] const float* a_lo = a_hi + kOwAPlane;
         const float* b_hi = stg + 4 * kOwAPlane;
-        const float* b_lo = b_hi + kOwBPlane;
+        [[maybe_unused]] const float* b_lo = b_hi + kOwBPlane;
         wg_fence_acc(d);
 #pragma unroll
         for (int ks = 0; ks < kOwSK / 8; ++ks) {
           const int off = ks * 64;  // 8 k = two core matrices along k
           const int fresh = (kb * (kOwSK / 8) + ks) % kWgPromo == 0;
           asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-          wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
-          wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
-          wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
+          if constexpr (kSplit) {
+            wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
+            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
+          } else {
+            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+          }
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -2140,7 +2158,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
           const float* r0 = Os + (16 * w4 + g) * kOwLDO + hl * 32 + ks * 8 + t4;
-          split_tf32(r0[0], ahi[ks][0], alo[ks][0]);
+          split_tf32(r0[0], ahi[ks][0], alo[ks][0]);  // (alo unused without kSplit: no code)
           split_tf32(r0[8 * kOwLDO], ahi[ks][1], alo[ks][1]);
           split_tf32(r0[4], ahi[ks][2], alo[ks][2]);
           split_tf32(r0[8 * kOwLDO + 4], ahi[ks][3], alo[ks][3]);
@@ -2148,20 +2166,27 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         const int64_t us = u;
         const float* stg = wait_full();
         const float* w_hi = stg + wg * (64 / 8) * 256;  // this warpgroup's 64 z of the 128-row block
-        const float* w_lo = w_hi + kOwWPlane;
+        [[maybe_unused]] const float* w_lo = w_hi + kOwWPlane;
         wg_fence_acc(d2);
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)  // the A fragments are wgmma inputs too: written before the fence
 #pragma unroll
-          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
+          for (int e = 0; e < 4; ++e) {
+            if constexpr (kSplit) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
+            else asm volatile("" : "+r"(ahi[ks][e])::"memory");
+          }
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
           const int off = ks * 64;
           const int fresh = (hl % 2 == 0) && ks == 0;  // promotion every 64 kk
-          wgmma_tf32_m64n64k8_rs(d2, alo[ks], wg_desc(w_hi + off), fresh ? 0 : 1);
-          wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_lo + off), 1);
-          wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_hi + off), 1);
+          if constexpr (kSplit) {
+            wgmma_tf32_m64n64k8_rs(d2, alo[ks], wg_desc(w_hi + off), fresh ? 0 : 1);
+            wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_lo + off), 1);
+            wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_hi + off), 1);
+          } else {
+            wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_hi + off), fresh ? 0 : 1);
+          }
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -2357,11 +2382,13 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const at::Tensor& bo, at::Tensor& out,
-                                  int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream) {
-  set_smem(opm_outer_wg_kernel, kOwSmemBytes, d, "the wgmma outer-first kernel");
+                                  int64_t B, int64_t N, const OwDims& od, int cz, bool split, const DevInfo& d,
+                                  cudaStream_t stream) {
+  const auto kernel = split ? opm_outer_wg_kernel<true> : opm_outer_wg_kernel<false>;
+  set_smem(kernel, kOwSmemBytes, d, "the wgmma outer-first kernel");
   const int64_t tiles = B * od.nzc * od.NBB * od.NIT;
   const int g = grid_for(std::min<int64_t>(tiles, d.sms));
-  opm_outer_wg_kernel<<<g, kOwThreads, kOwSmemBytes, stream>>>(
+  kernel<<<g, kOwThreads, kOwSmemBytes, stream>>>(
       p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), p.WoP.data_ptr<float>(), inv_denom.data_ptr<float>(),
       bo.data_ptr<float>(), out.data_ptr<float>(), B, N, od.KB16, od.NIT, od.NBB, od.nzc, cz);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -2374,7 +2401,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
-                            const DevInfo& d, cudaStream_t stream) {
+                            bool split, const DevInfo& d, cudaStream_t stream) {
   const OwDims od = ow_dims(S, N, cz);
   const OwPlanes p = ow_planes(B, od, x.options());
   const int64_t U = cdiv(cm, 16);
@@ -2400,7 +2427,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
         p.Bow.data_ptr<float>(), B, S, N, cm, eps, od.KB16, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, d, stream);
+  launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, split, d, stream);
 }
 
 // small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the
@@ -2481,10 +2508,12 @@ static int mask_kind_of(at::ScalarType st) {
   }
 }
 
-// variant: a Variant id (kAuto or the variant to force). Returns (out, the id of the variant that ran).
+// variant: a Variant id (kAuto or the variant to force); bf16_input: msa and the parameters were bfloat16
+// (outer_wg then takes one TF32 pass per product). Returns (out, the id of the variant that ran).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant,
+                                            bool bf16_input) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -2625,7 +2654,8 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   at::Tensor inv_denom = at::empty({B, N}, f32);
   if (used == kOuterWg) {  // outer_wg: its own prep (no aT, bq)
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
-                    static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps), d, stream);
+                    static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
+                    !bf16_input, d, stream);
     return {out, used};
   }
   at::Tensor aT = at::empty({B, S, CP, Npad}, f32);
@@ -2675,8 +2705,9 @@ std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::devic
 
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
-  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant);
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant,
+                                            bool bf16_input) {
+  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant, bf16_input);
 }
 """
 
@@ -2685,7 +2716,8 @@ _CPP_SRC = r"""
 #include <tuple>
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant);
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant,
+                                            bool bf16_input);
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
 """
 
@@ -2983,10 +3015,13 @@ def _f32(t):
 
 def _run_kernels(model, code, msa, mask, params, eps, out_dtype):
     """The CUDA forward in float32: half-precision msa, masks and parameters are converted here, the
-    output is returned in out_dtype. Records the variant that ran in model.last_variant."""
+    output is returned in out_dtype. With msa and every parameter in bfloat16 (values TF32 holds exactly)
+    outer_wg's products are single TF32 products instead of split TF32 (three). Records the variant that
+    ran in model.last_variant."""
     if mask.dtype in (torch.float16, torch.bfloat16):
         mask = mask.float()
-    out, ran = _ext.opm_forward(_f32(msa), mask, *(_f32(p) for p in params), eps, code)
+    bf16 = msa.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in params)
+    out, ran = _ext.opm_forward(_f32(msa), mask, *(_f32(p) for p in params), eps, code, bf16)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     return out if out.dtype == out_dtype else out.to(out_dtype)
 

@@ -426,10 +426,11 @@ class _FakeOpmExtension:
     record of the dtypes it was handed (the kernels take float32 only)."""
 
     def __init__(self, real):
-        self.real, self.dtypes = real, []
+        self.real, self.dtypes, self.bf16_flags = real, [], []
 
-    def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code):
+    def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code, bf16_input):
         self.dtypes.append({t.dtype for t in (msa, lw, lb, wa, ba, wb, bb, wo, bo)})
+        self.bf16_flags.append(bf16_input)
         x = (msa - msa.mean(-1, keepdim=True)) / (msa.var(-1, unbiased=False, keepdim=True) + eps).sqrt() * lw + lb
         m = mask.float()[..., None]
         a, b = (x @ wa.t() + ba) * m, (x @ wb.t() + bb) * m
@@ -475,6 +476,7 @@ def test_opm_model_new_gradients_match_reference(opm_cpu):
         assert o is not None and o.dtype == w.dtype, name
         assert torch.allclose(o, w, atol=1e-5, rtol=1e-4), (name, (o - w).abs().max().item())
     assert fake.dtypes and all(d == {torch.float32} for d in fake.dtypes)
+    assert not any(fake.bf16_flags)
 
 
 def test_opm_model_new_autograd_like_reference(opm_cpu):
@@ -513,7 +515,8 @@ def test_opm_model_new_autograd_like_reference(opm_cpu):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_opm_model_new_half_precision(opm_cpu, dtype):
     """Half-precision module and inputs (KernelBench's casts, the mask too): the kernels get float32,
-    the output and every gradient come back in the input's dtype, close to the reference's float32."""
+    the output and every gradient come back in the input's dtype, close to the reference's float32; the
+    extension is told the inputs were bfloat16 (one TF32 pass in outer_wg) for bfloat16 only."""
     mod, fake = opm_cpu
     model, new = _opm_pair(mod, seed=52)
     new = new.to(dtype)
@@ -528,6 +531,7 @@ def test_opm_model_new_half_precision(opm_cpu, dtype):
         assert o.dtype == dtype, name
         assert torch.allclose(o.float(), w, atol=2e-2, rtol=2e-2), (name, (o.float() - w).abs().max().item())
     assert all(d == {torch.float32} for d in fake.dtypes)
+    assert fake.bf16_flags and all(f == (dtype == torch.bfloat16) for f in fake.bf16_flags)
 
 
 def test_opm_model_new_rejects_other_dtypes(opm_cpu):
