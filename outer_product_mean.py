@@ -62,11 +62,12 @@ the device of the inputs.
 Half precision and training: float16 / bfloat16 inputs and parameters are converted to float32 at
 the boundary (PyTorch casts), the kernels run as above and the output comes back in the input's
 dtype (under CUDA autocast, in the autocast dtype, as the reference's is); with bfloat16 inputs and
-parameters outer_wg's products are single TF32 products (bfloat16 values are exact in TF32). The
-backward runs in PyTorch ops (outer_product_mean_backward, float32 inside): it saves only the inputs,
-recomputes a and b, and builds the outer product and its gradient G = (g / denom) Wo for a chunk of
-rows i at a time (about 256 MB), never the whole (B, N, N, c*c); gradients for msa_repr and every
-parameter, none for the mask (one that requires grad raises); double backward raises.
+parameters outer_wg's products are single TF32 products (Wo exact in TF32, a, b and O rounded to
+TF32: 2^-11, under the bfloat16 reference's 2^-9 for each). The backward runs in PyTorch ops
+(outer_product_mean_backward, float32 inside): it saves only the inputs, recomputes a and b, and
+builds the outer product and its gradient G = (g / denom) Wo for a chunk of rows i at a time (about
+256 MB), never the whole (B, N, N, c*c); gradients for msa_repr and every parameter, none for the
+mask (one that requires grad raises); double backward raises.
 Limits: float32 inside (float16 / bfloat16 cost one conversion each way); msa_dim <= 768 (64 rows of
 msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller residue tiles, slower per
 FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N rounded up to 16).
@@ -150,13 +151,15 @@ constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg2: cap of one chunk
 // at crop (profile: 0.721 ms) and shallow (~0.96 ms of a 0.99 ms forward)
 // with the wave model of "auto" (whole waves of tiles; phase B, N = 64 per wgmma with A from
 // registers, runs at about 60% of phase A's rate).
+// kEffOwA1, kEffOwB1: the same with single TF32 products (bfloat16 inputs), fitted to the fused
+// kernel's time at crop (profile: 397 us) and shallow (547 us); long: 3.02 ms modelled, 2.90 measured.
 // kEffPrep: opm_prep_kernel (FMA LayerNorm + projections), 4.3 GFLOP in ~255 us at crop (profile).
 // kEffPrepOw, kBwPrepOw: outer_wg's tensor-core prep (opm_prep_ow_kernel): its tensor
 // FLOPs (x3 for the split) ran at ~90 TFLOP/s at crop (12.9 GFLOP in 146-151 us) and deep (51.5 in
 // 506-561 us), under the bytes at 3 TB/s.
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
                  kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kEffOwA = 138e12, kEffOwB = 85e12,
-                 kEffPrep = 17e12, kEffPrepOw = 90e12, kBwPrepOw = 3e12, kLaunchS = 2e-6;
+                 kEffOwA1 = 248e12, kEffOwB1 = 144e12, kEffPrep = 17e12, kEffPrepOw = 90e12, kBwPrepOw = 3e12, kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -2618,12 +2621,13 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
                                   2.0 * static_cast<double>(cdiv(N, JCw)) * kLaunchS + kLaunchS
                             : 1e30;
     // outer_wg (Hopper, hidden_dim <= 32): whole waves of tiles (one tile per SM at a time), each
-    // tile's phase-A and phase-B FLOPs (S, c, c_z padded to 16, 32, 128) at their own rates, plus
-    // its prep and its three launches
+    // tile's phase-A and phase-B FLOPs (S, c, c_z padded to 16, 32, 128) at their own rates (the
+    // single-TF32 ones for bfloat16 inputs), plus its prep and its three launches
     const OwDims od = ow_dims(S, N, cz);
+    const double ow_rate_a = bf16_input ? kEffOwA1 : kEffOwA, ow_rate_b = bf16_input ? kEffOwB1 : kEffOwB;
     const double ow_waves = std::ceil(static_cast<double>(B * od.nzc * od.NBB * od.NIT) / d.sms);
-    const double ow_tile_s = kOwNQ * (2.0 * 128 * 128 * kOwSK * od.KB16 / (kEffOwA / d.sms) +
-                                      2.0 * 64 * kOwZ * kOwHC * 32 / (kEffOwB / d.sms));
+    const double ow_tile_s = kOwNQ * (2.0 * 128 * 128 * kOwSK * od.KB16 / (ow_rate_a / d.sms) +
+                                      2.0 * 64 * kOwZ * kOwHC * 32 / (ow_rate_b / d.sms));
     // + its tensor-core prep (opm_prep_ow_kernel): the larger of its bytes (msa read, the Aow / Bow
     // planes written) at kBwPrepOw and its tensor-core FLOPs (x3 for the split; rows and K padded
     // as executed) at kEffPrepOw
@@ -3015,9 +3019,9 @@ def _f32(t):
 
 def _run_kernels(model, code, msa, mask, params, eps, out_dtype):
     """The CUDA forward in float32: half-precision msa, masks and parameters are converted here, the
-    output is returned in out_dtype. With msa and every parameter in bfloat16 (values TF32 holds exactly)
-    outer_wg's products are single TF32 products instead of split TF32 (three). Records the variant that
-    ran in model.last_variant."""
+    output is returned in out_dtype. With msa and every parameter in bfloat16 outer_wg's products are
+    single TF32 products instead of split TF32 (three): a, b and O rounded to TF32 (2^-11), finer than
+    the bfloat16 reference's rounding of each (2^-9). Records the variant that ran in model.last_variant."""
     if mask.dtype in (torch.float16, torch.bfloat16):
         mask = mask.float()
     bf16 = msa.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in params)
