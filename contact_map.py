@@ -44,23 +44,23 @@ and for "mma" / "fma", the fp32 kernels run on a converted copy and the output i
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
     "auto"  the wgmma kernel above where it runs (its 16-bit build for fp16 / bf16), else the mma kernel.
     "mma"   sm_80+ on every shape: the same tiles copied by cp.async, both products on mma.sync
-            m16n8k8 TF32 in split TF32, 16 warps per tile (8 of them queue the next tile's first rows
+            m16n8k8 TF32 in split TF32, 16 warps per block (8 of them queue the next tile's first rows
             during GEMM1 where one block fits per SM and hidden_dim <= 32), weights staged once per
             block as split fragments (8 warps and the weights read through L1 at hidden_dim > 128).
             Kept for the shapes and GPUs the wgmma kernel does not cover.
     "fma"   plain fp32 FMA products on the same tiles (4 pairs x hidden/16 outputs per thread): no
             tensor cores, kept as an independent check of the other two in the tests and the harness.
 
-Precision (fp32 input): fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core kernels run
-both products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, a*b ~ hi*hi + hi*lo +
-lo*hi; CUTLASS's fp32-accurate tensor-core GEMM), promoting short partial sums into an fp32 accumulator by
-ordinary adds (the tensor cores' own accumulation truncates): every k step (mma) or every 16 k (wgmma).
-The wgmma kernel never rounds the mean (its terms use d = x - m and the correction), so at offset inputs it
-is more accurate than the fp32 reference: max error against an fp64 evaluation 0.05-0.08x the fp32
-reference's own at crop, batch, long and awkward_129, at most about 1.1x in any single trial (harness on
-the H200, 2026-12-01, `python harness.py contact_map`, commit e986514; NOTES.md has the other kernels'
-figures). A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are max.NaN). On a
-row of one constant value the centred values are 0 (wgmma: within about 2^-24 of d r). Where
+Precision (fp32 input): fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core
+kernels run both products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, a*b ~ hi*hi +
+hi*lo + lo*hi; CUTLASS's fp32-accurate tensor-core GEMM), promoting short partial sums into an fp32
+accumulator by ordinary adds (the tensor cores' own accumulation truncates): every k step (mma) or every 16
+k (wgmma). The wgmma kernel never rounds the mean (its terms use d = x - m and the correction), so at
+offset inputs it is more accurate than the fp32 reference: max error against an fp64 evaluation 0.05-0.08x
+the fp32 reference's own at crop, batch, long and awkward_129, at most about 1.1x in any single trial
+(harness on the H200, 2026-12-01, `python harness.py contact_map`, commit e986514; NOTES.md has the other
+kernels' figures). A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are
+max.NaN). On a row of one constant value the centred values are 0 (wgmma: within about 2^-24 of d r). Where
 |x - mean| exceeds ~1e19 sum d^2 overflows and such rows give NaN (the fp32 reference has NaN there too).
 
 Limits: pair_dim and hidden_dim up to 256 (larger raises a clear error); hidden_dim is zero-padded to
@@ -74,7 +74,7 @@ build (above); mixed dtypes (under CUDA autocast) are converted to float32 first
 back in the autocast dtype, as the reference's (the fp32 kernels run there). The backward saves only the
 inputs. Where pair_dim and hidden_dim are multiples of 16 up to 128 / 64 (sm_80+; the whole test:
 fused_backward_runs) it is the fused kernel (contact_map_backward_kernel, contact_map_backward_fused):
-the pair read once, per tile the forward recomputed, the products in split TF32, the ReLU masks fp64's
+the pair read once, per tile the forward recomputed, the products in split TF32, fp64's ReLU masks
 (positions near a kink recomputed in fp64), d_pair written once in the input's dtype, the parameters'
 gradients summed per block and then in float64 (bw_sum_partials_kernel). Elsewhere it runs in PyTorch
 ops (contact_map_backward, float32 inside): the LayerNorm, s and the MLP recomputed for chunks of rows i

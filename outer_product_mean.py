@@ -10,9 +10,9 @@ The op (b batch, s MSA sequence, i/j residue, m msa channel, h/k hidden channel,
 
 Tensors: msa_repr (B, S, N, c_m), c_m = msa_dim, float32, float16 or bfloat16, the parameters in the
 same dtype; msa_mask (B, S, N), float32 / float16 / bfloat16 (any values), bool, uint8, int8, int16,
-int32 or int64; gamma, beta (c_m); Wa, Wb (c, c_m), ba, bb
-(c), c = hidden_dim; Wo (c_z, c*c), bo (c_z), c_z = pair_dim; out (B, N, N, c_z). The (B, N, N, c, c)
-outer product is never stored in global memory; c is zero-padded to CP = 16, 32, 64 or 128.
+int32 or int64; gamma, beta (c_m); Wa, Wb (c, c_m), ba, bb (c), c = hidden_dim; Wo (c_z, c*c), bo
+(c_z), c_z = pair_dim; out (B, N, N, c_z). The (B, N, N, c, c) outer product is never stored in
+global memory; c is zero-padded to CP = 16, 32, 64 or 128.
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
   outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile on chip, then out = Wo . O:
@@ -26,7 +26,8 @@ cheapest. Candidates: outer_first; w_first where one j column of P fits 32 MB, i
 w_first_small when a 128 x 128 tile grid is under one wave, else w_first_tc2 on sm_80+ (w_first_tc
 where its 136 KB of shared memory per block do not fit), else the FMA w_first; on an H100 / H200
 with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 < 2^31).
-There outer_wg wins at most shapes, w_first_wg2 at few sequences, w_first_small at tiny ones.
+There outer_wg wins at most shapes (in bfloat16 at few sequences too), w_first_wg2 at few sequences,
+w_first_small at tiny ones.
 `model.last_variant` names the variant that ran. The paths:
   outer_wg     opm_ow_params_kernel (LayerNorm affine folded into the projection weights, split-TF32
                weight planes), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, written
@@ -48,12 +49,12 @@ every name; forcing one that cannot run raises with the reason):
   w_first_wg2    wgmma stage 2, compute capability 9.0 with the sm_90a build: few sequences (S ~ 32).
   outer_wg       outer_first on wgmma, 9.0 with the sm_90a build, hidden_dim <= 32: most shapes there.
 
-Precision: the FMA paths accumulate in fp32; the tensor-core paths use split TF32 (x = hi + lo,
-a b ~ hi hi + hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma accumulators promoted into fp32
-by ordinary adds every 64 k. Max error against fp64 over all the harness's trials over the fp32
-reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x, w_first_tc / _tc2 up to 1.8x at deep (S =
-2048; 2.2-2.5x in single trials), outer_first 0.5x there, the FMA w_first 5.3x (7.9x in one trial; not
-"auto"'s choice there). inv_denom sums float masks in fp64 and integer masks in int64.
+Precision (fp32 input): the FMA paths accumulate in fp32; the tensor-core paths use split TF32 (x =
+hi + lo, a b ~ hi hi + hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma accumulators promoted
+into fp32 by ordinary adds every 64 k. Max error against fp64 over all the harness's trials over the
+fp32 reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x, w_first_tc / _tc2 up to 1.8x at deep
+(S = 2048; 2.2-2.5x in single trials), outer_first 0.5x there, the FMA w_first 5.3x (7.9x in one
+trial; not "auto"'s choice there). inv_denom sums float masks in fp64 and integer masks in int64.
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
 launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case), any pair_dim >= 1,
@@ -63,7 +64,7 @@ Half precision and training: float16 / bfloat16 inputs and parameters are conver
 the boundary (PyTorch casts), the kernels run as above and the output comes back in the input's
 dtype (under CUDA autocast, in the autocast dtype, as the reference's is); with bfloat16 inputs and
 parameters outer_wg's products are single TF32 products (Wo exact in TF32, a, b and O rounded to
-TF32: 2^-11, under the bfloat16 reference's 2^-9 for each). The backward runs in PyTorch ops
+TF32: 2^-11, under the bfloat16 reference's 2^-8 for each). The backward runs in PyTorch ops
 (outer_product_mean_backward, float32 inside): it saves only the inputs, recomputes a and b, and
 builds the outer product and its gradient G = (g / denom) Wo for a chunk of rows i at a time (about
 256 MB), never the whole (B, N, N, c*c); gradients for msa_repr and every parameter, none for the
@@ -152,7 +153,8 @@ constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg2: cap of one chunk
 // with the wave model of "auto" (whole waves of tiles; phase B, N = 64 per wgmma with A from
 // registers, runs at about 60% of phase A's rate).
 // kEffOwA1, kEffOwB1: the same with single TF32 products (bfloat16 inputs), fitted to the fused
-// kernel's time at crop (profile: 397 us) and shallow (547 us); long: 3.02 ms modelled, 2.90 measured.
+// kernel's time at crop (profile: 397 us) and shallow (547 us); at long the fused kernel is modelled
+// at 3.02 ms and measured at 2.90.
 // kEffPrep: opm_prep_kernel (FMA LayerNorm + projections), 4.3 GFLOP in ~255 us at crop (profile).
 // kEffPrepOw, kBwPrepOw: outer_wg's tensor-core prep (opm_prep_ow_kernel): its tensor
 // FLOPs (x3 for the split) ran at ~90 TFLOP/s at crop (12.9 GFLOP in 146-151 us) and deep (51.5 in
@@ -2022,9 +2024,9 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
 // Every stage's wgmmas are waited for (wait_group 0) before the next stage's are issued; the two
 //   warpgroups fill each other's waits (keeping one stage in flight, wait_group 1 with a full wait
 //   only at each promotion, is no faster).
-// kSplit false (inputs that were bfloat16, whose values TF32 holds exactly): one TF32 pass per product,
+// kSplit false (bfloat16 inputs: Wo exact in TF32, a, b and O rounded to TF32): one TF32 pass per product,
 //   hi x hi, and only the hi planes copied (half the bytes per slot); the output still fp32. Its TF32
-//   rounding of a, b and O (2^-11) is below the bfloat16 reference's own (2^-9 per rounding).
+//   rounding of a, b and O (2^-11) is below the bfloat16 reference's own (2^-8 per rounding).
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
@@ -3021,7 +3023,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype):
     """The CUDA forward in float32: half-precision msa, masks and parameters are converted here, the
     output is returned in out_dtype. With msa and every parameter in bfloat16 outer_wg's products are
     single TF32 products instead of split TF32 (three): a, b and O rounded to TF32 (2^-11), finer than
-    the bfloat16 reference's rounding of each (2^-9). Records the variant that ran in model.last_variant."""
+    the bfloat16 reference's rounding of each (2^-8). Records the variant that ran in model.last_variant."""
     if mask.dtype in (torch.float16, torch.bfloat16):
         mask = mask.float()
     bf16 = msa.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in params)
