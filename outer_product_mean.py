@@ -63,15 +63,17 @@ the device of the inputs.
 Half precision and training: float16 / bfloat16 inputs and parameters are converted to float32 at
 the boundary (PyTorch casts), the kernels run as above and the output comes back in the input's
 dtype (under CUDA autocast, in the autocast dtype, as the reference's is); with bfloat16 inputs and
-parameters outer_wg's products are single TF32 products (Wo exact in TF32, a, b and O rounded to
-TF32: 2^-11, under the bfloat16 reference's 2^-8 for each). The backward runs in PyTorch ops
-(outer_product_mean_backward, float32 inside): it saves only the inputs, recomputes a and b, and
-builds the outer product and its gradient G = (g / denom) Wo for a chunk of rows i at a time (about
-256 MB), never the whole (B, N, N, c*c); gradients for msa_repr and every parameter, none for the
-mask (one that requires grad raises); double backward raises.
-Limits: float32 inside (float16 / bfloat16 cost one conversion each way); msa_dim <= 768 (64 rows of
-msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller residue tiles, slower per
-FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N rounded up to 16).
+parameters outer_wg reads msa_repr and writes its output in bfloat16 (no casts) and makes single
+TF32 products (Wo exact in TF32, a, b and O rounded to TF32: 2^-11, under the bfloat16 reference's
+2^-8 for each). The backward runs in PyTorch ops (outer_product_mean_backward, float32 inside): it
+saves only the inputs, recomputes a and b, and builds the outer product and its gradient G = (g /
+denom) Wo for a chunk of rows i at a time (about 256 MB), never the whole (B, N, N, c*c); gradients
+for msa_repr and every parameter, none for the mask (one that requires grad raises); double backward
+raises.
+Limits: float32 inside (float16 costs one conversion each way, bfloat16 too but in outer_wg);
+msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
+residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N
+rounded up to 16).
 
 Run:   python harness.py outer_product_mean
 Build: about 110 s cold on a 2-core machine (nvcc ~105 s of CPU; cached, rebuilt when this changes).
@@ -113,7 +115,9 @@ _CUDA_SRC = r"""
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
+#include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
 #include <tuple>
 #include <sstream>
 #include <algorithm>
@@ -1800,7 +1804,9 @@ __device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N,
 //   weight fragment feeds MT m16 tiles. Per tile:
 //   (1) x rows -> shared memory, row rho = 4 n_l + s_l at rho * LDX (LDX = 16 mod 32 words: the
 //       fragment loads below are conflict-free): zeros for rows past S / N and columns [c_m, 16 U),
-//       then one bulk copy per row (thread rho) on one mbarrier when c_m % 4 == 0, else plain loads.
+//       then one bulk copy per row (thread rho) on one mbarrier when c_m % 4 == 0, else plain loads;
+//       bfloat16 x (T): 16-byte loads of 8 values per lane when c_m % 8 == 0, else one value per load,
+//       converted to fp32 into the same tile.
 //   (2) statistics, warp w < MT for rows [16 w, 16 w + 16) (the other warps wait): lane
 //       (g, t) sums the 16-byte chunks 4u + t of rows g and g + 8; two passes (mean, then the centred
 //       sum of squares: no cancellation at large offsets), 2 shuffles each; mean, rstd and the mask
@@ -1818,9 +1824,9 @@ __device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N,
 // Assumptions: 128 threads (kPoThreads); Wf, biasf as opm_ow_params_kernel writes them; c_m <= kMaxMsaDim.
 // ---------------------------------------------------------------------------------------------
 constexpr int kPoThreads = 128;
-template <int MT>
+template <int MT, typename T>
 __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
-    const float* __restrict__ x, const void* __restrict__ mask, int mask_kind, const float* __restrict__ Wf,
+    const T* __restrict__ x, const void* __restrict__ mask, int mask_kind, const float* __restrict__ Wf,
     const float* __restrict__ biasf, float* __restrict__ Aow, float* __restrict__ Bow, int64_t B, int64_t S,
     int64_t N, int cm, float eps, int64_t KB16, int64_t NIT, int64_t NBB, float* __restrict__ inv_denom, int n_den) {
 #if defined(OPM_WG_DEVICE)
@@ -1853,7 +1859,25 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
       const int c0 = po_row_ok(p, rho) ? cm : 0;
       for (int k = c0 + lane; k < K16; k += 32) xs[rho * LDX + k] = 0.f;
     }
-    if (bulk) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      for (int rho = warp; rho < RT; rho += kPoThreads / 32)
+        if (po_row_ok(p, rho)) {
+          const T* src = x + po_row(p, S, N, rho) * cm;
+          float* dst = xs + rho * LDX;
+          if ((cm & 7) == 0) {  // rows of 16-byte multiples at 16-byte aligned addresses
+            for (int k = 8 * lane; k < cm; k += 256) {
+              const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + k));
+              const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+              const float2 f0 = __bfloat1622float2(h2[0]), f1 = __bfloat1622float2(h2[1]);
+              const float2 f2 = __bfloat1622float2(h2[2]), f3 = __bfloat1622float2(h2[3]);
+              *reinterpret_cast<float4*>(dst + k) = make_float4(f0.x, f0.y, f1.x, f1.y);
+              *reinterpret_cast<float4*>(dst + k + 4) = make_float4(f2.x, f2.y, f3.x, f3.y);
+            }
+          } else {
+            for (int k = lane; k < cm; k += 32) dst[k] = __bfloat162float(src[k]);
+          }
+        }
+    } else if (bulk) {
       if (p.ns * p.nn > 0) {
         if (tid == 0) mbar_expect_tx(&bar, static_cast<unsigned>(p.ns * p.nn * cm * 4));
         __syncthreads();  // the expected bytes are set before any copy can complete
@@ -2025,17 +2049,20 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
 //   warpgroups fill each other's waits (keeping one stage in flight, wait_group 1 with a full wait
 //   only at each promotion, is no faster).
 // kSplit false (bfloat16 inputs: Wo exact in TF32, a, b and O rounded to TF32): one TF32 pass per product,
-//   hi x hi, and only the hi planes copied (half the bytes per slot); the output still fp32. Its TF32
-//   rounding of a, b and O (2^-11) is below the bfloat16 reference's own (2^-8 per rounding).
+//   hi x hi, and only the hi planes copied (half the bytes per slot); the output written in bfloat16
+//   (fp32 with kSplit). Its TF32 rounding of a, b and O (2^-11) is below the bfloat16 reference's own
+//   (2^-8 per rounding).
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
 template <bool kSplit>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const float* __restrict__ Aow, const float* __restrict__ Bow, const float* __restrict__ WoP,
-    const float* __restrict__ inv_denom, const float* __restrict__ bo, float* __restrict__ out, int64_t B, int64_t N,
+    const float* __restrict__ inv_denom, const float* __restrict__ bo, void* __restrict__ out_v, int64_t B, int64_t N,
     int64_t KB16, int64_t NIT, int64_t NBB, int nzc, int cz) {
 #if defined(OPM_WG_DEVICE)
+  using OutT = std::conditional_t<kSplit, float, __nv_bfloat16>;
+  OutT* out = static_cast<OutT*>(out_v);
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
   float* Os = sm + kOwStages * kOwStage;
@@ -2211,16 +2238,27 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
       if (i >= N || j >= N) continue;
       const float inv = inv_denom[b * N + i];
-      float* orow = out + ((b * N + i) * N + j) * cz;
+      OutT* orow = out + ((b * N + i) * N + j) * cz;
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4;
         const float v0 = o[4 * jj + 2 * hr], v1 = o[4 * jj + 2 * hr + 1];
-        if (pair) {
-          if (z < cz) *reinterpret_cast<float2*>(orow + z) = make_float2(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
-        } else {
-          if (z < cz) orow[z] = __ldg(bo + z) + inv * v0;
-          if (z + 1 < cz) orow[z + 1] = __ldg(bo + z + 1) + inv * v1;
+        if constexpr (kSplit) {
+          if (pair) {
+            if (z < cz) *reinterpret_cast<float2*>(orow + z) = make_float2(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
+          } else {
+            if (z < cz) orow[z] = __ldg(bo + z) + inv * v0;
+            if (z + 1 < cz) orow[z + 1] = __ldg(bo + z + 1) + inv * v1;
+          }
+        } else {  // bfloat16: one rounding of the fp32 value, as the reference's Linear output has
+          if (pair) {
+            if (z < cz)
+              *reinterpret_cast<__nv_bfloat162*>(orow + z) =
+                  __floats2bfloat162_rn(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
+          } else {
+            if (z < cz) orow[z] = __float2bfloat16_rn(__ldg(bo + z) + inv * v0);
+            if (z + 1 < cz) orow[z + 1] = __float2bfloat16_rn(__ldg(bo + z + 1) + inv * v1);
+          }
         }
       }
     }
@@ -2395,22 +2433,25 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
   const int g = grid_for(std::min<int64_t>(tiles, d.sms));
   kernel<<<g, kOwThreads, kOwSmemBytes, stream>>>(
       p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), p.WoP.data_ptr<float>(), inv_denom.data_ptr<float>(),
-      bo.data_ptr<float>(), out.data_ptr<float>(), B, N, od.KB16, od.NIT, od.NBB, od.nzc, cz);
+      bo.data_ptr<float>(), out.data_ptr(), B, N, od.KB16, od.NIT, od.NBB, od.nzc, cz);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1 (H200, 2026-12-01,
 // prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
 static int po_mt(int cm) { return cm <= 256 ? 2 : 1; }
 static size_t po_smem_bytes(int cm, int MT) { return 4ull * po_tile_floats(cm, MT); }
+// x: float32, or bfloat16 with split false (the prep reads it as it is); out: float32, or bfloat16 with
+// split false (the fused kernel writes that type).
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             bool split, const DevInfo& d, cudaStream_t stream) {
   const OwDims od = ow_dims(S, N, cz);
-  const OwPlanes p = ow_planes(B, od, x.options());
+  const auto f32 = x.options().dtype(at::kFloat);
+  const OwPlanes p = ow_planes(B, od, f32);
   const int64_t U = cdiv(cm, 16);
-  at::Tensor Wf = at::empty({U * 8 * 256 + 64}, x.options());  // Wf, then bias' (64)
+  at::Tensor Wf = at::empty({U * 8 * 256 + 64}, f32);  // Wf, then bias' (64)
   float* biasf = Wf.data_ptr<float>() + U * 8 * 256;
   const int64_t nrest = U * 8 * 32 + static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * kOwZ * 8;
   const int gpar = grid_for(kPoBiasBlocks + std::min<int64_t>(cdiv(nrest, kThreads), 2ll * d.sms));
@@ -2425,12 +2466,22 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), 2 * d.sms));  // inv_denom blocks
   const int gprep = grid_for(n_den + ntiles);  // (ntiles = 0 when S = 0: inv_denom still runs)
   if (gprep > 0) {
-    auto kernel = MT == 2 ? opm_prep_ow_kernel<2> : opm_prep_ow_kernel<1>;
-    set_smem(kernel, smem, d, "the tensor-core LayerNorm/projection kernel of outer_wg");
-    kernel<<<gprep, kPoThreads, smem, stream>>>(
-        x.data_ptr<float>(), mask.data_ptr(), mask_kind, Wf.data_ptr<float>(), biasf, p.Aow.data_ptr<float>(),
-        p.Bow.data_ptr<float>(), B, S, N, cm, eps, od.KB16, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto run = [&](auto kernel, const auto* xp) {
+      set_smem(kernel, smem, d, "the tensor-core LayerNorm/projection kernel of outer_wg");
+      kernel<<<gprep, kPoThreads, smem, stream>>>(
+          xp, mask.data_ptr(), mask_kind, Wf.data_ptr<float>(), biasf, p.Aow.data_ptr<float>(),
+          p.Bow.data_ptr<float>(), B, S, N, cm, eps, od.KB16, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (x.scalar_type() == at::kBFloat16) {
+      const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+      if (MT == 2) run(opm_prep_ow_kernel<2, __nv_bfloat16>, xp);
+      else run(opm_prep_ow_kernel<1, __nv_bfloat16>, xp);
+    } else {
+      const float* xp = x.data_ptr<float>();
+      if (MT == 2) run(opm_prep_ow_kernel<2, float>, xp);
+      else run(opm_prep_ow_kernel<1, float>, xp);
+    }
   }
   launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, split, d, stream);
 }
@@ -2513,17 +2564,19 @@ static int mask_kind_of(at::ScalarType st) {
   }
 }
 
-// variant: a Variant id (kAuto or the variant to force); bf16_input: msa and the parameters were bfloat16
-// (outer_wg then takes one TF32 pass per product). Returns (out, the id of the variant that ran).
+// variant: a Variant id (kAuto or the variant to force). msa: float32, or bfloat16 where the module's
+// parameters were bfloat16 too (the caller passes them converted to float32): outer_wg then reads msa as
+// it is, takes one TF32 pass per product and writes a bfloat16 out; the other variants run on a float32
+// copy and return float32. Returns (out, the id of the variant that ran).
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant,
-                                            bool bf16_input) {
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
-  TORCH_CHECK(msa.scalar_type() == at::kFloat, "outer_product_mean: msa_repr must be float32, got ",
-              dtype_str(msa));
+  TORCH_CHECK(msa.scalar_type() == at::kFloat || msa.scalar_type() == at::kBFloat16,
+              "outer_product_mean: msa_repr must be float32 or bfloat16, got ", dtype_str(msa));
+  const bool bf16_input = msa.scalar_type() == at::kBFloat16;
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), cm = msa.size(3);
   TORCH_CHECK(ln_w.dim() == 1 && ln_b.dim() == 1 && ln_w.size(0) == cm && ln_b.size(0) == cm,
               "outer_product_mean: msa_repr has msa_dim = ", num(cm), " (shape ", shape_str(msa),
@@ -2646,12 +2699,13 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   if (used == kOuterWg) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 
   auto f32 = msa.options().dtype(at::kFloat);
-  at::Tensor out = at::empty({B, N, N, cz}, f32);
+  const bool half_io = used == kOuterWg && bf16_input;  // bfloat16 in and out
+  at::Tensor out = at::empty({B, N, N, cz}, half_io ? msa.options() : f32);
   if (out.numel() == 0) return {out, used};
 
   // contiguous and 16-byte aligned (the prep kernels' 16-byte loads and bulk copies): a contiguous view
-  // at an odd storage offset is copied
-  at::Tensor x = msa.contiguous();
+  // at an odd storage offset is copied; bfloat16 msa becomes float32 except for outer_wg
+  at::Tensor x = half_io ? msa.contiguous() : msa.contiguous().to(at::kFloat);
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
   const at::Tensor m = mask.contiguous();
   const at::Tensor lw = ln_w.contiguous(), lb = ln_b.contiguous();
@@ -2711,9 +2765,8 @@ std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::devic
 
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant,
-                                            bool bf16_input) {
-  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant, bf16_input);
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
+  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant);
 }
 """
 
@@ -2722,8 +2775,7 @@ _CPP_SRC = r"""
 #include <tuple>
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant,
-                                            bool bf16_input);
+                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant);
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
 """
 
@@ -3020,14 +3072,16 @@ def _f32(t):
 
 
 def _run_kernels(model, code, msa, mask, params, eps, out_dtype):
-    """The CUDA forward in float32: half-precision msa, masks and parameters are converted here, the
-    output is returned in out_dtype. With msa and every parameter in bfloat16 outer_wg's products are
-    single TF32 products instead of split TF32 (three): a, b and O rounded to TF32 (2^-11), finer than
-    the bfloat16 reference's rounding of each (2^-8). Records the variant that ran in model.last_variant."""
+    """The CUDA forward in float32: half-precision masks and parameters are converted here, and msa too
+    unless it and every parameter are bfloat16; the output is returned in out_dtype. A bfloat16 msa goes
+    to the extension as it is: outer_wg reads it directly, makes single TF32 products instead of split
+    TF32 (three: a, b and O rounded to TF32, 2^-11, finer than the bfloat16 reference's rounding of each,
+    2^-8) and writes bfloat16; the other variants convert it. Records the variant that ran in
+    model.last_variant."""
     if mask.dtype in (torch.float16, torch.bfloat16):
         mask = mask.float()
     bf16 = msa.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in params)
-    out, ran = _ext.opm_forward(_f32(msa), mask, *(_f32(p) for p in params), eps, code, bf16)
+    out, ran = _ext.opm_forward(msa if bf16 else _f32(msa), mask, *(_f32(p) for p in params), eps, code)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     return out if out.dtype == out_dtype else out.to(out_dtype)
 

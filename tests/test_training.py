@@ -423,14 +423,15 @@ def test_outer_product_mean_memory():
 # ---------------------------------------------------------------------------------------------
 class _FakeOpmExtension:
     """Stands in for outer_product_mean's CUDA extension: opm_forward in float32 PyTorch ops, and a
-    record of the dtypes it was handed (the kernels take float32 only)."""
+    record of the dtypes it was handed (parameters float32 only, msa float32 or bfloat16)."""
 
     def __init__(self, real):
-        self.real, self.dtypes, self.bf16_flags = real, [], []
+        self.real, self.dtypes, self.msa_dtypes = real, [], []
 
-    def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code, bf16_input):
-        self.dtypes.append({t.dtype for t in (msa, lw, lb, wa, ba, wb, bb, wo, bo)})
-        self.bf16_flags.append(bf16_input)
+    def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code):
+        self.dtypes.append({t.dtype for t in (lw, lb, wa, ba, wb, bb, wo, bo)})
+        self.msa_dtypes.append(msa.dtype)
+        msa = msa.float()
         x = (msa - msa.mean(-1, keepdim=True)) / (msa.var(-1, unbiased=False, keepdim=True) + eps).sqrt() * lw + lb
         m = mask.float()[..., None]
         a, b = (x @ wa.t() + ba) * m, (x @ wb.t() + bb) * m
@@ -476,7 +477,7 @@ def test_opm_model_new_gradients_match_reference(opm_cpu):
         assert o is not None and o.dtype == w.dtype, name
         assert torch.allclose(o, w, atol=1e-5, rtol=1e-4), (name, (o - w).abs().max().item())
     assert fake.dtypes and all(d == {torch.float32} for d in fake.dtypes)
-    assert not any(fake.bf16_flags)
+    assert fake.msa_dtypes and all(d == torch.float32 for d in fake.msa_dtypes)
 
 
 def test_opm_model_new_autograd_like_reference(opm_cpu):
@@ -514,9 +515,10 @@ def test_opm_model_new_autograd_like_reference(opm_cpu):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_opm_model_new_half_precision(opm_cpu, dtype):
-    """Half-precision module and inputs (KernelBench's casts, the mask too): the kernels get float32,
-    the output and every gradient come back in the input's dtype, close to the reference's float32; the
-    extension is told the inputs were bfloat16 (one TF32 pass in outer_wg) for bfloat16 only."""
+    """Half-precision module and inputs (KernelBench's casts, the mask too): the kernels get float32
+    parameters and a float32 msa, except that a bfloat16 msa goes as it is (outer_wg reads it, with one
+    TF32 pass per product); the output and every gradient come back in the input's dtype, close to the
+    reference's float32."""
     mod, fake = opm_cpu
     model, new = _opm_pair(mod, seed=52)
     new = new.to(dtype)
@@ -531,7 +533,8 @@ def test_opm_model_new_half_precision(opm_cpu, dtype):
         assert o.dtype == dtype, name
         assert torch.allclose(o.float(), w, atol=2e-2, rtol=2e-2), (name, (o.float() - w).abs().max().item())
     assert all(d == {torch.float32} for d in fake.dtypes)
-    assert fake.bf16_flags and all(f == (dtype == torch.bfloat16) for f in fake.bf16_flags)
+    want_msa = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    assert fake.msa_dtypes and all(d == want_msa for d in fake.msa_dtypes)
 
 
 def test_opm_model_new_rejects_other_dtypes(opm_cpu):
