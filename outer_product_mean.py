@@ -2895,38 +2895,24 @@ class _VariantsHere:
 
 
 # =============================================================================================
-# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs). _rows_per_chunk,
-# _ln_recompute and _ln_input_grad are contact_map.py's too: each kernel file stands alone.
+# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs). _rows_per_chunk is
+# contact_map.py's too: each kernel file stands alone.
 # =============================================================================================
 def _rows_per_chunk(row_bytes, n, chunk_bytes):
     """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
     return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
 
 
-def _ln_recompute(x, eps, ct):
-    """LayerNorm statistics of x (..., D) in dtype ct: xhat (..., D) and rstd (..., 1)."""
-    x = x.to(ct)
-    d = x - x.mean(-1, keepdim=True)
-    d = d - d.mean(-1, keepdim=True)  # removes the rounding of the first mean (rows far from 0)
-    rstd = ((d * d).mean(-1, keepdim=True) + eps).rsqrt()
-    return d * rstd, rstd
-
-
-def _ln_input_grad(dy, xhat, rstd, w):
-    """dx (..., D) = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w."""
-    dxhat = dy * w
-    return rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
-
-
 def outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes):
-    """(rows i per outer chunk, positions n per LayerNorm chunk) for outer_product_mean_backward.
+    """(rows i per outer chunk, msa rows per LayerNorm chunk) for outer_product_mean_backward.
 
     An outer chunk of r rows i holds, per row, B*N positions j of two (c, c) blocks (O or G and its
-    permuted copy) and g's c_z values (and their ct copy); a LayerNorm chunk of r positions n holds,
-    per position, B*S rows of about 5 c_m + 4 c values (xhat, x, dx and the temporaries; da, db).
+    permuted copy) and g's c_z values (and their ct copy); a LayerNorm chunk of r of the B*S*N msa rows
+    (contiguous in memory) holds per row about 5 c_m + 4 c values (x in ct, the LayerNorm output, its
+    gradient, d_msa's, the temporaries; da, db).
     """
     outer = _rows_per_chunk(B * N * (2 * c * c + 2 * c_z) * itemsize, N, chunk_bytes)
-    ln = _rows_per_chunk(B * S * (5 * c_m + 4 * c) * itemsize, N, chunk_bytes)
+    ln = _rows_per_chunk((5 * c_m + 4 * c) * itemsize, B * S * N, chunk_bytes)
     return outer, ln
 
 
@@ -2946,10 +2932,12 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         db[b,s,j,k]    = sum_{i,h} G[b,i,j,h,k] a[b,s,i,h]
         dpa = da * m, dpb = db * m:  dWa = sum dpa^T x, dba = sum dpa (b likewise)
         dy  = dpa Wa + dpb Wb (the gradient of x), then the LayerNorm backward (module docstring).
+    LayerNorm and its backward are ATen's (torch.native_layer_norm, native_layer_norm_backward), per
+    contiguous chunk of the B*S*N msa rows.
 
     Memory: a, b, da, db (B, S, N, c) in ct for the whole call; the outer product and G only for
     r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of
-    positions n when needed, never held whole. The denominator sums float masks in fp64 and bool /
+    msa rows when needed, never held whole. The denominator sums float masks in fp64 and bool /
     integer masks in int64 (exact for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w,
     d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its tensor's dtype.
     """
@@ -2966,16 +2954,19 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     acc = torch.float64 if mask.is_floating_point() else torch.int64
     denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                    # d (B, N)
 
-    # a, b for all positions, LayerNorm recomputed per chunk of positions n             (B, S, N, c)
+    # a, b for all positions, LayerNorm recomputed per chunk of rows (ATen's fused LayerNorm: the
+    # reference's own kernels; each chunk a contiguous row range)                       (B, S, N, c)
+    R = B * S * N
+    msa_rows = msa.reshape(R, c_m)
+    m_rows = m.reshape(R, 1)
     a = torch.empty((B, S, N, c), dtype=ct, device=dev)
     b = torch.empty((B, S, N, c), dtype=ct, device=dev)
-    for n0 in range(0, N, rows_ln):
-        n1 = min(N, n0 + rows_ln)
-        xh, _ = _ln_recompute(msa[:, :, n0:n1], eps, ct)
-        x = xh * lw + lb                                                               # (B, S, r, c_m)
-        del xh
-        a[:, :, n0:n1] = (x @ Wa.t() + Ba) * m[:, :, n0:n1]
-        b[:, :, n0:n1] = (x @ Wb.t() + Bb) * m[:, :, n0:n1]
+    a_rows, b_rows = a.view(R, c), b.view(R, c)
+    for r0 in range(0, R, rows_ln):
+        r1 = min(R, r0 + rows_ln)
+        x = torch.native_layer_norm(msa_rows[r0:r1].to(ct), (c_m,), lw, lb, eps)[0]   # (r, c_m)
+        torch.addmm(Ba, x, Wa.t(), out=a_rows[r0:r1]).mul_(m_rows[r0:r1])
+        torch.addmm(Bb, x, Wb.t(), out=b_rows[r0:r1]).mul_(m_rows[r0:r1])
         del x
 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
@@ -2988,51 +2979,49 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         r1 = min(N, r0 + rows_outer)
         r = r1 - r0
         a_r = a[:, :, r0:r1].reshape(B, S, r * c)                                      # (B, S, r c)
-        den = denom[:, r0:r1, None, None]                                             # (B, r, 1, 1)
-        g = grad_out[:, r0:r1].to(ct).reshape(B * r * N, c_z)                         # (B r N, c_z)
-        d_bo += g.sum(0)
-        # O[b,i,j,h,k] / d[b,i]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
+        g = grad_out[:, r0:r1].to(ct)                                                  # (B, r, N, c_z)
+        d_bo += g.sum((0, 1, 2))
+        g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)                 # g / d (B r N, c_z)
+        # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
         o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
-        o = o.reshape(B, r, N, c * c)                                                  # (B, r, N, c c)
-        o /= den
-        d_wo += g.t() @ o.reshape(B * r * N, c * c)                                    # (c_z, c c)
+        o = o.reshape(B * r * N, c * c)                                                # (B r N, c c)
+        d_wo.addmm_(g.t(), o)                                                          # (c_z, c c)
         del o
-        # G[b,i,j,h,k] = sum_z g Wo / d, copied to (i, h, j, k) for the two products     (B, r c, N c)
-        G = (g @ Wo).reshape(B, r, N, c * c)
+        # G[b,i,j,h,k] = sum_z (g / d) Wo, copied to (i, h, j, k) for the two products   (B, r c, N c)
+        G = (g @ Wo).reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
         del g
-        G /= den
-        G = G.reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
         da[:, :, r0:r1] = (b_flat @ G.transpose(1, 2)).reshape(B, S, r, c)           # sum_{j,k} G b
         db += (a_r @ G).reshape(B, S, N, c)                                            # sum_{i,h} G a
         del G, a_r
     del a, b, b_flat
 
-    # Projections and LayerNorm backward, chunks of positions n
+    # Projections and LayerNorm backward, chunks of rows (ATen's LayerNorm backward)
     da *= m                                                                            # dpa (B, S, N, c)
     db *= m                                                                            # dpb
-    del m
+    del m, m_rows
     d_wa = torch.zeros((c, c_m), dtype=ct, device=dev)
     d_wb = torch.zeros((c, c_m), dtype=ct, device=dev)
     d_ln_w = torch.zeros((c_m,), dtype=ct, device=dev)
     d_ln_b = torch.zeros((c_m,), dtype=ct, device=dev)
     d_ba = da.sum((0, 1, 2))
     d_bb = db.sum((0, 1, 2))
-    d_msa = torch.empty_like(msa, memory_format=torch.contiguous_format)
-    for n0 in range(0, N, rows_ln):
-        n1 = min(N, n0 + rows_ln)
-        xh, rstd = _ln_recompute(msa[:, :, n0:n1], eps, ct)                            # (B, S, r, c_m)
-        x = (xh * lw + lb).reshape(-1, c_m)                                            # (B S r, c_m)
-        dpa = da[:, :, n0:n1].reshape(-1, c)                                           # (B S r, c)
-        dpb = db[:, :, n0:n1].reshape(-1, c)
-        d_wa += dpa.t() @ x                                                            # (c, c_m)
-        d_wb += dpb.t() @ x
+    d_msa = torch.empty((B, S, N, c_m), dtype=msa.dtype, device=dev)
+    da_rows, db_rows, d_msa_rows = da.view(R, c), db.view(R, c), d_msa.view(R, c_m)
+    for r0 in range(0, R, rows_ln):
+        r1 = min(R, r0 + rows_ln)
+        xin = msa_rows[r0:r1].to(ct)                                                   # (r, c_m)
+        x, mean, rstd = torch.native_layer_norm(xin, (c_m,), lw, lb, eps)
+        dpa, dpb = da_rows[r0:r1], db_rows[r0:r1]                                      # (r, c)
+        d_wa.addmm_(dpa.t(), x)                                                        # (c, c_m)
+        d_wb.addmm_(dpb.t(), x)
         del x
-        dy = (dpa @ Wa + dpb @ Wb).reshape(xh.shape)                                   # (B, S, r, c_m)
-        del dpa, dpb
-        d_ln_w += (dy * xh).sum((0, 1, 2))
-        d_ln_b += dy.sum((0, 1, 2))
-        d_msa[:, :, n0:n1] = _ln_input_grad(dy, xh, rstd, lw)
-        del dy, xh, rstd
+        dy = (dpa @ Wa).addmm_(dpb, Wb)                                                # (r, c_m)
+        dx, dlw, dlb = torch.ops.aten.native_layer_norm_backward(dy, xin, (c_m,), mean, rstd, lw, lb,
+                                                                 (True, True, True))
+        d_ln_w += dlw
+        d_ln_b += dlb
+        d_msa_rows[r0:r1] = dx
+        del xin, mean, rstd, dy, dx, dlw, dlb
 
     return (d_msa, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_wa.to(wa.dtype), d_ba.to(ba.dtype),
             d_wb.to(wb.dtype), d_bb.to(bb.dtype), d_wo.to(wo.dtype), d_bo.to(bo.dtype))

@@ -299,10 +299,10 @@ def test_outer_product_mean_fp32(kind, dist, chunked):
     if chunked:
         chunk_bytes = int(2.4 * B * N * (2 * c * c + 2 * c_z) * 4)
         rows_outer, rows_ln = training.outer_product_mean_rows(B, S, N, c_m, c, c_z, 4, chunk_bytes)
-        assert rows_outer == 2 and 1 < rows_ln < N and N % rows_ln
+        assert rows_outer == 2 and 1 < rows_ln < B * S * N and (B * S * N) % rows_ln
     else:
         chunk_bytes = 256 << 20
-        assert training.outer_product_mean_rows(B, S, N, c_m, c, c_z, 4, chunk_bytes) == (N, N)
+        assert training.outer_product_mean_rows(B, S, N, c_m, c, c_z, 4, chunk_bytes) == (N, B * S * N)
     ref32 = _ref_grads(model, OPM_NAMES, [msa, mask], g)
     ref64 = _ref_grads(copy.deepcopy(model).double(), OPM_NAMES, [msa.double(), _oracle_mask(mask)],
                        g.double())
