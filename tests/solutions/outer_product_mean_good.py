@@ -2,7 +2,8 @@
 "outer_first" forms the (B, N, N, c, c) outer product, divides it by the denominator and projects, in
 the reference's order of operations (so it rounds as the reference does in every dtype); "w_first"
 contracts out_proj's weight with b first (never materialising c*c per pair) and scales by 1/denom last.
-Both must pass in fp32; last_variant says which ran. Backward: plain autograd."""
+Both must pass in fp32 (in bf16 w_first, rounding in its own order, misses the harness's check at seed,
+awkward_33 and awkward_17); last_variant says which ran. Backward: plain autograd."""
 import torch
 import torch.nn as nn
 
