@@ -2268,6 +2268,290 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// The backward's out_proj weight gradient on wgmma, without the (N, N, c*c) outer product in memory:
+//   dWo[z, hk] = sum_{b,i,j} gd[b,i,j,z] O[b,i,j,hk],  gd = g inv_denom[b,i],  O[b,i,j,(h,k)] = sum_s a b
+// for c = 32 (hk = 1024), c_z <= 128, a, b (B, S, N, 32) fp32 (masked), split TF32 throughout.
+// opm_bw_wo_prep_kernel writes three sets of split planes in 16-k core-matrix blocks (element (r, k) of a
+// block plane at wo_off16(r, k): 8-row groups 512 bytes apart, k core matrices 128 bytes apart):
+//   Abw[(((b*kBwNSL + sl)*KB16 + kb)*MB + mb)*2*kOwAPlane + plane*kOwAPlane + wo_off16(r, s % 16)]
+//       = a[b, s, 32 mb + r % 32, 2 sl + r / 32]  (r < 64: rows (hh = r / 32, il = r % 32); MB = 2 NIT)
+//   Bbw[((b*NBB + jb)*KB16 + kb)*2*kOwBPlane + plane*kOwBPlane + wo_off16(n, s % 16)]
+//       = b[b, s, 4 jb + n / 32, n % 32]  (outer_wg's Bow layout)
+//   Gbw[(((b*NITc + it - it0)*NBB + jt)*8 + c)*kOwStage + w*4096 + plane*2048 + wo_off16(z, p % 16)]
+//       = gd[b, 64 it + 32 w + p / 4, 4 jt + p % 4, z],  p = 16 c + p % 16  (warpgroup w's pair p)
+// (s = 16 kb + s % 16; zeros past S, N and c_z); Abw and Bbw only if ab, Gbw for the i tiles it0 ..
+// it0 + NITc - 1 (a chunk). Work items of 4 consecutive k, one store_split4 each.
+// ---------------------------------------------------------------------------------------------
+constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
+constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
+constexpr int kBwoStages = 4;
+constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLDO) + 16 * kBwoStages;
+__host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
+__global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
+    const float* __restrict__ av, const float* __restrict__ bv, const float* __restrict__ g,
+    const float* __restrict__ inv_denom, float* __restrict__ Abw, float* __restrict__ Bbw, float* __restrict__ Gbw,
+    int64_t B, int64_t S, int64_t N, int cz, int64_t KB16, int64_t NIT, int64_t NBB, bool ab, int64_t it0, int64_t NITc) {
+  const int64_t MB = 2 * NIT;
+  const int64_t nA = ab ? B * kBwNSL * KB16 * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB16 * 128 * 4 : 0;
+  const int64_t nG = B * NITc * NBB * 8 * 2 * 128 * 4;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < nA + nB + nG;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    float* dst;
+    int plane;
+    if (e < nA) {  // (b, sl, kb, mb, quad, r): r fastest (i consecutive)
+      const int r = static_cast<int>(e % 64), quad = static_cast<int>(e / 64 % 4);
+      const int64_t blk = e / 256;  // ((b*kBwNSL + sl)*KB16 + kb)*MB + mb
+      const int64_t mb = blk % MB, kb = blk / MB % KB16, sl = blk / MB / KB16 % kBwNSL, b = blk / MB / KB16 / kBwNSL;
+      const int64_t i = 32 * mb + r % 32, h = 2 * sl + r / 32;
+      for (int q = 0; q < 4; ++q) {
+        const int64_t s = 16 * kb + 4 * quad + q;
+        if (s < S && i < N) v[q] = __ldg(av + ((b * S + s) * N + i) * 32 + h);
+      }
+      dst = Abw + blk * (2 * kOwAPlane) + wo_off16(r, 4 * quad);
+      plane = kOwAPlane;
+    } else if (e < nA + nB) {  // (b, jb, kb, quad, n): n fastest
+      const int64_t f = e - nA;
+      const int n = static_cast<int>(f % 128), quad = static_cast<int>(f / 128 % 4);
+      const int64_t blk = f / 512;  // (b*NBB + jb)*KB16 + kb
+      const int64_t kb = blk % KB16, jb = blk / KB16 % NBB, b = blk / KB16 / NBB;
+      const int64_t j = 4 * jb + n / 32;
+      for (int q = 0; q < 4; ++q) {
+        const int64_t s = 16 * kb + 4 * quad + q;
+        if (s < S && j < N) v[q] = __ldg(bv + ((b * S + s) * N + j) * 32 + n % 32);
+      }
+      dst = Bbw + blk * (2 * kOwBPlane) + wo_off16(n, 4 * quad);
+      plane = kOwBPlane;
+    } else {  // (b, it, jt, c, w, quad, z): z fastest
+      const int64_t f = e - nA - nB;
+      const int z = static_cast<int>(f % 128), quad = static_cast<int>(f / 128 % 4), w = static_cast<int>(f / 512 % 2);
+      const int64_t blk = f / 1024;  // ((b*NITc + it - it0)*NBB + jt)*8 + c
+      const int c = static_cast<int>(blk % 8);
+      const int64_t jt = blk / 8 % NBB, it = it0 + blk / 8 / NBB % NITc, b = blk / 8 / NBB / NITc;
+      const int il = (16 * c + 4 * quad) / 4;  // the 4 pairs 16 c + 4 quad + q: one i, j = 4 jt + q
+      const int64_t i = 64 * it + 32 * w + il;
+      if (i < N && z < cz) {
+        const float inv = __ldg(inv_denom + b * N + i);
+        for (int q = 0; q < 4; ++q) {
+          const int64_t j = 4 * jt + q;
+          if (j < N) v[q] = __ldg(g + ((b * N + i) * N + j) * cz + z) * inv;
+        }
+      }
+      dst = Gbw + blk * kOwStage + w * 4096 + wo_off16(z, 4 * quad);
+      plane = 2048;
+    }
+    store_split4(dst, dst + plane, v[0], v[1], v[2], v[3]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_bw_wo_kernel: dWo's partial sums. Block x = (slice sl = x % kBwNSL: hk 64 sl .. 64 sl + 63, group
+// gr = x / kBwNSL of gridDim.x / kBwNSL); it takes tiles t = gr, gr + groups, ... of (b, 64 i, 4 j) of
+// the chunk, t -> (it = it0 + t % NITc, jt, b). Warps 0-7: two consumer warpgroups (warpgroup w: residues i 64 it + 32 w
+// + il); warps 8-11: the producer (thread 256 issues the bulk copies), as in opm_outer_wg_kernel. Per tile:
+//   phase A: O (rows (hh, il), columns (jl, k)), K = S, wgmma m64n128k8 from the Abw / Bbw stages, split
+//     TF32 promoted every kWgPromo k steps (outer_wg's phase A);
+//   O to Os_w[p][hk] (p = 4 il + jl, hk = 32 hh + k: one fp32 plane per warpgroup, 128 x kBwLDO);
+//   phase W: D[hk][z] += sum_p O[p][hk] gd[p][z] over the warpgroup's 128 pairs, 16 per slot of Gbw:
+//     wgmma m64n64k8 with A = O^T fragments from Os_w (split on load) and B = the slot's planes, for z
+//     0-63 and 64-127; a fresh accumulator per 64 pairs added into D in fp32.
+// D stays in registers over the block's tiles: part[(x*2 + w)*8192 + 128 hk + z] at the end
+// (opm_bw_wo_sum_kernel sums the groups and warpgroups in order).
+// Registers per consumer thread: phase A acc 64 + d 64, D 64; phase W D 64 + fresh 64 + fragments.
+// ---------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
+    const float* __restrict__ Abw, const float* __restrict__ Bbw, const float* __restrict__ Gbw,
+    float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc) {
+#if defined(OPM_WG_DEVICE)
+  extern __shared__ float4 smem_f4[];
+  float* sm = reinterpret_cast<float*>(smem_f4);
+  float* Os = sm + kBwoStages * kOwStage;
+  uint64_t* full = reinterpret_cast<uint64_t*>(Os + 2 * 128 * kBwLDO);
+  uint64_t* empty = full + kBwoStages;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t sl = blockIdx.x % kBwNSL, gr = blockIdx.x / kBwNSL, groups = gridDim.x / kBwNSL;
+  const int64_t MB = 2 * NIT, total = B * NITc * NBB;
+  if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
+  __syncthreads();
+  if (wg == 2) {  // producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
+    if (tid == 256) {
+      int64_t u = 0;
+      auto slot = [&](unsigned bytes) -> float* {
+        const int st = static_cast<int>(u % kBwoStages);
+        if (u >= kBwoStages) mbar_wait(empty + st, static_cast<unsigned>((u / kBwoStages - 1) & 1));
+        mbar_expect_tx(full + st, bytes);
+        ++u;
+        return sm + st * kOwStage;
+      };
+      for (int64_t t = gr; t < total; t += groups) {
+        const int64_t itc = t % NITc, it = it0 + itc, jt = (t / NITc) % NBB, b = t / (NITc * NBB);
+        const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * (2 * kOwAPlane);
+        const float* bb = Bbw + (b * NBB + jt) * KB16 * (2 * kOwBPlane);
+        for (int64_t kb = 0; kb < KB16; ++kb) {
+          const int st = static_cast<int>(u % kBwoStages);
+          float* dst = slot(4 * kOwStage);
+          bulk_copy(dst, a + kb * MB * (2 * kOwAPlane), 4 * 4 * kOwAPlane, full + st);
+          bulk_copy(dst + 4 * kOwAPlane, bb + kb * (2 * kOwBPlane), 4 * 2 * kOwBPlane, full + st);
+        }
+        const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * 8 * kOwStage;
+        for (int c = 0; c < 8; ++c) {
+          const int st = static_cast<int>(u % kBwoStages);
+          float* dst = slot(4 * kOwStage);
+          bulk_copy(dst, gt + c * kOwStage, 4 * kOwStage, full + st);
+        }
+      }
+    }
+    return;  // (no block-wide barrier after this point: the consumers use named barrier 1)
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kOwConsumerRegs));
+  const int lane = tid % 32, g = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
+  float* Os_w = Os + wg * 128 * kBwLDO;
+  int64_t u = 0;
+  auto wait_full = [&]() -> const float* {
+    const int st = static_cast<int>(u % kBwoStages);
+    mbar_wait(full + st, static_cast<unsigned>((u / kBwoStages) & 1));
+    ++u;
+    return sm + st * kOwStage;
+  };
+  auto release = [&](int64_t us) {
+    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kBwoStages));
+  };
+  float D[2][32], dz[2][32];
+#pragma unroll
+  for (int zh = 0; zh < 2; ++zh)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) D[zh][e] = 0.f;
+  for (int64_t t = gr; t < total; t += groups) {
+    // ---- phase A: O (this warpgroup's 64 rows (hh, il) x 128 columns (jl, k)), K = S ----
+    {
+      float acc[64], d[64];
+#pragma unroll
+      for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
+      for (int64_t kb = 0; kb < KB16; ++kb) {
+        const int64_t us = u;
+        const float* stg = wait_full();
+        const float* a_hi = stg + wg * 2 * kOwAPlane;
+        const float* a_lo = a_hi + kOwAPlane;
+        const float* b_hi = stg + 4 * kOwAPlane;
+        const float* b_lo = b_hi + kOwBPlane;
+        wg_fence_acc(d);
+#pragma unroll
+        for (int ks = 0; ks < kOwSK / 8; ++ks) {
+          const int off = ks * 64;
+          const int fresh = (kb * (kOwSK / 8) + ks) % kWgPromo == 0;
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+          wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+          wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
+          wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_acc(d);
+        release(us);
+        if (((kb + 1) * (kOwSK / 8)) % kWgPromo == 0) {
+#pragma unroll
+          for (int e = 0; e < 64; ++e) acc[e] += d[e];
+        }
+      }
+      if ((KB16 * (kOwSK / 8)) % kWgPromo != 0) {
+#pragma unroll
+        for (int e = 0; e < 64; ++e) acc[e] += d[e];
+      }
+      // ---- O -> Os_w: acc[4 jj + 2 hr + e] is row R = 16 w4 + g + 8 hr = (hh = R / 32, il = R % 32),
+      //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-W loads of Os are done
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int R = 16 * w4 + g + 8 * hr;
+          const int p = (R & 31) * 4 + jj / 4, hk = (R >> 5) * 32 + 8 * (jj % 4) + 2 * t4;
+          *reinterpret_cast<float2*>(Os_w + p * kBwLDO + hk) = make_float2(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1]);
+        }
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
+    }
+    // ---- phase W: D[hk][z] += sum_p Os_w[p][hk] gd[p][z], 16 pairs per slot ----
+#pragma unroll
+    for (int zh = 0; zh < 2; ++zh)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) dz[zh][e] = 0.f;  // (overwritten: scale-d 0 first; zeroed so that dz is not live in phase A)
+    for (int c = 0; c < 8; ++c) {
+      uint32_t ahi[2][4], alo[2][4];  // A[hk][p] = Os_w[p][hk]: rows 16 w4 + g (+ 8), columns t4 (+ 4)
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const float* r0 = Os_w + (16 * c + 8 * ks + t4) * kBwLDO + 16 * w4 + g;
+        split_tf32(r0[0], ahi[ks][0], alo[ks][0]);
+        split_tf32(r0[8], ahi[ks][1], alo[ks][1]);
+        split_tf32(r0[4 * kBwLDO], ahi[ks][2], alo[ks][2]);
+        split_tf32(r0[4 * kBwLDO + 8], ahi[ks][3], alo[ks][3]);
+      }
+      const int64_t us = u;
+      const float* stg = wait_full();
+      const float* g_hi = stg + wg * 4096;
+      const float* g_lo = g_hi + 2048;
+      wg_fence_acc(dz[0]);
+      wg_fence_acc(dz[1]);
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const int fresh = (c % 4 == 0) && ks == 0;  // a fresh accumulator per 64 pairs
+#pragma unroll
+        for (int zh = 0; zh < 2; ++zh) {
+          const int off = zh * 1024 + ks * 64;  // z rows 64 zh .. (8 row groups of 128 floats), pairs 8 ks ..
+          wgmma_tf32_m64n64k8_rs(dz[zh], alo[ks], wg_desc(g_hi + off, 512), fresh ? 0 : 1);
+          wgmma_tf32_m64n64k8_rs(dz[zh], ahi[ks], wg_desc(g_lo + off, 512), 1);
+          wgmma_tf32_m64n64k8_rs(dz[zh], ahi[ks], wg_desc(g_hi + off, 512), 1);
+        }
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      wg_fence_acc(dz[0]);
+      wg_fence_acc(dz[1]);
+      release(us);
+      if (c % 4 == 3) {
+#pragma unroll
+        for (int zh = 0; zh < 2; ++zh)
+#pragma unroll
+          for (int e = 0; e < 32; ++e) D[zh][e] += dz[zh][e];
+      }
+    }
+  }
+  // ---- part: D[zh][4 jj + 2 hr + e] is hk = 16 w4 + g + 8 hr, z = 64 zh + 8 jj + 2 t4 + e ----
+  float* pw = part + (static_cast<int64_t>(blockIdx.x) * 2 + wg) * 8192;
+#pragma unroll
+  for (int zh = 0; zh < 2; ++zh)
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int hk = 16 * w4 + g + 8 * hr, z = 64 * zh + 8 * jj + 2 * t4;
+        *reinterpret_cast<float2*>(pw + hk * 128 + z) = make_float2(D[zh][4 * jj + 2 * hr], D[zh][4 * jj + 2 * hr + 1]);
+      }
+#else
+  __trap();  // built without sm_90a: the host never launches this (DevInfo::ow_ok)
+#endif
+}
+
+// dwo[z][64 sl + hk] += sum over the groups gr and warpgroups w (in that order, in fp64) of
+// part[((sl + kBwNSL gr)*2 + w)*8192 + 128 hk + z], for z < c_z; one thread per (sl, hk, z), z fastest.
+__global__ void __launch_bounds__(kThreads) opm_bw_wo_sum_kernel(const float* __restrict__ part, float* __restrict__ dwo,
+                                                                 int groups, int cz) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= kBwNSL * 64 * 128) return;
+  const int z = e % 128, hk = e / 128 % 64, sl = e / 8192;
+  if (z >= cz) return;
+  double s = 0.0;
+  for (int gr = 0; gr < groups; ++gr)
+    for (int w = 0; w < 2; ++w) s += part[((sl + kBwNSL * gr) * 2 + w) * 8192 + hk * 128 + z];
+  dwo[static_cast<int64_t>(z) * 1024 + 64 * sl + hk] += static_cast<float>(s);
+}
+
 // =============================================================================================
 // Launchers
 // =============================================================================================
@@ -2753,6 +3037,61 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   return {out, used};
 }
 
+// The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N),
+// g (B, N, N, c_z) fp32, c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). Returns dwo
+// (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most kBwoChunkBytes; each chunk's block
+// partials are added into dwo in order (a fixed summation order for a given device).
+constexpr int64_t kBwoChunkBytes = 256ll << 20;
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
+              "outer_product_mean: opm_backward_wo takes CUDA tensors");
+  for (const at::Tensor* t : {&a, &b, &inv_denom, &g})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_wo takes float32, got ", dtype_str(*t));
+  TORCH_CHECK(a.dim() == 4 && a.size(3) == 32 && b.sizes() == a.sizes(), "outer_product_mean: opm_backward_wo: a, b (B, S, N, 32)");
+  const int64_t B = a.size(0), S = a.size(1), N = a.size(2);
+  TORCH_CHECK(g.dim() == 4 && g.size(0) == B && g.size(1) == N && g.size(2) == N && g.size(3) >= 1 && g.size(3) <= 128,
+              "outer_product_mean: opm_backward_wo: g (B, N, N, c_z <= 128)");
+  TORCH_CHECK(inv_denom.dim() == 2 && inv_denom.size(0) == B && inv_denom.size(1) == N,
+              "outer_product_mean: opm_backward_wo: inv_denom (B, N)");
+  const int cz = static_cast<int>(g.size(3));
+  const c10::cuda::CUDAGuard guard(a.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(a.get_device());
+  TORCH_CHECK(d.ow_ok && kBwoSmemBytes <= static_cast<size_t>(d.smem_optin),
+              "outer_product_mean: opm_backward_wo needs a compute capability 9.0 device and an sm_90a build");
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous(), gc = g.contiguous(), ic = inv_denom.contiguous();
+  const auto f32 = a.options();
+  at::Tensor dwo = at::zeros({cz, 1024}, f32);
+  if (B == 0 || S == 0 || N == 0) return dwo;
+  const int64_t KB16 = cdiv(S, kOwSK), NIT = cdiv(N, 64), NBB = cdiv(N, 4);
+  at::Tensor Abw = at::empty({B * kBwNSL * KB16 * 2 * NIT * 2 * kOwAPlane}, f32);
+  at::Tensor Bbw = at::empty({B * NBB * KB16 * 2 * kOwBPlane}, f32);
+  const int64_t tile_bytes = 4ll * 8 * kOwStage;  // Gbw per (b, it, jt)
+  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, kBwoChunkBytes / (tile_bytes * B * NBB)));
+  at::Tensor Gbw = at::empty({B * NITc * NBB * 8 * kOwStage}, f32);
+  const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NBB, d.sms / kBwNSL)));
+  at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
+  set_smem(opm_bw_wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
+  for (int64_t it0 = 0; it0 < NIT; it0 += NITc) {
+    const int64_t nitc = std::min<int64_t>(NITc, NIT - it0);
+    const bool ab = it0 == 0;
+    const int64_t items = (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * 8 * 1024;
+    opm_bw_wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
+        ac.data_ptr<float>(), bc.data_ptr<float>(), gc.data_ptr<float>(), ic.data_ptr<float>(), Abw.data_ptr<float>(),
+        Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0, nitc);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * NBB, groups)));
+    opm_bw_wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
+        Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT, NBB,
+        it0, nitc);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    opm_bw_wo_sum_kernel<<<static_cast<int>(cdiv(kBwNSL * 64 * 128, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
+                                                                                   dwo.data_ptr<float>(), g_wo, cz);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return dwo;
+}
+
 // (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg2 and outer_wg can run there.
 std::tuple<bool, bool, bool> device_caps(int64_t device) {
   const DevInfo d = dev_info(static_cast<int>(device));
@@ -2762,6 +3101,10 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 }  // namespace opm
 
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::device_caps(device); }
+
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g) {
+  return opm::opm_backward_wo(a, b, inv_denom, g);
+}
 
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
@@ -2777,6 +3120,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant);
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g);
 """
 
 
@@ -2868,7 +3212,7 @@ def _build():
               "(cached afterwards)",
               file=sys.stderr, flush=True)
     return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
-                       functions=["opm_forward", "opm_device_caps"], extra_cuda_cflags=_CUDA_FLAGS,
+                       functions=["opm_forward", "opm_device_caps", "opm_backward_wo"], extra_cuda_cflags=_CUDA_FLAGS,
                        extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
 
 
@@ -2916,8 +3260,15 @@ def outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes):
     return outer, ln
 
 
+def _wo_kernel_runs(msa, c, c_z, ct):
+    """Whether out_proj's weight gradient goes to opm_bw_wo_kernel (_ext.opm_backward_wo): float32 math
+    on a CUDA device where outer_wg runs, hidden_dim 32, pair_dim up to 128."""
+    return (msa.is_cuda and ct == torch.float32 and c == 32 and 1 <= c_z <= 128
+            and bool(_ext.opm_device_caps(msa.device.index)[2]))
+
+
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
-                                chunk_bytes=256 << 20):
+                                chunk_bytes=256 << 20, wo_kernel=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any dtype, ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -2934,6 +3285,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         dy  = dpa Wa + dpb Wb (the gradient of x), then the LayerNorm backward (module docstring).
     LayerNorm and its backward are ATen's (torch.native_layer_norm, native_layer_norm_backward), per
     contiguous chunk of the B*S*N msa rows.
+
+    out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma in
+    split TF32) where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True, the chunks below then
+    forming only G.
 
     Memory: a, b, da, db (B, S, N, c) in ct for the whole call; the outer product and G only for
     r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of
@@ -2970,7 +3325,11 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         del x
 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
-    d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
+    wo_in_kernel = _wo_kernel_runs(msa, c, c_z, ct) if wo_kernel is None else wo_kernel
+    if wo_in_kernel:
+        d_wo = _ext.opm_backward_wo(a, b, denom.reciprocal().contiguous(), grad_out.to(ct).contiguous())
+    else:
+        d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
     da = torch.empty((B, S, N, c), dtype=ct, device=dev)
     db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
@@ -2982,11 +3341,12 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         g = grad_out[:, r0:r1].to(ct)                                                  # (B, r, N, c_z)
         d_bo += g.sum((0, 1, 2))
         g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)                 # g / d (B r N, c_z)
-        # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
-        o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
-        o = o.reshape(B * r * N, c * c)                                                # (B r N, c c)
-        d_wo.addmm_(g.t(), o)                                                          # (c_z, c c)
-        del o
+        if not wo_in_kernel:
+            # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
+            o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
+            o = o.reshape(B * r * N, c * c)                                            # (B r N, c c)
+            d_wo.addmm_(g.t(), o)                                                      # (c_z, c c)
+            del o
         # G[b,i,j,h,k] = sum_z (g / d) Wo, copied to (i, h, j, k) for the two products   (B, r c, N c)
         G = (g @ Wo).reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
         del g
