@@ -2552,6 +2552,316 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_sum_kernel(const float* __
   dwo[static_cast<int64_t>(z) * 1024 + 64 * sl + hk] += static_cast<float>(s);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The backward's da and db on wgmma, G recomputed per tile on chip (never in memory):
+//   G[b,i,j,h,k] = inv_denom[b,i] sum_z g[b,i,j,z] Wo[z, 32 h + k]
+//   da[b,s,i,h] = sum_{j,k} b[b,s,j,k] G[b,i,j,h,k],   db[b,s,j,k] = sum_{i,h} a[b,s,i,h] G[b,i,j,h,k]
+// One kernel does both in two forms: the "own" residue o (i for da, j for db) and channel c1 (h, k)
+// name the output, the "loop" residue l (j, i) and channel c2 (k, h) are summed, v = b (da) or a (db):
+//   out[b,s,o,c1] = sum_{l,c2} v[b,s,l,c2] G_f[o,l,c1,c2],  G_f[o,l,c1,c2] = sum_z gf[o,l,z] Wf[z,c1,c2]
+// with gf[o,l,z] = g[i,j,z] / d_i and Wf[z,c1,c2] = Wo[z, 32 h + k] in either form's naming.
+// opm_bw_ab_prep_kernel writes, per form f:
+//   Vt[f][((b*NJT + J)*SB + sb)*8192 + ((ks*4 + w4)*32 + lane)*4 + q] = v[b, s, 4 J + kk / 32, kk % 32],
+//     s = 64 sb + 16 w4 + lane / 4 + 8 (q & 1), kk = 8 ks + lane % 4 + 4 (q >> 1) (zero past S, N): a
+//     64 x 128 block in wgmma's A-fragment order (one float4 per thread and k step);
+//   Wt[f][(sl*2 + plane)*8192 + ab_off(n, kap)] = Wf[z(kap), 2 sl + n / 32, n % 32] split (zero past c_z),
+//     n = (c1 - 2 sl, c2) of the slice sl's 64 columns, kap the k index of the G product, z(kap) =
+//     16 (ks / 2) + 4 (cc % 4) + 2 (ks % 2) + cc / 4 for kap = 8 ks + cc: the order in which a thread's
+//     float4 of g (4 consecutive z) holds the A fragments of k steps 2p and 2p + 1.
+// ab_off(n, kap): K-major core matrices of a 64 x 128 operand, 8-row groups 4096 bytes apart.
+// ---------------------------------------------------------------------------------------------
+constexpr int kAbStages = 3;
+constexpr int kAbOperand = 2 * 8192;  // floats of a split 64 x 128 operand (hi plane, lo plane)
+constexpr size_t kAbSmemBytes = 4ull * (2 * kAbOperand + kAbStages * 8192) + 8 * (2 * kAbStages + 2);
+__host__ __device__ __forceinline__ int ab_off(int n, int kap) {
+  return (n >> 3) * 1024 + (kap >> 2) * 32 + (n & 7) * 4 + (kap & 3);
+}
+__host__ __device__ __forceinline__ int ab_zperm(int kap) {
+  const int ks = kap >> 3, cc = kap & 7;
+  return 16 * (ks >> 1) + 4 * (cc & 3) + 2 * (ks & 1) + (cc >> 2);
+}
+__global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
+    const float* __restrict__ av, const float* __restrict__ bv, const float* __restrict__ wo, float* __restrict__ Vt,
+    float* __restrict__ Wt, int64_t B, int64_t S, int64_t N, int cz, int64_t NJT, int64_t SB) {
+  const int64_t nV = B * NJT * SB * 2048, nW = 16 * 64 * 32;  // float4 items per form
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < 2 * (nV + nW);
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int f = static_cast<int>(e / (nV + nW));
+    const int64_t x = e % (nV + nW);
+    if (x < nV) {  // x = ((b*NJT + J)*SB + sb)*2048 + (ks*4 + w4)*32 + lane
+      const int lane = static_cast<int>(x % 32), w4 = static_cast<int>(x / 32 % 4), ks = static_cast<int>(x / 128 % 16);
+      const int64_t sb = x / 2048 % SB, J = x / 2048 / SB % NJT, b = x / 2048 / SB / NJT;
+      const float* v = f == 0 ? bv : av;
+      float r[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int64_t s = 64 * sb + 16 * w4 + lane / 4 + 8 * (q & 1);
+        const int kk = 8 * ks + lane % 4 + 4 * (q >> 1);
+        const int64_t l = 4 * J + kk / 32;
+        r[q] = (s < S && l < N) ? __ldg(v + ((b * S + s) * N + l) * 32 + kk % 32) : 0.f;
+      }
+      *reinterpret_cast<float4*>(Vt + static_cast<int64_t>(f) * nV * 4 + x * 4) = make_float4(r[0], r[1], r[2], r[3]);
+    } else {  // x - nV = (sl*64 + n)*32 + kap / 4
+      const int y = static_cast<int>(x - nV), kq = y % 32, n = y / 32 % 64, sl = y / 2048;
+      const int c1 = 2 * sl + n / 32, c2 = n % 32;
+      const int hk = f == 0 ? 32 * c1 + c2 : 32 * c2 + c1;  // da: (h, k) = (c1, c2); db: (c2, c1)
+      float r[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int z = ab_zperm(4 * kq + q);
+        r[q] = z < cz ? __ldg(wo + static_cast<int64_t>(z) * 1024 + hk) : 0.f;
+      }
+      float* dst = Wt + (static_cast<int64_t>(f) * 16 + sl) * kAbOperand + ab_off(n, 4 * kq);
+      store_split4(dst, dst + 8192, r[0], r[1], r[2], r[3]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// opm_bw_ab_kernel<form>: out (da or db, before the mask) for one block = (b, own tile ot of 32 residues,
+// slice sl of 2 channels c1, s chunk sc of up to 512 rows): x = ((b*NOT + ot)*16 + sl)*NSC + sc.
+// Warps 0-7: two consumer warpgroups; warp 8's thread 256 issues the bulk copies (opm_outer_wg_kernel's
+// structure). Shared memory: the slice's Wt planes (64 KB, once), the G^T operand Gt (64 KB), a ring of
+// kAbStages 32 KB slots. Per loop tile J of 4 residues (l = 4 J + 2 w + ll for warpgroup w):
+//   G step: warpgroup w's 64 rows r = 32 ll + ol (pairs), 64 columns n = (c1 - 2 sl, c2), K = c_z
+//     rounded to 16: wgmma m64n64k8 with A = its g slot (float4 per row and 16 z, split on load) and B =
+//     Wt, then the rows scaled by 1 / d_i (0 for pairs past N);
+//   Gt[(2 ol + c1 - 2 sl)][32 (2 w + ll) + c2] = that, split (a consumer barrier before and after);
+//   da step: for each 64-row block mb of the chunk's s rows (warpgroup mb % 2): v block . Gt^T on
+//     wgmma m64n64k8, A = the Vt slot (float4 per k step, split on load), into the block's running
+//     total (4 x 32 registers).
+// Both steps start a fresh accumulator every two k steps (6 wgmma) and add it into fp32 sums: longer
+// chains on the tensor cores' accumulator biased proj_a / proj_b's weight gradients (sums over every
+// msa row of da, db) to ~5x the reference's error at crop with one accumulator per J (48 wgmma).
+// The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
+// waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
+// g slots: da: rows (ol, ll) at floats 2 c_z ol + c_z ll (one bulk copy per ol of two j); db: 32 c_z
+// ll + c_z ol (one copy per ll of the tile's 32 j). Copies skip residues past N (their rows' scale is
+// 0; the ring starts zeroed, so a skipped row holds earlier finite data).
+// ---------------------------------------------------------------------------------------------
+template <int kForm>
+__global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
+    const float* __restrict__ Vt, const float* __restrict__ Wt, const float* __restrict__ g,
+    const float* __restrict__ inv_denom, float* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
+    int64_t NJT, int64_t SB, int64_t NOT, int64_t NSC) {
+#if defined(OPM_WG_DEVICE)
+  extern __shared__ float4 smem_f4[];
+  float* sm = reinterpret_cast<float*>(smem_f4);
+  float* Ws = sm;                     // Wt slice: hi, lo
+  float* Gt = sm + kAbOperand;        // G^T: hi, lo
+  float* ring = sm + 2 * kAbOperand;  // kAbStages x 8192
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kAbStages * 8192);
+  uint64_t* empty = full + kAbStages;
+  uint64_t* wbar = empty + kAbStages;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t x = blockIdx.x, sc = x % NSC, sl = x / NSC % 16, ot = x / NSC / 16 % NOT, b = x / NSC / 16 / NOT;
+  const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
+  const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step
+  for (int e = tid; e < kAbStages * 2048; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any bulk copy
+  if (tid == 0) {
+    mbar_ring_init(full, empty, kAbStages);
+    mbar_init(wbar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 2) {  // producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
+    if (tid == 256) {
+      mbar_expect_tx(wbar, 4 * kAbOperand);
+      bulk_copy(Ws, Wt + sl * kAbOperand, 4 * kAbOperand, wbar);
+      int64_t u = 0;
+      auto slot = [&](unsigned bytes) -> float* {
+        const int st = static_cast<int>(u % kAbStages);
+        if (u >= kAbStages) mbar_wait(empty + st, static_cast<unsigned>((u / kAbStages - 1) & 1));
+        mbar_expect_tx(full + st, bytes);
+        ++u;
+        return ring + st * 8192;
+      };
+      const int64_t o0 = 32 * ot;
+      const int64_t no = min64(32, N - o0);  // own residues in range
+      for (int64_t J = 0; J < NJT; ++J) {
+        for (int w = 0; w < 2; ++w) {
+          const int64_t l0 = 4 * J + 2 * w;
+          const int64_t nl = max64(0, min64(2, N - l0));  // loop residues in range
+          uint64_t* bar = full + static_cast<int>(u % kAbStages);
+          if (kForm == 0) {  // da: g[b, o0 + ol, l0 .. l0 + nl - 1, :] per ol
+            float* dst = slot(static_cast<unsigned>(4 * no * nl * cz));
+            for (int ol = 0; ol < no && nl > 0; ++ol)
+              bulk_copy(dst + 2 * cz * ol, g + ((b * N + o0 + ol) * N + l0) * cz, static_cast<unsigned>(4 * nl * cz), bar);
+          } else {  // db: g[b, l0 + ll, o0 .. o0 + no - 1, :] per ll
+            float* dst = slot(static_cast<unsigned>(4 * nl * no * cz));
+            for (int ll = 0; ll < nl; ++ll)
+              bulk_copy(dst + 32 * cz * ll, g + ((b * N + l0 + ll) * N + o0) * cz, static_cast<unsigned>(4 * no * cz), bar);
+          }
+        }
+        for (int mb = 0; mb < mbc; ++mb) {
+          uint64_t* bar = full + static_cast<int>(u % kAbStages);
+          float* dst = slot(4 * 8192);
+          bulk_copy(dst, Vt + ((b * NJT + J) * SB + 8 * sc + mb) * 8192, 4 * 8192, bar);
+        }
+      }
+    }
+    return;  // (no block-wide barrier after this point: the consumers use named barrier 1)
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kOwConsumerRegs));
+  const int lane = tid % 32, gq = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
+  int64_t u = 0;
+  auto wait_full = [&]() -> const float* {
+    const int st = static_cast<int>(u % kAbStages);
+    mbar_wait(full + st, static_cast<unsigned>((u / kAbStages) & 1));
+    ++u;
+    return ring + st * 8192;
+  };
+  auto release = [&](int64_t us) {
+    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kAbStages));
+  };
+  const int ll = w4 / 2;                // this thread's G rows: r = 16 w4 + gq + 8 hr = 32 ll + ol
+  const int rs1 = kForm == 0 ? 2 * cz : cz, rs2 = kForm == 0 ? cz : 32 * cz;
+  float total[4][32];
+#pragma unroll
+  for (int mp = 0; mp < 4; ++mp)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) total[mp][e] = 0.f;
+  mbar_wait(wbar, 0);
+  for (int64_t J = 0; J < NJT; ++J) {
+    // ---- G step ----
+    float gacc[32], gsum[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) gacc[e] = gsum[e] = 0.f;
+    for (int f = 0; f < 2; ++f) {
+      const int64_t us = u;
+      const float* stg = wait_full();
+      if (f == wg) {
+        const float* row0 = stg + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r (hr 0)
+        const float* row1 = row0 + 8 * rs1;                                       // row r + 8 (hr 1)
+        for (int p = 0; p < kp; ++p) {
+          const float4 x0 = *reinterpret_cast<const float4*>(row0 + 16 * p);
+          const float4 x1 = *reinterpret_cast<const float4*>(row1 + 16 * p);
+          uint32_t ahi[2][4], alo[2][4];
+          split_tf32(x0.x, ahi[0][0], alo[0][0]);
+          split_tf32(x1.x, ahi[0][1], alo[0][1]);
+          split_tf32(x0.y, ahi[0][2], alo[0][2]);
+          split_tf32(x1.y, ahi[0][3], alo[0][3]);
+          split_tf32(x0.z, ahi[1][0], alo[1][0]);
+          split_tf32(x1.z, ahi[1][1], alo[1][1]);
+          split_tf32(x0.w, ahi[1][2], alo[1][2]);
+          split_tf32(x1.w, ahi[1][3], alo[1][3]);
+          wg_fence_acc(gacc);
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[h2][e]), "+r"(alo[h2][e])::"memory");
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int off = (2 * p + h2) * 64;
+            wgmma_tf32_m64n64k8_rs(gacc, alo[h2], wg_desc(Ws + off, 4096), h2 == 0 ? 0 : 1);
+            wgmma_tf32_m64n64k8_rs(gacc, ahi[h2], wg_desc(Ws + 8192 + off, 4096), 1);
+            wgmma_tf32_m64n64k8_rs(gacc, ahi[h2], wg_desc(Ws + off, 4096), 1);
+          }
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          wg_fence_acc(gacc);
+#pragma unroll
+          for (int e = 0; e < 32; ++e) gsum[e] += gacc[e];
+        }
+      }
+      release(us);
+    }
+    // gsum[4 jj + q]: row r = 16 w4 + gq + 8 (q >> 1) (pair (ol, ll)), column n = 8 jj + 2 t4 + (q & 1)
+    float sc2[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t o = 32 * ot + 16 * (w4 % 2) + gq + 8 * hr, l = 4 * J + 2 * wg + ll;
+      const int64_t i = kForm == 0 ? o : l;
+      sc2[hr] = (o < N && l < N) ? __ldg(inv_denom + b * N + i) : 0.f;
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's da-step wgmma on Gt is done
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int ol = 16 * (w4 % 2) + gq + 8 * hr;
+        const int n = 2 * ol + jj / 4, kap = 32 * (2 * wg + ll) + 8 * (jj % 4) + 2 * t4;
+        uint32_t h0, l0, h1, l1;
+        split_tf32(gsum[4 * jj + 2 * hr] * sc2[hr], h0, l0);
+        split_tf32(gsum[4 * jj + 2 * hr + 1] * sc2[hr], h1, l1);
+        *reinterpret_cast<uint2*>(Gt + ab_off(n, kap)) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(Gt + 8192 + ab_off(n, kap)) = make_uint2(l0, l1);
+      }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before wgmma reads Gt
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    // ---- da step ----
+#pragma unroll
+    for (int mp = 0; mp < 4; ++mp)
+#pragma unroll
+      for (int par = 0; par < 2; ++par) {
+        if (2 * mp + par >= mbc) continue;
+        const int64_t us = u;
+        const float* stg = wait_full();
+        if (par == wg) {
+          float acc[32];
+#pragma unroll
+          for (int e = 0; e < 32; ++e) acc[e] = 0.f;
+          const float* frag = stg + (w4 * 32 + lane) * 4;
+#pragma unroll 1
+          for (int k2 = 0; k2 < 8; ++k2) {  // two k steps per batch
+            uint32_t ahi[2][4], alo[2][4];
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+              const float4 v = *reinterpret_cast<const float4*>(frag + (2 * k2 + h2) * 512);
+              split_tf32(v.x, ahi[h2][0], alo[h2][0]);
+              split_tf32(v.y, ahi[h2][1], alo[h2][1]);
+              split_tf32(v.z, ahi[h2][2], alo[h2][2]);
+              split_tf32(v.w, ahi[h2][3], alo[h2][3]);
+            }
+            wg_fence_acc(acc);
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[h2][e]), "+r"(alo[h2][e])::"memory");
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+              const int off = (2 * k2 + h2) * 64;
+              wgmma_tf32_m64n64k8_rs(acc, alo[h2], wg_desc(Gt + off, 4096), h2 == 0 ? 0 : 1);
+              wgmma_tf32_m64n64k8_rs(acc, ahi[h2], wg_desc(Gt + 8192 + off, 4096), 1);
+              wgmma_tf32_m64n64k8_rs(acc, ahi[h2], wg_desc(Gt + off, 4096), 1);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            wg_fence_acc(acc);
+#pragma unroll
+            for (int e = 0; e < 32; ++e) total[mp][e] += acc[e];
+          }
+        }
+        release(us);
+      }
+  }
+  // ---- out: total[mp][4 jj + q] is s = 64 (8 sc + 2 mp + wg) + 16 w4 + gq + 8 (q >> 1), n = 8 jj + 2 t4 +
+  //      (q & 1) = (2 ol + c1 - 2 sl): residue o = 32 ot + 4 jj + t4, channels 2 sl, 2 sl + 1 ----
+#pragma unroll
+  for (int mp = 0; mp < 4; ++mp) {
+    if (2 * mp + wg >= mbc) continue;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t s = 64 * (8 * sc + 2 * mp + wg) + 16 * w4 + gq + 8 * hr;
+      if (s >= S) continue;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int64_t o = 32 * ot + 4 * jj + t4;
+        if (o < N)
+          *reinterpret_cast<float2*>(out + ((b * S + s) * N + o) * 32 + 2 * sl) =
+              make_float2(total[mp][4 * jj + 2 * hr], total[mp][4 * jj + 2 * hr + 1]);
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the host never launches this (DevInfo::ow_ok)
+#endif
+}
+
 // =============================================================================================
 // Launchers
 // =============================================================================================
@@ -3092,6 +3402,59 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   return dwo;
 }
 
+// The backward's da and db (before the mask) on wgmma, G recomputed per tile: a, b (B, S, N, 32) fp32
+// (masked), inv_denom (B, N), g (B, N, N, c_z) fp32 with c_z <= 128 and c_z % 4 == 0 (16-byte rows for
+// the bulk copies), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. Returns (da, db).
+std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
+                                                   at::Tensor wo) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
+              "outer_product_mean: opm_backward_ab takes CUDA tensors");
+  for (const at::Tensor* t : {&a, &b, &inv_denom, &g, &wo})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
+  TORCH_CHECK(a.dim() == 4 && a.size(3) == 32 && b.sizes() == a.sizes(), "outer_product_mean: opm_backward_ab: a, b (B, S, N, 32)");
+  const int64_t B = a.size(0), S = a.size(1), N = a.size(2);
+  TORCH_CHECK(g.dim() == 4 && g.size(0) == B && g.size(1) == N && g.size(2) == N && g.size(3) >= 4 && g.size(3) <= 128 &&
+                  g.size(3) % 4 == 0,
+              "outer_product_mean: opm_backward_ab: g (B, N, N, c_z), c_z a multiple of 4 up to 128");
+  TORCH_CHECK(inv_denom.dim() == 2 && inv_denom.size(0) == B && inv_denom.size(1) == N,
+              "outer_product_mean: opm_backward_ab: inv_denom (B, N)");
+  const int cz = static_cast<int>(g.size(3));
+  TORCH_CHECK(wo.dim() == 2 && wo.size(0) == cz && wo.size(1) == 1024, "outer_product_mean: opm_backward_ab: wo (c_z, 1024)");
+  const c10::cuda::CUDAGuard guard(a.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(a.get_device());
+  TORCH_CHECK(d.ow_ok && kAbSmemBytes <= static_cast<size_t>(d.smem_optin),
+              "outer_product_mean: opm_backward_ab needs a compute capability 9.0 device and an sm_90a build");
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
+  at::Tensor gc = g.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr<float>()) % 16 != 0) gc = gc.clone();  // 16-byte bulk-copy sources
+  at::Tensor da = at::empty_like(ac), db = at::empty_like(ac);
+  if (B == 0 || S == 0 || N == 0) return {da.zero_(), db.zero_()};
+  const int64_t NJT = cdiv(N, 4), SB = cdiv(S, 64), NOT = cdiv(N, 32), NSC = cdiv(SB, 8);
+  const auto f32 = a.options();
+  at::Tensor Vt = at::empty({2 * B * NJT * SB * 8192}, f32);
+  at::Tensor Wt = at::empty({2 * 16 * kAbOperand}, f32);
+  const int64_t items = 2 * (B * NJT * SB * 2048 + 16 * 64 * 32);
+  opm_bw_ab_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
+      ac.data_ptr<float>(), bc.data_ptr<float>(), wc.data_ptr<float>(), Vt.data_ptr<float>(), Wt.data_ptr<float>(), B, S,
+      N, cz, NJT, SB);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t blocks = B * NOT * 16 * NSC;
+  TORCH_CHECK(blocks < (1ll << 31), "outer_product_mean: opm_backward_ab: too many blocks");
+  const float* vt = Vt.data_ptr<float>();
+  const float* wt = Wt.data_ptr<float>();
+  set_smem(opm_bw_ab_kernel<0>, kAbSmemBytes, d, "the backward's da kernel");
+  opm_bw_ab_kernel<0><<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+      vt, wt, gc.data_ptr<float>(), ic.data_ptr<float>(), da.data_ptr<float>(), B, S, N, cz, NJT, SB, NOT, NSC);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  set_smem(opm_bw_ab_kernel<1>, kAbSmemBytes, d, "the backward's db kernel");
+  opm_bw_ab_kernel<1><<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+      vt + B * NJT * SB * 8192, wt + 16 * kAbOperand, gc.data_ptr<float>(), ic.data_ptr<float>(), db.data_ptr<float>(), B,
+      S, N, cz, NJT, SB, NOT, NSC);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {da, db};
+}
+
 // (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg2 and outer_wg can run there.
 std::tuple<bool, bool, bool> device_caps(int64_t device) {
   const DevInfo d = dev_info(static_cast<int>(device));
@@ -3104,6 +3467,11 @@ std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::devic
 
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g) {
   return opm::opm_backward_wo(a, b, inv_denom, g);
+}
+
+std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
+                                                   at::Tensor wo) {
+  return opm::opm_backward_ab(a, b, inv_denom, g, wo);
 }
 
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
@@ -3121,6 +3489,8 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant);
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g);
+std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
+                                                   at::Tensor wo);
 """
 
 
@@ -3212,8 +3582,8 @@ def _build():
               "(cached afterwards)",
               file=sys.stderr, flush=True)
     return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
-                       functions=["opm_forward", "opm_device_caps", "opm_backward_wo"], extra_cuda_cflags=_CUDA_FLAGS,
-                       extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
+                       functions=["opm_forward", "opm_device_caps", "opm_backward_wo", "opm_backward_ab"],
+                       extra_cuda_cflags=_CUDA_FLAGS, extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
 
 
 _ext = _build()
@@ -3267,8 +3637,14 @@ def _wo_kernel_runs(msa, c, c_z, ct):
             and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
 
+def _ab_kernel_runs(msa, c, c_z, ct):
+    """Whether da and db go to opm_bw_ab_kernel (_ext.opm_backward_ab): as _wo_kernel_runs, with pair_dim
+    a multiple of 4 (16-byte rows of grad_out for the bulk copies)."""
+    return _wo_kernel_runs(msa, c, c_z, ct) and c_z % 4 == 0
+
+
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
-                                chunk_bytes=256 << 20, wo_kernel=None):
+                                chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any dtype, ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -3288,7 +3664,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
 
     out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma in
     split TF32) where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True, the chunks below then
-    forming only G.
+    forming only G; da and db likewise (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs
+    holds (ab_kernel None) or ab_kernel is True, with no chunks at all.
 
     Memory: a, b, da, db (B, S, N, c) in ct for the whole call; the outer product and G only for
     r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of
@@ -3326,34 +3703,42 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     wo_in_kernel = _wo_kernel_runs(msa, c, c_z, ct) if wo_kernel is None else wo_kernel
+    ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
+    if wo_in_kernel or ab_in_kernel:
+        inv_d, g_ct = denom.reciprocal().contiguous(), grad_out.to(ct).contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, denom.reciprocal().contiguous(), grad_out.to(ct).contiguous())
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_ct)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
-    d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
-    da = torch.empty((B, S, N, c), dtype=ct, device=dev)
-    db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
-    b_flat = b.reshape(B, S, N * c)                                                    # (B, S, N c)
-    for r0 in range(0, N, rows_outer):
-        r1 = min(N, r0 + rows_outer)
-        r = r1 - r0
-        a_r = a[:, :, r0:r1].reshape(B, S, r * c)                                      # (B, S, r c)
-        g = grad_out[:, r0:r1].to(ct)                                                  # (B, r, N, c_z)
-        d_bo += g.sum((0, 1, 2))
-        g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)                 # g / d (B r N, c_z)
-        if not wo_in_kernel:
-            # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
-            o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
-            o = o.reshape(B * r * N, c * c)                                            # (B r N, c c)
-            d_wo.addmm_(g.t(), o)                                                      # (c_z, c c)
-            del o
-        # G[b,i,j,h,k] = sum_z (g / d) Wo, copied to (i, h, j, k) for the two products   (B, r c, N c)
-        G = (g @ Wo).reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
-        del g
-        da[:, :, r0:r1] = (b_flat @ G.transpose(1, 2)).reshape(B, S, r, c)           # sum_{j,k} G b
-        db += (a_r @ G).reshape(B, S, N, c)                                            # sum_{i,h} G a
-        del G, a_r
-    del a, b, b_flat
+    if ab_in_kernel:
+        d_bo = g_ct.sum((0, 1, 2))
+        da, db = _ext.opm_backward_ab(a, b, inv_d, g_ct, Wo.contiguous())
+    else:
+        d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
+        da = torch.empty((B, S, N, c), dtype=ct, device=dev)
+        db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
+        b_flat = b.reshape(B, S, N * c)                                                # (B, S, N c)
+        for r0 in range(0, N, rows_outer):
+            r1 = min(N, r0 + rows_outer)
+            r = r1 - r0
+            a_r = a[:, :, r0:r1].reshape(B, S, r * c)                                  # (B, S, r c)
+            g = grad_out[:, r0:r1].to(ct)                                              # (B, r, N, c_z)
+            d_bo += g.sum((0, 1, 2))
+            g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)              # g / d (B r N, c_z)
+            if not wo_in_kernel:
+                # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
+                o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
+                o = o.reshape(B * r * N, c * c)                                        # (B r N, c c)
+                d_wo.addmm_(g.t(), o)                                                  # (c_z, c c)
+                del o
+            # G[b,i,j,h,k] = sum_z (g / d) Wo, copied to (i, h, j, k) for the two products   (B, r c, N c)
+            G = (g @ Wo).reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
+            del g
+            da[:, :, r0:r1] = (b_flat @ G.transpose(1, 2)).reshape(B, S, r, c)         # sum_{j,k} G b
+            db += (a_r @ G).reshape(B, S, N, c)                                        # sum_{i,h} G a
+            del G, a_r
+        del b_flat
+    del a, b
 
     # Projections and LayerNorm backward, chunks of rows (ATen's LayerNorm backward)
     da *= m                                                                            # dpa (B, S, N, c)
