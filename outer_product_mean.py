@@ -2630,9 +2630,10 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 //   da step: for each 64-row block mb of the chunk's s rows (warpgroup mb % 2): v block . Gt^T on
 //     wgmma m64n64k8, A = the Vt slot (float4 per k step, split on load), into the block's running
 //     total (4 x 32 registers).
-// Both steps start a fresh accumulator every two k steps (6 wgmma) and add it into fp32 sums: longer
-// chains on the tensor cores' accumulator biased proj_a / proj_b's weight gradients (sums over every
-// msa row of da, db) to ~5x the reference's error at crop with one accumulator per J (48 wgmma).
+// The G step starts a fresh accumulator every two k steps (6 wgmma), the da step every four (12), each
+// added into fp32 sums: longer chains on the tensor cores' accumulator biased proj_a / proj_b's weight
+// gradients (sums over every msa row of da, db) to ~5x the reference's error at crop with one
+// accumulator per J (48 wgmma).
 // The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
 // waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
 // g slots: da: rows (ol, ll) at floats 2 c_z ol + c_z ll (one bulk copy per ol of two j); db: 32 c_z
@@ -2806,11 +2807,11 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
           for (int e = 0; e < 32; ++e) acc[e] = 0.f;
           const float* frag = stg + (w4 * 32 + lane) * 4;
 #pragma unroll 1
-          for (int k2 = 0; k2 < 8; ++k2) {  // two k steps per batch
-            uint32_t ahi[2][4], alo[2][4];
+          for (int k2 = 0; k2 < 4; ++k2) {  // four k steps per batch
+            uint32_t ahi[4][4], alo[4][4];
 #pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-              const float4 v = *reinterpret_cast<const float4*>(frag + (2 * k2 + h2) * 512);
+            for (int h2 = 0; h2 < 4; ++h2) {
+              const float4 v = *reinterpret_cast<const float4*>(frag + (4 * k2 + h2) * 512);
               split_tf32(v.x, ahi[h2][0], alo[h2][0]);
               split_tf32(v.y, ahi[h2][1], alo[h2][1]);
               split_tf32(v.z, ahi[h2][2], alo[h2][2]);
@@ -2818,13 +2819,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
             }
             wg_fence_acc(acc);
 #pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2)
+            for (int h2 = 0; h2 < 4; ++h2)
 #pragma unroll
               for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[h2][e]), "+r"(alo[h2][e])::"memory");
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-              const int off = (2 * k2 + h2) * 64;
+            for (int h2 = 0; h2 < 4; ++h2) {
+              const int off = (4 * k2 + h2) * 64;
               wgmma_tf32_m64n64k8_rs(acc, alo[h2], wg_desc(Gt + off, 4096), h2 == 0 ? 0 : 1);
               wgmma_tf32_m64n64k8_rs(acc, ahi[h2], wg_desc(Gt + 8192 + off, 4096), 1);
               wgmma_tf32_m64n64k8_rs(acc, ahi[h2], wg_desc(Gt + off, 4096), 1);
