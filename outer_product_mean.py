@@ -65,11 +65,12 @@ the boundary (PyTorch casts), the kernels run as above and the output comes back
 dtype (under CUDA autocast, in the autocast dtype, as the reference's is); with bfloat16 inputs and
 parameters outer_wg reads msa_repr and writes its output in bfloat16 (no casts) and makes single
 TF32 products (Wo exact in TF32, a, b and O rounded to TF32: 2^-11, under the bfloat16 reference's
-2^-8 for each). The backward runs in PyTorch ops (outer_product_mean_backward, float32 inside): it
-saves only the inputs, recomputes a and b, and builds the outer product and its gradient G = (g /
-denom) Wo for a chunk of rows i at a time (about 256 MB), never the whole (B, N, N, c*c); gradients
-for msa_repr and every parameter, none for the mask (one that requires grad raises); double backward
-raises.
+2^-8 for each). The backward (outer_product_mean_backward, float32 inside) saves only the inputs
+and recomputes a and b; on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute
+out_proj's weight gradient (O per tile on chip) and, for pair_dim % 4 == 0, da and db (G = (g /
+denom) Wo per tile on chip); elsewhere PyTorch ops build O and G for a chunk of rows i at a time
+(about 256 MB), never the whole (B, N, N, c*c). Gradients for msa_repr and every parameter, none for
+the mask (one that requires grad raises); double backward raises.
 Limits: float32 inside (float16 costs one conversion each way, bfloat16 too but in outer_wg);
 msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
 residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N
@@ -2638,7 +2639,8 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
 // g slots: da: rows (ol, ll) at floats 2 c_z ol + c_z ll (one bulk copy per ol of two j); db: 32 c_z
 // ll + c_z ol (one copy per ll of the tile's 32 j). Copies skip residues past N (their rows' scale is
-// 0; the ring starts zeroed, so a skipped row holds earlier finite data).
+// 0; the ring starts zeroed, so a skipped row holds earlier data, finite for finite inputs), and the
+// G step's last float4s past c_z read the next row, against zero rows of Wt.
 // ---------------------------------------------------------------------------------------------
 template <int kForm>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
@@ -3610,8 +3612,8 @@ class _VariantsHere:
 
 
 # =============================================================================================
-# Backward (PyTorch ops: chunked recomputation, nothing saved but the inputs). _rows_per_chunk is
-# contact_map.py's too: each kernel file stands alone.
+# Backward (nothing saved but the inputs: the wgmma kernels above where they run, else PyTorch ops in
+# chunks). _rows_per_chunk is contact_map.py's too: each kernel file stands alone.
 # =============================================================================================
 def _rows_per_chunk(row_bytes, n, chunk_bytes):
     """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
@@ -3664,9 +3666,11 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     contiguous chunk of the B*S*N msa rows.
 
     out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma in
-    split TF32) where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True, the chunks below then
-    forming only G; da and db likewise (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs
-    holds (ab_kernel None) or ab_kernel is True, with no chunks at all.
+    split TF32) where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
+    (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
+    True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
+    both). Both kernels compute in float32, so they serve float16 / bfloat16 inputs too. Takes detached
+    tensors (the autograd Function's backward calls it under no_grad).
 
     Memory: a, b, da, db (B, S, N, c) in ct for the whole call; the outer product and G only for
     r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of
@@ -3712,12 +3716,14 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:
-        d_bo = g_ct.sum((0, 1, 2))
         da, db = _ext.opm_backward_ab(a, b, inv_d, g_ct, Wo.contiguous())
     else:
-        d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
+    if wo_in_kernel and ab_in_kernel:
+        d_bo = g_ct.sum((0, 1, 2))
+    else:  # chunks: O for dWo and / or G for da, db, whichever no kernel computes
+        d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
         b_flat = b.reshape(B, S, N * c)                                                # (B, S, N c)
         for r0 in range(0, N, rows_outer):
             r1 = min(N, r0 + rows_outer)
@@ -3732,12 +3738,13 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
                 o = o.reshape(B * r * N, c * c)                                        # (B r N, c c)
                 d_wo.addmm_(g.t(), o)                                                  # (c_z, c c)
                 del o
-            # G[b,i,j,h,k] = sum_z (g / d) Wo, copied to (i, h, j, k) for the two products   (B, r c, N c)
-            G = (g @ Wo).reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
-            del g
-            da[:, :, r0:r1] = (b_flat @ G.transpose(1, 2)).reshape(B, S, r, c)         # sum_{j,k} G b
-            db += (a_r @ G).reshape(B, S, N, c)                                        # sum_{i,h} G a
-            del G, a_r
+            if not ab_in_kernel:
+                # G[b,i,j,h,k] = sum_z (g / d) Wo, copied to (i, h, j, k) for the two products (B, r c, N c)
+                G = (g @ Wo).reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
+                da[:, :, r0:r1] = (b_flat @ G.transpose(1, 2)).reshape(B, S, r, c)     # sum_{j,k} G b
+                db += (a_r @ G).reshape(B, S, N, c)                                    # sum_{i,h} G a
+                del G
+            del g, a_r
         del b_flat
     del a, b
 
@@ -3823,7 +3830,8 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype):
 
 class _OuterProductMean(torch.autograd.Function):
     """out = OuterProductMean(msa, mask; params): the forward is the CUDA kernels, the backward
-    outer_product_mean_backward (PyTorch ops). No gradient for the mask; double backward raises."""
+    outer_product_mean_backward (its Hopper kernels, else PyTorch ops). No gradient for the mask; double
+    backward raises."""
 
     @staticmethod
     def forward(ctx, model, code, eps, out_dtype, msa, mask, *params):

@@ -676,7 +676,8 @@ def test_outer_wg_bfloat16_reads_and_writes_bfloat16(opm, ref):
                                                    (1, 3, 9, 16, 8, "offset"), (1, 17, 130, 48, 100, "uniform")])
 def test_backward_wo_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist):
     """outer_product_mean_backward with out_proj's weight gradient in opm_bw_wo_kernel (wo_kernel=True)
-    and in the PyTorch-ops chunks (False) on the same inputs, both against fp64 autograd of the reference:
+    and in the PyTorch-ops chunks (False), da and db in the chunks (ab_kernel=False) both times, on the
+    same inputs, both against fp64 autograd of the reference:
     every gradient's max error relative to its largest value at most max(2x the ops path's, 1e-5), and a
     repeat call bit-equal (a fixed summation order). Odd N (ragged 64 x 4 tiles), S not a multiple of 16,
     pair_dim 8, 100 and 128, B = 2."""
@@ -689,9 +690,9 @@ def test_backward_wo_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm,
     g = torch.randn(B, N, N, cz, generator=gen).cuda()
     params = [p.detach() for p in new.parameters()]
     args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
-    fused = opm.outer_product_mean_backward(*args, wo_kernel=True)
-    again = opm.outer_product_mean_backward(*args, wo_kernel=True)
-    ops = opm.outer_product_mean_backward(*args, wo_kernel=False)
+    fused = opm.outer_product_mean_backward(*args, wo_kernel=True, ab_kernel=False)
+    again = opm.outer_product_mean_backward(*args, wo_kernel=True, ab_kernel=False)
+    ops = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False)
     m64 = copy.deepcopy(m_ref).double()
     x64 = msa.double().requires_grad_(True)
     (m64(x64, mask.double()) * g.double()).sum().backward()
@@ -738,3 +739,38 @@ def test_backward_ab_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm,
         assert torch.equal(f, r), f"{name}: a repeat call differs"
         e_f, e_o = rel(f, w), rel(o, w)
         assert e_f <= max(2 * e_o, 1e-5), f"{name}: kernel {e_f:.2e} vs ops {e_o:.2e}"
+
+
+class _EinsumKernels:
+    """A stand-in for the extension's two backward kernels with their signatures (the same products by
+    einsum), so that the host-side plumbing of outer_product_mean_backward runs on a CPU."""
+
+    @staticmethod
+    def opm_backward_wo(a, b, inv_denom, g):
+        return torch.einsum("bsih,bsjk,bijz->zhk", a, b, g * inv_denom[:, :, None, None]).reshape(g.shape[-1], -1)
+
+    @staticmethod
+    def opm_backward_ab(a, b, inv_denom, g, wo):
+        G = torch.einsum("bijz,zhk->bijhk", g * inv_denom[:, :, None, None], wo.reshape(-1, 32, 32))
+        return torch.einsum("bijhk,bsjk->bsih", G, b), torch.einsum("bijhk,bsih->bsjk", G, a)
+
+
+def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
+    """Each mix of out_proj's weight-gradient kernel and the da / db kernel (the kernels stood in by
+    einsum, float64 on the CPU) gives the all-chunks gradients: the chunks form O where dWo has no kernel
+    and G where da, db have none."""
+    B, S, N, cm, cz = 2, 5, 7, 16, 8
+    gen = torch.Generator().manual_seed(11)
+    m_ref = ref.Model(cm, cz, 32).double()
+    _randomise(m_ref, gen)
+    msa = torch.randn(B, S, N, cm, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(B, S, N, generator=gen) > 0.3).double()
+    g = torch.randn(B, N, N, cz, generator=gen, dtype=torch.float64)
+    params = [p.detach() for p in m_ref.parameters()]
+    args = (msa, mask, params[0], params[1], m_ref.layer_norm.eps, *params[2:], g)
+    want = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False)
+    monkeypatch.setattr(opm, "_ext", _EinsumKernels)
+    for wo_k, ab_k in ((False, True), (True, False), (True, True)):
+        got = opm.outer_product_mean_backward(*args, wo_kernel=wo_k, ab_kernel=ab_k)
+        for w, t in zip(want, got):
+            assert (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0), (wo_k, ab_k)
