@@ -432,6 +432,16 @@ __device__ __forceinline__ void wg_fence_acc(float (&d)[NACC]) {
 // column 8 j + 2 (lane % 4) + q % 2 (as m64n128k8's).
 __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
 @WGMMA_M64N64K8_RS@}
+// d += A B^T for one k step of 8 in split TF32 (B's hi and lo planes K-major at b_hi, b_lo; sbo bytes
+// between 8-row groups): lo_a hi_b, hi_a lo_b, then hi_a hi_b (the small terms first); d is
+// overwritten rather than added to where fresh.
+__device__ __forceinline__ void wgmma_split_m64n64k8_rs(float (&d)[32], const uint32_t (&ahi)[4],
+                                                        const uint32_t (&alo)[4], const float* b_hi,
+                                                        const float* b_lo, unsigned sbo, bool fresh) {
+  wgmma_tf32_m64n64k8_rs(d, alo, wg_desc(b_hi, sbo), fresh ? 0 : 1);
+  wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_lo, sbo), 1);
+  wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_hi, sbo), 1);
+}
 #endif
 
 // =============================================================================================
@@ -2214,9 +2224,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int off = ks * 64;
           const int fresh = (hl % 2 == 0) && ks == 0;  // promotion every 64 kk
           if constexpr (kSplit) {
-            wgmma_tf32_m64n64k8_rs(d2, alo[ks], wg_desc(w_hi + off), fresh ? 0 : 1);
-            wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_lo + off), 1);
-            wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_hi + off), 1);
+            wgmma_split_m64n64k8_rs(d2, ahi[ks], alo[ks], w_hi + off, w_lo + off, 1024, fresh);
           } else {
             wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_hi + off), fresh ? 0 : 1);
           }
@@ -2505,9 +2513,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #pragma unroll
         for (int zh = 0; zh < 2; ++zh) {
           const int off = zh * 1024 + ks * 64;  // z rows 64 zh .. (8 row groups of 128 floats), pairs 8 ks ..
-          wgmma_tf32_m64n64k8_rs(dz[zh], alo[ks], wg_desc(g_hi + off, 512), fresh ? 0 : 1);
-          wgmma_tf32_m64n64k8_rs(dz[zh], ahi[ks], wg_desc(g_lo + off, 512), 1);
-          wgmma_tf32_m64n64k8_rs(dz[zh], ahi[ks], wg_desc(g_hi + off, 512), 1);
+          wgmma_split_m64n64k8_rs(dz[zh], ahi[ks], alo[ks], g_hi + off, g_lo + off, 512, fresh);
         }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -2759,9 +2765,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #pragma unroll
           for (int h2 = 0; h2 < 2; ++h2) {
             const int off = (2 * p + h2) * 64;
-            wgmma_tf32_m64n64k8_rs(gacc, alo[h2], wg_desc(Ws + off, 4096), h2 == 0 ? 0 : 1);
-            wgmma_tf32_m64n64k8_rs(gacc, ahi[h2], wg_desc(Ws + 8192 + off, 4096), 1);
-            wgmma_tf32_m64n64k8_rs(gacc, ahi[h2], wg_desc(Ws + off, 4096), 1);
+            wgmma_split_m64n64k8_rs(gacc, ahi[h2], alo[h2], Ws + off, Ws + 8192 + off, 4096, h2 == 0);
           }
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -2828,9 +2832,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #pragma unroll
             for (int h2 = 0; h2 < 4; ++h2) {
               const int off = (4 * k2 + h2) * 64;
-              wgmma_tf32_m64n64k8_rs(acc, alo[h2], wg_desc(Gt + off, 4096), h2 == 0 ? 0 : 1);
-              wgmma_tf32_m64n64k8_rs(acc, ahi[h2], wg_desc(Gt + 8192 + off, 4096), 1);
-              wgmma_tf32_m64n64k8_rs(acc, ahi[h2], wg_desc(Gt + off, 4096), 1);
+              wgmma_split_m64n64k8_rs(acc, ahi[h2], alo[h2], Gt + off, Gt + 8192 + off, 4096, h2 == 0);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
