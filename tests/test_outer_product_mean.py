@@ -671,28 +671,20 @@ def test_outer_wg_bfloat16_reads_and_writes_bfloat16(opm, ref):
     assert torch.allclose(got.double(), want64, atol=1e-2, rtol=1e-2), (got.double() - want64).abs().max()
 
 
-@gpu
-@pytest.mark.parametrize("B, S, N, cm, cz, dist", [(1, 40, 37, 64, 128, "normal"), (2, 300, 20, 32, 64, "heavy"),
-                                                   (1, 3, 9, 16, 8, "offset"), (1, 17, 130, 48, 100, "uniform")])
-def test_backward_wo_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist):
-    """outer_product_mean_backward with out_proj's weight gradient in opm_bw_wo_kernel (wo_kernel=True)
-    and in the PyTorch-ops chunks (False), da and db in the chunks (ab_kernel=False) both times, on the
-    same inputs, both against fp64 autograd of the reference:
-    every gradient's max error relative to its largest value at most max(2x the ops path's, 1e-5), and a
-    repeat call bit-equal (a fixed summation order). Odd N (ragged 64 x 4 tiles), S not a multiple of 16,
-    pair_dim 8, 100 and 128, B = 2."""
-    if not _caps(opm)[2]:
-        pytest.skip("the dWo kernel needs a Hopper GPU and an sm_90a build")
-    gen = torch.Generator().manual_seed(B + S + N + cz)
-    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S)
+def _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, salt, fused_kw, ops_kw):
+    """outer_product_mean_backward with the keyword arguments fused_kw and with ops_kw on the same inputs,
+    both against fp64 autograd of the reference: every gradient's max error relative to its largest
+    value at most max(2x the ops_kw call's, 1e-5), and a repeat fused_kw call bit-equal."""
+    gen = torch.Generator().manual_seed(B + S + N + cz + salt)
+    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S + salt)
     msa = _msa((B, S, N, cm), dist, gen).cuda()
     mask = _mask(B, S, N, "binary", gen).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).cuda()
     params = [p.detach() for p in new.parameters()]
     args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
-    fused = opm.outer_product_mean_backward(*args, wo_kernel=True, ab_kernel=False)
-    again = opm.outer_product_mean_backward(*args, wo_kernel=True, ab_kernel=False)
-    ops = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False)
+    fused = opm.outer_product_mean_backward(*args, **fused_kw)
+    again = opm.outer_product_mean_backward(*args, **fused_kw)
+    ops = opm.outer_product_mean_backward(*args, **ops_kw)
     m64 = copy.deepcopy(m_ref).double()
     x64 = msa.double().requires_grad_(True)
     (m64(x64, mask.double()) * g.double()).sum().backward()
@@ -704,41 +696,35 @@ def test_backward_wo_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm,
         assert torch.equal(f, r), f"{name}: a repeat call differs"
         e_f, e_o = rel(f, w), rel(o, w)
         assert e_f <= max(2 * e_o, 1e-5), f"{name}: kernel {e_f:.2e} vs ops {e_o:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("B, S, N, cm, cz, dist", [(1, 40, 37, 64, 128, "normal"), (2, 300, 20, 32, 64, "heavy"),
+                                                   (1, 3, 9, 16, 8, "offset"), (1, 17, 130, 48, 100, "uniform")])
+def test_backward_wo_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist):
+    """_backward_against_fp64_and_ops with out_proj's weight gradient in opm_bw_wo_kernel (wo_kernel=True)
+    against the PyTorch-ops chunks (False), da and db in the chunks both times. Odd N (ragged 64 x 4
+    tiles), S not a multiple of 16, pair_dim 8, 100 and 128, B = 2."""
+    if not _caps(opm)[2]:
+        pytest.skip("the dWo kernel needs a Hopper GPU and an sm_90a build")
+    _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, 0, dict(wo_kernel=True, ab_kernel=False),
+                                   dict(wo_kernel=False, ab_kernel=False))
 
 
 @gpu
 @pytest.mark.parametrize("B, S, N, cm, cz, dist", [(1, 40, 37, 64, 128, "normal"), (2, 530, 20, 32, 64, "heavy"),
                                                    (1, 3, 9, 16, 8, "offset"), (1, 17, 130, 48, 100, "uniform")])
 def test_backward_ab_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist):
-    """outer_product_mean_backward with da and db in opm_bw_ab_kernel (ab_kernel=True, dWo in its kernel)
-    and in the PyTorch-ops chunks (both False) on the same inputs, both against fp64 autograd of the
-    reference: every gradient's max error relative to its largest value at most max(2x the ops path's,
-    1e-5), and a repeat call bit-equal. N not a multiple of 32 or 4 (ragged own and loop tiles), S over
-    512 (two s chunks) and not a multiple of 64, pair_dim 8, 64, 100 and 128, B = 2."""
+    """_backward_against_fp64_and_ops with da and db in opm_bw_ab_kernel (ab_kernel=True, dWo in its
+    kernel) against the PyTorch-ops chunks (both False). N not a multiple of 32 or 4 (ragged own and loop
+    tiles), S over 512 (two s chunks) and not a multiple of 64, pair_dim 8, 64, 100 and 128, B = 2;
+    _ab_kernel_runs for pair_dim % 4 == 0 only."""
     if not _caps(opm)[2]:
         pytest.skip("the da / db kernel needs a Hopper GPU and an sm_90a build")
-    gen = torch.Generator().manual_seed(B + S + N + cz + 1)
-    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S + 1)
-    msa = _msa((B, S, N, cm), dist, gen).cuda()
-    mask = _mask(B, S, N, "binary", gen).cuda()
-    g = torch.randn(B, N, N, cz, generator=gen).cuda()
-    params = [p.detach() for p in new.parameters()]
-    args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
+    msa = torch.empty(1, 1, 1, cm, device="cuda")
     assert opm._ab_kernel_runs(msa, 32, cz, torch.float32) and not opm._ab_kernel_runs(msa, 32, cz + 2, torch.float32)
-    fused = opm.outer_product_mean_backward(*args, wo_kernel=True, ab_kernel=True)
-    again = opm.outer_product_mean_backward(*args, wo_kernel=True, ab_kernel=True)
-    ops = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False)
-    m64 = copy.deepcopy(m_ref).double()
-    x64 = msa.double().requires_grad_(True)
-    (m64(x64, mask.double()) * g.double()).sum().backward()
-    want = (x64.grad,) + tuple(p.grad for p in m64.parameters())
-    names = ("msa",) + tuple(n for n, _ in m64.named_parameters())
-    rel = lambda t, w: (t.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30)
-    for name, f, r, o, w in zip(names, fused, again, ops, want):
-        assert f.shape == w.shape and f.dtype == torch.float32 and torch.isfinite(f).all(), name
-        assert torch.equal(f, r), f"{name}: a repeat call differs"
-        e_f, e_o = rel(f, w), rel(o, w)
-        assert e_f <= max(2 * e_o, 1e-5), f"{name}: kernel {e_f:.2e} vs ops {e_o:.2e}"
+    _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, 1, dict(wo_kernel=True, ab_kernel=True),
+                                   dict(wo_kernel=False, ab_kernel=False))
 
 
 class _EinsumKernels:
