@@ -442,6 +442,25 @@ __device__ __forceinline__ void wgmma_split_m64n64k8_rs(float (&d)[32], const ui
   wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_lo, sbo), 1);
   wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_hi, sbo), 1);
 }
+// KS split-TF32 k steps in one wgmma batch with A in registers (k step q's B planes at b + 64 q, hi,
+// and b + lo_off + 64 q, lo): into the fresh accumulator d, waited for, then added into sum in fp32.
+template <int KS>
+__device__ __forceinline__ void wgmma_split_batch_rs(float (&d)[32], float (&sum)[32], uint32_t (&ahi)[KS][4],
+                                                     uint32_t (&alo)[KS][4], const float* b, int lo_off, unsigned sbo) {
+  wg_fence_acc(d);
+#pragma unroll
+  for (int q = 0; q < KS; ++q)  // the A fragments are wgmma inputs too: written before the fence
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[q][e]), "+r"(alo[q][e])::"memory");
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+  for (int q = 0; q < KS; ++q) wgmma_split_m64n64k8_rs(d, ahi[q], alo[q], b + 64 * q, b + lo_off + 64 * q, sbo, q == 0);
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  wg_fence_acc(d);
+#pragma unroll
+  for (int e = 0; e < 32; ++e) sum[e] += d[e];
+}
 #endif
 
 // =============================================================================================
@@ -2756,22 +2775,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
           split_tf32(x1.z, ahi[1][1], alo[1][1]);
           split_tf32(x0.w, ahi[1][2], alo[1][2]);
           split_tf32(x1.w, ahi[1][3], alo[1][3]);
-          wg_fence_acc(gacc);
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[h2][e]), "+r"(alo[h2][e])::"memory");
-          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int off = (2 * p + h2) * 64;
-            wgmma_split_m64n64k8_rs(gacc, ahi[h2], alo[h2], Ws + off, Ws + 8192 + off, 4096, h2 == 0);
-          }
-          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          wg_fence_acc(gacc);
-#pragma unroll
-          for (int e = 0; e < 32; ++e) gsum[e] += gacc[e];
+          wgmma_split_batch_rs<2>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
         }
       }
       release(us);
@@ -2823,22 +2827,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
               split_tf32(v.z, ahi[h2][2], alo[h2][2]);
               split_tf32(v.w, ahi[h2][3], alo[h2][3]);
             }
-            wg_fence_acc(acc);
-#pragma unroll
-            for (int h2 = 0; h2 < 4; ++h2)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[h2][e]), "+r"(alo[h2][e])::"memory");
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-            for (int h2 = 0; h2 < 4; ++h2) {
-              const int off = (4 * k2 + h2) * 64;
-              wgmma_split_m64n64k8_rs(acc, ahi[h2], alo[h2], Gt + off, Gt + 8192 + off, 4096, h2 == 0);
-            }
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            wg_fence_acc(acc);
-#pragma unroll
-            for (int e = 0; e < 32; ++e) total[mp][e] += acc[e];
+            wgmma_split_batch_rs<4>(acc, total[mp], ahi, alo, Gt + 4 * k2 * 64, 8192, 4096);
           }
         }
         release(us);
