@@ -2856,6 +2856,197 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #endif
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The backward's LayerNorm part in one pass over the msa rows (fp32, hidden_dim 32, msa_dim CM):
+//   xhat = (x_in - mean) rstd,  x = xhat ln_w + ln_b            (recomputed; two-pass statistics)
+//   dy[r, m]  = sum_c dpa[r, c] Wa[c, m] + dpb[r, c] Wb[c, m]   (dpa = da * mask, dpb likewise)
+//   d_x_in    = rstd (g - mean_m g - xhat mean_m(g xhat)),  g = dy ln_w
+//   dWa[c, m] = sum_r dpa[r, c] x[r, m] (dWb likewise),  d_ln_w = sum_r dy xhat,  d_ln_b = sum_r dy
+// Persistent blocks of 256 threads (one per SM) take tiles of 32 rows t = blockIdx.x, + gridDim.x, ...;
+// per tile the rows, dpa | dpb and (once per block) Wa | Wb sit in shared memory. Thread (mg = tid % MG, rg = tid /
+// MG), MG = CM / 4: columns 4 mg .. 4 mg + 3; dy for rows RPT rg .. (RPT = 32 / NRG, NRG = 256 / MG),
+// the weight sums for channels CPT rg .. (CPT = 64 / NRG; 0-31 a, 32-63 b) over the block's rows, in
+// registers to the end. Each block writes its partials (part[blk][64][CM], part_ln[blk][2][CM]);
+// opm_bw_ln_sum_kernel adds them in block order in fp64.
+// ---------------------------------------------------------------------------------------------
+constexpr int kLnRows = 32;
+template <int CM>
+constexpr size_t ln_smem_bytes() { return 4ull * (kLnRows * CM + kLnRows * 64 + 64 * CM + 2 * CM + 2 * kLnRows + 2 * kLnRows * 2); }
+template <int CM>
+__global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
+    const float* __restrict__ xin, const float* __restrict__ dpa, const float* __restrict__ dpb,
+    const float* __restrict__ ln_w, const float* __restrict__ ln_b, const float* __restrict__ wa,
+    const float* __restrict__ wb, float* __restrict__ dx, float* __restrict__ part, float* __restrict__ part_ln,
+    int64_t R, float eps) {
+  constexpr int MG = CM / 4, NRG = 256 / MG, RPT = kLnRows / NRG, CPT = 64 / NRG, WPR = MG / 32;
+  static_assert(MG % 32 == 0 && NRG * MG == 256, "CM: 128 or 256");
+  extern __shared__ float4 smem_f4[];
+  float* xs = reinterpret_cast<float*>(smem_f4);  // [32][CM]: x_in, then xhat
+  float* dps = xs + kLnRows * CM;                  // [32][64]: dpa | dpb
+  float* ws = dps + kLnRows * 64;                  // [64][CM]: Wa | Wb
+  float* lws = ws + 64 * CM;                       // [CM] ln_w, then [CM] ln_b
+  float* stat = lws + 2 * CM;                      // [32] mean, [32] rstd
+  float* red = stat + 2 * kLnRows;                 // [2][32][WPR]: the rows' sums of g, g xhat per warp
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, mg = tid % MG, rg = tid / MG;
+  for (int e = tid; e < 64 * MG; e += 256) {
+    const int k = e / MG, q = e % MG;
+    reinterpret_cast<float4*>(ws)[e] = __ldg(reinterpret_cast<const float4*>(k < 32 ? wa + k * CM : wb + (k - 32) * CM) + q);
+  }
+  for (int e = tid; e < 2 * CM; e += 256) lws[e] = __ldg(e < CM ? ln_w + e : ln_b + e - CM);
+  float accw[CPT][4], dlw[4], dlb[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    dlw[q] = dlb[q] = 0.f;
+#pragma unroll
+    for (int k = 0; k < CPT; ++k) accw[k][q] = 0.f;
+  }
+  const int64_t tiles = (R + kLnRows - 1) / kLnRows;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = t * kLnRows;
+    __syncthreads();  // the previous tile's reads of xs, dps are done (and ws, lws written)
+    for (int e = tid; e < kLnRows * MG; e += 256) {
+      const int r = e / MG;
+      reinterpret_cast<float4*>(xs)[e] = r0 + r < R ? __ldg(reinterpret_cast<const float4*>(xin + (r0 + r) * CM) + e % MG)
+                                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int e = tid; e < kLnRows * 16; e += 256) {
+      const int r = e / 16, q = e % 16;
+      const float* src = q < 8 ? dpa + (r0 + r) * 32 + 4 * q : dpb + (r0 + r) * 32 + 4 * (q - 8);
+      reinterpret_cast<float4*>(dps)[e] = r0 + r < R ? __ldg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __syncthreads();
+    // ---- statistics: warp w, rows 4 w .. 4 w + 3 ----
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      const int r = 4 * warp + rr;
+      float s = 0.f;
+#pragma unroll
+      for (int m = lane; m < CM; m += 32) s += xs[r * CM + m];
+      s = warp_sum(s);
+      const float mean = s / CM;
+      float v = 0.f;
+#pragma unroll
+      for (int m = lane; m < CM; m += 32) {
+        const float d = xs[r * CM + m] - mean;
+        v += d * d;
+      }
+      v = warp_sum(v);
+      const float rstd = rsqrtf(v / CM + eps);
+#pragma unroll
+      for (int m = lane; m < CM; m += 32) xs[r * CM + m] = (xs[r * CM + m] - mean) * rstd;
+      if (lane == 0) {
+        stat[r] = mean;
+        stat[kLnRows + r] = rstd;
+      }
+    }
+    __syncthreads();
+    // ---- dy, the LayerNorm backward's row sums ----
+    float dy[RPT][4];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) dy[i][q] = 0.f;
+#pragma unroll 4
+    for (int k = 0; k < 64; ++k) {
+      const float4 w = reinterpret_cast<const float4*>(ws + k * CM)[mg];
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const float p = dps[(RPT * rg + i) * 64 + k];
+        dy[i][0] = fmaf(p, w.x, dy[i][0]);
+        dy[i][1] = fmaf(p, w.y, dy[i][1]);
+        dy[i][2] = fmaf(p, w.z, dy[i][2]);
+        dy[i][3] = fmaf(p, w.w, dy[i][3]);
+      }
+    }
+    const float4 lw4 = reinterpret_cast<const float4*>(lws)[mg];
+    const float lwv[4] = {lw4.x, lw4.y, lw4.z, lw4.w};
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = RPT * rg + i;
+      const float4 xh4 = reinterpret_cast<const float4*>(xs + r * CM)[mg];
+      const float xh[4] = {xh4.x, xh4.y, xh4.z, xh4.w};
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float gq = dy[i][q] * lwv[q];
+        s1 += gq;
+        s2 += gq * xh[q];
+        dlw[q] = fmaf(dy[i][q], xh[q], dlw[q]);
+        dlb[q] += dy[i][q];
+      }
+      s1 = warp_sum(s1);
+      s2 = warp_sum(s2);
+      if (lane == 0) {
+        red[r * WPR + warp % WPR] = s1;
+        red[kLnRows * WPR + r * WPR + warp % WPR] = s2;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = RPT * rg + i;
+      if (r0 + r >= R) continue;
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int u = 0; u < WPR; ++u) {
+        s1 += red[r * WPR + u];
+        s2 += red[kLnRows * WPR + r * WPR + u];
+      }
+      const float rstd = stat[kLnRows + r], m1 = s1 / CM, m2 = s2 / CM;
+      const float4 xh4 = reinterpret_cast<const float4*>(xs + r * CM)[mg];
+      float4 o;
+      o.x = rstd * (dy[i][0] * lwv[0] - m1 - xh4.x * m2);
+      o.y = rstd * (dy[i][1] * lwv[1] - m1 - xh4.y * m2);
+      o.z = rstd * (dy[i][2] * lwv[2] - m1 - xh4.z * m2);
+      o.w = rstd * (dy[i][3] * lwv[3] - m1 - xh4.w * m2);
+      reinterpret_cast<float4*>(dx + (r0 + r) * CM)[mg] = o;
+    }
+    // ---- the weight sums: accw[k][q] += dp[r][CPT rg + k] x[r][4 mg + q] ----
+    const float4 lb4 = reinterpret_cast<const float4*>(lws + CM)[mg];
+#pragma unroll 2
+    for (int r = 0; r < kLnRows; ++r) {
+      const float4 xh4 = reinterpret_cast<const float4*>(xs + r * CM)[mg];
+      const float x[4] = {fmaf(xh4.x, lw4.x, lb4.x), fmaf(xh4.y, lw4.y, lb4.y), fmaf(xh4.z, lw4.z, lb4.z),
+                          fmaf(xh4.w, lw4.w, lb4.w)};
+#pragma unroll
+      for (int k = 0; k < CPT; k += 4) {
+        const float4 p = reinterpret_cast<const float4*>(dps + r * 64 + CPT * rg + k)[0];
+        const float pv[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) accw[k + kk][q] = fmaf(pv[kk], x[q], accw[k + kk][q]);
+      }
+    }
+  }
+  // ---- partials: this block's weight sums, and d_ln_w / d_ln_b over its row groups (via shared memory) ----
+  float* pb = part + static_cast<int64_t>(blockIdx.x) * 64 * CM;
+#pragma unroll
+  for (int k = 0; k < CPT; ++k)
+    reinterpret_cast<float4*>(pb + (CPT * rg + k) * CM)[mg] = make_float4(accw[k][0], accw[k][1], accw[k][2], accw[k][3]);
+  __syncthreads();  // (xs free: reuse it for the row groups' d_ln_w / d_ln_b)
+  reinterpret_cast<float4*>(xs + rg * 2 * CM)[mg] = make_float4(dlw[0], dlw[1], dlw[2], dlw[3]);
+  reinterpret_cast<float4*>(xs + rg * 2 * CM + CM)[mg] = make_float4(dlb[0], dlb[1], dlb[2], dlb[3]);
+  __syncthreads();
+  for (int e = tid; e < 2 * CM; e += 256) {
+    float s = 0.f;
+    for (int g = 0; g < NRG; ++g) s += xs[g * 2 * CM + e];
+    part_ln[static_cast<int64_t>(blockIdx.x) * 2 * CM + e] = s;
+  }
+}
+
+// out[e] = sum over blocks (in order, in fp64) of part[blk * n + e] for e < n (dWa | dWb: n = 64 CM, then
+// d_ln_w | d_ln_b: n = 2 CM, into separate outputs by the caller's views).
+__global__ void __launch_bounds__(kThreads) opm_bw_ln_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
+                                                                 int blocks, int64_t n) {
+  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (e >= n) return;
+  double s = 0.0;
+  for (int b = 0; b < blocks; ++b) s += part[b * n + e];
+  out[e] = static_cast<float>(s);
+}
+
 // =============================================================================================
 // Launchers
 // =============================================================================================
@@ -3449,6 +3640,62 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   return {da, db};
 }
 
+// The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m), dpa, dpb (R, 32) fp32 (masked), ln_w,
+// ln_b (c_m), wa, wb (32, c_m), c_m 128 or 256, CUDA. Returns (d_x_in, d_ln_w, d_ln_b, d_wa, d_wb); the
+// sums over rows in a fixed order for a given device.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
+    at::Tensor xin, at::Tensor dpa, at::Tensor dpb, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor wb,
+    double eps) {
+  for (const at::Tensor* t : {&xin, &dpa, &dpb, &ln_w, &ln_b, &wa, &wb}) {
+    TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_ln takes CUDA tensors");
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ln takes float32, got ", dtype_str(*t));
+  }
+  TORCH_CHECK(xin.dim() == 2 && (xin.size(1) == 128 || xin.size(1) == 256),
+              "outer_product_mean: opm_backward_ln: x_in (R, 128 or 256)");
+  const int64_t R = xin.size(0), cm = xin.size(1);
+  TORCH_CHECK(dpa.dim() == 2 && dpa.size(0) == R && dpa.size(1) == 32 && dpb.sizes() == dpa.sizes(),
+              "outer_product_mean: opm_backward_ln: dpa, dpb (R, 32)");
+  TORCH_CHECK(ln_w.numel() == cm && ln_b.numel() == cm && wa.dim() == 2 && wa.size(0) == 32 && wa.size(1) == cm &&
+                  wb.sizes() == wa.sizes(),
+              "outer_product_mean: opm_backward_ln: ln_w, ln_b (c_m), wa, wb (32, c_m)");
+  const c10::cuda::CUDAGuard guard(xin.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(xin.get_device());
+  const at::Tensor xc = xin.contiguous(), pac = dpa.contiguous(), pbc = dpb.contiguous(), lwc = ln_w.contiguous(),
+                   lbc = ln_b.contiguous(), wac = wa.contiguous(), wbc = wb.contiguous();
+  const auto f32 = xin.options();
+  at::Tensor dx = at::empty({R, cm}, f32);
+  at::Tensor sums = at::zeros({66 * cm}, f32);  // dWa | dWb (64 x c_m), d_ln_w, d_ln_b
+  if (R > 0) {
+    const int64_t tiles = cdiv(R, kLnRows);
+    const int blocks = static_cast<int>(std::min<int64_t>(tiles, d.sms));
+    at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * 2 * cm}, f32);
+    const float fe = static_cast<float>(eps);
+    if (cm == 256) {
+      set_smem(opm_bw_ln_kernel<256>, ln_smem_bytes<256>(), d, "the backward's LayerNorm kernel");
+      opm_bw_ln_kernel<256><<<blocks, 256, ln_smem_bytes<256>(), stream>>>(
+          xc.data_ptr<float>(), pac.data_ptr<float>(), pbc.data_ptr<float>(), lwc.data_ptr<float>(), lbc.data_ptr<float>(),
+          wac.data_ptr<float>(), wbc.data_ptr<float>(), dx.data_ptr<float>(), part.data_ptr<float>(),
+          part_ln.data_ptr<float>(), R, fe);
+    } else {
+      set_smem(opm_bw_ln_kernel<128>, ln_smem_bytes<128>(), d, "the backward's LayerNorm kernel");
+      opm_bw_ln_kernel<128><<<blocks, 256, ln_smem_bytes<128>(), stream>>>(
+          xc.data_ptr<float>(), pac.data_ptr<float>(), pbc.data_ptr<float>(), lwc.data_ptr<float>(), lbc.data_ptr<float>(),
+          wac.data_ptr<float>(), wbc.data_ptr<float>(), dx.data_ptr<float>(), part.data_ptr<float>(),
+          part_ln.data_ptr<float>(), R, fe);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
+        part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(2 * cm, kThreads)), kThreads, 0, stream>>>(
+        part_ln.data_ptr<float>(), sums.data_ptr<float>() + 64 * cm, blocks, 2 * cm);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {dx, sums.narrow(0, 64 * cm, cm), sums.narrow(0, 65 * cm, cm), sums.narrow(0, 0, 32 * cm).view({32, cm}),
+          sums.narrow(0, 32 * cm, 32 * cm).view({32, cm})};
+}
+
 // (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg2 and outer_wg can run there.
 std::tuple<bool, bool, bool> device_caps(int64_t device) {
   const DevInfo d = dev_info(static_cast<int>(device));
@@ -3468,6 +3715,12 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   return opm::opm_backward_ab(a, b, inv_denom, g, wo);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
+    at::Tensor xin, at::Tensor dpa, at::Tensor dpb, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor wb,
+    double eps) {
+  return opm::opm_backward_ln(xin, dpa, dpb, ln_w, ln_b, wa, wb, eps);
+}
+
 std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
                                             at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
                                             at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
@@ -3485,6 +3738,9 @@ std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g);
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
                                                    at::Tensor wo);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
+    at::Tensor xin, at::Tensor dpa, at::Tensor dpb, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor wb,
+    double eps);
 """
 
 
@@ -3576,7 +3832,8 @@ def _build():
               "(cached afterwards)",
               file=sys.stderr, flush=True)
     return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
-                       functions=["opm_forward", "opm_device_caps", "opm_backward_wo", "opm_backward_ab"],
+                       functions=["opm_forward", "opm_device_caps", "opm_backward_wo", "opm_backward_ab",
+                                  "opm_backward_ln"],
                        extra_cuda_cflags=_CUDA_FLAGS, extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
 
 
@@ -3631,6 +3888,12 @@ def _wo_kernel_runs(msa, c, c_z, ct):
             and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
 
+def _ln_kernel_runs(msa, c, c_m):
+    """Whether the LayerNorm part of the backward goes to opm_bw_ln_kernel (_ext.opm_backward_ln): a
+    float32 msa on a CUDA device, hidden_dim 32, msa_dim 128 or 256."""
+    return msa.is_cuda and msa.dtype == torch.float32 and c == 32 and c_m in (128, 256)
+
+
 def _ab_kernel_runs(msa, c, c_z, ct):
     """Whether da and db go to opm_bw_ab_kernel (_ext.opm_backward_ab): as _wo_kernel_runs, with pair_dim
     a multiple of 4 (16-byte rows of grad_out for the bulk copies)."""
@@ -3638,7 +3901,7 @@ def _ab_kernel_runs(msa, c, c_z, ct):
 
 
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
-                                chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None):
+                                chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any dtype, ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -3660,8 +3923,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     split TF32) where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
     (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
     True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
-    both). Both kernels compute in float32, so they serve float16 / bfloat16 inputs too. Takes detached
-    tensors (the autograd Function's backward calls it under no_grad).
+    both). Both kernels compute in float32, so they serve float16 / bfloat16 inputs too. The LayerNorm
+    part runs in one pass over the msa rows (opm_bw_ln_kernel) where _ln_kernel_runs holds (ln_kernel
+    None) or ln_kernel is True. Takes detached tensors (the autograd Function's backward calls it
+    under no_grad).
 
     Memory: a, b, da, db (B, S, N, c) in ct for the whole call; the outer product and G only for
     r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of
@@ -3739,33 +4004,40 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         del b_flat
     del a, b
 
-    # Projections and LayerNorm backward, chunks of rows (ATen's LayerNorm backward)
+    # Projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of rows
+    # (ATen's LayerNorm backward)
     da *= m                                                                            # dpa (B, S, N, c)
     db *= m                                                                            # dpb
     del m, m_rows
-    d_wa = torch.zeros((c, c_m), dtype=ct, device=dev)
-    d_wb = torch.zeros((c, c_m), dtype=ct, device=dev)
-    d_ln_w = torch.zeros((c_m,), dtype=ct, device=dev)
-    d_ln_b = torch.zeros((c_m,), dtype=ct, device=dev)
     d_ba = da.sum((0, 1, 2))
     d_bb = db.sum((0, 1, 2))
-    d_msa = torch.empty((B, S, N, c_m), dtype=msa.dtype, device=dev)
-    da_rows, db_rows, d_msa_rows = da.view(R, c), db.view(R, c), d_msa.view(R, c_m)
-    for r0 in range(0, R, rows_ln):
-        r1 = min(R, r0 + rows_ln)
-        xin = msa_rows[r0:r1].to(ct)                                                   # (r, c_m)
-        x, mean, rstd = torch.native_layer_norm(xin, (c_m,), lw, lb, eps)
-        dpa, dpb = da_rows[r0:r1], db_rows[r0:r1]                                      # (r, c)
-        d_wa.addmm_(dpa.t(), x)                                                        # (c, c_m)
-        d_wb.addmm_(dpb.t(), x)
-        del x
-        dy = (dpa @ Wa).addmm_(dpb, Wb)                                                # (r, c_m)
-        dx, dlw, dlb = torch.ops.aten.native_layer_norm_backward(dy, xin, (c_m,), mean, rstd, lw, lb,
-                                                                 (True, True, True))
-        d_ln_w += dlw
-        d_ln_b += dlb
-        d_msa_rows[r0:r1] = dx
-        del xin, mean, rstd, dy, dx, dlw, dlb
+    ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
+    if ln_in_kernel:
+        d_msa, d_ln_w, d_ln_b, d_wa, d_wb = _ext.opm_backward_ln(msa_rows, da.view(R, c), db.view(R, c), lw, lb,
+                                                              Wa.contiguous(), Wb.contiguous(), eps)
+        d_msa = d_msa.view(B, S, N, c_m)
+    else:
+        d_wa = torch.zeros((c, c_m), dtype=ct, device=dev)
+        d_wb = torch.zeros((c, c_m), dtype=ct, device=dev)
+        d_ln_w = torch.zeros((c_m,), dtype=ct, device=dev)
+        d_ln_b = torch.zeros((c_m,), dtype=ct, device=dev)
+        d_msa = torch.empty((B, S, N, c_m), dtype=msa.dtype, device=dev)
+        da_rows, db_rows, d_msa_rows = da.view(R, c), db.view(R, c), d_msa.view(R, c_m)
+        for r0 in range(0, R, rows_ln):
+            r1 = min(R, r0 + rows_ln)
+            xin = msa_rows[r0:r1].to(ct)                                               # (r, c_m)
+            x, mean, rstd = torch.native_layer_norm(xin, (c_m,), lw, lb, eps)
+            dpa, dpb = da_rows[r0:r1], db_rows[r0:r1]                                  # (r, c)
+            d_wa.addmm_(dpa.t(), x)                                                    # (c, c_m)
+            d_wb.addmm_(dpb.t(), x)
+            del x
+            dy = (dpa @ Wa).addmm_(dpb, Wb)                                            # (r, c_m)
+            dx, dlw, dlb = torch.ops.aten.native_layer_norm_backward(dy, xin, (c_m,), mean, rstd, lw, lb,
+                                                                     (True, True, True))
+            d_ln_w += dlw
+            d_ln_b += dlb
+            d_msa_rows[r0:r1] = dx
+            del xin, mean, rstd, dy, dx, dlw, dlb
 
     return (d_msa, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_wa.to(wa.dtype), d_ba.to(ba.dtype),
             d_wb.to(wb.dtype), d_bb.to(bb.dtype), d_wo.to(wo.dtype), d_bo.to(bo.dtype))

@@ -760,3 +760,15 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
         got = opm.outer_product_mean_backward(*args, wo_kernel=wo_k, ab_kernel=ab_k)
         for w, t in zip(want, got):
             assert (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0), (wo_k, ab_k)
+
+
+@gpu
+@pytest.mark.parametrize("B, S, N, cm, cz, dist", [(1, 40, 37, 256, 128, "normal"), (2, 9, 20, 128, 64, "heavy"),
+                                                   (1, 3, 11, 256, 8, "offset")])
+def test_backward_ln_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist):
+    """_backward_against_fp64_and_ops with the LayerNorm part in opm_bw_ln_kernel (ln_kernel=True)
+    against the PyTorch-ops chunks (False). msa_dim 128 and 256, B * S * N not a multiple of the
+    kernel's 32-row tiles; _ln_kernel_runs for msa_dim 128 and 256 only."""
+    msa = torch.empty(1, 1, 1, cm, device="cuda")
+    assert opm._ln_kernel_runs(msa, 32, cm) and not opm._ln_kernel_runs(msa, 32, 64)
+    _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, 2, dict(ln_kernel=True), dict(ln_kernel=False))
