@@ -1849,16 +1849,20 @@ __device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N,
 //   (4) y * rstd + bias', times the mask, staged as ys[n_l][o][s_l] (row kPoLDY) over the x tile,
 //       then read as 4 s of one (n, o) (16 bytes), split, and written to both planes of Aow (o < 32)
 //       or Bow (o >= 32; j < 4 NBB): 8 lanes write 128 contiguous bytes per plane.
+//       With a_rows (not null; hidden_dim 32), also a and b as rows: a_rows, b_rows (B, S, N, 32) fp32,
+//       row po_row, channel o % 32, valid rows only (32 lanes write one row's 128 bytes per s): the a,
+//       b that the backward takes. kPlanes false: the rows only (Aow, Bow not written).
 // Blocks [0, n_den) compute inv_denom instead (inv_denom_cols), concurrently with the tiles.
 // Shared memory (dynamic): po_tile_floats(c_m, MT) floats; static: the mbarrier, st_s.
 // Assumptions: 128 threads (kPoThreads); Wf, biasf as opm_ow_params_kernel writes them; c_m <= kMaxMsaDim.
 // ---------------------------------------------------------------------------------------------
 constexpr int kPoThreads = 128;
-template <int MT, typename T>
+template <int MT, typename T, bool kPlanes>
 __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
     const T* __restrict__ x, const void* __restrict__ mask, int mask_kind, const float* __restrict__ Wf,
     const float* __restrict__ biasf, float* __restrict__ Aow, float* __restrict__ Bow, int64_t B, int64_t S,
-    int64_t N, int cm, float eps, int64_t KB16, int64_t NIT, int64_t NBB, float* __restrict__ inv_denom, int n_den) {
+    int64_t N, int cm, float eps, int64_t KB16, int64_t NIT, int64_t NBB, float* __restrict__ inv_denom, int n_den,
+    float* __restrict__ a_rows, float* __restrict__ b_rows) {
 #if defined(OPM_WG_DEVICE)
   constexpr int RT = 16 * MT, NW = 4 * MT;  // rows, residues n per tile
   if (blockIdx.x < n_den) {  // blocks [0, n_den): inv_denom, beside the tiles (the fused kernel needs it)
@@ -2042,6 +2046,15 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
       const int e = tid + kPoThreads * iu, n_l = e / 64, o = e % 64;
       const float4 v = *reinterpret_cast<const float4*>(xs + n_l * kPoLDY + 4 * o);
       const int64_t n = p.n0 + n_l;
+      if (a_rows != nullptr && n_l < p.nn) {  // rows (b, s0 + s_l, n): po_row of rho = 4 n_l + s_l
+        float* dst = (o < 32 ? a_rows : b_rows) + ((p.b * S + p.s0) * N + n) * 32 + o % 32;
+        const int64_t step = N * 32;
+        if (p.ns > 0) dst[0] = v.x;
+        if (p.ns > 1) dst[step] = v.y;
+        if (p.ns > 2) dst[2 * step] = v.z;
+        if (p.ns > 3) dst[3 * step] = v.w;
+      }
+      if (!kPlanes) continue;
       if (o < 32) {
         const int q = o / 8, hl = o % 8;
         float* dst = Aow + (((p.b * kOwNQ + q) * KB16 + kb) * MBA + n / 8) * (2 * kOwAPlane) + (n % 8) * 128 + quad * 32 + hl * 4;
@@ -2856,66 +2869,116 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #endif
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // The backward's LayerNorm part in one pass over the msa rows (fp32, hidden_dim 32, msa_dim CM):
 //   xhat = (x_in - mean) rstd,  x = xhat ln_w + ln_b            (recomputed; two-pass statistics)
-//   dy[r, m]  = sum_c dpa[r, c] Wa[c, m] + dpb[r, c] Wb[c, m]   (dpa = da * mask, dpb likewise)
+//   dpa = da * mask, dpb = db * mask                             (per row)
+//   dy[r, m]  = sum_c dpa[r, c] Wa[c, m] + dpb[r, c] Wb[c, m]
 //   d_x_in    = rstd (g - mean_m g - xhat mean_m(g xhat)),  g = dy ln_w
-//   dWa[c, m] = sum_r dpa[r, c] x[r, m] (dWb likewise),  d_ln_w = sum_r dy xhat,  d_ln_b = sum_r dy
+//   dWa[c, m] = sum_r dpa[r, c] x[r, m] (dWb likewise),  d_ln_w = sum_r dy xhat,  d_ln_b = sum_r dy,
+//   d_ba = sum_r dpa, d_bb = sum_r dpb
 // Persistent blocks of 256 threads (one per SM) take tiles of 32 rows t = blockIdx.x, + gridDim.x, ...;
-// per tile the rows, dpa | dpb and (once per block) Wa | Wb sit in shared memory. Thread (mg = tid % MG, rg = tid /
-// MG), MG = CM / 4: columns 4 mg .. 4 mg + 3; dy for rows RPT rg .. (RPT = 32 / NRG, NRG = 256 / MG),
-// the weight sums for channels CPT rg .. (CPT = 64 / NRG; 0-31 a, 32-63 b) over the block's rows, in
-// registers to the end. Each block writes its partials (part[blk][64][CM], part_ln[blk][2][CM]);
-// opm_bw_ln_sum_kernel adds them in block order in fp64.
+// double-buffered: while a tile is computed, the block's next tile (x_in, da, db rows: three bulk copies
+// on the other buffer's mbarrier) is in flight; a partial last tile (R % 32) is loaded by plain loads
+// with zeros past R. Wa | Wb sit in shared memory once per block. Per tile, dps[r][0..63] = (da | db)
+// rows times the mask; thread (mg = tid % MG, rg = tid / MG), MG = CM / 4: columns 4 mg .. 4 mg + 3;
+// dy for rows RPT rg .. (RPT = 32 / NRG, NRG = 256 / MG), the weight sums for channels CPT rg .. (CPT =
+// 64 / NRG; 0-31 a, 32-63 b) over the block's rows, in registers to the end; thread tid sums channel
+// tid % 64 of rows tid / 64 + 4 i for the bias sums. Each block writes its partials (part[blk][64][CM],
+// part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b, d_ba, d_bb); opm_bw_ln_sum_kernel adds them in block order in
+// fp64.
+// Assumptions: 256 threads; x_in, da, db 16-byte aligned (the bulk copies); sm_90a (bulk copies, mbarriers).
 // ---------------------------------------------------------------------------------------------
 constexpr int kLnRows = 32;
 template <int CM>
-constexpr size_t ln_smem_bytes() { return 4ull * (kLnRows * CM + kLnRows * 64 + 64 * CM + 2 * CM + 2 * kLnRows + 2 * kLnRows * 2); }
+constexpr size_t ln_smem_bytes() {  // xs[2], raw[2], dps, ws, lws, stat, red, msk, bsum
+  return 4ull * (2 * kLnRows * CM + 2 * kLnRows * 64 + kLnRows * 64 + 64 * CM + 2 * CM + 2 * kLnRows +
+                 2 * kLnRows * (CM / 128) + kLnRows + 256);
+}
 template <int CM>
 __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
-    const float* __restrict__ xin, const float* __restrict__ dpa, const float* __restrict__ dpb,
-    const float* __restrict__ ln_w, const float* __restrict__ ln_b, const float* __restrict__ wa,
-    const float* __restrict__ wb, float* __restrict__ dx, float* __restrict__ part, float* __restrict__ part_ln,
-    int64_t R, float eps) {
+    const float* __restrict__ xin, const float* __restrict__ da, const float* __restrict__ db,
+    const void* __restrict__ mask, int mask_kind, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+    const float* __restrict__ wa, const float* __restrict__ wb, float* __restrict__ dx, float* __restrict__ part,
+    float* __restrict__ part_ln, int64_t R, float eps) {
+#if defined(OPM_WG_DEVICE)
   constexpr int MG = CM / 4, NRG = 256 / MG, RPT = kLnRows / NRG, CPT = 64 / NRG, WPR = MG / 32;
   static_assert(MG % 32 == 0 && NRG * MG == 256, "CM: 128 or 256");
+  constexpr unsigned kTileBytes = 4u * kLnRows * (CM + 64);
   extern __shared__ float4 smem_f4[];
-  float* xs = reinterpret_cast<float*>(smem_f4);  // [32][CM]: x_in, then xhat
-  float* dps = xs + kLnRows * CM;                  // [32][64]: dpa | dpb
+  float* xs0 = reinterpret_cast<float*>(smem_f4);  // [2][32][CM]: x_in, then xhat
+  float* raw0 = xs0 + 2 * kLnRows * CM;            // [2][2][32][32]: da rows, db rows as copied
+  float* dps = raw0 + 2 * kLnRows * 64;            // [32][64]: dpa | dpb
   float* ws = dps + kLnRows * 64;                  // [64][CM]: Wa | Wb
   float* lws = ws + 64 * CM;                       // [CM] ln_w, then [CM] ln_b
   float* stat = lws + 2 * CM;                      // [32] mean, [32] rstd
   float* red = stat + 2 * kLnRows;                 // [2][32][WPR]: the rows' sums of g, g xhat per warp
+  float* msk = red + 2 * kLnRows * WPR;            // [32]: the tile's mask values
+  float* bsum = msk + kLnRows;                     // [256]: the threads' bias sums (at the end)
+  __shared__ uint64_t bar[2];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, mg = tid % MG, rg = tid / MG;
+  const int64_t tiles = (R + kLnRows - 1) / kLnRows;
+  auto full = [&](int64_t t) { return (t + 1) * kLnRows <= R; };
+  auto issue = [&](int64_t t, int buf) {  // thread 0: tile t's three bulk copies into buffer buf
+    float* xs = xs0 + buf * kLnRows * CM;
+    float* raw = raw0 + buf * kLnRows * 64;
+    mbar_expect_tx(&bar[buf], kTileBytes);
+    bulk_copy(xs, xin + t * kLnRows * CM, 4u * kLnRows * CM, &bar[buf]);
+    bulk_copy(raw, da + t * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
+    bulk_copy(raw + kLnRows * 32, db + t * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
+  };
+  if (tid == 0) {
+    mbar_init(&bar[0], 1);
+    mbar_init(&bar[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // the barriers initialised before any copy or wait
+  if (tid == 0 && blockIdx.x < tiles && full(blockIdx.x)) issue(blockIdx.x, 0);
   for (int e = tid; e < 64 * MG; e += 256) {
     const int k = e / MG, q = e % MG;
     reinterpret_cast<float4*>(ws)[e] = __ldg(reinterpret_cast<const float4*>(k < 32 ? wa + k * CM : wb + (k - 32) * CM) + q);
   }
   for (int e = tid; e < 2 * CM; e += 256) lws[e] = __ldg(e < CM ? ln_w + e : ln_b + e - CM);
-  float accw[CPT][4], dlw[4], dlb[4];
+  float accw[CPT][4], dlw[4], dlb[4], dbias = 0.f;
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     dlw[q] = dlb[q] = 0.f;
 #pragma unroll
     for (int k = 0; k < CPT; ++k) accw[k][q] = 0.f;
   }
-  const int64_t tiles = (R + kLnRows - 1) / kLnRows;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  unsigned phases = 0u;  // bit buf: the parity of buffer buf's next wait
+  int buf = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, buf ^= 1) {
     const int64_t r0 = t * kLnRows;
-    __syncthreads();  // the previous tile's reads of xs, dps are done (and ws, lws written)
-    for (int e = tid; e < kLnRows * MG; e += 256) {
-      const int r = e / MG;
-      reinterpret_cast<float4*>(xs)[e] = r0 + r < R ? __ldg(reinterpret_cast<const float4*>(xin + (r0 + r) * CM) + e % MG)
-                                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+    float* xs = xs0 + buf * kLnRows * CM;
+    float* raw = raw0 + buf * kLnRows * 64;
+    __syncthreads();  // the previous tile's reads of xs (other buffer), dps, msk, stat, red are done
+    if (tid == 0 && t + gridDim.x < tiles && full(t + gridDim.x)) issue(t + gridDim.x, buf ^ 1);
+    if (tid < kLnRows) msk[tid] = r0 + tid < R ? mask_value(mask, r0 + tid, mask_kind) : 0.f;
+    if (full(t)) {
+      mbar_wait(&bar[buf], (phases >> buf) & 1u);
+      phases ^= 1u << buf;
+    } else {  // the partial last tile: plain loads, zeros past R
+      for (int e = tid; e < kLnRows * MG; e += 256) {
+        const int r = e / MG;
+        reinterpret_cast<float4*>(xs)[e] = r0 + r < R ? __ldg(reinterpret_cast<const float4*>(xin + (r0 + r) * CM) + e % MG)
+                                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      for (int e = tid; e < kLnRows * 64; e += 256) {
+        const int r = (e % 1024) / 32;
+        const float* src = e < 1024 ? da : db;
+        raw[e] = r0 + r < R ? __ldg(src + (r0 + r) * 32 + e % 32) : 0.f;
+      }
     }
-    for (int e = tid; e < kLnRows * 16; e += 256) {
-      const int r = e / 16, q = e % 16;
-      const float* src = q < 8 ? dpa + (r0 + r) * 32 + 4 * q : dpb + (r0 + r) * 32 + 4 * (q - 8);
-      reinterpret_cast<float4*>(dps)[e] = r0 + r < R ? __ldg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    __syncthreads();  // the tile (plain loads included) and msk visible to every thread
+    // ---- dps = (da | db) rows times the mask; this thread's bias sums (channel tid % 64) ----
+#pragma unroll
+    for (int i = 0; i < kLnRows / 4; ++i) {
+      const int r = tid / 64 + 4 * i, k = tid % 64;
+      const float v = raw[(k / 32) * kLnRows * 32 + r * 32 + k % 32] * msk[r];
+      dps[r * 64 + k] = v;
+      dbias += v;
     }
-    __syncthreads();
     // ---- statistics: warp w, rows 4 w .. 4 w + 3 ----
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) {
@@ -3019,25 +3082,35 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
           for (int q = 0; q < 4; ++q) accw[k + kk][q] = fmaf(pv[kk], x[q], accw[k + kk][q]);
       }
     }
+    // this thread's generic writes of xs ordered before the bulk copies that refill it
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   // ---- partials: this block's weight sums, and d_ln_w / d_ln_b over its row groups (via shared memory) ----
   float* pb = part + static_cast<int64_t>(blockIdx.x) * 64 * CM;
 #pragma unroll
   for (int k = 0; k < CPT; ++k)
     reinterpret_cast<float4*>(pb + (CPT * rg + k) * CM)[mg] = make_float4(accw[k][0], accw[k][1], accw[k][2], accw[k][3]);
-  __syncthreads();  // (xs free: reuse it for the row groups' d_ln_w / d_ln_b)
+  __syncthreads();  // (xs0 free: reuse it for the row groups' d_ln_w / d_ln_b)
+  float* xs = xs0;
   reinterpret_cast<float4*>(xs + rg * 2 * CM)[mg] = make_float4(dlw[0], dlw[1], dlw[2], dlw[3]);
   reinterpret_cast<float4*>(xs + rg * 2 * CM + CM)[mg] = make_float4(dlb[0], dlb[1], dlb[2], dlb[3]);
+  bsum[tid] = dbias;
   __syncthreads();
+  float* pl = part_ln + static_cast<int64_t>(blockIdx.x) * (2 * CM + 64);
   for (int e = tid; e < 2 * CM; e += 256) {
     float s = 0.f;
     for (int g = 0; g < NRG; ++g) s += xs[g * 2 * CM + e];
-    part_ln[static_cast<int64_t>(blockIdx.x) * 2 * CM + e] = s;
+    pl[e] = s;
   }
+  if (tid < 64) pl[2 * CM + tid] = (bsum[tid] + bsum[64 + tid]) + (bsum[128 + tid] + bsum[192 + tid]);
+#else
+  __trap();  // built without sm_90a: the host never launches this (DevInfo::ow_ok)
+#endif
 }
 
 // out[e] = sum over blocks (in order, in fp64) of part[blk * n + e] for e < n (dWa | dWb: n = 64 CM, then
-// d_ln_w | d_ln_b: n = 2 CM, into separate outputs by the caller's views).
+// d_ln_w | d_ln_b | d_ba | d_bb: n = 2 CM + 64, into separate outputs by the caller's views; the
+// column sums of opm_colsum_kernel).
 __global__ void __launch_bounds__(kThreads) opm_bw_ln_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
                                                                  int blocks, int64_t n) {
   const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -3045,6 +3118,33 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ln_sum_kernel(const float* __
   double s = 0.0;
   for (int b = 0; b < blocks; ++b) s += part[b * n + e];
   out[e] = static_cast<float>(s);
+}
+
+// part[blk][c] = sum of g[r][c] over the rows r of block blk's range [blk rpb, (blk + 1) rpb) (out_proj's
+//   bias gradient, the column sums of grad_out (rows, cz)): thread (cg = tid % CG, rl = tid / CG), CG =
+//   cz / 4 float4 columns, RL = 256 / CG row lanes, sums rows rl, rl + RL, ... of its 4 columns, then
+//   thread cg adds the RL lanes in order. opm_bw_ln_sum_kernel adds the blocks' sums.
+// Assumptions: 256 threads; cz % 4 == 0, 4 <= cz <= 1024; g 16-byte aligned.
+__global__ void __launch_bounds__(kThreads) opm_colsum_kernel(const float* __restrict__ g, int64_t rows, int cz,
+                                                              int64_t rpb, float* __restrict__ part) {
+  __shared__ float4 red[kThreads];
+  const int CG = cz / 4, RL = kThreads / CG, tid = threadIdx.x, cg = tid % CG, rl = tid / CG;
+  const int64_t r0 = blockIdx.x * rpb, r1 = min64(rows, r0 + rpb);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (rl < RL)
+    for (int64_t r = r0 + rl; r < r1; r += RL) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(g + r * cz) + cg);
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+  red[tid] = acc;
+  __syncthreads();
+  if (tid < CG) {
+    for (int l = 1; l < RL; ++l) {
+      const float4 v = red[l * CG + tid];
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    reinterpret_cast<float4*>(part + blockIdx.x * static_cast<int64_t>(cz))[tid] = acc;
+  }
 }
 
 // =============================================================================================
@@ -3219,49 +3319,65 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
 // prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
 static int po_mt(int cm) { return cm <= 256 ? 2 : 1; }
 static size_t po_smem_bytes(int cm, int MT) { return 4ull * po_tile_floats(cm, MT); }
+// opm_ow_params_kernel: returns Wf then bias' (64 floats) in one tensor, and writes WoP for od.nzc z groups
+// (none with nzc 0: wo and WoP are then not read).
+static at::Tensor launch_ow_params(const at::Tensor& ln_w, const at::Tensor& ln_b, const at::Tensor& wa,
+                                   const at::Tensor& ba, const at::Tensor& wb, const at::Tensor& bb, const float* wo,
+                                   float* WoP, int cm, int c, int cz, int nzc, const DevInfo& d, cudaStream_t stream) {
+  const int64_t U = cdiv(cm, 16);
+  at::Tensor Wf = at::empty({U * 8 * 256 + 64}, ln_w.options().dtype(at::kFloat));
+  const int64_t nrest = U * 8 * 32 + static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8;
+  const int gpar = grid_for(kPoBiasBlocks + std::min<int64_t>(cdiv(nrest, kThreads), 2ll * d.sms));
+  opm_ow_params_kernel<<<gpar, kThreads, 0, stream>>>(
+      ln_w.data_ptr<float>(), ln_b.data_ptr<float>(), wa.data_ptr<float>(), ba.data_ptr<float>(), wb.data_ptr<float>(),
+      bb.data_ptr<float>(), wo, Wf.data_ptr<float>(), Wf.data_ptr<float>() + U * 8 * 256, WoP, cm, c, cz, nzc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return Wf;
+}
+// opm_prep_ow_kernel<MT, T, kPlanes> over every tile of x (float32 or bfloat16), beside its inv_denom
+// blocks: the planes Aow, Bow where kPlanes, the rows a_rows, b_rows (B, S, N, 32) where not null. Wf
+// from launch_ow_params.
+template <bool kPlanes>
+static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& Wf, float* Aow,
+                           float* Bow, float* a_rows, float* b_rows, int64_t B, int64_t S, int64_t N, int cm, float eps,
+                           const OwDims& od, at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
+  const int MT = po_mt(cm);
+  const int64_t ntiles = B * 4 * od.KB16 * (16 * od.NIT / (4 * MT));  // < 2^31 (the callers' ow_tiles_ok)
+  const size_t smem = po_smem_bytes(cm, MT);
+  const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), 2 * d.sms));  // inv_denom blocks
+  const int gprep = grid_for(n_den + ntiles);  // (ntiles = 0 when S = 0: inv_denom still runs)
+  if (gprep == 0) return;
+  const float* biasf = Wf.data_ptr<float>() + cdiv(cm, 16) * 8 * 256;
+  auto run = [&](auto kernel, const auto* xp) {
+    set_smem(kernel, smem, d, "the tensor-core LayerNorm/projection kernel of outer_wg");
+    kernel<<<gprep, kPoThreads, smem, stream>>>(xp, mask.data_ptr(), mask_kind, Wf.data_ptr<float>(), biasf, Aow, Bow, B,
+                                                S, N, cm, eps, od.KB16, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den,
+                                                a_rows, b_rows);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+    if (MT == 2) run(opm_prep_ow_kernel<2, __nv_bfloat16, kPlanes>, xp);
+    else run(opm_prep_ow_kernel<1, __nv_bfloat16, kPlanes>, xp);
+  } else {
+    const float* xp = x.data_ptr<float>();
+    if (MT == 2) run(opm_prep_ow_kernel<2, float, kPlanes>, xp);
+    else run(opm_prep_ow_kernel<1, float, kPlanes>, xp);
+  }
+}
 // x: float32, or bfloat16 with split false (the prep reads it as it is); out: float32, or bfloat16 with
 // split false (the fused kernel writes that type).
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
-                            bool split, const DevInfo& d, cudaStream_t stream) {
+                            bool split, float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream) {
   const OwDims od = ow_dims(S, N, cz);
-  const auto f32 = x.options().dtype(at::kFloat);
-  const OwPlanes p = ow_planes(B, od, f32);
-  const int64_t U = cdiv(cm, 16);
-  at::Tensor Wf = at::empty({U * 8 * 256 + 64}, f32);  // Wf, then bias' (64)
-  float* biasf = Wf.data_ptr<float>() + U * 8 * 256;
-  const int64_t nrest = U * 8 * 32 + static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * kOwZ * 8;
-  const int gpar = grid_for(kPoBiasBlocks + std::min<int64_t>(cdiv(nrest, kThreads), 2ll * d.sms));
-  opm_ow_params_kernel<<<gpar, kThreads, 0, stream>>>(
-      ln_w.data_ptr<float>(), ln_b.data_ptr<float>(), wa.data_ptr<float>(), ba.data_ptr<float>(), wb.data_ptr<float>(),
-      bb.data_ptr<float>(), wo.data_ptr<float>(), Wf.data_ptr<float>(), biasf, p.WoP.data_ptr<float>(), cm, c, cz,
-      od.nzc);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int MT = po_mt(cm);
-  const int64_t ntiles = B * 4 * od.KB16 * (16 * od.NIT / (4 * MT));  // < 2^31 (opm_forward's ow_tiles_ok)
-  const size_t smem = po_smem_bytes(cm, MT);
-  const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), 2 * d.sms));  // inv_denom blocks
-  const int gprep = grid_for(n_den + ntiles);  // (ntiles = 0 when S = 0: inv_denom still runs)
-  if (gprep > 0) {
-    auto run = [&](auto kernel, const auto* xp) {
-      set_smem(kernel, smem, d, "the tensor-core LayerNorm/projection kernel of outer_wg");
-      kernel<<<gprep, kPoThreads, smem, stream>>>(
-          xp, mask.data_ptr(), mask_kind, Wf.data_ptr<float>(), biasf, p.Aow.data_ptr<float>(),
-          p.Bow.data_ptr<float>(), B, S, N, cm, eps, od.KB16, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (x.scalar_type() == at::kBFloat16) {
-      const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
-      if (MT == 2) run(opm_prep_ow_kernel<2, __nv_bfloat16>, xp);
-      else run(opm_prep_ow_kernel<1, __nv_bfloat16>, xp);
-    } else {
-      const float* xp = x.data_ptr<float>();
-      if (MT == 2) run(opm_prep_ow_kernel<2, float>, xp);
-      else run(opm_prep_ow_kernel<1, float>, xp);
-    }
-  }
+  const OwPlanes p = ow_planes(B, od, x.options().dtype(at::kFloat));
+  const at::Tensor Wf = launch_ow_params(ln_w, ln_b, wa, ba, wb, bb, wo.data_ptr<float>(), p.WoP.data_ptr<float>(), cm,
+                                         c, cz, od.nzc, d, stream);
+  launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), a_rows, b_rows, B, S, N,
+                       cm, eps, od, inv_denom, d, stream);
   launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, split, d, stream);
 }
 
@@ -3346,10 +3462,12 @@ static int mask_kind_of(at::ScalarType st) {
 // variant: a Variant id (kAuto or the variant to force). msa: float32, or bfloat16 where the module's
 // parameters were bfloat16 too (the caller passes them converted to float32): outer_wg then reads msa as
 // it is, takes one TF32 pass per product and writes a bfloat16 out; the other variants run on a float32
-// copy and return float32. Returns (out, the id of the variant that ran).
-std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
-                                            at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
+// copy and return float32. Returns (out, the id of the variant that ran, a, b, inv_denom): with keep_ab,
+// where outer_wg ran with hidden_dim 32, a and b (B, S, N, 32) fp32 as its prep computed them (the
+// backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else undefined tensors (None).
+std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
+    at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
+    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -3480,7 +3598,7 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   auto f32 = msa.options().dtype(at::kFloat);
   const bool half_io = used == kOuterWg && bf16_input;  // bfloat16 in and out
   at::Tensor out = at::empty({B, N, N, cz}, half_io ? msa.options() : f32);
-  if (out.numel() == 0) return {out, used};
+  if (out.numel() == 0) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
 
   // contiguous and 16-byte aligned (the prep kernels' 16-byte loads and bulk copies): a contiguous view
   // at an odd storage offset is copied; bfloat16 msa becomes float32 except for outer_wg
@@ -3492,10 +3610,17 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
   const at::Tensor wo_c = wo.contiguous(), bo_c = bo.contiguous();
   at::Tensor inv_denom = at::empty({B, N}, f32);
   if (used == kOuterWg) {  // outer_wg: its own prep (no aT, bq)
+    at::Tensor a, b;
+    if (keep_ab && c == 32) {
+      a = at::empty({B, S, N, 32}, f32);
+      b = at::empty({B, S, N, 32}, f32);
+    }
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
-                    !bf16_input, d, stream);
-    return {out, used};
+                    !bf16_input, a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
+                    d, stream);
+    if (!a.defined()) return {out, used, a, b, at::Tensor()};
+    return {out, used, a, b, inv_denom};
   }
   at::Tensor aT = at::empty({B, S, CP, Npad}, f32);
   at::Tensor bq = at::empty({B, S, N, CP}, f32);
@@ -3529,7 +3654,51 @@ std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at:
                                         used == kWFirstTc ? 1 : used == kWFirstTc2 ? 2 : 0, d, stream));
   }
 #undef OPM_DISPATCH
-  return {out, used};
+  return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
+}
+
+// The backward's a and b (LayerNorm, both projections, the mask: outer_wg's prep with rows out) and
+// inv_denom, as the forward computes them: msa (B, S, N, c_m) float32 or bfloat16, mask (B, S, N) of a
+// dtype mask_kind_of takes, parameters float32 with hidden_dim 32, c_m <= kMaxMsaDim, CUDA, on a device
+// where outer_wg runs, B * S * N / 16 < 2^31 (S, N rounded up to 16). Returns (a, b (B, S, N, 32) fp32,
+// inv_denom (B, N)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
+                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
+                                                                 at::Tensor wb, at::Tensor bb, double eps) {
+  for (const at::Tensor* t : {&msa, &mask, &ln_w, &ln_b, &wa, &ba, &wb, &bb})
+    TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_rows takes CUDA tensors");
+  TORCH_CHECK(msa.dim() == 4 && (msa.scalar_type() == at::kFloat || msa.scalar_type() == at::kBFloat16),
+              "outer_product_mean: opm_backward_rows: msa (B, S, N, c_m) float32 or bfloat16");
+  const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), cm = msa.size(3);
+  TORCH_CHECK(cm >= 1 && cm <= kMaxMsaDim, "outer_product_mean: opm_backward_rows: c_m in [1, ", num(kMaxMsaDim), "]");
+  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
+              "outer_product_mean: opm_backward_rows: mask (B, S, N)");
+  const int mask_kind = mask_kind_of(mask.scalar_type());
+  TORCH_CHECK(mask_kind >= 0, "outer_product_mean: opm_backward_rows: unsupported mask dtype ", dtype_str(mask));
+  for (const at::Tensor* t : {&ln_w, &ln_b, &wa, &ba, &wb, &bb})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_rows: float32 parameters");
+  TORCH_CHECK(ln_w.numel() == cm && ln_b.numel() == cm && wa.dim() == 2 && wa.size(0) == 32 && wa.size(1) == cm &&
+                  wb.sizes() == wa.sizes() && ba.numel() == 32 && bb.numel() == 32,
+              "outer_product_mean: opm_backward_rows: ln_w, ln_b (c_m), wa, wb (32, c_m), ba, bb (32)");
+  TORCH_CHECK(B * round_up(S, 16) * round_up(N, 16) / 16 < (1ll << 31),
+              "outer_product_mean: opm_backward_rows: B * S * N / 16 < 2^31");
+  const c10::cuda::CUDAGuard guard(msa.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(msa.get_device());
+  TORCH_CHECK(d.ow_ok, "outer_product_mean: opm_backward_rows needs a compute capability 9.0 device and an sm_90a build");
+  const auto f32 = msa.options().dtype(at::kFloat);
+  at::Tensor a = at::empty({B, S, N, 32}, f32), b = at::empty({B, S, N, 32}, f32), inv_denom = at::empty({B, N}, f32);
+  if (B == 0 || N == 0) return {a, b, inv_denom};
+  at::Tensor x = msa.contiguous();
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();  // 16-byte loads and bulk copies
+  const at::Tensor m = mask.contiguous(), lw = ln_w.contiguous(), lb = ln_b.contiguous(), wa_c = wa.contiguous(),
+                   ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();
+  const OwDims od = ow_dims(S, N, 1);
+  const at::Tensor Wf = launch_ow_params(lw, lb, wa_c, ba_c, wb_c, bb_c, nullptr, nullptr, static_cast<int>(cm), 32, 0, 0,
+                                         d, stream);
+  launch_prep_ow<false>(x, m, mask_kind, Wf, nullptr, nullptr, a.data_ptr<float>(), b.data_ptr<float>(), B, S, N,
+                        static_cast<int>(cm), static_cast<float>(eps), od, inv_denom, d, stream);
+  return {a, b, inv_denom};
 }
 
 // The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N),
@@ -3640,60 +3809,91 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   return {da, db};
 }
 
-// The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m), dpa, dpb (R, 32) fp32 (masked), ln_w,
-// ln_b (c_m), wa, wb (32, c_m), c_m 128 or 256, CUDA. Returns (d_x_in, d_ln_w, d_ln_b, d_wa, d_wb); the
-// sums over rows in a fixed order for a given device.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
-    at::Tensor xin, at::Tensor dpa, at::Tensor dpb, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor wb,
-    double eps) {
-  for (const at::Tensor* t : {&xin, &dpa, &dpb, &ln_w, &ln_b, &wa, &wb}) {
+// The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m), da, db (R, 32) fp32 (before the mask),
+// mask (R) of a dtype mask_kind_of takes, ln_w, ln_b (c_m), wa, wb (32, c_m) fp32, c_m 128 or 256, CUDA, on a
+// device where outer_wg runs. Returns (d_x_in, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows
+// in a fixed order for a given device.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
+    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
+    at::Tensor wb, double eps) {
+  for (const at::Tensor* t : {&xin, &da, &db, &mask, &ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_ln takes CUDA tensors");
+  for (const at::Tensor* t : {&xin, &da, &db, &ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ln takes float32, got ", dtype_str(*t));
-  }
   TORCH_CHECK(xin.dim() == 2 && (xin.size(1) == 128 || xin.size(1) == 256),
               "outer_product_mean: opm_backward_ln: x_in (R, 128 or 256)");
   const int64_t R = xin.size(0), cm = xin.size(1);
-  TORCH_CHECK(dpa.dim() == 2 && dpa.size(0) == R && dpa.size(1) == 32 && dpb.sizes() == dpa.sizes(),
-              "outer_product_mean: opm_backward_ln: dpa, dpb (R, 32)");
+  TORCH_CHECK(da.dim() == 2 && da.size(0) == R && da.size(1) == 32 && db.sizes() == da.sizes(),
+              "outer_product_mean: opm_backward_ln: da, db (R, 32)");
+  const int mask_kind = mask_kind_of(mask.scalar_type());
+  TORCH_CHECK(mask.numel() == R && mask_kind >= 0, "outer_product_mean: opm_backward_ln: mask (R) of float32, bool or an "
+              "integer dtype");
   TORCH_CHECK(ln_w.numel() == cm && ln_b.numel() == cm && wa.dim() == 2 && wa.size(0) == 32 && wa.size(1) == cm &&
                   wb.sizes() == wa.sizes(),
               "outer_product_mean: opm_backward_ln: ln_w, ln_b (c_m), wa, wb (32, c_m)");
   const c10::cuda::CUDAGuard guard(xin.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(xin.get_device());
-  const at::Tensor xc = xin.contiguous(), pac = dpa.contiguous(), pbc = dpb.contiguous(), lwc = ln_w.contiguous(),
-                   lbc = ln_b.contiguous(), wac = wa.contiguous(), wbc = wb.contiguous();
+  TORCH_CHECK(d.ow_ok, "outer_product_mean: opm_backward_ln needs a compute capability 9.0 device and an sm_90a build");
+  auto aligned = [](at::Tensor t) {  // contiguous at a 16-byte aligned address (the bulk copies' sources)
+    t = t.contiguous();
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+  };
+  const at::Tensor xc = aligned(xin), dac = aligned(da), dbc = aligned(db), mc = mask.contiguous(),
+                   lwc = ln_w.contiguous(), lbc = ln_b.contiguous(), wac = wa.contiguous(), wbc = wb.contiguous();
   const auto f32 = xin.options();
   at::Tensor dx = at::empty({R, cm}, f32);
-  at::Tensor sums = at::zeros({66 * cm}, f32);  // dWa | dWb (64 x c_m), d_ln_w, d_ln_b
+  at::Tensor sums = at::zeros({66 * cm + 64}, f32);  // dWa | dWb (64 x c_m), d_ln_w, d_ln_b, d_ba, d_bb
   if (R > 0) {
     const int64_t tiles = cdiv(R, kLnRows);
     const int blocks = static_cast<int>(std::min<int64_t>(tiles, d.sms));
-    at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * 2 * cm}, f32);
-    const float fe = static_cast<float>(eps);
-    if (cm == 256) {
-      set_smem(opm_bw_ln_kernel<256>, ln_smem_bytes<256>(), d, "the backward's LayerNorm kernel");
-      opm_bw_ln_kernel<256><<<blocks, 256, ln_smem_bytes<256>(), stream>>>(
-          xc.data_ptr<float>(), pac.data_ptr<float>(), pbc.data_ptr<float>(), lwc.data_ptr<float>(), lbc.data_ptr<float>(),
-          wac.data_ptr<float>(), wbc.data_ptr<float>(), dx.data_ptr<float>(), part.data_ptr<float>(),
-          part_ln.data_ptr<float>(), R, fe);
-    } else {
-      set_smem(opm_bw_ln_kernel<128>, ln_smem_bytes<128>(), d, "the backward's LayerNorm kernel");
-      opm_bw_ln_kernel<128><<<blocks, 256, ln_smem_bytes<128>(), stream>>>(
-          xc.data_ptr<float>(), pac.data_ptr<float>(), pbc.data_ptr<float>(), lwc.data_ptr<float>(), lbc.data_ptr<float>(),
-          wac.data_ptr<float>(), wbc.data_ptr<float>(), dx.data_ptr<float>(), part.data_ptr<float>(),
-          part_ln.data_ptr<float>(), R, fe);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * (2 * cm + 64)}, f32);
+    auto run = [&](auto kernel, size_t smem) {
+      set_smem(kernel, smem, d, "the backward's LayerNorm kernel");
+      kernel<<<blocks, 256, smem, stream>>>(xc.data_ptr<float>(), dac.data_ptr<float>(), dbc.data_ptr<float>(),
+                                            mc.data_ptr(), mask_kind, lwc.data_ptr<float>(), lbc.data_ptr<float>(),
+                                            wac.data_ptr<float>(), wbc.data_ptr<float>(), dx.data_ptr<float>(),
+                                            part.data_ptr<float>(), part_ln.data_ptr<float>(), R, static_cast<float>(eps));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (cm == 256) run(opm_bw_ln_kernel<256>, ln_smem_bytes<256>());
+    else run(opm_bw_ln_kernel<128>, ln_smem_bytes<128>());
     opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
         part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(2 * cm, kThreads)), kThreads, 0, stream>>>(
-        part_ln.data_ptr<float>(), sums.data_ptr<float>() + 64 * cm, blocks, 2 * cm);
+    opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(2 * cm + 64, kThreads)), kThreads, 0, stream>>>(
+        part_ln.data_ptr<float>(), sums.data_ptr<float>() + 64 * cm, blocks, 2 * cm + 64);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {dx, sums.narrow(0, 64 * cm, cm), sums.narrow(0, 65 * cm, cm), sums.narrow(0, 0, 32 * cm).view({32, cm}),
-          sums.narrow(0, 32 * cm, 32 * cm).view({32, cm})};
+          sums.narrow(0, 66 * cm, 32), sums.narrow(0, 32 * cm, 32 * cm).view({32, cm}), sums.narrow(0, 66 * cm + 32, 32)};
+}
+
+// out_proj's bias gradient: the sum of g (..., c_z) over every dimension but the last, fp32, CUDA,
+// c_z % 4 == 0 and c_z <= 1024; in a fixed order for a given device (block sums added in order in fp64).
+at::Tensor opm_backward_dbo(at::Tensor g) {
+  TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kFloat && g.dim() >= 1, "outer_product_mean: opm_backward_dbo takes "
+              "a float32 CUDA tensor");
+  const int64_t cz = g.size(-1);
+  TORCH_CHECK(cz % 4 == 0 && cz >= 4 && cz <= 1024, "outer_product_mean: opm_backward_dbo: c_z a multiple of 4 up to 1024");
+  const c10::cuda::CUDAGuard guard(g.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(g.get_device());
+  at::Tensor gc = g.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte loads
+  at::Tensor out = at::zeros({cz}, gc.options());
+  const int64_t rows = gc.numel() / cz;
+  if (rows == 0) return out;
+  const int blocks = static_cast<int>(std::min<int64_t>(4ll * d.sms, cdiv(rows, 64)));
+  const int64_t rpb = cdiv(rows, blocks);
+  at::Tensor part = at::empty({blocks * cz}, gc.options());
+  opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(gc.data_ptr<float>(), rows, static_cast<int>(cz), rpb,
+                                                     part.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(cz, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
+                                                                                  out.data_ptr<float>(), blocks, cz);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
 }
 
 // (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg2 and outer_wg can run there.
@@ -3715,32 +3915,44 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   return opm::opm_backward_ab(a, b, inv_denom, g, wo);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
-    at::Tensor xin, at::Tensor dpa, at::Tensor dpb, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor wb,
-    double eps) {
-  return opm::opm_backward_ln(xin, dpa, dpb, ln_w, ln_b, wa, wb, eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
+    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
+    at::Tensor wb, double eps) {
+  return opm::opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, eps);
 }
 
-std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
-                                            at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant) {
-  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
+                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
+                                                                 at::Tensor wb, at::Tensor bb, double eps) {
+  return opm::opm_backward_rows(msa, mask, ln_w, ln_b, wa, ba, wb, bb, eps);
+}
+
+at::Tensor opm_backward_dbo(at::Tensor g) { return opm::opm_backward_dbo(g); }
+
+std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
+    at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
+    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab) {
+  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant, keep_ab);
 }
 """
 
 _CPP_SRC = r"""
 #include <torch/extension.h>
 #include <tuple>
-std::tuple<at::Tensor, int64_t> opm_forward(at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b,
-                                            at::Tensor wa, at::Tensor ba, at::Tensor wb, at::Tensor bb,
-                                            at::Tensor wo, at::Tensor bo, double eps, int64_t variant);
+std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
+    at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
+    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab);
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g);
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
                                                    at::Tensor wo);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
-    at::Tensor xin, at::Tensor dpa, at::Tensor dpb, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor wb,
-    double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
+    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
+    at::Tensor wb, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
+                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
+                                                                 at::Tensor wb, at::Tensor bb, double eps);
+at::Tensor opm_backward_dbo(at::Tensor g);
 """
 
 
@@ -3833,7 +4045,7 @@ def _build():
               file=sys.stderr, flush=True)
     return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
                        functions=["opm_forward", "opm_device_caps", "opm_backward_wo", "opm_backward_ab",
-                                  "opm_backward_ln"],
+                                  "opm_backward_ln", "opm_backward_rows", "opm_backward_dbo"],
                        extra_cuda_cflags=_CUDA_FLAGS, extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
 
 
@@ -3890,8 +4102,19 @@ def _wo_kernel_runs(msa, c, c_z, ct):
 
 def _ln_kernel_runs(msa, c, c_m):
     """Whether the LayerNorm part of the backward goes to opm_bw_ln_kernel (_ext.opm_backward_ln): a
-    float32 msa on a CUDA device, hidden_dim 32, msa_dim 128 or 256."""
-    return msa.is_cuda and msa.dtype == torch.float32 and c == 32 and c_m in (128, 256)
+    float32 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim 128 or 256."""
+    return (msa.is_cuda and msa.dtype == torch.float32 and c == 32 and c_m in (128, 256)
+            and bool(_ext.opm_device_caps(msa.device.index)[2]))
+
+
+def _rows_kernel_runs(msa, c, c_m):
+    """Whether the backward's a, b and 1 / denom come from outer_wg's prep kernel (_ext.opm_backward_rows):
+    a float32 or bfloat16 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim <= 768 and
+    B * S * N / 16 < 2^31 (S, N rounded up to 16), as for outer_wg."""
+    B, S, N = msa.shape[:3]
+    pad = lambda n: -(-n // 16) * 16
+    return (msa.is_cuda and msa.dtype in (torch.float32, torch.bfloat16) and c == 32 and 1 <= c_m <= 768
+            and B * pad(S) * pad(N) // 16 < 2**31 and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
 
 def _ab_kernel_runs(msa, c, c_z, ct):
@@ -3901,7 +4124,8 @@ def _ab_kernel_runs(msa, c, c_z, ct):
 
 
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
-                                chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None):
+                                chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
+                                rows_kernel=None, ab=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any dtype, ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -3916,17 +4140,20 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         db[b,s,j,k]    = sum_{i,h} G[b,i,j,h,k] a[b,s,i,h]
         dpa = da * m, dpb = db * m:  dWa = sum dpa^T x, dba = sum dpa (b likewise)
         dy  = dpa Wa + dpb Wb (the gradient of x), then the LayerNorm backward (module docstring).
-    LayerNorm and its backward are ATen's (torch.native_layer_norm, native_layer_norm_backward), per
-    contiguous chunk of the B*S*N msa rows.
+    a, b and 1 / d: ab = (a, b, 1 / d) as the forward computed them (float32, hidden_dim 32), else
+    recomputed: by outer_wg's prep kernel (opm_prep_ow_kernel writing rows, the forward's LayerNorm and
+    projections) where _rows_kernel_runs holds (rows_kernel None) or rows_kernel is True, elsewhere by
+    ATen's LayerNorm (torch.native_layer_norm) and addmm per contiguous chunk of the B*S*N msa rows.
 
     out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma in
     split TF32) where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
     (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
     True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
-    both). Both kernels compute in float32, so they serve float16 / bfloat16 inputs too. The LayerNorm
-    part runs in one pass over the msa rows (opm_bw_ln_kernel) where _ln_kernel_runs holds (ln_kernel
-    None) or ln_kernel is True. Takes detached tensors (the autograd Function's backward calls it
-    under no_grad).
+    both). Both kernels compute in float32, so they serve float16 / bfloat16 inputs too. The rest (the
+    mask, dy, the LayerNorm backward, the weight and bias sums) runs in one pass over the msa rows
+    (opm_bw_ln_kernel) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks
+    of rows with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's
+    backward calls it under no_grad).
 
     Memory: a, b, da, db (B, S, N, c) in ct for the whole call; the outer product and G only for
     r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of
@@ -3943,30 +4170,43 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     itemsize = torch.empty((), dtype=ct).element_size()
     rows_outer, rows_ln = outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes)
 
-    m = mask.to(ct)[..., None]                                                         # (B, S, N, 1)
-    acc = torch.float64 if mask.is_floating_point() else torch.int64
-    denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                    # d (B, N)
-
-    # a, b for all positions, LayerNorm recomputed per chunk of rows (ATen's fused LayerNorm: the
-    # reference's own kernels; each chunk a contiguous row range)                       (B, S, N, c)
-    R = B * S * N
-    msa_rows = msa.reshape(R, c_m)
-    m_rows = m.reshape(R, 1)
-    a = torch.empty((B, S, N, c), dtype=ct, device=dev)
-    b = torch.empty((B, S, N, c), dtype=ct, device=dev)
-    a_rows, b_rows = a.view(R, c), b.view(R, c)
-    for r0 in range(0, R, rows_ln):
-        r1 = min(R, r0 + rows_ln)
-        x = torch.native_layer_norm(msa_rows[r0:r1].to(ct), (c_m,), lw, lb, eps)[0]   # (r, c_m)
-        torch.addmm(Ba, x, Wa.t(), out=a_rows[r0:r1]).mul_(m_rows[r0:r1])
-        torch.addmm(Bb, x, Wb.t(), out=b_rows[r0:r1]).mul_(m_rows[r0:r1])
-        del x
-
-    # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     wo_in_kernel = _wo_kernel_runs(msa, c, c_z, ct) if wo_kernel is None else wo_kernel
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
+    ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
+    rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
+    R = B * S * N
+    msa_rows = msa.reshape(R, c_m)
+    # the kernels take float32, bool and integer masks as they are
+    mask_k = mask.float() if mask.dtype in (torch.float16, torch.bfloat16) else mask
+    if not (rows_in_kernel and ln_in_kernel):
+        m_rows = mask.to(ct).reshape(R, 1)
+    if not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
+        acc = torch.float64 if mask.is_floating_point() else torch.int64
+        denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                # d (B, N)
+
+    # a, b for all positions (B, S, N, c): outer_wg's prep kernel (LayerNorm + projections + mask, and
+    # 1 / denom), or LayerNorm recomputed per chunk of rows (ATen's fused LayerNorm: the reference's own
+    # kernels; each chunk a contiguous row range) and the projections by addmm
+    if ab is not None:
+        a, b, inv_d = ab
+    elif rows_in_kernel:
+        a, b, inv_d = _ext.opm_backward_rows(msa, mask_k, lw, lb, Wa, Ba, Wb, Bb, eps)
+    else:
+        a = torch.empty((B, S, N, c), dtype=ct, device=dev)
+        b = torch.empty((B, S, N, c), dtype=ct, device=dev)
+        a_rows, b_rows = a.view(R, c), b.view(R, c)
+        for r0 in range(0, R, rows_ln):
+            r1 = min(R, r0 + rows_ln)
+            x = torch.native_layer_norm(msa_rows[r0:r1].to(ct), (c_m,), lw, lb, eps)[0]   # (r, c_m)
+            torch.addmm(Ba, x, Wa.t(), out=a_rows[r0:r1]).mul_(m_rows[r0:r1])
+            torch.addmm(Bb, x, Wb.t(), out=b_rows[r0:r1]).mul_(m_rows[r0:r1])
+            del x
+        if wo_in_kernel or ab_in_kernel:
+            inv_d = denom.reciprocal()
+
+    # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
-        inv_d, g_ct = denom.reciprocal().contiguous(), grad_out.to(ct).contiguous()
+        inv_d, g_ct = inv_d.contiguous(), grad_out.to(ct).contiguous()
     if wo_in_kernel:
         d_wo = _ext.opm_backward_wo(a, b, inv_d, g_ct)
     else:
@@ -3977,7 +4217,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
     if wo_in_kernel and ab_in_kernel:
-        d_bo = g_ct.sum((0, 1, 2))
+        d_bo = _ext.opm_backward_dbo(g_ct)  # (c_z % 4 == 0 where the da / db kernel runs)
     else:  # chunks: O for dWo and / or G for da, db, whichever no kernel computes
         d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
         b_flat = b.reshape(B, S, N * c)                                                # (B, S, N c)
@@ -4004,19 +4244,17 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         del b_flat
     del a, b
 
-    # Projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of rows
-    # (ATen's LayerNorm backward)
-    da *= m                                                                            # dpa (B, S, N, c)
-    db *= m                                                                            # dpb
-    del m, m_rows
-    d_ba = da.sum((0, 1, 2))
-    d_bb = db.sum((0, 1, 2))
-    ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
+    # The mask, projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of
+    # rows (ATen's LayerNorm backward)
     if ln_in_kernel:
-        d_msa, d_ln_w, d_ln_b, d_wa, d_wb = _ext.opm_backward_ln(msa_rows, da.view(R, c), db.view(R, c), lw, lb,
-                                                              Wa.contiguous(), Wb.contiguous(), eps)
+        d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb = _ext.opm_backward_ln(
+            msa_rows, da.view(R, c), db.view(R, c), mask_k.reshape(R), lw, lb, Wa.contiguous(), Wb.contiguous(), eps)
         d_msa = d_msa.view(B, S, N, c_m)
     else:
+        da *= m_rows.view(B, S, N, 1)                                                  # dpa (B, S, N, c)
+        db *= m_rows.view(B, S, N, 1)                                                  # dpb
+        d_ba = da.sum((0, 1, 2))
+        d_bb = db.sum((0, 1, 2))
         d_wa = torch.zeros((c, c_m), dtype=ct, device=dev)
         d_wb = torch.zeros((c, c_m), dtype=ct, device=dev)
         d_ln_w = torch.zeros((c_m,), dtype=ct, device=dev)
@@ -4076,37 +4314,46 @@ def _f32(t):
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _run_kernels(model, code, msa, mask, params, eps, out_dtype):
+def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
     """The CUDA forward in float32: half-precision masks and parameters are converted here, and msa too
     unless it and every parameter are bfloat16; the output is returned in out_dtype. A bfloat16 msa goes
     to the extension as it is: outer_wg reads it directly, makes single TF32 products instead of split
     TF32 (three: a, b and O rounded to TF32, 2^-11, finer than the bfloat16 reference's rounding of each,
     2^-8) and writes bfloat16; the other variants convert it. Records the variant that ran in
-    model.last_variant."""
+    model.last_variant. keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom
+    as outer_wg's prep computed them where outer_wg ran with hidden_dim 32 (the backward then takes them
+    instead of recomputing), else (out, None)."""
     if mask.dtype in (torch.float16, torch.bfloat16):
         mask = mask.float()
     bf16 = msa.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in params)
-    out, ran = _ext.opm_forward(msa if bf16 else _f32(msa), mask, *(_f32(p) for p in params), eps, code)
+    out, ran, a, b, inv_d = _ext.opm_forward(msa if bf16 else _f32(msa), mask, *(_f32(p) for p in params), eps, code,
+                                             keep_ab)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    out = out if out.dtype == out_dtype else out.to(out_dtype)
+    if not keep_ab:
+        return out
+    return out, (None if a is None else (a, b, inv_d))
 
 
 class _OuterProductMean(torch.autograd.Function):
     """out = OuterProductMean(msa, mask; params): the forward is the CUDA kernels, the backward
-    outer_product_mean_backward (its Hopper kernels, else PyTorch ops). No gradient for the mask; double
-    backward raises."""
+    outer_product_mean_backward (its Hopper kernels, else PyTorch ops), given a, b and 1 / denom from the
+    forward where outer_wg ran. No gradient for the mask; double backward raises."""
 
     @staticmethod
     def forward(ctx, model, code, eps, out_dtype, msa, mask, *params):
         ctx.eps = eps
-        ctx.save_for_backward(msa, mask, *params)
-        return _run_kernels(model, code, msa, mask, params, eps, out_dtype)
+        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=True)
+        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out)
+        params, ab = params[:8], params[8:]
+        grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
+                                            ab=None if ab[0] is None else tuple(ab))
         need = ctx.needs_input_grad[4:5] + ctx.needs_input_grad[6:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
         return (None, None, None, None, grads[0], None) + grads[1:]

@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -313,9 +314,9 @@ def test_limits(opm):
     n = len(ALL_VARIANTS)
     for code in (-1, n):
         with pytest.raises(RuntimeError, match=rf"variant code must be 0-{n - 1}, got {code}"):
-            opm._ext.opm_forward(torch.randn(1, 2, 3, 8), mask, *params, 1e-5, code)
+            opm._ext.opm_forward(torch.randn(1, 2, 3, 8), mask, *params, 1e-5, code, False)
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):  # the last valid code gets past it
-        opm._ext.opm_forward(torch.randn(1, 2, 3, 8), mask, *params, 1e-5, n - 1)
+        opm._ext.opm_forward(torch.randn(1, 2, 3, 8), mask, *params, 1e-5, n - 1, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,14 +672,14 @@ def test_outer_wg_bfloat16_reads_and_writes_bfloat16(opm, ref):
     assert torch.allclose(got.double(), want64, atol=1e-2, rtol=1e-2), (got.double() - want64).abs().max()
 
 
-def _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, salt, fused_kw, ops_kw):
+def _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, salt, fused_kw, ops_kw, mask_kind="binary"):
     """outer_product_mean_backward with the keyword arguments fused_kw and with ops_kw on the same inputs,
     both against fp64 autograd of the reference: every gradient's max error relative to its largest
     value at most max(2x the ops_kw call's, 1e-5), and a repeat fused_kw call bit-equal."""
     gen = torch.Generator().manual_seed(B + S + N + cz + salt)
     m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S + salt)
     msa = _msa((B, S, N, cm), dist, gen).cuda()
-    mask = _mask(B, S, N, "binary", gen).cuda()
+    mask = _mask(B, S, N, mask_kind, gen).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).cuda()
     params = [p.detach() for p in new.parameters()]
     args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
@@ -728,8 +729,8 @@ def test_backward_ab_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm,
 
 
 class _EinsumKernels:
-    """A stand-in for the extension's two backward kernels with their signatures (the same products by
-    einsum), so that the host-side plumbing of outer_product_mean_backward runs on a CPU."""
+    """A stand-in for the extension's backward kernels with their signatures (the same products by einsum,
+    LayerNorm by ATen), so that the host-side plumbing of outer_product_mean_backward runs on a CPU."""
 
     @staticmethod
     def opm_backward_wo(a, b, inv_denom, g):
@@ -740,11 +741,31 @@ class _EinsumKernels:
         G = torch.einsum("bijz,zhk->bijhk", g * inv_denom[:, :, None, None], wo.reshape(-1, 32, 32))
         return torch.einsum("bijhk,bsjk->bsih", G, b), torch.einsum("bijhk,bsih->bsjk", G, a)
 
+    @staticmethod
+    def opm_backward_dbo(g):
+        return g.sum(tuple(range(g.dim() - 1)))
+
+    @staticmethod
+    def opm_backward_rows(msa, mask, ln_w, ln_b, wa, ba, wb, bb, eps):
+        x = F.layer_norm(msa, msa.shape[-1:], ln_w, ln_b, eps)
+        m = mask.to(x.dtype)[..., None]
+        return (x @ wa.t() + ba) * m, (x @ wb.t() + bb) * m, 1 / mask.to(x.dtype).sum(1).clamp(min=1)
+
+    @staticmethod
+    def opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, eps):
+        xin, ln_w, ln_b = (t.detach().requires_grad_(True) for t in (xin, ln_w, ln_b))
+        with torch.enable_grad():
+            x = F.layer_norm(xin, xin.shape[-1:], ln_w, ln_b, eps)
+        dpa, dpb = da * mask[:, None], db * mask[:, None]
+        d_x, d_lw, d_lb = torch.autograd.grad(x, (xin, ln_w, ln_b), dpa @ wa + dpb @ wb)
+        x = x.detach()
+        return d_x, d_lw, d_lb, dpa.t() @ x, dpa.sum(0), dpb.t() @ x, dpb.sum(0)
+
 
 def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
-    """Each mix of out_proj's weight-gradient kernel and the da / db kernel (the kernels stood in by
-    einsum, float64 on the CPU) gives the all-chunks gradients: the chunks form O where dWo has no kernel
-    and G where da, db have none."""
+    """Each mix of the backward's kernels (stood in by einsum and ATen's LayerNorm, float64 on the CPU)
+    gives the all-ops gradients: the chunks form O where dWo has no kernel and G where da, db have
+    none, and the a / b and LayerNorm kernels' inputs and outputs are wired as the ops path's."""
     B, S, N, cm, cz = 2, 5, 7, 16, 8
     gen = torch.Generator().manual_seed(11)
     m_ref = ref.Model(cm, cz, 32).double()
@@ -754,21 +775,78 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
     g = torch.randn(B, N, N, cz, generator=gen, dtype=torch.float64)
     params = [p.detach() for p in m_ref.parameters()]
     args = (msa, mask, params[0], params[1], m_ref.layer_norm.eps, *params[2:], g)
-    want = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False)
+    want = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False, rows_kernel=False, ln_kernel=False)
     monkeypatch.setattr(opm, "_ext", _EinsumKernels)
-    for wo_k, ab_k in ((False, True), (True, False), (True, True)):
-        got = opm.outer_product_mean_backward(*args, wo_kernel=wo_k, ab_kernel=ab_k)
+    for ks in ((False, True, False, False), (True, False, False, False), (True, True, False, False),
+               (True, True, True, False), (True, True, False, True), (False, False, True, True), (True, True, True, True)):
+        kw = dict(zip(("wo_kernel", "ab_kernel", "rows_kernel", "ln_kernel"), ks))
+        got = opm.outer_product_mean_backward(*args, **kw)
         for w, t in zip(want, got):
-            assert (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0), (wo_k, ab_k)
+            assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0), kw
 
 
 @gpu
-@pytest.mark.parametrize("B, S, N, cm, cz, dist", [(1, 40, 37, 256, 128, "normal"), (2, 9, 20, 128, 64, "heavy"),
-                                                   (1, 3, 11, 256, 8, "offset")])
-def test_backward_ln_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist):
+@pytest.mark.parametrize("B, S, N, cm, cz, dist, mask_kind", [(1, 40, 37, 256, 128, "normal", "binary"),
+                                                              (2, 9, 20, 128, 64, "heavy", "bool"),
+                                                              (1, 3, 11, 256, 8, "offset", "fraction"),
+                                                              (2, 50, 100, 256, 64, "uniform", "int8")])
+def test_backward_ln_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist, mask_kind):
     """_backward_against_fp64_and_ops with the LayerNorm part in opm_bw_ln_kernel (ln_kernel=True)
-    against the PyTorch-ops chunks (False). msa_dim 128 and 256, B * S * N not a multiple of the
-    kernel's 32-row tiles; _ln_kernel_runs for msa_dim 128 and 256 only."""
+    against the PyTorch-ops chunks (False), a and b from the ops both times. msa_dim 128 and 256, B * S
+    * N not a multiple of the kernel's 32-row tiles (a partial last tile), 313 tiles at 10000 rows (two
+    or three per block on 132 SMs: the double buffer, a partial tile after full ones); float, bool and
+    integer masks; _ln_kernel_runs for msa_dim 128 and 256 only."""
+    if not _caps(opm)[2]:
+        pytest.skip("the LayerNorm kernel needs a Hopper GPU and an sm_90a build")
     msa = torch.empty(1, 1, 1, cm, device="cuda")
     assert opm._ln_kernel_runs(msa, 32, cm) and not opm._ln_kernel_runs(msa, 32, 64)
-    _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, 2, dict(ln_kernel=True), dict(ln_kernel=False))
+    _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, 2, dict(ln_kernel=True, rows_kernel=False),
+                                   dict(ln_kernel=False, rows_kernel=False), mask_kind)
+
+
+@gpu
+@pytest.mark.parametrize("B, S, N, cm, cz, dist, mask_kind", [(1, 40, 37, 256, 128, "normal", "binary"),
+                                                              (2, 9, 20, 64, 64, "heavy", "bool"),
+                                                              (1, 3, 11, 100, 8, "offset", "int64"),
+                                                              (1, 17, 130, 768, 100, "uniform", "fraction")])
+def test_backward_rows_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist, mask_kind):
+    """_backward_against_fp64_and_ops with a, b and 1 / denom from outer_wg's prep kernel (rows_kernel=True)
+    against ATen's LayerNorm and addmm (False), the LayerNorm part by the ops both times. S and N not
+    multiples of the prep's 4 s x 8 n tiles, msa_dim 64 to 768 (100: not a multiple of 4, plain loads
+    instead of bulk copies), float, bool and integer masks; _rows_kernel_runs for hidden_dim 32 only."""
+    if not _caps(opm)[2]:
+        pytest.skip("the a / b kernel needs a Hopper GPU and an sm_90a build")
+    msa = torch.empty(1, 1, 1, cm, device="cuda")
+    assert opm._rows_kernel_runs(msa, 32, cm) and not opm._rows_kernel_runs(msa, 16, cm)
+    _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, 3, dict(rows_kernel=True, ln_kernel=False),
+                                   dict(rows_kernel=False, ln_kernel=False), mask_kind)
+
+
+@gpu
+@pytest.mark.parametrize("B, S, N, cm, dist, mask_kind", [(1, 40, 37, 256, "normal", "binary"),
+                                                          (2, 9, 20, 100, "offset", "bool")])
+def test_forward_keeps_a_b_equal_to_the_backward_rows_kernel(opm, ref, B, S, N, cm, dist, mask_kind):
+    """opm_forward with keep_ab, where outer_wg runs (hidden_dim 32), returns a, b and 1 / denom bit-equal
+    to opm_backward_rows' on the same inputs (one prep kernel, two outputs), within 1e-5 of fp64; other
+    variants return None for them."""
+    if not _caps(opm)[2]:
+        pytest.skip("outer_wg needs a Hopper GPU and an sm_90a build")
+    gen = torch.Generator().manual_seed(B + S + N + cm)
+    m_ref, new = _pair(opm, ref, cm, 64, 32, seed=S)
+    msa = _msa((B, S, N, cm), dist, gen).cuda()
+    mask = _mask(B, S, N, mask_kind, gen).cuda()
+    params = [p.detach() for p in new.parameters()]
+    eps = new.layer_norm.eps
+    out, ran, a, b, inv_d = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("outer_wg"), True)
+    assert ALL_VARIANTS[ran] == "outer_wg" and a is not None
+    a2, b2, inv_d2 = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps)
+    assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(inv_d, inv_d2)
+    p64 = [p.double() for p in params]
+    x = F.layer_norm(msa.double(), (cm,), p64[0], p64[1], eps)
+    m = mask.double()[..., None]
+    for got, w, bias in ((a, p64[2], p64[3]), (b, p64[4], p64[5])):
+        want = (x @ w.t() + bias) * m
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (inv_d.double() - 1 / mask.double().sum(1).clamp(min=1)).abs().max() <= 1e-7
+    _, ran, *rest = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("outer_first"), True)
+    assert ALL_VARIANTS[ran] == "outer_first" and rest == [None, None, None]

@@ -422,13 +422,14 @@ def test_outer_product_mean_memory():
 # in float32 (what the kernels compute), everything else as it runs on a GPU
 # ---------------------------------------------------------------------------------------------
 class _FakeOpmExtension:
-    """Stands in for outer_product_mean's CUDA extension: opm_forward in float32 PyTorch ops, and a
-    record of the dtypes it was handed (parameters float32 only, msa float32 or bfloat16)."""
+    """Stands in for outer_product_mean's CUDA extension: opm_forward in float32 PyTorch ops (with keep_ab
+    and hidden_dim 32, a, b and 1 / denom too, as outer_wg returns them), and a record of the dtypes it
+    was handed (parameters float32 only, msa float32 or bfloat16)."""
 
     def __init__(self, real):
         self.real, self.dtypes, self.msa_dtypes = real, [], []
 
-    def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code):
+    def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code, keep_ab):
         self.dtypes.append({t.dtype for t in (lw, lb, wa, ba, wb, bb, wo, bo)})
         self.msa_dtypes.append(msa.dtype)
         msa = msa.float()
@@ -438,8 +439,12 @@ class _FakeOpmExtension:
         B, S, N, c = a.shape
         o = (a.permute(0, 2, 3, 1).reshape(B, N * c, S) @ b.permute(0, 1, 2, 3).reshape(B, S, N * c))
         o = o.reshape(B, N, c, N, c).permute(0, 1, 3, 2, 4).reshape(B, N, N, c * c)
-        o = o / mask.float().sum(1).clamp(min=1)[:, :, None, None]
-        return o @ wo.t() + bo, 1
+        denom = mask.float().sum(1).clamp(min=1)
+        o = o / denom[:, :, None, None]
+        inv_d = 1 / denom
+        if keep_ab and c == 32:
+            return o @ wo.t() + bo, 1, a, b, inv_d
+        return o @ wo.t() + bo, 1, None, None, None
 
     def opm_device_caps(self, device):
         return (False, False, False)
@@ -466,9 +471,12 @@ def _opm_inputs(seed, dtype=torch.float32, B=2, S=4, N=7, c_m=12):
     return msa, _mask(B, S, N, "binary", gen).to(dtype)
 
 
-def test_opm_model_new_gradients_match_reference(opm_cpu):
+@pytest.mark.parametrize("c", [5, 32])
+def test_opm_model_new_gradients_match_reference(opm_cpu, c):
+    """hidden_dim 5: the backward recomputes a and b; 32: it takes them from the forward (as where
+    outer_wg runs)."""
     mod, fake = opm_cpu
-    model, new = _opm_pair(mod, seed=50)
+    model, new = _opm_pair(mod, seed=50, c=c)
     msa, mask = _opm_inputs(150)
     g = torch.randn(2, 7, 7, 10, generator=torch.Generator().manual_seed(250))
     want = _ref_grads(model, OPM_NAMES, [msa, mask], g)
