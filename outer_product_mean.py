@@ -65,11 +65,12 @@ the boundary (PyTorch casts), the kernels run as above and the output comes back
 dtype (under CUDA autocast, in the autocast dtype, as the reference's is); with bfloat16 inputs and
 parameters outer_wg reads msa_repr and writes its output in bfloat16 (no casts) and makes single
 TF32 products (Wo exact in TF32, a, b and O rounded to TF32: 2^-11, under the bfloat16 reference's
-2^-8 for each). The backward (outer_product_mean_backward, float32 inside) saves only the inputs
-and recomputes a and b; on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute
-out_proj's weight gradient (O per tile on chip) and, for pair_dim % 4 == 0, da and db (G = (g /
-denom) Wo per tile on chip); elsewhere PyTorch ops build O and G for a chunk of rows i at a time
-(about 256 MB), never the whole (B, N, N, c*c). Gradients for msa_repr and every parameter, none for
+2^-8 for each). The backward (outer_product_mean_backward, float32 inside) saves the inputs, and a
+and b where outer_wg ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen
+elsewhere); on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute out_proj's
+weight gradient (O per tile on chip) and, for pair_dim % 4 == 0, da and db (G = (g / denom) Wo per
+tile on chip), and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build
+O and G for a chunk of rows i at a time (about 256 MB), never the whole (B, N, N, c*c). Gradients for msa_repr and every parameter, none for
 the mask (one that requires grad raises); double backward raises.
 Limits: float32 inside (float16 costs one conversion each way, bfloat16 too but in outer_wg);
 msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
