@@ -4151,7 +4151,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
     True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
     both). Both kernels compute in float32, so they serve float16 / bfloat16 inputs too. The rest (the
-    mask, dy, the LayerNorm backward, the weight and bias sums) runs in one pass over the msa rows
+    mask, dy, the LayerNorm backward, the weight and bias sums) runs in one sweep over the msa rows
     (opm_bw_ln_kernel) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks
     of rows with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's
     backward calls it under no_grad).
