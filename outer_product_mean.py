@@ -2879,23 +2879,46 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 //   dWa[c, m] = sum_r dpa[r, c] x[r, m] (dWb likewise),  d_ln_w = sum_r dy xhat,  d_ln_b = sum_r dy,
 //   d_ba = sum_r dpa, d_bb = sum_r dpb
 // Persistent blocks of 256 threads (one per SM) take tiles of 32 rows t = blockIdx.x, + gridDim.x, ...;
-// double-buffered: while a tile is computed, the block's next tile (x_in, da, db rows: three bulk copies
-// on the other buffer's mbarrier) is in flight; a partial last tile (R % 32) is loaded by plain loads
-// with zeros past R. Wa | Wb sit in shared memory once per block. Per tile, dps[r][0..63] = (da | db)
-// rows times the mask; thread (mg = tid % MG, rg = tid / MG), MG = CM / 4: columns 4 mg .. 4 mg + 3;
-// dy for rows RPT rg .. (RPT = 32 / NRG, NRG = 256 / MG), the weight sums for channels CPT rg .. (CPT =
-// 64 / NRG; 0-31 a, 32-63 b) over the block's rows, in registers to the end; thread tid sums channel
-// tid % 64 of rows tid / 64 + 4 i for the bias sums. Each block writes its partials (part[blk][64][CM],
-// part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b, d_ba, d_bb); opm_bw_ln_sum_kernel adds them in block order in
-// fp64.
+// double-buffered: while a tile is computed, the block's next tile (x_in by one bulk copy per row into
+// rows of LDX = CM + 8 floats, da and db by one each, all on the other buffer's mbarrier) is in flight;
+// a partial last tile (R % 32) is loaded by plain loads with zeros past R. Wa | Wb (ws, rows of CM + 8)
+// sit in shared memory once per block. Per tile:
+//   build: dp = (da | db) rows times the mask, split into TF32 hi / lo planes as dp[r][k] (rows of 68)
+//     and dp^T[k][r] (rows of 36); thread tid adds channel tid % 64 of rows tid / 64 + 4 i (bias sums);
+//     statistics, warp w for rows 4 w .. 4 w + 3, xhat in place;
+//   dy = dp . W (32 x CM, K = 64) and dW += dp^T . x (64 x CM, K = 32), both on mma.sync m16n8k8 in
+//     split TF32 (the small terms, then hi x hi, into a fresh accumulator per k step, added in fp32);
+//     warp w owns columns [w CM / 8, (w + 1) CM / 8) of both (NT = CM / 64 n8 tiles); W and x (= xhat
+//     ln_w + ln_b) are split as their B fragments are loaded;
+//   per row, the sums of g and g xhat over the warp's columns (quad shuffles), the 8 warps' added in
+//     order through shared memory; d_x_in written (float2 per thread); d_ln_w, d_ln_b accumulated.
+// Each block writes its partials (part[blk][64][CM]: dWa | dWb; part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b
+// over the block's rows (lanes added by shuffles), d_ba, d_bb); opm_bw_ln_sum_kernel adds them in block
+// order in fp64.
+// Conflict-free shared loads: the padded rows (LDX, CM + 8, 68, 36 floats) put the 32 lanes of every
+// fragment load in distinct banks.
 // Assumptions: 256 threads; x_in, da, db 16-byte aligned (the bulk copies); sm_90a (bulk copies, mbarriers).
 // ---------------------------------------------------------------------------------------------
 constexpr int kLnRows = 32;
 template <int CM>
-constexpr size_t ln_smem_bytes() {  // xs[2], raw[2], dps, ws, lws, stat, red, msk, bsum
-  return 4ull * (2 * kLnRows * CM + 2 * kLnRows * 64 + kLnRows * 64 + 64 * CM + 2 * CM + 2 * kLnRows +
-                 2 * kLnRows * (CM / 128) + kLnRows + 256);
-}
+struct LnSmem {  // offsets in floats
+  static constexpr int LDX = CM + 8, LDP = 68, LDT = 36;
+  static constexpr int xs = 0;                            // [2][32][LDX]: x_in, then xhat
+  static constexpr int raw = xs + 2 * kLnRows * LDX;      // [2][2][32][32]: da rows, db rows as copied
+  static constexpr int ph = raw + 2 * kLnRows * 64;       // dp hi [32][LDP]
+  static constexpr int pl = ph + kLnRows * LDP;           // dp lo
+  static constexpr int th = pl + kLnRows * LDP;           // dp^T hi [64][LDT]
+  static constexpr int tl = th + 64 * LDT;                // dp^T lo
+  static constexpr int ws = tl + 64 * LDT;                // [64][LDX]: Wa | Wb
+  static constexpr int lws = ws + 64 * LDX;               // [CM] ln_w, [CM] ln_b
+  static constexpr int stat = lws + 2 * CM;               // [32] mean, [32] rstd
+  static constexpr int red = stat + 2 * kLnRows;          // [2][32][8]: per row and warp, sum g, sum g xhat
+  static constexpr int msk = red + 2 * kLnRows * 8;       // [32]
+  static constexpr int bsum = msk + kLnRows;              // [256]
+  static constexpr int floats = bsum + 256;
+};
+template <int CM>
+constexpr size_t ln_smem_bytes() { return 4ull * LnSmem<CM>::floats; }
 template <int CM>
 __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
     const float* __restrict__ xin, const float* __restrict__ da, const float* __restrict__ db,
@@ -2903,30 +2926,32 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
     const float* __restrict__ wa, const float* __restrict__ wb, float* __restrict__ dx, float* __restrict__ part,
     float* __restrict__ part_ln, int64_t R, float eps) {
 #if defined(OPM_WG_DEVICE)
-  constexpr int MG = CM / 4, NRG = 256 / MG, RPT = kLnRows / NRG, CPT = 64 / NRG, WPR = MG / 32;
-  static_assert(MG % 32 == 0 && NRG * MG == 256, "CM: 128 or 256");
-  constexpr unsigned kTileBytes = 4u * kLnRows * (CM + 64);
+  using L = LnSmem<CM>;
+  constexpr int NT = CM / 64, LDX = L::LDX, LDP = L::LDP, LDT = L::LDT;
+  static_assert(CM == 128 || CM == 256, "CM: 128 or 256");
   extern __shared__ float4 smem_f4[];
-  float* xs0 = reinterpret_cast<float*>(smem_f4);  // [2][32][CM]: x_in, then xhat
-  float* raw0 = xs0 + 2 * kLnRows * CM;            // [2][2][32][32]: da rows, db rows as copied
-  float* dps = raw0 + 2 * kLnRows * 64;            // [32][64]: dpa | dpb
-  float* ws = dps + kLnRows * 64;                  // [64][CM]: Wa | Wb
-  float* lws = ws + 64 * CM;                       // [CM] ln_w, then [CM] ln_b
-  float* stat = lws + 2 * CM;                      // [32] mean, [32] rstd
-  float* red = stat + 2 * kLnRows;                 // [2][32][WPR]: the rows' sums of g, g xhat per warp
-  float* msk = red + 2 * kLnRows * WPR;            // [32]: the tile's mask values
-  float* bsum = msk + kLnRows;                     // [256]: the threads' bias sums (at the end)
+  float* sm = reinterpret_cast<float*>(smem_f4);
+  float* ws = sm + L::ws;
+  float* lws = sm + L::lws;
+  float* stat = sm + L::stat;
+  float* red = sm + L::red;
+  float* msk = sm + L::msk;
+  uint32_t* ph = reinterpret_cast<uint32_t*>(sm + L::ph);
+  uint32_t* pl = reinterpret_cast<uint32_t*>(sm + L::pl);
+  uint32_t* th = reinterpret_cast<uint32_t*>(sm + L::th);
+  uint32_t* tl = reinterpret_cast<uint32_t*>(sm + L::tl);
   __shared__ uint64_t bar[2];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, mg = tid % MG, rg = tid / MG;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int col0 = warp * (CM / 8);  // this warp's columns of dy and dW
   const int64_t tiles = (R + kLnRows - 1) / kLnRows;
-  auto full = [&](int64_t t) { return (t + 1) * kLnRows <= R; };
-  auto issue = [&](int64_t t, int buf) {  // thread 0: tile t's three bulk copies into buffer buf
-    float* xs = xs0 + buf * kLnRows * CM;
-    float* raw = raw0 + buf * kLnRows * 64;
-    mbar_expect_tx(&bar[buf], kTileBytes);
-    bulk_copy(xs, xin + t * kLnRows * CM, 4u * kLnRows * CM, &bar[buf]);
-    bulk_copy(raw, da + t * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
-    bulk_copy(raw + kLnRows * 32, db + t * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
+  auto full = [&](int64_t tt) { return (tt + 1) * kLnRows <= R; };
+  auto issue = [&](int64_t tt, int buf) {  // thread 0: tile tt's bulk copies into buffer buf
+    float* xs = sm + L::xs + buf * kLnRows * LDX;
+    float* raw = sm + L::raw + buf * kLnRows * 64;
+    mbar_expect_tx(&bar[buf], 4u * kLnRows * (CM + 64));
+    for (int r = 0; r < kLnRows; ++r) bulk_copy(xs + r * LDX, xin + (tt * kLnRows + r) * CM, 4u * CM, &bar[buf]);
+    bulk_copy(raw, da + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
+    bulk_copy(raw + kLnRows * 32, db + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
   };
   if (tid == 0) {
     mbar_init(&bar[0], 1);
@@ -2935,175 +2960,247 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
   }
   __syncthreads();  // the barriers initialised before any copy or wait
   if (tid == 0 && blockIdx.x < tiles && full(blockIdx.x)) issue(blockIdx.x, 0);
-  for (int e = tid; e < 64 * MG; e += 256) {
-    const int k = e / MG, q = e % MG;
-    reinterpret_cast<float4*>(ws)[e] = __ldg(reinterpret_cast<const float4*>(k < 32 ? wa + k * CM : wb + (k - 32) * CM) + q);
+  for (int e = tid; e < 64 * (CM / 4); e += 256) {
+    const int k = e / (CM / 4), q = e % (CM / 4);
+    reinterpret_cast<float4*>(ws + k * LDX)[q] =
+        __ldg(reinterpret_cast<const float4*>(k < 32 ? wa + k * CM : wb + (k - 32) * CM) + q);
   }
   for (int e = tid; e < 2 * CM; e += 256) lws[e] = __ldg(e < CM ? ln_w + e : ln_b + e - CM);
-  float accw[CPT][4], dlw[4], dlb[4], dbias = 0.f;
+  __syncthreads();  // ws, lws visible
+  // ln_w at this thread's accumulator columns col0 + 8 nt + 2 t + e; ln_w, ln_b at its B-fragment
+  // columns col0 + 8 nt + g (product 2's x)
+  float lwc[NT][2], lwg[NT], lbg[NT];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    dlw[q] = dlb[q] = 0.f;
+  for (int nt = 0; nt < NT; ++nt) {
+    lwc[nt][0] = lws[col0 + 8 * nt + 2 * t];
+    lwc[nt][1] = lws[col0 + 8 * nt + 2 * t + 1];
+    lwg[nt] = lws[col0 + 8 * nt + g];
+    lbg[nt] = lws[CM + col0 + 8 * nt + g];
+  }
+  // accw[mt][nt][q]: dW row k = 16 mt + g + 8 (q >> 1), column col0 + 8 nt + 2 t + (q & 1)
+  float accw[4][NT][4], dlw[NT][2], dlb[NT][2], dbias = 0.f;
 #pragma unroll
-    for (int k = 0; k < CPT; ++k) accw[k][q] = 0.f;
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) dlw[nt][e] = dlb[nt][e] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) accw[mt][nt][q] = 0.f;
   }
   unsigned phases = 0u;  // bit buf: the parity of buffer buf's next wait
   int buf = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, buf ^= 1) {
-    const int64_t r0 = t * kLnRows;
-    float* xs = xs0 + buf * kLnRows * CM;
-    float* raw = raw0 + buf * kLnRows * 64;
-    __syncthreads();  // the previous tile's reads of xs (other buffer), dps, msk, stat, red are done
-    if (tid == 0 && t + gridDim.x < tiles && full(t + gridDim.x)) issue(t + gridDim.x, buf ^ 1);
+  for (int64_t tt = blockIdx.x; tt < tiles; tt += gridDim.x, buf ^= 1) {
+    const int64_t r0 = tt * kLnRows;
+    float* xs = sm + L::xs + buf * kLnRows * LDX;
+    float* raw = sm + L::raw + buf * kLnRows * 64;
+    __syncthreads();  // the previous tile's reads of xs (other buffer), the planes, msk, stat, red are done
+    if (tid == 0 && tt + gridDim.x < tiles && full(tt + gridDim.x)) issue(tt + gridDim.x, buf ^ 1);
     if (tid < kLnRows) msk[tid] = r0 + tid < R ? mask_value(mask, r0 + tid, mask_kind) : 0.f;
-    if (full(t)) {
+    if (full(tt)) {
       mbar_wait(&bar[buf], (phases >> buf) & 1u);
       phases ^= 1u << buf;
     } else {  // the partial last tile: plain loads, zeros past R
-      for (int e = tid; e < kLnRows * MG; e += 256) {
-        const int r = e / MG;
-        reinterpret_cast<float4*>(xs)[e] = r0 + r < R ? __ldg(reinterpret_cast<const float4*>(xin + (r0 + r) * CM) + e % MG)
-                                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int e = tid; e < kLnRows * (CM / 4); e += 256) {
+        const int r = e / (CM / 4), q = e % (CM / 4);
+        reinterpret_cast<float4*>(xs + r * LDX)[q] =
+            r0 + r < R ? __ldg(reinterpret_cast<const float4*>(xin + (r0 + r) * CM) + q) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
       for (int e = tid; e < kLnRows * 64; e += 256) {
         const int r = (e % 1024) / 32;
-        const float* src = e < 1024 ? da : db;
-        raw[e] = r0 + r < R ? __ldg(src + (r0 + r) * 32 + e % 32) : 0.f;
+        raw[e] = r0 + r < R ? __ldg((e < 1024 ? da : db) + (r0 + r) * 32 + e % 32) : 0.f;
       }
     }
     __syncthreads();  // the tile (plain loads included) and msk visible to every thread
-    // ---- dps = (da | db) rows times the mask; this thread's bias sums (channel tid % 64) ----
+    // ---- build: the dp planes, this thread's bias sums (channel tid % 64) ----
 #pragma unroll
     for (int i = 0; i < kLnRows / 4; ++i) {
       const int r = tid / 64 + 4 * i, k = tid % 64;
       const float v = raw[(k / 32) * kLnRows * 32 + r * 32 + k % 32] * msk[r];
-      dps[r * 64 + k] = v;
       dbias += v;
+      uint32_t hi, lo;
+      split_tf32(v, hi, lo);
+      ph[r * LDP + k] = hi;
+      pl[r * LDP + k] = lo;
+      th[k * LDT + r] = hi;
+      tl[k * LDT + r] = lo;
     }
     // ---- statistics: warp w, rows 4 w .. 4 w + 3 ----
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) {
       const int r = 4 * warp + rr;
-      float s = 0.f;
+      float sum = 0.f;
 #pragma unroll
-      for (int m = lane; m < CM; m += 32) s += xs[r * CM + m];
-      s = warp_sum(s);
-      const float mean = s / CM;
+      for (int m = lane; m < CM; m += 32) sum += xs[r * LDX + m];
+      sum = warp_sum(sum);
+      const float mean = sum / CM;
       float v = 0.f;
 #pragma unroll
       for (int m = lane; m < CM; m += 32) {
-        const float d = xs[r * CM + m] - mean;
+        const float d = xs[r * LDX + m] - mean;
         v += d * d;
       }
       v = warp_sum(v);
-      const float rstd = rsqrtf(v / CM + eps);
+      const float rstd = r0 + r < R ? rsqrtf(v / CM + eps) : 0.f;  // rows past R: xhat 0 (also at eps = 0)
 #pragma unroll
-      for (int m = lane; m < CM; m += 32) xs[r * CM + m] = (xs[r * CM + m] - mean) * rstd;
+      for (int m = lane; m < CM; m += 32) xs[r * LDX + m] = (xs[r * LDX + m] - mean) * rstd;
       if (lane == 0) {
         stat[r] = mean;
         stat[kLnRows + r] = rstd;
       }
     }
-    __syncthreads();
-    // ---- dy, the LayerNorm backward's row sums ----
-    float dy[RPT][4];
+    __syncthreads();  // the planes, xhat and stat complete
+    // ---- dy = dp . W: acc1[mt][nt][q] at row 16 mt + g + 8 (q >> 1), column col0 + 8 nt + 2 t + (q & 1) ----
+    float acc1[2][NT][4];
 #pragma unroll
-    for (int i = 0; i < RPT; ++i)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) dy[i][q] = 0.f;
-#pragma unroll 4
-    for (int k = 0; k < 64; ++k) {
-      const float4 w = reinterpret_cast<const float4*>(ws + k * CM)[mg];
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int i = 0; i < RPT; ++i) {
-        const float p = dps[(RPT * rg + i) * 64 + k];
-        dy[i][0] = fmaf(p, w.x, dy[i][0]);
-        dy[i][1] = fmaf(p, w.y, dy[i][1]);
-        dy[i][2] = fmaf(p, w.z, dy[i][2]);
-        dy[i][3] = fmaf(p, w.w, dy[i][3]);
-      }
-    }
-    const float4 lw4 = reinterpret_cast<const float4*>(lws)[mg];
-    const float lwv[4] = {lw4.x, lw4.y, lw4.z, lw4.w};
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      const int r = RPT * rg + i;
-      const float4 xh4 = reinterpret_cast<const float4*>(xs + r * CM)[mg];
-      const float xh[4] = {xh4.x, xh4.y, xh4.z, xh4.w};
-      float s1 = 0.f, s2 = 0.f;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float gq = dy[i][q] * lwv[q];
-        s1 += gq;
-        s2 += gq * xh[q];
-        dlw[q] = fmaf(dy[i][q], xh[q], dlw[q]);
-        dlb[q] += dy[i][q];
-      }
-      s1 = warp_sum(s1);
-      s2 = warp_sum(s2);
-      if (lane == 0) {
-        red[r * WPR + warp % WPR] = s1;
-        red[kLnRows * WPR + r * WPR + warp % WPR] = s2;
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      const int r = RPT * rg + i;
-      if (r0 + r >= R) continue;
-      float s1 = 0.f, s2 = 0.f;
-#pragma unroll
-      for (int u = 0; u < WPR; ++u) {
-        s1 += red[r * WPR + u];
-        s2 += red[kLnRows * WPR + r * WPR + u];
-      }
-      const float rstd = stat[kLnRows + r], m1 = s1 / CM, m2 = s2 / CM;
-      const float4 xh4 = reinterpret_cast<const float4*>(xs + r * CM)[mg];
-      float4 o;
-      o.x = rstd * (dy[i][0] * lwv[0] - m1 - xh4.x * m2);
-      o.y = rstd * (dy[i][1] * lwv[1] - m1 - xh4.y * m2);
-      o.z = rstd * (dy[i][2] * lwv[2] - m1 - xh4.z * m2);
-      o.w = rstd * (dy[i][3] * lwv[3] - m1 - xh4.w * m2);
-      reinterpret_cast<float4*>(dx + (r0 + r) * CM)[mg] = o;
-    }
-    // ---- the weight sums: accw[k][q] += dp[r][CPT rg + k] x[r][4 mg + q] ----
-    const float4 lb4 = reinterpret_cast<const float4*>(lws + CM)[mg];
+        for (int q = 0; q < 4; ++q) acc1[mt][nt][q] = 0.f;
 #pragma unroll 2
-    for (int r = 0; r < kLnRows; ++r) {
-      const float4 xh4 = reinterpret_cast<const float4*>(xs + r * CM)[mg];
-      const float x[4] = {fmaf(xh4.x, lw4.x, lb4.x), fmaf(xh4.y, lw4.y, lb4.y), fmaf(xh4.z, lw4.z, lb4.z),
-                          fmaf(xh4.w, lw4.w, lb4.w)};
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t ah[2][4], al[2][4];
 #pragma unroll
-      for (int k = 0; k < CPT; k += 4) {
-        const float4 p = reinterpret_cast<const float4*>(dps + r * 64 + CPT * rg + k)[0];
-        const float pv[4] = {p.x, p.y, p.z, p.w};
+      for (int mt = 0; mt < 2; ++mt) {
+        const int o = (16 * mt + g) * LDP + 8 * ks + t;
+        ah[mt][0] = ph[o];
+        ah[mt][1] = ph[o + 8 * LDP];
+        ah[mt][2] = ph[o + 4];
+        ah[mt][3] = ph[o + 8 * LDP + 4];
+        al[mt][0] = pl[o];
+        al[mt][1] = pl[o + 8 * LDP];
+        al[mt][2] = pl[o + 4];
+        al[mt][3] = pl[o + 8 * LDP + 4];
+      }
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
+      for (int nt = 0; nt < NT; ++nt) {
+        const float* wp = ws + (8 * ks + t) * LDX + col0 + 8 * nt + g;
+        uint32_t bh0, bl0, bh1, bl1;
+        split_tf32(wp[0], bh0, bl0);
+        split_tf32(wp[4 * LDX], bh1, bl1);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) accw[k + kk][q] = fmaf(pv[kk], x[q], accw[k + kk][q]);
+        for (int mt = 0; mt < 2; ++mt) {
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_tf32(d, al[mt], bh0, bh1);  // the small terms first
+          mma_tf32(d, ah[mt], bl0, bl1);
+          mma_tf32(d, ah[mt], bh0, bh1);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc1[mt][nt][q] += d[q];
+        }
       }
     }
+    // ---- the rows' sums of g = dy ln_w and g xhat over this warp's columns ----
+    float2 xh[2][2][NT];  // [mt][hf][nt]: xhat at (row 16 mt + g + 8 hf, columns col0 + 8 nt + 2 t, + 1)
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = 16 * mt + g + 8 * hf;
+        float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          xh[mt][hf][nt] = *reinterpret_cast<const float2*>(xs + r * LDX + col0 + 8 * nt + 2 * t);
+          const float g0 = acc1[mt][nt][2 * hf] * lwc[nt][0], g1 = acc1[mt][nt][2 * hf + 1] * lwc[nt][1];
+          s1 += g0 + g1;
+          s2 = fmaf(g0, xh[mt][hf][nt].x, fmaf(g1, xh[mt][hf][nt].y, s2));
+        }
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
+        if (t == 0) {
+          red[r * 8 + warp] = s1;
+          red[kLnRows * 8 + r * 8 + warp] = s2;
+        }
+      }
+    // ---- dW += dp^T . x: rows k (A from dp^T), K = the tile's 32 rows, B = x split on load ----
+#pragma unroll 1
+    for (int ks = 0; ks < 4; ++ks) {
+      uint32_t bh[NT][2], bl[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float* xp = xs + (8 * ks + t) * LDX + col0 + 8 * nt + g;
+        split_tf32(fmaf(xp[0], lwg[nt], lbg[nt]), bh[nt][0], bl[nt][0]);
+        split_tf32(fmaf(xp[4 * LDX], lwg[nt], lbg[nt]), bh[nt][1], bl[nt][1]);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const int o = (16 * mt + g) * LDT + 8 * ks + t;
+        const uint32_t ah[4] = {th[o], th[o + 8 * LDT], th[o + 4], th[o + 8 * LDT + 4]};
+        const uint32_t al[4] = {tl[o], tl[o + 8 * LDT], tl[o + 4], tl[o + 8 * LDT + 4]};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_tf32(d, al, bh[nt][0], bh[nt][1]);
+          mma_tf32(d, ah, bl[nt][0], bl[nt][1]);
+          mma_tf32(d, ah, bh[nt][0], bh[nt][1]);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) accw[mt][nt][q] += d[q];
+        }
+      }
+    }
+    __syncthreads();  // every warp's row sums in red
+    // ---- d_x_in, d_ln_w, d_ln_b ----
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = 16 * mt + g + 8 * hf;
+        float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+          s1 += red[r * 8 + w];
+          s2 += red[kLnRows * 8 + r * 8 + w];
+        }
+        const float rstd = stat[kLnRows + r], m1 = s1 / CM, m2 = s2 / CM;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float dy0 = acc1[mt][nt][2 * hf], dy1 = acc1[mt][nt][2 * hf + 1];
+          const float2 x2 = xh[mt][hf][nt];
+          if (r0 + r < R)
+            *reinterpret_cast<float2*>(dx + (r0 + r) * CM + col0 + 8 * nt + 2 * t) =
+                make_float2(rstd * (dy0 * lwc[nt][0] - m1 - x2.x * m2), rstd * (dy1 * lwc[nt][1] - m1 - x2.y * m2));
+          dlw[nt][0] = fmaf(dy0, x2.x, dlw[nt][0]);
+          dlw[nt][1] = fmaf(dy1, x2.y, dlw[nt][1]);
+          dlb[nt][0] += dy0;
+          dlb[nt][1] += dy1;
+        }
+      }
     // this thread's generic writes of xs ordered before the bulk copies that refill it
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
-  // ---- partials: this block's weight sums, and d_ln_w / d_ln_b over its row groups (via shared memory) ----
+  // ---- partials: dW, then d_ln_w / d_ln_b over the lanes g (the columns are this warp's alone), the
+  //      bias sums ----
   float* pb = part + static_cast<int64_t>(blockIdx.x) * 64 * CM;
 #pragma unroll
-  for (int k = 0; k < CPT; ++k)
-    reinterpret_cast<float4*>(pb + (CPT * rg + k) * CM)[mg] = make_float4(accw[k][0], accw[k][1], accw[k][2], accw[k][3]);
-  __syncthreads();  // (xs0 free: reuse it for the row groups' d_ln_w / d_ln_b)
-  float* xs = xs0;
-  reinterpret_cast<float4*>(xs + rg * 2 * CM)[mg] = make_float4(dlw[0], dlw[1], dlw[2], dlw[3]);
-  reinterpret_cast<float4*>(xs + rg * 2 * CM + CM)[mg] = make_float4(dlb[0], dlb[1], dlb[2], dlb[3]);
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<float2*>(pb + (16 * mt + g + 8 * hf) * CM + col0 + 8 * nt + 2 * t) =
+            make_float2(accw[mt][nt][2 * hf], accw[mt][nt][2 * hf + 1]);
+  float* plo = part_ln + static_cast<int64_t>(blockIdx.x) * (2 * CM + 64);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float vw = dlw[nt][e], vb = dlb[nt][e];
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        vw += __shfl_xor_sync(0xffffffffu, vw, off);
+        vb += __shfl_xor_sync(0xffffffffu, vb, off);
+      }
+      if (g == 0) {
+        plo[col0 + 8 * nt + 2 * t + e] = vw;
+        plo[CM + col0 + 8 * nt + 2 * t + e] = vb;
+      }
+    }
+  float* bsum = sm + L::bsum;
   bsum[tid] = dbias;
   __syncthreads();
-  float* pl = part_ln + static_cast<int64_t>(blockIdx.x) * (2 * CM + 64);
-  for (int e = tid; e < 2 * CM; e += 256) {
-    float s = 0.f;
-    for (int g = 0; g < NRG; ++g) s += xs[g * 2 * CM + e];
-    pl[e] = s;
-  }
-  if (tid < 64) pl[2 * CM + tid] = (bsum[tid] + bsum[64 + tid]) + (bsum[128 + tid] + bsum[192 + tid]);
+  if (tid < 64) plo[2 * CM + tid] = (bsum[tid] + bsum[64 + tid]) + (bsum[128 + tid] + bsum[192 + tid]);
 #else
   __trap();  // built without sm_90a: the host never launches this (DevInfo::ow_ok)
 #endif
