@@ -65,13 +65,14 @@ the boundary (PyTorch casts), the kernels run as above and the output comes back
 dtype (under CUDA autocast, in the autocast dtype, as the reference's is); with bfloat16 inputs and
 parameters outer_wg reads msa_repr and writes its output in bfloat16 (no casts) and makes single
 TF32 products (Wo exact in TF32, a, b and O rounded to TF32: 2^-11, under the bfloat16 reference's
-2^-8 for each). The backward (outer_product_mean_backward, float32 inside) saves the inputs, and a
-and b where outer_wg ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen
-elsewhere); on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute out_proj's
-weight gradient (O per tile on chip) and, for pair_dim % 4 == 0, da and db (G = (g / denom) Wo per
-tile on chip), and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build
-O and G for a chunk of rows i at a time (about 256 MB), never the whole (B, N, N, c*c). Gradients for msa_repr and every parameter, none for
-the mask (one that requires grad raises); double backward raises.
+2^-8 for each). The backward (outer_product_mean_backward, float32 inside) saves the inputs, and a,
+b and 1 / denom where outer_wg ran with hidden_dim 32 (else recomputes them: outer_wg's prep on
+Hopper, ATen elsewhere); on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute
+out_proj's weight gradient (O per tile on chip) and, for pair_dim % 4 == 0, da and db (G = (g /
+denom) Wo per tile on chip), and for a float32 msa with msa_dim 128 / 256 one kernel the LayerNorm
+part; elsewhere PyTorch ops build O and G for a chunk of rows i at a time (about 256 MB), never the
+whole (B, N, N, c*c). Gradients for msa_repr and every parameter, none for the mask (one that
+requires grad raises); double backward raises.
 Limits: float32 inside (float16 costs one conversion each way, bfloat16 too but in outer_wg);
 msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
 residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N
@@ -2871,8 +2872,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// The backward's LayerNorm part in one pass over the msa rows (fp32, hidden_dim 32, msa_dim CM):
-//   xhat = (x_in - mean) rstd,  x = xhat ln_w + ln_b            (recomputed; two-pass statistics)
+// The backward's LayerNorm part, each msa row read once (fp32, hidden_dim 32, msa_dim CM):
+//   xhat = (x_in - mean) rstd,  x = xhat ln_w + ln_b            (recomputed; statistics in two passes
+//                                                                over the row in shared memory)
 //   dpa = da * mask, dpb = db * mask                             (per row)
 //   dy[r, m]  = sum_c dpa[r, c] Wa[c, m] + dpb[r, c] Wb[c, m]
 //   d_x_in    = rstd (g - mean_m g - xhat mean_m(g xhat)),  g = dy ln_w
@@ -2893,7 +2895,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 //   per row, the sums of g and g xhat over the warp's columns (quad shuffles), the 8 warps' added in
 //     order through shared memory; d_x_in written (float2 per thread); d_ln_w, d_ln_b accumulated.
 // Each block writes its partials (part[blk][64][CM]: dWa | dWb; part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b
-// over the block's rows (lanes added by shuffles), d_ba, d_bb); opm_bw_ln_sum_kernel adds them in block
+// over the block's rows (lanes added by shuffles), d_ba, d_bb); opm_block_sum_kernel adds them in block
 // order in fp64.
 // Conflict-free shared loads: the padded rows (LDX, CM + 8, 68, 36 floats) put the 32 lanes of every
 // fragment load in distinct banks.
@@ -3206,10 +3208,10 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #endif
 }
 
-// out[e] = sum over blocks (in order, in fp64) of part[blk * n + e] for e < n (dWa | dWb: n = 64 CM, then
-// d_ln_w | d_ln_b | d_ba | d_bb: n = 2 CM + 64, into separate outputs by the caller's views; the
-// column sums of opm_colsum_kernel).
-__global__ void __launch_bounds__(kThreads) opm_bw_ln_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
+// out[e] = sum over blocks (in order, in fp64) of part[blk * n + e] for e < n: the blocks' partials of
+// opm_bw_ln_kernel (dWa | dWb: n = 64 CM; d_ln_w | d_ln_b | d_ba | d_bb: n = 2 CM + 64, into separate
+// outputs by the caller's views) and of opm_colsum_kernel (n = c_z).
+__global__ void __launch_bounds__(kThreads) opm_block_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
                                                                  int blocks, int64_t n) {
   const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (e >= n) return;
@@ -3221,7 +3223,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ln_sum_kernel(const float* __
 // part[blk][c] = sum of g[r][c] over the rows r of block blk's range [blk rpb, (blk + 1) rpb) (out_proj's
 //   bias gradient, the column sums of grad_out (rows, cz)): thread (cg = tid % CG, rl = tid / CG), CG =
 //   cz / 4 float4 columns, RL = 256 / CG row lanes, sums rows rl, rl + RL, ... of its 4 columns, then
-//   thread cg adds the RL lanes in order. opm_bw_ln_sum_kernel adds the blocks' sums.
+//   thread cg adds the RL lanes in order. opm_block_sum_kernel adds the blocks' sums.
 // Assumptions: 256 threads; cz % 4 == 0, 4 <= cz <= 1024; g 16-byte aligned.
 __global__ void __launch_bounds__(kThreads) opm_colsum_kernel(const float* __restrict__ g, int64_t rows, int cz,
                                                               int64_t rpb, float* __restrict__ part) {
@@ -3956,10 +3958,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     };
     if (cm == 256) run(opm_bw_ln_kernel<256>, ln_smem_bytes<256>());
     else run(opm_bw_ln_kernel<128>, ln_smem_bytes<128>());
-    opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
+    opm_block_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
         part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(2 * cm + 64, kThreads)), kThreads, 0, stream>>>(
+    opm_block_sum_kernel<<<static_cast<int>(cdiv(2 * cm + 64, kThreads)), kThreads, 0, stream>>>(
         part_ln.data_ptr<float>(), sums.data_ptr<float>() + 64 * cm, blocks, 2 * cm + 64);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -3988,7 +3990,7 @@ at::Tensor opm_backward_dbo(at::Tensor g) {
   opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(gc.data_ptr<float>(), rows, static_cast<int>(cz), rpb,
                                                      part.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  opm_bw_ln_sum_kernel<<<static_cast<int>(cdiv(cz, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
+  opm_block_sum_kernel<<<static_cast<int>(cdiv(cz, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
                                                                                   out.data_ptr<float>(), blocks, cz);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -4226,7 +4228,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
                                 rows_kernel=None, ab=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
-    Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any dtype, ln_w / ln_b (c_m,), wa / wb (c, c_m),
+    Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
+    other than float32 go to the kernels as float32), ln_w / ln_b (c_m,), wa / wb (c, c_m),
     ba / bb (c,), wo (c_z, c*c), bo (c_z,), grad_out g (B, N, N, c_z). Forward:
         x = LayerNorm(msa),  a = (x Wa^T + ba) * m,  b = (x Wb^T + bb) * m                (B, S, N, c)
         O[b,i,j,h,k] = sum_s a[b,s,i,h] b[b,s,j,k],  d[b,i] = max(sum_s m[b,s,i], 1)
@@ -4247,15 +4250,16 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     split TF32) where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
     (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
     True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
-    both). Both kernels compute in float32, so they serve float16 / bfloat16 inputs too. The rest (the
-    mask, dy, the LayerNorm backward, the weight and bias sums) runs in one sweep over the msa rows
-    (opm_bw_ln_kernel) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks
-    of rows with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's
-    backward calls it under no_grad).
+    both). These two kernels compute in float32, so they serve float16 / bfloat16 inputs too. With both,
+    dbo is the column sums of grad_out (opm_colsum_kernel), else the chunks' sums. The rest (the mask,
+    dy, the LayerNorm backward, dWa, dba, dWb, dbb, d_ln_w, d_ln_b) runs in one sweep over the msa rows
+    (opm_bw_ln_kernel: a float32 msa) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is
+    True, else in chunks of rows with ATen's native_layer_norm_backward. Takes detached tensors (the
+    autograd Function's backward calls it under no_grad).
 
-    Memory: a, b, da, db (B, S, N, c) in ct for the whole call; the outer product and G only for
-    r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of
-    msa rows when needed, never held whole. The denominator sums float masks in fp64 and bool /
+    Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
+    G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
+    chunk of msa rows when needed, never held whole. The denominator sums float masks in fp64 and bool /
     integer masks in int64 (exact for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w,
     d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its tensor's dtype.
     """
@@ -4275,7 +4279,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     R = B * S * N
     msa_rows = msa.reshape(R, c_m)
     # the kernels take float32, bool and integer masks as they are
-    mask_k = mask.float() if mask.dtype in (torch.float16, torch.bfloat16) else mask
+    mask_k = mask.float() if mask.is_floating_point() and mask.dtype != torch.float32 else mask
     if not (rows_in_kernel and ln_in_kernel):
         m_rows = mask.to(ct).reshape(R, 1)
     if not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
