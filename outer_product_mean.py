@@ -117,6 +117,7 @@ _CUDA_SRC = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -414,6 +415,16 @@ __device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, 
 __device__ __forceinline__ void bulk_copy(float* smem, const float* gmem, unsigned bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+// One box of a 4-D tensor map (coordinates innermost first) into shared memory (128-byte aligned),
+// completing the box's bytes (zeros out of range included) on bar.
+__device__ __forceinline__ void tma_load_4d(float* smem, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(smem_u32(smem)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+        "r"(smem_u32(bar))
+      : "memory");
 }
 // d (64 x 128, fp32, this warpgroup's accumulator fragment) = A (64 x 8) B^T (8 x 128) + (acc ? d : 0),
 // TF32 operands K-major in shared memory. d[4 j + q]: row 16 (warp % 4) + lane / 4 + 8 (q / 2),
@@ -2677,14 +2688,15 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // accumulator per J (48 wgmma).
 // The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
 // waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
-// g slots: da: rows (ol, ll) at floats 2 c_z ol + c_z ll (one bulk copy per ol of two j); db: 32 c_z
-// ll + c_z ol (one copy per ll of the tile's 32 j). Copies skip residues past N (their rows' scale is
-// 0; the ring starts zeroed, so a skipped row holds earlier data, finite for finite inputs), and the
-// G step's last float4s past c_z read the next row, against zero rows of Wt.
+// g slots: one box of the tensor map tm_g (g as (c_z, N j, N i, B)), da: (c_z, 2 j, 32 i) at (0, l0, o0,
+// b), rows (ol, ll) at floats 2 c_z ol + c_z ll; db: (c_z, 32 j, 2 i) at (0, o0, l0, b), 32 c_z ll + c_z
+// ol. Rows past N are zeros (the map's fill; their scale is 0 too), and the G step's last float4s past
+// c_z read the next row (or the slot's stale tail: the ring starts zeroed, so it holds earlier data,
+// finite for finite inputs), against zero rows of Wt.
 // ---------------------------------------------------------------------------------------------
 template <int kForm>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
-    const float* __restrict__ Vt, const float* __restrict__ Wt, const float* __restrict__ g,
+    const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
     const float* __restrict__ inv_denom, float* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
     int64_t NJT, int64_t SB, int64_t NOT, int64_t NSC) {
 #if defined(OPM_WG_DEVICE)
@@ -2721,22 +2733,14 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
         ++u;
         return ring + st * 8192;
       };
-      const int64_t o0 = 32 * ot;
-      const int64_t no = min64(32, N - o0);  // own residues in range
+      const int o0 = static_cast<int>(32 * ot), bi = static_cast<int>(b);
       for (int64_t J = 0; J < NJT; ++J) {
-        for (int w = 0; w < 2; ++w) {
-          const int64_t l0 = 4 * J + 2 * w;
-          const int64_t nl = max64(0, min64(2, N - l0));  // loop residues in range
+        for (int w = 0; w < 2; ++w) {  // one box of g: (c_z, 2 j, 32 i) for da, (c_z, 32 j, 2 i) for db
+          const int l0 = static_cast<int>(4 * J + 2 * w);
           uint64_t* bar = full + static_cast<int>(u % kAbStages);
-          if (kForm == 0) {  // da: g[b, o0 + ol, l0 .. l0 + nl - 1, :] per ol
-            float* dst = slot(static_cast<unsigned>(4 * no * nl * cz));
-            for (int ol = 0; ol < no && nl > 0; ++ol)
-              bulk_copy(dst + 2 * cz * ol, g + ((b * N + o0 + ol) * N + l0) * cz, static_cast<unsigned>(4 * nl * cz), bar);
-          } else {  // db: g[b, l0 + ll, o0 .. o0 + no - 1, :] per ll
-            float* dst = slot(static_cast<unsigned>(4 * nl * no * cz));
-            for (int ll = 0; ll < nl; ++ll)
-              bulk_copy(dst + 32 * cz * ll, g + ((b * N + l0 + ll) * N + o0) * cz, static_cast<unsigned>(4 * no * cz), bar);
-          }
+          float* dst = slot(static_cast<unsigned>(4 * 64 * cz));
+          if (kForm == 0) tma_load_4d(dst, &tm_g, 0, l0, o0, bi, bar);
+          else tma_load_4d(dst, &tm_g, 0, o0, l0, bi, bar);
         }
         for (int mb = 0; mb < mbc; ++mb) {
           uint64_t* bar = full + static_cast<int>(u % kAbStages);
@@ -2804,17 +2808,20 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
       sc2[hr] = (o < N && l < N) ? __ldg(inv_denom + b * N + i) : 0.f;
     }
     asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's da-step wgmma on Gt is done
+    // (n, kap) = (2 ol + jj / 4, 32 (2 wg + ll) + 8 (jj % 4) + 2 t4), ol = 16 (w4 % 2) + gq + 8 hr: ab_off is
+    // gt0's plus 2048 hr + 64 (jj % 4) + 4 (jj / 4) ((2 gq) % 8 + 1 < 8: no carry; kap steps by 8): one
+    // address per thread and J (16 from ab_off each are hoisted out of the J loop by ptxas, and spill)
+    float* gt0 = Gt + ab_off(2 * (16 * (w4 % 2) + gq), 32 * (2 * wg + ll) + 2 * t4);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        const int ol = 16 * (w4 % 2) + gq + 8 * hr;
-        const int n = 2 * ol + jj / 4, kap = 32 * (2 * wg + ll) + 8 * (jj % 4) + 2 * t4;
         uint32_t h0, l0, h1, l1;
         split_tf32(gsum[4 * jj + 2 * hr] * sc2[hr], h0, l0);
         split_tf32(gsum[4 * jj + 2 * hr + 1] * sc2[hr], h1, l1);
-        *reinterpret_cast<uint2*>(Gt + ab_off(n, kap)) = make_uint2(h0, h1);
-        *reinterpret_cast<uint2*>(Gt + 8192 + ab_off(n, kap)) = make_uint2(l0, l1);
+        float* dst = gt0 + 2048 * hr + 64 * (jj % 4) + 4 * (jj / 4);
+        *reinterpret_cast<uint2*>(dst) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(dst + 8192) = make_uint2(l0, l1);
       }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before wgmma reads Gt
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
@@ -3856,9 +3863,45 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   return dwo;
 }
 
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once.
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = nullptr;
+  if (fn == nullptr) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
+#endif
+    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
+                "outer_product_mean: the CUDA driver has no cuTensorMapEncodeTiled (the da / db kernel needs CUDA 12+)");
+    fn = reinterpret_cast<EncodeTiledFn>(p);
+  }
+  return fn;
+}
+
+// g (B, N, N, c_z) fp32 contiguous, 16-byte aligned, c_z % 4 == 0, as a 4-D tensor map (c_z, N j, N i, B)
+// with boxes of (c_z, box_j, box_i, 1), no swizzle, zeros out of range (opm_bw_ab_kernel's g slots).
+CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
+  CUtensorMap m;
+  const cuuint64_t B = g.size(0), N = g.size(1), cz = g.size(3);
+  const cuuint64_t dims[4] = {cz, N, N, B};
+  const cuuint64_t strides[3] = {4 * cz, 4 * cz * N, 4 * cz * N * N};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(cz), box_j, box_i, 1}, elem[4] = {1, 1, 1, 1};
+  const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, g.data_ptr(), dims, strides, box, elem,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "outer_product_mean: cuTensorMapEncodeTiled failed with CUresult ", static_cast<int>(r));
+  return m;
+}
+
 // The backward's da and db (before the mask) on wgmma, G recomputed per tile: a, b (B, S, N, 32) fp32
-// (masked), inv_denom (B, N), g (B, N, N, c_z) fp32 with c_z <= 128 and c_z % 4 == 0 (16-byte rows for
-// the bulk copies), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. Returns (da, db).
+// (masked), inv_denom (B, N), g (B, N, N, c_z) fp32 with c_z <= 128 and c_z % 4 == 0 (16-byte rows: the
+// tensor map's strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. Returns (da, db).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
                                                    at::Tensor wo) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
@@ -3881,7 +3924,7 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
               "outer_product_mean: opm_backward_ab needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
   at::Tensor gc = g.contiguous();
-  if (reinterpret_cast<uintptr_t>(gc.data_ptr<float>()) % 16 != 0) gc = gc.clone();  // 16-byte bulk-copy sources
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr<float>()) % 16 != 0) gc = gc.clone();  // 16-byte aligned: the tensor map
   at::Tensor da = at::empty_like(ac), db = at::empty_like(ac);
   if (B == 0 || S == 0 || N == 0) return {da.zero_(), db.zero_()};
   const int64_t NJT = cdiv(N, 4), SB = cdiv(S, 64), NOT = cdiv(N, 32), NSC = cdiv(SB, 8);
@@ -3899,12 +3942,12 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   const float* wt = Wt.data_ptr<float>();
   set_smem(opm_bw_ab_kernel<0>, kAbSmemBytes, d, "the backward's da kernel");
   opm_bw_ab_kernel<0><<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
-      vt, wt, gc.data_ptr<float>(), ic.data_ptr<float>(), da.data_ptr<float>(), B, S, N, cz, NJT, SB, NOT, NSC);
+      vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), da.data_ptr<float>(), B, S, N, cz, NJT, SB, NOT, NSC);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   set_smem(opm_bw_ab_kernel<1>, kAbSmemBytes, d, "the backward's db kernel");
   opm_bw_ab_kernel<1><<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
-      vt + B * NJT * SB * 8192, wt + 16 * kAbOperand, gc.data_ptr<float>(), ic.data_ptr<float>(), db.data_ptr<float>(), B,
-      S, N, cz, NJT, SB, NOT, NSC);
+      vt + B * NJT * SB * 8192, wt + 16 * kAbOperand, make_g_map(gc, 32, 2), ic.data_ptr<float>(), db.data_ptr<float>(),
+      B, S, N, cz, NJT, SB, NOT, NSC);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {da, db};
 }
