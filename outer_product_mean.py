@@ -71,8 +71,9 @@ Hopper, ATen elsewhere); on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma
 out_proj's weight gradient (O per tile on chip) and, for pair_dim % 4 == 0, da and db (G = (g /
 denom) Wo per tile on chip), and for a float32 msa with msa_dim 128 / 256 one kernel the LayerNorm
 part; elsewhere PyTorch ops build O and G for a chunk of rows i at a time (about 256 MB), never the
-whole (B, N, N, c*c). Gradients for msa_repr and every parameter, none for the mask (one that
-requires grad raises); double backward raises.
+whole (B, N, N, c*c); `model.last_backward` names the parts that ran in kernels. Gradients for
+msa_repr and every parameter, none for the mask (one that requires grad raises); double backward
+raises.
 Limits: float32 inside (float16 costs one conversion each way, bfloat16 too but in outer_wg);
 msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
 residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N
@@ -4268,7 +4269,7 @@ def _ab_kernel_runs(msa, c, c_z, ct):
 
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
-                                rows_kernel=None, ab=None):
+                                rows_kernel=None, ab=None, parts=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
@@ -4298,7 +4299,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     dy, the LayerNorm backward, dWa, dba, dWb, dbb, d_ln_w, d_ln_b) runs in one sweep over the msa rows
     (opm_bw_ln_kernel: a float32 msa) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is
     True, else in chunks of rows with ATen's native_layer_norm_backward. Takes detached tensors (the
-    autograd Function's backward calls it under no_grad).
+    autograd Function's backward calls it under no_grad). parts: a list to which the names of the parts
+    computed by this file's kernels are appended, in this order: "a, b" (given by the forward or by the
+    prep kernel), "dWo", "da, db", "LayerNorm" (ModelNew.last_backward holds them as a tuple).
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
     G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
@@ -4319,6 +4322,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
+    if parts is not None:
+        parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("da, db", ab_in_kernel),
+                                 ("LayerNorm", ln_in_kernel)) if k]
     R = B * S * N
     msa_rows = msa.reshape(R, c_m)
     # the kernels take float32, bool and integer masks as they are
@@ -4483,11 +4489,12 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
 class _OuterProductMean(torch.autograd.Function):
     """out = OuterProductMean(msa, mask; params): the forward is the CUDA kernels, the backward
     outer_product_mean_backward (its Hopper kernels, else PyTorch ops), given a, b and 1 / denom from the
-    forward where outer_wg ran. No gradient for the mask; double backward raises."""
+    forward where outer_wg ran; the parts that ran in kernels go to model.last_backward. No gradient for
+    the mask; double backward raises."""
 
     @staticmethod
     def forward(ctx, model, code, eps, out_dtype, msa, mask, *params):
-        ctx.eps = eps
+        ctx.eps, ctx.model = eps, model
         out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=True)
         ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
         return out
@@ -4497,8 +4504,10 @@ class _OuterProductMean(torch.autograd.Function):
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
         params, ab = params[:8], params[8:]
+        parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
-                                            ab=None if ab[0] is None else tuple(ab))
+                                            ab=None if ab[0] is None else tuple(ab), parts=parts)
+        object.__setattr__(ctx.model, "last_backward", tuple(parts))
         need = ctx.needs_input_grad[4:5] + ctx.needs_input_grad[6:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
         return (None, None, None, None, grads[0], None) + grads[1:]
@@ -4510,7 +4519,9 @@ class ModelNew(nn.Module):
     float32, float16 or bfloat16 (module and msa_repr in one dtype; any mask dtype the kernels take,
     or float16 / bfloat16), computed in float32 and returned in the input's dtype (the autocast dtype
     under CUDA autocast). Differentiable with respect to msa_repr and every parameter; a mask that
-    requires grad raises.
+    requires grad raises. After a forward last_variant names the variant that ran; after a backward
+    last_backward is the tuple of its parts that ran in CUDA kernels (outer_product_mean_backward's
+    parts: "a, b", "dWo", "da, db", "LayerNorm"; () where PyTorch ops computed all).
     """
 
     ALL_VARIANTS = _ALL_VARIANTS  # every name `variant` accepts (VARIANTS: those that run here)
@@ -4528,6 +4539,7 @@ class ModelNew(nn.Module):
         self.out_proj = nn.Linear(hidden_dim * hidden_dim, pair_dim)
         self.variant = "auto"
         self.last_variant = None
+        self.last_backward = None
 
     def _variant_code(self):
         if self.variant not in _ALL_VARIANTS:

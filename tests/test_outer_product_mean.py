@@ -765,7 +765,8 @@ class _EinsumKernels:
 def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
     """Each mix of the backward's kernels (stood in by einsum and ATen's LayerNorm, float64 on the CPU)
     gives the all-ops gradients: the chunks form O where dWo has no kernel and G where da, db have
-    none, and the a / b and LayerNorm kernels' inputs and outputs are wired as the ops path's."""
+    none, and the a / b and LayerNorm kernels' inputs and outputs are wired as the ops path's; `parts`
+    names the kernels of each mix."""
     B, S, N, cm, cz = 2, 5, 7, 16, 8
     gen = torch.Generator().manual_seed(11)
     m_ref = ref.Model(cm, cz, 32).double()
@@ -775,12 +776,20 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
     g = torch.randn(B, N, N, cz, generator=gen, dtype=torch.float64)
     params = [p.detach() for p in m_ref.parameters()]
     args = (msa, mask, params[0], params[1], m_ref.layer_norm.eps, *params[2:], g)
-    want = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False, rows_kernel=False, ln_kernel=False)
+    parts = []
+    want = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False, rows_kernel=False, ln_kernel=False,
+                                           parts=parts)
+    assert parts == []
     monkeypatch.setattr(opm, "_ext", _EinsumKernels)
-    for ks in ((False, True, False, False), (True, False, False, False), (True, True, False, False),
-               (True, True, True, False), (True, True, False, True), (False, False, True, True), (True, True, True, True)):
+    all4 = ["a, b", "dWo", "da, db", "LayerNorm"]
+    for ks, names in (((False, True, False, False), ["da, db"]), ((True, False, False, False), ["dWo"]),
+                      ((True, True, False, False), ["dWo", "da, db"]), ((True, True, True, False), all4[:3]),
+                      ((True, True, False, True), all4[1:]), ((False, False, True, True), ["a, b", "LayerNorm"]),
+                      ((True, True, True, True), all4)):
         kw = dict(zip(("wo_kernel", "ab_kernel", "rows_kernel", "ln_kernel"), ks))
-        got = opm.outer_product_mean_backward(*args, **kw)
+        parts = []
+        got = opm.outer_product_mean_backward(*args, **kw, parts=parts)
+        assert parts == names, kw
         for w, t in zip(want, got):
             assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0), kw
 

@@ -474,13 +474,15 @@ def _opm_inputs(seed, dtype=torch.float32, B=2, S=4, N=7, c_m=12):
 @pytest.mark.parametrize("c", [5, 32])
 def test_opm_model_new_gradients_match_reference(opm_cpu, c):
     """hidden_dim 5: the backward recomputes a and b; 32: it takes them from the forward (as where
-    outer_wg runs)."""
+    outer_wg runs), and last_backward says so; every other part ran in PyTorch ops (a CPU)."""
     mod, fake = opm_cpu
     model, new = _opm_pair(mod, seed=50, c=c)
     msa, mask = _opm_inputs(150)
     g = torch.randn(2, 7, 7, 10, generator=torch.Generator().manual_seed(250))
     want = _ref_grads(model, OPM_NAMES, [msa, mask], g)
+    assert new.last_backward is None
     got = _ref_grads(new, OPM_NAMES, [msa, mask], g)
+    assert new.last_backward == (("a, b",) if c == 32 else ())
     for name, w, o in zip(("msa",) + OPM_NAMES, want, got):
         assert o is not None and o.dtype == w.dtype, name
         assert torch.allclose(o, w, atol=1e-5, rtol=1e-4), (name, (o - w).abs().max().item())
