@@ -2673,8 +2673,8 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // ---------------------------------------------------------------------------------------------
 // opm_bw_ab_kernel<form>: out (da or db, before the mask) for one block = (b, own tile ot of 32 residues,
 // slice sl of 2 channels c1, s chunk sc of up to 512 rows): x = ((b*NOT + ot)*16 + sl)*NSC + sc.
-// Warps 0-7: two consumer warpgroups; warp 8's thread 256 issues the bulk copies (opm_outer_wg_kernel's
-// structure). Shared memory: the slice's Wt planes (64 KB, once), the G^T operand Gt (64 KB), a ring of
+// Warps 0-7: two consumer warpgroups; warp 8's thread 256 issues the copies (g by tensor-map boxes, Wt
+// and Vt by bulk copies; opm_outer_wg_kernel's structure). Shared memory: the slice's Wt planes (64 KB, once), the G^T operand Gt (64 KB), a ring of
 // kAbStages 32 KB slots. Per loop tile J of 4 residues (l = 4 J + 2 w + ll for warpgroup w):
 //   G step: warpgroup w's 64 rows r = 32 ll + ol (pairs), 64 columns n = (c1 - 2 sl, c2), K = c_z
 //     rounded to 16: wgmma m64n64k8 with A = its g slot (float4 per row and 16 z, split on load) and B =
@@ -4263,7 +4263,7 @@ def _rows_kernel_runs(msa, c, c_m):
 
 def _ab_kernel_runs(msa, c, c_z, ct):
     """Whether da and db go to opm_bw_ab_kernel (_ext.opm_backward_ab): as _wo_kernel_runs, with pair_dim
-    a multiple of 4 (16-byte rows of grad_out for the bulk copies)."""
+    a multiple of 4 (16-byte strides of grad_out's tensor map)."""
     return _wo_kernel_runs(msa, c, c_z, ct) and c_z % 4 == 0
 
 
@@ -4301,7 +4301,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     True, else in chunks of rows with ATen's native_layer_norm_backward. Takes detached tensors (the
     autograd Function's backward calls it under no_grad). parts: a list to which the names of the parts
     computed by this file's kernels are appended, in this order: "a, b" (given by the forward or by the
-    prep kernel), "dWo", "da, db", "LayerNorm" (ModelNew.last_backward holds them as a tuple).
+    prep kernel; with `ab` given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm",
+    appended before they run (ModelNew.last_backward holds them as a tuple once the call returns).
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
     G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
