@@ -2674,8 +2674,9 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // opm_bw_ab_kernel<form>: out (da or db, before the mask) for one block = (b, own tile ot of 32 residues,
 // slice sl of 2 channels c1, s chunk sc of up to 512 rows): x = ((b*NOT + ot)*16 + sl)*NSC + sc.
 // Warps 0-7: two consumer warpgroups; warp 8's thread 256 issues the copies (g by tensor-map boxes, Wt
-// and Vt by bulk copies; opm_outer_wg_kernel's structure). Shared memory: the slice's Wt planes (64 KB, once), the G^T operand Gt (64 KB), a ring of
-// kAbStages 32 KB slots. Per loop tile J of 4 residues (l = 4 J + 2 w + ll for warpgroup w):
+// and Vt by bulk copies; opm_outer_wg_kernel's structure). Shared memory: the slice's Wt planes (64 KB,
+// once), the G^T operand Gt (64 KB), a ring of kAbStages 32 KB slots. Per loop tile J of 4 residues
+// (l = 4 J + 2 w + ll for warpgroup w):
 //   G step: warpgroup w's 64 rows r = 32 ll + ol (pairs), 64 columns n = (c1 - 2 sl, c2), K = c_z
 //     rounded to 16: wgmma m64n64k8 with A = its g slot (float4 per row and 16 z, split on load) and B =
 //     Wt, then the rows scaled by 1 / d_i (0 for pairs past N);
@@ -2714,7 +2715,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
   const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step
   for (int e = tid; e < kAbStages * 2048; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any bulk copy
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
   if (tid == 0) {
     mbar_ring_init(full, empty, kAbStages);
     mbar_init(wbar, 1);
