@@ -1,4 +1,4 @@
-"""Fused outer product mean (AlphaFold-style MSA -> pair update), FP32 CUDA kernels, KernelBench format.
+"""Fused outer product mean (AlphaFold-style MSA -> pair update), CUDA kernels, KernelBench format.
 
 The op (b batch, s MSA sequence, i/j residue, m msa channel, h/k hidden channel, z pair channel):
 
@@ -26,14 +26,15 @@ cheapest. Candidates: outer_first; w_first where one j column of P fits 32 MB, i
 w_first_small when a 128 x 128 tile grid is under one wave, else w_first_tc2 on sm_80+ (w_first_tc
 where its 136 KB of shared memory per block do not fit), else the FMA w_first; on an H100 / H200
 with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 < 2^31).
-There outer_wg wins at most shapes (in bfloat16 at few sequences too), w_first_wg2 at few sequences,
-w_first_small at tiny ones.
+There outer_wg wins at most shapes (in float16 / bfloat16 at few sequences too), w_first_wg2 at few
+sequences, w_first_small at tiny ones.
 `model.last_variant` names the variant that ran. The paths:
   outer_wg     opm_ow_params_kernel (LayerNorm affine folded into the projection weights, split-TF32
                weight planes), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, written
-               as a / b's split-TF32 planes in wgmma tile order; inv_denom), opm_outer_wg_kernel
-               (persistent, warp-specialised: per 16 i x 4 j x 128 z tile, phase A O = a b^T and phase
-               B out += O Wo on wgmma, fed by one producer warpgroup's bulk copies).
+               as a / b's split-TF32 planes in wgmma tile order, fp16 / bf16 planes for a 16-bit msa;
+               inv_denom), opm_outer_wg_kernel<T> (persistent, warp-specialised: per 16 i x 4 j x 128
+               z tile, phase A O = a b^T and phase B out += O Wo on wgmma, fed by one producer
+               warpgroup's bulk copies).
   w_first_wg2  opm_prep_kernel (FMA LayerNorm + projections: aT (B, S, CP, ceil4(N)), bq (B, S, N,
                CP), inv_denom (B, N), packed Wo), opm_pack_a_kernel, per j-chunk (<= 512 MB of P's
                planes) opm_wfirst_proj_wg_kernel and the persistent wgmma GEMM opm_wfirst_wg_kernel.
@@ -60,24 +61,27 @@ Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an 
 launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case), any pair_dim >= 1,
 outputs over 2^31 elements, non-contiguous inputs (copied first). One CUDA device; parameters on
 the device of the inputs.
-Half precision and training: float16 / bfloat16 inputs and parameters are converted to float32 at
-the boundary (PyTorch casts), the kernels run as above and the output comes back in the input's
-dtype (under CUDA autocast, in the autocast dtype, as the reference's is); with bfloat16 inputs and
-parameters outer_wg reads msa_repr and writes its output in bfloat16 (no casts) and makes single
-TF32 products (Wo exact in TF32, a, b and O rounded to TF32: 2^-11, under the bfloat16 reference's
-2^-8 for each). The backward (outer_product_mean_backward, float32 inside) saves the inputs, and a,
-b and 1 / denom where outer_wg ran with hidden_dim 32 (else recomputes them: outer_wg's prep on
-Hopper, ATen elsewhere); on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute
+Half precision and training: with float16 / bfloat16 inputs and parameters outer_wg reads msa_repr,
+the mask and the parameters and writes its output in that dtype (no PyTorch casts): LayerNorm and
+the projections in fp32 (mma.sync single TF32 for bfloat16, split for float16), a and b rounded to
+the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores with fp32
+accumulation, O / denom rounded to float16 (each pair's row scaled by a power of two: no overflow;
+2^-11, under bfloat16's 2^-8) and multiplied by Wo in float16 on the tensor cores. The other
+variants, and outer_wg under CUDA autocast, run the float32 kernels on converted copies; the output
+comes back in the input's dtype (under CUDA autocast, in the autocast dtype, as the reference's is).
+The backward (outer_product_mean_backward, float32 inside) saves the inputs, and a, b and 1 / denom
+where outer_wg ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen
+elsewhere); on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute
 out_proj's weight gradient (O per tile on chip) and, for pair_dim % 4 == 0, da and db (G = (g /
 denom) Wo per tile on chip), and for a float32 msa with msa_dim 128 / 256 one kernel the LayerNorm
 part; elsewhere PyTorch ops build O and G for a chunk of rows i at a time (about 256 MB), never the
 whole (B, N, N, c*c); `model.last_backward` names the parts that ran in kernels. Gradients for
 msa_repr and every parameter, none for the mask (one that requires grad raises); double backward
 raises.
-Limits: float32 inside (float16 costs one conversion each way, bfloat16 too but in outer_wg);
+Limits: float32 inside but in outer_wg (float16 / bfloat16 cost one conversion each way elsewhere);
 msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
-residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S, N
-rounded up to 16).
+residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S
+rounded up to 16, or to 32 in float16 / bfloat16, N to 16).
 
 Run:   python harness.py outer_product_mean
 Build: about 110 s cold on a 2-core machine (nvcc ~105 s of CPU; cached, rebuilt when this changes).
@@ -161,16 +165,16 @@ constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg2: cap of one chunk
 // at crop (profile: 0.721 ms) and shallow (~0.96 ms of a 0.99 ms forward)
 // with the wave model of "auto" (whole waves of tiles; phase B, N = 64 per wgmma with A from
 // registers, runs at about 60% of phase A's rate).
-// kEffOwA1, kEffOwB1: the same with single TF32 products (bfloat16 inputs), fitted to the fused
-// kernel's time at crop (profile: 397 us) and shallow (547 us); at long the fused kernel is modelled
-// at 3.02 ms and measured at 2.90.
+// kEffOwA16, kEffOwB16: both phases on the 16-bit tensor cores (fp16 / bf16 inputs), fitted with the
+// wave model to the fused kernel's time in bf16 at crop, shallow and long (profile: 252 / 413 / 2047 us;
+// modelled 247 / 408 / 2049).
 // kEffPrep: opm_prep_kernel (FMA LayerNorm + projections), 4.3 GFLOP in ~255 us at crop (profile).
 // kEffPrepOw, kBwPrepOw: outer_wg's tensor-core prep (opm_prep_ow_kernel): its tensor
 // FLOPs (x3 for the split) ran at ~90 TFLOP/s at crop (12.9 GFLOP in 146-151 us) and deep (51.5 in
 // 506-561 us), under the bytes at 3 TB/s.
 constexpr double kEffOuter = 32e12, kEffProj = 20e12, kEffW = 38e12, kEffSmall = 25e12, kEffWTc = 43e12,
                  kEffWTc1 = 42e12, kEffWg = 108e12, kEffProjWg = 21e12, kEffOwA = 138e12, kEffOwB = 85e12,
-                 kEffOwA1 = 248e12, kEffOwB1 = 144e12, kEffPrep = 17e12, kEffPrepOw = 90e12, kBwPrepOw = 3e12, kLaunchS = 2e-6;
+                 kEffOwA16 = 458e12, kEffOwB16 = 192e12, kEffPrep = 17e12, kEffPrepOw = 90e12, kBwPrepOw = 3e12, kLaunchS = 2e-6;
 
 __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -208,11 +212,14 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Mask element -> the float the reference multiplies by (bool 0/1, integers by value).
-enum MaskKind { kF32 = 0, kBool = 1, kU8 = 2, kI8 = 3, kI16 = 4, kI32 = 5, kI64 = 6 };
+enum MaskKind { kF32 = 0, kBool = 1, kU8 = 2, kI8 = 3, kI16 = 4, kI32 = 5, kI64 = 6, kF16 = 7, kBF16 = 8 };
+__host__ __device__ __forceinline__ bool mask_is_float(int kind) { return kind == kF32 || kind == kF16 || kind == kBF16; }
 
 __device__ __forceinline__ float mask_value(const void* m, int64_t idx, int kind) {
   switch (kind) {
     case kF32: return static_cast<const float*>(m)[idx];
+    case kF16: return __half2float(static_cast<const __half*>(m)[idx]);
+    case kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(m)[idx]);
     case kBool: return static_cast<const uint8_t*>(m)[idx] ? 1.f : 0.f;
     case kU8: return static_cast<float>(static_cast<const uint8_t*>(m)[idx]);
     case kI8: return static_cast<float>(static_cast<const int8_t*>(m)[idx]);
@@ -252,6 +259,8 @@ __device__ __forceinline__ void inv_denom_cols(const void* mask, int mask_kind, 
       if (i < N) {
         if (mask_kind == kF32) {
           for (int64_t s = sl; s < S; s += SL) af += static_cast<const float*>(mask)[(b * S + s) * N + i];
+        } else if (mask_is_float(mask_kind)) {
+          for (int64_t s = sl; s < S; s += SL) af += mask_value(mask, (b * S + s) * N + i, mask_kind);
         } else {
           for (int64_t s = sl; s < S; s += SL) ai += mask_int(mask, (b * S + s) * N + i, mask_kind);
         }
@@ -261,7 +270,7 @@ __device__ __forceinline__ void inv_denom_cols(const void* mask, int mask_kind, 
       __syncthreads();  // the SL partial sums of every column in shared memory
       if (sl == 0 && i < N) {
         float dn;
-        if (mask_kind == kF32) {  // fp64 sum, then clamp(min = 1); NaN stays NaN
+        if (mask_is_float(mask_kind)) {  // fp64 sum, then clamp(min = 1); NaN stays NaN
           double sum = 0.0;
           for (int q = 0; q < SL; ++q) sum += red_f[q * 32 + il];
           dn = static_cast<float>(sum);
@@ -363,6 +372,37 @@ constexpr size_t kWgSmemBytes = 4ull * kWgStages * kWgStage + 16 * kWgStages;  /
 __host__ __device__ __forceinline__ int wg_tile_off(int r, int k) {
   return (r >> 3) * 256 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3);
 }
+// fp16 / bf16 <-> fp32 by the intrinsics (PyTorch builds without the types' conversion operators).
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+template <typename P>  // element idx of a read-only parameter as fp32
+__device__ __forceinline__ float ldg_f(const P* p, int64_t idx) { return to_float(__ldg(p + idx)); }
+template <typename T>  // (fp16 by the paired conversion: the same F2FP instruction as the single one)
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  else return __low2half(__floats2half2_rn(v, 0.f));
+}
+template <typename T>  // two T packed in one register, element 0 in the low half
+__device__ __forceinline__ float2 to_float2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  else return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+template <typename T>  // two fp32 rounded to T (to nearest), element 0 in the low half
+__device__ __forceinline__ uint32_t pack2_16(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+template <typename T>
+__device__ __forceinline__ uint2 pack4_16(float v0, float v1, float v2, float v3) {
+  return make_uint2(pack2_16<T>(v0, v1), pack2_16<T>(v2, v3));
+}
+
 // Four consecutive k of one row, split: 16 bytes into each plane (k % 4 == 0 at dst).
 __device__ __forceinline__ void store_split4(float* hi_dst, float* lo_dst, float v0, float v1, float v2, float v3) {
   uint32_t h[4], l[4];
@@ -413,7 +453,7 @@ __device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, 
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 // bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
-__device__ __forceinline__ void bulk_copy(float* smem, const float* gmem, unsigned bytes, uint64_t* bar) {
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
@@ -432,6 +472,14 @@ __device__ __forceinline__ void tma_load_4d(float* smem, const CUtensorMap* map,
 // column 8 j + 2 (lane % 4) + q % 2.
 __device__ __forceinline__ void wgmma_tf32_m64n128k8(float (&d)[64], uint64_t da, uint64_t db, int acc) {
 @WGMMA_M64N128K8@}
+// The same for one k step of 16 with T (__nv_bfloat16 or __half) operands K-major in shared memory
+// (core matrices of 8 rows x 16 bytes); d's layout as m64n128k8's.
+template <typename T>
+__device__ __forceinline__ void wgmma16_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int acc) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+@WGMMA_BF16_M64N128K16@  } else {
+@WGMMA_F16_M64N128K16@  }
+}
 // Compiler fence on the accumulator registers (CUTLASS's warpgroup_fence_operand): the asynchronous
 // wgmma reads and writes them behind the compiler's back, so no access may move across the
 // wgmma.fence / wait_group points this is placed at.
@@ -446,6 +494,10 @@ __device__ __forceinline__ void wg_fence_acc(float (&d)[NACC]) {
 // column 8 j + 2 (lane % 4) + q % 2 (as m64n128k8's).
 __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
 @WGMMA_M64N64K8_RS@}
+// The same for one k step of 16 in fp16: A's fragment as fp16 pairs (mma m16n8k16's A layout per
+// warp: a[0] row g, k 2 t4 + {0, 1}; a[1] row g + 8; a[2] k + 8; a[3] both), B K-major.
+__device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
+@WGMMA_F16_M64N64K16_RS@}
 // d += A B^T for one k step of 8 in split TF32 (B's hi and lo planes K-major at b_hi, b_lo; sbo bytes
 // between 8-row groups): lo_a hi_b, hi_a lo_b, then hi_a hi_b (the small terms first); d is
 // overwritten rather than added to where fresh.
@@ -1729,10 +1781,42 @@ constexpr size_t kOwSmemBytes = 4ull * (kOwStages * kOwStage + 64 * kOwLDO) + 16
 __host__ __device__ __forceinline__ int wg_tile_off16(int r, int k) {
   return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3);
 }
+// fp16 / bf16 input: A and B blocks of kOwS16 = 32 s in T, element (r, k) at ow_off16h(r, k): 8-row groups
+// 512 bytes apart, each 4 core matrices (8 rows x 8 k, 128 bytes) along k; one ring slot of kOwSlot16
+// floats (16 KB) holds a phase-A stage (2 A blocks + 1 B block, 4 + 4 + 8 KB) or a phase-B one (two Wo
+// blocks in fp16, WoP16, 8 KB each, the same layout).
+constexpr int kOwS16 = 32;
+constexpr int kOwABlk16 = 64 * kOwS16, kOwBBlk16 = 128 * kOwS16;  // T elements of an A / B block
+constexpr int kOwSlot16 = kOwStage / 2, kOwStages16 = 12;
+constexpr int kOwWBlk16 = kOwZ * 32;  // T elements of one Wo block (128 z x 32 kk): two per phase-B slot
+static_assert(2 * (2 * kOwABlk16 + kOwBBlk16) == 4 * kOwSlot16 && 2 * 2 * kOwWBlk16 == 4 * kOwSlot16, "outer_wg: 16-bit slots");
+// Os16 (16-bit phase B's A operand, O / denom in fp16, rows scaled): rows of kOwLDO16 words (8 mod 32:
+// conflict-free 8-byte fragment loads), each 8 hl blocks of 16 words (fp16 pairs), then the rows' 1 / scale
+// (Osc, 64 floats). Word ow_os16_word(hl, m) of a row holds hidden
+// k = 2m, 2m + 1 (m < 16): rotated by 4 (hl / 2) words so that the staging stores are conflict-free.
+// Phase B's k16 step ks of block hl reads words 8 ks + 2 t4 and 8 ks + 2 t4 + 1 of a row as the A
+// fragment's k = 2 t4, 2 t4 + 1 and 2 t4 + 8, 2 t4 + 9 (mma's m16n8k16 A layout).
+constexpr int kOwLDO16 = 136;
+__host__ __device__ __forceinline__ int ow_os16_word(int hl, int m) { return (m + 4 * (hl >> 1)) & 15; }
+// The hidden k (of block hl) at phase-B position kap (0..31: k16 step kap / 16, fragment k kap % 16).
+__host__ __device__ __forceinline__ int ow_wo16_k(int hl, int kap) {
+  const int ks = kap >> 4, kk = kap & 15;
+  const int w = 8 * ks + 2 * ((kk & 7) >> 1) + (kk >> 3);  // the Os16 word holding it
+  return 2 * ((w - 4 * (hl >> 1)) & 15) + (kk & 1);
+}
+__host__ __device__ __forceinline__ int ow_off16h(int r, int k) { return (r >> 3) * 256 + (k >> 3) * 64 + (r & 7) * 8 + (k & 7); }
+template <typename T>  // s per A / B block: 16 (fp32 split planes) or 32 (T planes)
+__host__ __device__ constexpr int ow_block_s() { return std::is_same_v<T, float> ? kOwSK : kOwS16; }
+template <typename T>  // outer_wg's dynamic shared memory: the ring, Os, the mbarriers
+__host__ __device__ constexpr size_t ow_smem_bytes() {
+  return std::is_same_v<T, float> ? kOwSmemBytes : 4ull * (kOwStages16 * kOwSlot16 + 64 * kOwLDO16 + 64) + 16 * kOwStages16;
+}
+constexpr size_t kOwSmemMax = ow_smem_bytes<__half>() > kOwSmemBytes ? ow_smem_bytes<__half>() : kOwSmemBytes;
 
 // WoP's element group e3 in [0, nzc * kOwNQ * kOwHC * kOwZ * 8): 4 consecutive kl of one z row of
 // one Wo block, split into both planes (WoP: see "outer_wg" above).
-__device__ __forceinline__ void pack_wop4(int64_t e3, const float* __restrict__ wo, float* __restrict__ WoP, int c,
+template <typename P>
+__device__ __forceinline__ void pack_wop4(int64_t e3, const P* __restrict__ wo, float* __restrict__ WoP, int c,
                                           int cz) {
   const int m = static_cast<int>(e3 % 8), z = static_cast<int>((e3 / 8) % kOwZ);
   const int hl = static_cast<int>((e3 / (8 * kOwZ)) % kOwHC), q = static_cast<int>((e3 / (8 * kOwZ * kOwHC)) % kOwNQ);
@@ -1740,9 +1824,30 @@ __device__ __forceinline__ void pack_wop4(int64_t e3, const float* __restrict__ 
   const int h = q * kOwHC + hl, k0 = (4 * m - 8 * hl) & 31;  // kl = 4m .. 4m+3 -> k = k0 .. k0+3
   float v[4];
 #pragma unroll
-  for (int u = 0; u < 4; ++u) v[u] = (zz < cz && h < c && k0 + u < c) ? __ldg(wo + zz * c * c + h * c + k0 + u) : 0.f;
+  for (int u = 0; u < 4; ++u) v[u] = (zz < cz && h < c && k0 + u < c) ? ldg_f(wo, zz * c * c + h * c + k0 + u) : 0.f;
   float* dst = WoP + ((zc * kOwNQ + q) * kOwHC + hl) * (2 * kOwWPlane) + wg_tile_off(z, 4 * m);
   store_split4(dst, dst + kOwWPlane, v[0], v[1], v[2], v[3]);
+}
+
+// WoP16's element group e3 in [0, nzc * kOwNQ * kOwHC * kOwZ * 8) (fp16 / bf16 input): 4 consecutive
+// phase-B positions kap of one z row of one Wo block, in T = __half (exact for float16 weights; for
+// bfloat16 ones too, but below 2^-14 (subnormal: absolute error under 2^-25) and above 65504), at
+// ow_off16h(z, kap) of block (zc, q, hl) (kOwWBlk16 elements each; two blocks per phase-B slot).
+template <typename T, typename P>
+__device__ __forceinline__ void pack_wop16(int64_t e3, const P* __restrict__ wo, T* __restrict__ WoP16, int c,
+                                           int cz) {
+  const int m = static_cast<int>(e3 % 8), z = static_cast<int>((e3 / 8) % kOwZ);
+  const int hl = static_cast<int>((e3 / (8 * kOwZ)) % kOwHC), q = static_cast<int>((e3 / (8 * kOwZ * kOwHC)) % kOwNQ);
+  const int64_t zc = e3 / (8 * kOwZ * kOwHC * kOwNQ), zz = zc * kOwZ + z;
+  const int h = q * kOwHC + hl;
+  float v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int k = ow_wo16_k(hl, 4 * m + u);
+    v[u] = (zz < cz && h < c && k < c) ? ldg_f(wo, zz * c * c + h * c + k) : 0.f;
+  }
+  T* dst = WoP16 + ((zc * kOwNQ + q) * kOwHC + hl) * kOwWBlk16 + ow_off16h(z, 4 * m);
+  *reinterpret_cast<uint2*>(dst) = pack4_16<T>(v[0], v[1], v[2], v[3]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1763,42 +1868,51 @@ constexpr int kPoBiasBlocks = 8;   // opm_ow_params_kernel: 8 blocks x 8 warps, 
 
 // opm_ow_params_kernel: outer_wg's weight operands in one launch. Blocks [0, kPoBiasBlocks): bias'[o],
 //   one warp per o (lanes over k, fp64); the rest, one grid-stride index over Wf's 4-element groups
-//   (U * 8 * 32, U = ceil(c_m / 16)) then WoP's (pack_wop4).
+//   (U * 8 * 32, U = ceil(c_m / 16)) then WoP's (pack_wop4; with wo16, pack_wop16: float16 blocks), then,
+//   where bof is not null, bo as fp32 into bof (c_z). P: the parameters' type (float, __half or
+//   __nv_bfloat16), read as fp32.
 //   Wf: (U * 8 * 2 * 128) floats then bias' (64), as above.
+template <typename P>
 __global__ void __launch_bounds__(kThreads) opm_ow_params_kernel(
-    const float* __restrict__ ln_w, const float* __restrict__ ln_b,
-    const float* __restrict__ wa, const float* __restrict__ ba, const float* __restrict__ wb,
-    const float* __restrict__ bb, const float* __restrict__ wo, float* __restrict__ Wf, float* __restrict__ biasf,
-    float* __restrict__ WoP, int cm, int c, int cz, int nzc) {
+    const P* __restrict__ ln_w, const P* __restrict__ ln_b, const P* __restrict__ wa, const P* __restrict__ ba,
+    const P* __restrict__ wb, const P* __restrict__ bb, const P* __restrict__ wo, const P* __restrict__ bo,
+    float* __restrict__ Wf, float* __restrict__ biasf, float* __restrict__ bof, void* __restrict__ WoP, int wo16, int cm,
+    int c, int cz, int nzc) {
   const int tid = threadIdx.x;
   const int64_t blk = blockIdx.x;
   if (blk < kPoBiasBlocks) {
     const int o = static_cast<int>(blk) * (kThreads / 32) + tid / 32, lane = tid % 32, h = o % 32;
-    const float* W = o < 32 ? wa : wb;
+    const P* W = o < 32 ? wa : wb;
     double acc = 0.0;
     if (h < c)
-      for (int k = lane; k < cm; k += 32) acc += static_cast<double>(__ldg(ln_b + k)) * __ldg(W + static_cast<int64_t>(h) * cm + k);
+      for (int k = lane; k < cm; k += 32) acc += static_cast<double>(ldg_f(ln_b, k)) * ldg_f(W, static_cast<int64_t>(h) * cm + k);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) biasf[o] = h < c ? static_cast<float>(static_cast<double>(__ldg((o < 32 ? ba : bb) + h)) + acc) : 0.f;
+    if (lane == 0) biasf[o] = h < c ? static_cast<float>(static_cast<double>(ldg_f(o < 32 ? ba : bb, h)) + acc) : 0.f;
     return;
   }
   const int64_t nF = static_cast<int64_t>(cdiv(cm, 16)) * 8 * 32;
   const int64_t nW = static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8;
+  const int64_t nB = bof != nullptr ? cz : 0;  // bo as fp32 (16-bit parameters)
   const int64_t stride = (gridDim.x - kPoBiasBlocks) * static_cast<int64_t>(kThreads);
-  for (int64_t e = (blk - kPoBiasBlocks) * kThreads + tid; e < nF + nW; e += stride) {
+  for (int64_t e = (blk - kPoBiasBlocks) * kThreads + tid; e < nF + nW + nB; e += stride) {
+    if (e >= nF + nW) {
+      bof[e - nF - nW] = ldg_f(bo, e - nF - nW);
+      continue;
+    }
     if (e >= nF) {
-      pack_wop4(e - nF, wo, WoP, c, cz);
+      if (wo16) pack_wop16(e - nF, wo, static_cast<__half*>(WoP), c, cz);
+      else pack_wop4(e - nF, wo, static_cast<float*>(WoP), c, cz);
       continue;
     }
     const int ln = static_cast<int>(e % 32), nt = static_cast<int>((e / 32) % 8);
     const int64_t u = e / 256;
     const int o = 8 * nt + ln / 4, h = o % 32, k0 = static_cast<int>(16 * u) + 4 * (ln % 4);
-    const float* W = o < 32 ? wa : wb;
+    const P* W = o < 32 ? wa : wb;
     float v[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      v[q] = (h < c && k0 + q < cm) ? __ldg(ln_w + k0 + q) * __ldg(W + static_cast<int64_t>(h) * cm + k0 + q) : 0.f;
+      v[q] = (h < c && k0 + q < cm) ? ldg_f(ln_w, k0 + q) * ldg_f(W, static_cast<int64_t>(h) * cm + k0 + q) : 0.f;
     float* dst = Wf + (u * 8 + nt) * 256 + ln * 4;
     store_split4(dst, dst + 128, v[0], v[1], v[2], v[3]);
   }
@@ -1840,17 +1954,19 @@ __device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N,
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// opm_prep_ow_kernel<MT>: LayerNorm + both projections + mask for outer_wg, on mma.sync m16n8k8 in
-//   split TF32. A block (4 warps) takes tiles of 4 s x NW = 4 MT n (16 MT msa rows) of one b: s in
-//   [s0, s0 + 4) (s0 = 4 sq: one 16-byte quarter of a 16-s Aow / Bow block), n in [n0, n0 + NW);
-//   tiles cover s < 16 KB16 and n < 16 NIT; rows past S or N are zeros and give zeros (mask 0, rstd 0).
+// opm_prep_ow_kernel<MT, T>: LayerNorm + both projections + mask for outer_wg, on mma.sync m16n8k8 in
+//   split TF32 (one TF32 pass for bfloat16 x: a and b are rounded to bfloat16 after, 2^-9, over TF32's
+//   2^-11). A block (4 warps) takes tiles of 4 s x NW = 4 MT n (16 MT msa rows) of one b: s in
+//   [s0, s0 + 4) (s0 = 4 sq: a quarter of a 16-s block of the fp32 planes, an eighth of a 32-s block
+//   of the T planes), n in [n0, n0 + NW); tiles cover s < kSS KBS (kSS = ow_block_s<T>) and n < 16 NIT;
+//   rows past S or N are zeros and give zeros (mask 0, rstd 0).
 //   Warp w computes channels o in [16 w, 16 w + 16) (two n8 tiles) for all the tile's rows, so each
 //   weight fragment feeds MT m16 tiles. Per tile:
 //   (1) x rows -> shared memory, row rho = 4 n_l + s_l at rho * LDX (LDX = 16 mod 32 words: the
 //       fragment loads below are conflict-free): zeros for rows past S / N and columns [c_m, 16 U),
 //       then one bulk copy per row (thread rho) on one mbarrier when c_m % 4 == 0, else plain loads;
-//       bfloat16 x (T): 16-byte loads of 8 values per lane when c_m % 8 == 0, else one value per load,
-//       converted to fp32 into the same tile.
+//       float16 / bfloat16 x (T): 16-byte loads of 8 values per lane when c_m % 8 == 0, else one value
+//       per load, converted to fp32 into the same tile.
 //   (2) statistics, warp w < MT for rows [16 w, 16 w + 16) (the other warps wait): lane
 //       (g, t) sums the 16-byte chunks 4u + t of rows g and g + 8; two passes (mean, then the centred
 //       sum of squares: no cancellation at large offsets), 2 shuffles each; mean, rstd and the mask
@@ -1859,10 +1975,12 @@ __device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N,
 //       A-fragment columns of two mma k steps (Wf's k order); B fragments from Wf (L1 / L2; a
 //       register ring: each slot is refilled with group u + 1's fragments once read); per k step
 //       the small terms, then hi*hi, into a fresh accumulator, promoted into fp32 by ordinary adds
-//       (promoting once per group instead measured no faster: 151 vs 146 us at crop).
+//       (promoting once per group instead measured no faster: 151 vs 146 us at crop); one pass:
+//       hi*hi into the running accumulator.
 //   (4) y * rstd + bias', times the mask, staged as ys[n_l][o][s_l] (row kPoLDY) over the x tile,
 //       then read as 4 s of one (n, o) (16 bytes), split, and written to both planes of Aow (o < 32)
-//       or Bow (o >= 32; j < 4 NBB): 8 lanes write 128 contiguous bytes per plane.
+//       or Bow (o >= 32; j < 4 NBB): 8 lanes write 128 contiguous bytes per plane; for T, rounded to
+//       T and written as 8 bytes at ow_off16h of the block (8 lanes: 8 rows of one core matrix).
 //       With a_rows (not null; hidden_dim 32), also a and b as rows: a_rows, b_rows (B, S, N, 32) fp32,
 //       row po_row, channel o % 32, valid rows only (32 lanes write one row's 128 bytes per s): the a,
 //       b that the backward takes. kPlanes false: the rows only (Aow, Bow not written).
@@ -1874,11 +1992,17 @@ constexpr int kPoThreads = 128;
 template <int MT, typename T, bool kPlanes>
 __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
     const T* __restrict__ x, const void* __restrict__ mask, int mask_kind, const float* __restrict__ Wf,
-    const float* __restrict__ biasf, float* __restrict__ Aow, float* __restrict__ Bow, int64_t B, int64_t S,
-    int64_t N, int cm, float eps, int64_t KB16, int64_t NIT, int64_t NBB, float* __restrict__ inv_denom, int n_den,
+    const float* __restrict__ biasf, void* __restrict__ Aow_v, void* __restrict__ Bow_v, int64_t B, int64_t S,
+    int64_t N, int cm, float eps, int64_t KBS, int64_t NIT, int64_t NBB, float* __restrict__ inv_denom, int n_den,
     float* __restrict__ a_rows, float* __restrict__ b_rows) {
 #if defined(OPM_WG_DEVICE)
   constexpr int RT = 16 * MT, NW = 4 * MT;  // rows, residues n per tile
+  constexpr bool k16 = !std::is_same_v<T, float>;        // 16-bit input: T planes (ow_off16h)
+  constexpr int kSS = ow_block_s<T>();                      // s per plane block
+  constexpr bool kSplitProj = !std::is_same_v<T, __nv_bfloat16>;  // bfloat16: one TF32 pass (below)
+  using PT = std::conditional_t<k16, T, float>;
+  PT* Aow = static_cast<PT*>(Aow_v);
+  PT* Bow = static_cast<PT*>(Bow_v);
   if (blockIdx.x < n_den) {  // blocks [0, n_den): inv_denom, beside the tiles (the fused kernel needs it)
     __shared__ double red_f[kPoThreads];
     __shared__ long long red_i[kPoThreads];
@@ -1897,7 +2021,7 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
   }
   __syncthreads();
   const bool bulk = (cm & 3) == 0;  // rows are 16-byte multiples at 16-byte aligned addresses
-  const int64_t NNT = 16 * NIT / NW, NSQ = 4 * KB16, ntiles = B * NSQ * NNT, MBA = 2 * NIT;
+  const int64_t NNT = 16 * NIT / NW, NSQ = (kSS / 4) * KBS, ntiles = B * NSQ * NNT, MBA = 2 * NIT;
   const float4* Wf4 = reinterpret_cast<const float4*>(Wf);
   unsigned phase = 0;
   for (int64_t wt = blockIdx.x - n_den; wt < ntiles; wt += gridDim.x - n_den) {
@@ -1907,7 +2031,7 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
       const int c0 = po_row_ok(p, rho) ? cm : 0;
       for (int k = c0 + lane; k < K16; k += 32) xs[rho * LDX + k] = 0.f;
     }
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if constexpr (k16) {
       for (int rho = warp; rho < RT; rho += kPoThreads / 32)
         if (po_row_ok(p, rho)) {
           const T* src = x + po_row(p, S, N, rho) * cm;
@@ -1915,14 +2039,12 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
           if ((cm & 7) == 0) {  // rows of 16-byte multiples at 16-byte aligned addresses
             for (int k = 8 * lane; k < cm; k += 256) {
               const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + k));
-              const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
-              const float2 f0 = __bfloat1622float2(h2[0]), f1 = __bfloat1622float2(h2[1]);
-              const float2 f2 = __bfloat1622float2(h2[2]), f3 = __bfloat1622float2(h2[3]);
+              const float2 f0 = to_float2<T>(v.x), f1 = to_float2<T>(v.y), f2 = to_float2<T>(v.z), f3 = to_float2<T>(v.w);
               *reinterpret_cast<float4*>(dst + k) = make_float4(f0.x, f0.y, f1.x, f1.y);
               *reinterpret_cast<float4*>(dst + k + 4) = make_float4(f2.x, f2.y, f3.x, f3.y);
             }
           } else {
-            for (int k = lane; k < cm; k += 32) dst[k] = __bfloat162float(src[k]);
+            for (int k = lane; k < cm; k += 32) dst[k] = to_float(src[k]);
           }
         }
     } else if (bulk) {
@@ -2027,12 +2149,16 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
         for (int j = 0; j < 2; ++j)
 #pragma unroll
           for (int st = 0; st < 2; ++st) {
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_tf32(d, al[st], bh[j][st][0], bh[j][st][1]);  // the small terms first
-            mma_tf32(d, ah[st], bl[j][st][0], bl[j][st][1]);
-            mma_tf32(d, ah[st], bh[j][st][0], bh[j][st][1]);
+            if constexpr (kSplitProj) {
+              float d[4] = {0.f, 0.f, 0.f, 0.f};
+              mma_tf32(d, al[st], bh[j][st][0], bh[j][st][1]);  // the small terms first
+              mma_tf32(d, ah[st], bl[j][st][0], bl[j][st][1]);
+              mma_tf32(d, ah[st], bh[j][st][0], bh[j][st][1]);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) acc[mt][j][q] += d[q];
+              for (int q = 0; q < 4; ++q) acc[mt][j][q] += d[q];
+            } else {
+              mma_tf32(acc[mt][j], ah[st], bh[j][st][0], bh[j][st][1]);
+            }
           }
       }
     }
@@ -2054,7 +2180,7 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
           }
       }
     __syncthreads();  // ys complete
-    const int64_t kb = p.s0 / kOwSK, quad = (p.s0 % kOwSK) / 4;
+    const int64_t kb = p.s0 / kSS, quad = (p.s0 % kOwSK) / 4;  // (quad: the fp32 planes' 16-s blocks)
 #pragma unroll
     for (int iu = 0; iu < NW * 64 / kPoThreads; ++iu) {  // unit e = (n_l, o): o = e % 64 (lanes along o)
       const int e = tid + kPoThreads * iu, n_l = e / 64, o = e % 64;
@@ -2069,13 +2195,24 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
         if (p.ns > 3) dst[3 * step] = v.w;
       }
       if (!kPlanes) continue;
-      if (o < 32) {
+      if constexpr (k16) {  // 4 s of one row: 8 bytes at ow_off16h (see "outer_wg": 32-s blocks of T)
+        const int ks = static_cast<int>(p.s0 % kSS);
+        if (o < 32) {
+          const int q = o / 8, hl = o % 8;
+          PT* dst = Aow + (((p.b * kOwNQ + q) * KBS + kb) * MBA + n / 8) * kOwABlk16 + ow_off16h(static_cast<int>(n % 8) * 8 + hl, ks);
+          *reinterpret_cast<uint2*>(dst) = pack4_16<T>(v.x, v.y, v.z, v.w);
+        } else if (n < 4 * NBB) {
+          const int k = o - 32;
+          PT* dst = Bow + ((p.b * NBB + n / 4) * KBS + kb) * kOwBBlk16 + ow_off16h(static_cast<int>(n % 4) * 32 + k, ks);
+          *reinterpret_cast<uint2*>(dst) = pack4_16<T>(v.x, v.y, v.z, v.w);
+        }
+      } else if (o < 32) {
         const int q = o / 8, hl = o % 8;
-        float* dst = Aow + (((p.b * kOwNQ + q) * KB16 + kb) * MBA + n / 8) * (2 * kOwAPlane) + (n % 8) * 128 + quad * 32 + hl * 4;
+        float* dst = Aow + (((p.b * kOwNQ + q) * KBS + kb) * MBA + n / 8) * (2 * kOwAPlane) + (n % 8) * 128 + quad * 32 + hl * 4;
         store_split4(dst, dst + kOwAPlane, v.x, v.y, v.z, v.w);
       } else if (n < 4 * NBB) {
         const int k = o - 32;
-        float* dst = Bow + ((p.b * NBB + n / 4) * KB16 + kb) * (2 * kOwBPlane) + ((n % 4) * 4 + k / 8) * 128 + quad * 32 + (k % 8) * 4;
+        float* dst = Bow + ((p.b * NBB + n / 4) * KBS + kb) * (2 * kOwBPlane) + ((n % 4) * 4 + k / 8) * 128 + quad * 32 + (k % 8) * 4;
         store_split4(dst, dst + kOwBPlane, v.x, v.y, v.z, v.w);
       }
     }
@@ -2095,76 +2232,97 @@ __global__ void __launch_bounds__(kPoThreads) opm_prep_ow_kernel(
 // Warps 0-7: two consumer warpgroups (setmaxnreg to kOwConsumerRegs: the 64 + 64 + 32 accumulators
 //   do not fit the 168 registers a 384-thread block starts with); warps 8-11: the producer
 //   warpgroup (down to kOwProducerRegs), of which thread 256 issues the copies. Stage use u counts ring slots
-//   over the block's whole walk: slot u % kOwStages, parity (u / kOwStages) & 1.
+//   over the block's whole walk: slot u % kStages, parity (u / kStages) & 1.
 // Per thread: phase A acc[64] (running) + d[64] (fresh); phase B o[32] (running, over all q) +
 //   d2[32] (fresh); o lives across the whole tile.
-// Shared memory (dynamic, kOwSmemBytes = 225 KB + 80 B): ring [kOwStages][kOwStage], Os [64][kOwLDO],
-//   full[kOwStages], empty[kOwStages].
-// Named barrier 1 (256 consumer threads) guards Os: before the staging (the previous q's phase-B
-//   loads are done) and after it.
+// Shared memory (dynamic, ow_smem_bytes<T>): the ring [kStages][kSlot], then float: Os [64][kOwLDO]
+//   (5 x 32 KB + 65 KB + the barriers: 230480 bytes); fp16 / bf16: Os16 [64][kOwLDO16 words] and Osc [64]
+//   (12 x 16 KB + 34 KB: 231872 bytes); then full[kStages], empty[kStages].
+// Named barrier 1 (256 consumer threads) guards Os (Os16, Osc): before the staging (the previous q's
+//   phase-B loads are done) and after it.
 // Every stage's wgmmas are waited for (wait_group 0) before the next stage's are issued; the two
 //   warpgroups fill each other's waits (keeping one stage in flight, wait_group 1 with a full wait
 //   only at each promotion, is no faster).
-// kSplit false (bfloat16 inputs: Wo exact in TF32, a, b and O rounded to TF32): one TF32 pass per product,
-//   hi x hi, and only the hi planes copied (half the bytes per slot); the output written in bfloat16
-//   (fp32 with kSplit). Its TF32 rounding of a, b and O (2^-11) is below the bfloat16 reference's own
-//   (2^-8 per rounding).
-// Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel / opm_ow_params_kernel write
+// T float: split TF32 throughout (fp32 planes, hi and lo). T __nv_bfloat16 / __half (16-bit input and
+//   output): phase A on the 16-bit tensor cores (wgmma m64n128k16, fp32 accumulation) from the T planes
+//   of 32-s blocks (a and b rounded to T, as the reference in that dtype rounds its projections), two
+//   k steps per stage; phase B on wgmma m64n64k16 in fp16 for both types: O / denom rounded to fp16
+//   (2^-11, under bfloat16's 2^-8 and equal to float16's, where the reference rounds O and O / denom
+//   to T), each pair's row scaled by a power of two first (no overflow), Wo in fp16 blocks (WoP16);
+//   the output written in T (one rounding).
+// Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <bool kSplit>
+template <typename T>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
-    const float* __restrict__ Aow, const float* __restrict__ Bow, const float* __restrict__ WoP,
-    const float* __restrict__ inv_denom, const float* __restrict__ bo, void* __restrict__ out_v, int64_t B, int64_t N,
-    int64_t KB16, int64_t NIT, int64_t NBB, int nzc, int cz) {
+    const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
+    const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
+    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz) {
 #if defined(OPM_WG_DEVICE)
-  using OutT = std::conditional_t<kSplit, float, __nv_bfloat16>;
-  OutT* out = static_cast<OutT*>(out_v);
+  constexpr bool kSplit = std::is_same_v<T, float>;
+  constexpr int kSlot = kSplit ? kOwStage : kOwSlot16, kStages = kSplit ? kOwStages : kOwStages16;
+  constexpr int kKSteps = kSplit ? kOwSK / 8 : kOwS16 / 16;  // wgmma k steps per phase-A stage
+  constexpr int kPromo = kSplit ? kWgPromo : kWgPromo / 2;  // k steps per promotion: 64 s either way
+  using PT = std::conditional_t<kSplit, float, T>;
+  const PT* Aow = static_cast<const PT*>(Aow_v);
+  const PT* Bow = static_cast<const PT*>(Bow_v);
+  [[maybe_unused]] const float* WoP = static_cast<const float*>(WoP_v);  // (fp32 planes: kSplit only)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
-  float* Os = sm + kOwStages * kOwStage;
-  uint64_t* full = reinterpret_cast<uint64_t*>(Os + 64 * kOwLDO);
-  uint64_t* empty = full + kOwStages;
+  float* Os = sm + kStages * kSlot;  // (16-bit: Os16, rows of kOwLDO16 words)
+  uint64_t* full = reinterpret_cast<uint64_t*>(Os + (kSplit ? 64 * kOwLDO : 64 * kOwLDO16 + 64));  // (16-bit: Osc)
+  uint64_t* empty = full + kStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t MBA = 2 * NIT, total = B * nzc * NBB * NIT;
-  if (tid == 0) mbar_ring_init(full, empty, kOwStages);
+  if (tid == 0) mbar_ring_init(full, empty, kStages);
   __syncthreads();
   if (wg == 2) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
     if (tid == 256) {
       int64_t u = 0;  // ring slots used so far
       auto slot = [&](unsigned bytes) -> float* {  // the next slot, once free; its full barrier expects `bytes`
-        const int st = static_cast<int>(u % kOwStages);
-        if (u >= kOwStages) mbar_wait(empty + st, static_cast<unsigned>((u / kOwStages - 1) & 1));
+        const int st = static_cast<int>(u % kStages);
+        if (u >= kStages) mbar_wait(empty + st, static_cast<unsigned>((u / kStages - 1) & 1));
         mbar_expect_tx(full + st, bytes);
         ++u;
-        return sm + st * kOwStage;
+        return sm + st * kSlot;
       };
       for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
         const int64_t it = t % NIT, jt = (t / NIT) % NBB, zc = (t / (NIT * NBB)) % nzc, b = t / (NIT * NBB * nzc);
         for (int q = 0; q < kOwNQ; ++q) {
-          const float* a = Aow + ((b * kOwNQ + q) * KB16 * MBA + 2 * it) * (2 * kOwAPlane);
-          const float* bb = Bow + (b * NBB + jt) * KB16 * (2 * kOwBPlane);
-          for (int64_t kb = 0; kb < KB16; ++kb) {
-            const int st = static_cast<int>(u % kOwStages);
-            if constexpr (kSplit) {
+          if constexpr (kSplit) {
+            const float* a = Aow + ((b * kOwNQ + q) * KBS * MBA + 2 * it) * (2 * kOwAPlane);
+            const float* bb = Bow + (b * NBB + jt) * KBS * (2 * kOwBPlane);
+            for (int64_t kb = 0; kb < KBS; ++kb) {
+              const int st = static_cast<int>(u % kStages);
               float* dst = slot(4 * kOwStage);
               bulk_copy(dst, a + kb * MBA * (2 * kOwAPlane), 4 * 4 * kOwAPlane, full + st);
               bulk_copy(dst + 4 * kOwAPlane, bb + kb * (2 * kOwBPlane), 4 * 2 * kOwBPlane, full + st);
-            } else {  // the hi planes only, each where the split layout has it
-              float* dst = slot(4 * (2 * kOwAPlane + kOwBPlane));
-              const float* a0 = a + kb * MBA * (2 * kOwAPlane);
-              bulk_copy(dst, a0, 4 * kOwAPlane, full + st);
-              bulk_copy(dst + 2 * kOwAPlane, a0 + 2 * kOwAPlane, 4 * kOwAPlane, full + st);
-              bulk_copy(dst + 4 * kOwAPlane, bb + kb * (2 * kOwBPlane), 4 * kOwBPlane, full + st);
+            }
+          } else {  // the two A blocks of this i tile (adjacent), then the B block
+            const PT* a = Aow + ((b * kOwNQ + q) * KBS * MBA + 2 * it) * kOwABlk16;
+            const PT* bb = Bow + (b * NBB + jt) * KBS * kOwBBlk16;
+            for (int64_t kb = 0; kb < KBS; ++kb) {
+              const int st = static_cast<int>(u % kStages);
+              float* dst = slot(4 * kOwSlot16);
+              bulk_copy(dst, a + kb * MBA * kOwABlk16, 2 * 2 * kOwABlk16, full + st);
+              bulk_copy(dst + kOwABlk16, bb + kb * kOwBBlk16, 2 * kOwBBlk16, full + st);
             }
           }
-          const float* w = WoP + (zc * kOwNQ + q) * kOwHC * (2 * kOwWPlane);
-          for (int hl = 0; hl < kOwHC; ++hl) {
-            const int st = static_cast<int>(u % kOwStages);
-            constexpr unsigned wbytes = kSplit ? 4 * 2 * kOwWPlane : 4 * kOwWPlane;  // both planes, or hi
-            float* dst = slot(wbytes);
-            bulk_copy(dst, w + hl * (2 * kOwWPlane), wbytes, full + st);
+          if constexpr (kSplit) {
+            const float* w = WoP + (zc * kOwNQ + q) * kOwHC * (2 * kOwWPlane);
+            for (int hl = 0; hl < kOwHC; ++hl) {
+              const int st = static_cast<int>(u % kStages);
+              float* dst = slot(4 * 2 * kOwWPlane);
+              bulk_copy(dst, w + hl * (2 * kOwWPlane), 4 * 2 * kOwWPlane, full + st);
+            }
+          } else {  // two Wo blocks (hl, hl + 1) per slot
+            const T* w = static_cast<const T*>(WoP_v) + (zc * kOwNQ + q) * kOwHC * kOwWBlk16;
+            for (int hl = 0; hl < kOwHC; hl += 2) {
+              const int st = static_cast<int>(u % kStages);
+              float* dst = slot(4 * kOwSlot16);
+              bulk_copy(dst, w + hl * kOwWBlk16, 4 * kOwSlot16, full + st);
+            }
           }
         }
       }
@@ -2176,13 +2334,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   const bool pair = (cz & 1) == 0;  // then z even and z + 1 < c_z whenever z < c_z
   int64_t u = 0;
   auto wait_full = [&]() -> const float* {  // slot use u, once its copies have landed; u advances
-    const int st = static_cast<int>(u % kOwStages);
-    mbar_wait(full + st, static_cast<unsigned>((u / kOwStages) & 1));
+    const int st = static_cast<int>(u % kStages);
+    mbar_wait(full + st, static_cast<unsigned>((u / kStages) & 1));
     ++u;
-    return sm + st * kOwStage;
+    return sm + st * kSlot;
   };
   auto release = [&](int64_t us) {  // this warp is done with slot use us (its wgmmas have completed)
-    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kOwStages));
+    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kStages));
   };
   float acc[64], d[64], o[32], d2[32];
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
@@ -2193,95 +2351,160 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       // ---- phase A: O_q (this warpgroup's 64 rows (il, hl) x 128 columns (jl, k)), K = S ----
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
-      for (int64_t kb = 0; kb < KB16; ++kb) {
+      for (int64_t kb = 0; kb < KBS; ++kb) {
         const int64_t us = u;  // this stage's slot use
         const float* stg = wait_full();
-        const float* a_hi = stg + wg * 2 * kOwAPlane;
+        // split: hi / lo planes of this warpgroup's A block and of the B block; 16-bit: the T blocks
+        const float* a_hi = stg + (kSplit ? wg * 2 * kOwAPlane : wg * kOwABlk16 / 2);
         [[maybe_unused]] const float* a_lo = a_hi + kOwAPlane;
-        const float* b_hi = stg + 4 * kOwAPlane;
+        const float* b_hi = stg + (kSplit ? 4 * kOwAPlane : kOwABlk16);
         [[maybe_unused]] const float* b_lo = b_hi + kOwBPlane;
         wg_fence_acc(d);
 #pragma unroll
-        for (int ks = 0; ks < kOwSK / 8; ++ks) {
-          const int off = ks * 64;  // 8 k = two core matrices along k
-          const int fresh = (kb * (kOwSK / 8) + ks) % kWgPromo == 0;
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          const int off = ks * 64;  // two core matrices along k (8 k in fp32, 16 in T): 256 bytes
+          const int fresh = (kb * kKSteps + ks) % kPromo == 0;
           asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
           if constexpr (kSplit) {
             wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
             wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
             wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
           } else {
-            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+            wgmma16_m64n128k16<T>(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
           }
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         wg_fence_acc(d);
         release(us);
-        if (((kb + 1) * (kOwSK / 8)) % kWgPromo == 0) {  // a promotion period ends here
+        if (((kb + 1) * kKSteps) % kPromo == 0) {  // a promotion period ends here
 #pragma unroll
           for (int e = 0; e < 64; ++e) acc[e] += d[e];
         }
       }
-      if ((KB16 * (kOwSK / 8)) % kWgPromo != 0) {  // the last, partial promotion period
+      if ((KBS * kKSteps) % kPromo != 0) {  // the last, partial promotion period
 #pragma unroll
         for (int e = 0; e < 64; ++e) acc[e] += d[e];
       }
-      // ---- O_q -> Os: acc[4 jj + 2 hr + e] is row 16 w4 + g + 8 hr = (il8 = 2 w4 + hr, hl = g),
-      //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-B loads of Os are done
+      if constexpr (kSplit) {
+        // ---- O_q -> Os: acc[4 jj + 2 hr + e] is row 16 w4 + g + 8 hr = (il8 = 2 w4 + hr, hl = g),
+        //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-B loads of Os are done
 #pragma unroll
-      for (int jj = 0; jj < 16; ++jj)
+        for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int p = (8 * wg + 2 * w4 + hr) * kOwTJ + jj / 4, k = 8 * (jj % 4) + 2 * t4;
+            *reinterpret_cast<float2*>(Os + p * kOwLDO + g * 32 + ((k + 8 * g) & 31)) =
+                make_float2(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1]);
+          }
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
+        // ---- phase B: o[p, z] += sum_kk Os[p][kk] WoP_q[z][kk], one Wo block (32 kk) per hl ----
+#pragma unroll
+        for (int e = 0; e < 32; ++e) d2[e] = 0.f;  // (overwritten: scale-d 0 first; zeroed here so that d2 is not live in phase A)
+        for (int hl = 0; hl < kOwHC; ++hl) {
+          uint32_t ahi[4][4], alo[4][4];  // this hl's A fragments (Os is complete: loaded before the wait)
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            const float* r0 = Os + (16 * w4 + g) * kOwLDO + hl * 32 + ks * 8 + t4;
+            split_tf32(r0[0], ahi[ks][0], alo[ks][0]);
+            split_tf32(r0[8 * kOwLDO], ahi[ks][1], alo[ks][1]);
+            split_tf32(r0[4], ahi[ks][2], alo[ks][2]);
+            split_tf32(r0[8 * kOwLDO + 4], ahi[ks][3], alo[ks][3]);
+          }
+          const int64_t us = u;
+          const float* stg = wait_full();
+          const float* w_hi = stg + wg * (64 / 8) * 256;  // this warpgroup's 64 z of the 128-row block
+          const float* w_lo = w_hi + kOwWPlane;
+          wg_fence_acc(d2);
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)  // the A fragments are wgmma inputs too: written before the fence
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            const int off = ks * 64;
+            const int fresh = (hl % 2 == 0) && ks == 0;  // promotion every 64 kk
+            wgmma_split_m64n64k8_rs(d2, ahi[ks], alo[ks], w_hi + off, w_lo + off, 1024, fresh);
+          }
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          wg_fence_acc(d2);
+          release(us);
+          if (hl % 2 == 1) {
+#pragma unroll
+            for (int e = 0; e < 32; ++e) o[e] += d2[e];
+          }
+        }
+      } else {
+        // ---- O_q / denom -> Os16 in fp16, each pair's row scaled by a power of two (its largest value in
+        //      [2^14, 2^15): no overflow, 2^-11 rounding): acc[4 jj + 2 hr + e] is row p = (il8 = 2 w4 + hr,
+        //      jl = jj / 4), hidden h = 8 q + g, k = 8 (jj % 4) + 2 t4 + e; a row's 256 values lie in the 32
+        //      lanes of one warp. Osc[p] = 1 / (the row's scale) ----
+        uint32_t* Os16 = reinterpret_cast<uint32_t*>(Os);
+        float* Osc = Os + 64 * kOwLDO16;
+        float rowf[2][kOwTJ];  // inv_denom times the row's scale
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const int p = (8 * wg + 2 * w4 + hr) * kOwTJ + jj / 4, k = 8 * (jj % 4) + 2 * t4;
-          *reinterpret_cast<float2*>(Os + p * kOwLDO + g * 32 + ((k + 8 * g) & 31)) =
-              make_float2(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1]);
-        }
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
-      // ---- phase B: o[p, z] += sum_kk Os[p][kk] WoP_q[z][kk], one Wo block (32 kk) per hl ----
+          const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr;
+          const float inv = i < N ? inv_denom[b * N + i] : 0.f;
 #pragma unroll
-      for (int e = 0; e < 32; ++e) d2[e] = 0.f;  // (overwritten: scale-d 0 first; zeroed here so that d2 is not live in phase A)
-      for (int hl = 0; hl < kOwHC; ++hl) {
-        uint32_t ahi[4][4], alo[4][4];  // this hl's A fragments (Os is complete: loaded before the wait)
+          for (int jl = 0; jl < kOwTJ; ++jl) {
+            float mx = 0.f;
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          const float* r0 = Os + (16 * w4 + g) * kOwLDO + hl * 32 + ks * 8 + t4;
-          split_tf32(r0[0], ahi[ks][0], alo[ks][0]);  // (alo unused without kSplit: no code)
-          split_tf32(r0[8 * kOwLDO], ahi[ks][1], alo[ks][1]);
-          split_tf32(r0[4], ahi[ks][2], alo[ks][2]);
-          split_tf32(r0[8 * kOwLDO + 4], ahi[ks][3], alo[ks][3]);
-        }
-        const int64_t us = u;
-        const float* stg = wait_full();
-        const float* w_hi = stg + wg * (64 / 8) * 256;  // this warpgroup's 64 z of the 128-row block
-        [[maybe_unused]] const float* w_lo = w_hi + kOwWPlane;
-        wg_fence_acc(d2);
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)  // the A fragments are wgmma inputs too: written before the fence
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if constexpr (kSplit) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
-            else asm volatile("" : "+r"(ahi[ks][e])::"memory");
-          }
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          const int off = ks * 64;
-          const int fresh = (hl % 2 == 0) && ks == 0;  // promotion every 64 kk
-          if constexpr (kSplit) {
-            wgmma_split_m64n64k8_rs(d2, ahi[ks], alo[ks], w_hi + off, w_lo + off, 1024, fresh);
-          } else {
-            wgmma_tf32_m64n64k8_rs(d2, ahi[ks], wg_desc(w_hi + off), fresh ? 0 : 1);
+            for (int jq = 0; jq < 4; ++jq)
+              mx = fmaxf(mx, fmaxf(fabsf(acc[4 * (4 * jl + jq) + 2 * hr]), fabsf(acc[4 * (4 * jl + jq) + 2 * hr + 1])));
+            // the warp's max: as unsigned integers, non-negative floats order as their values (NaN above inf)
+            mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
+            // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
+            // subnormal rows: 2^126; inf / NaN stay so)
+            const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff), fs = min(253, max(1, 268 - E));
+            rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
+            if (lane == 0) Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float(static_cast<uint32_t>(254 - fs) << 23);
           }
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        wg_fence_acc(d2);
-        release(us);
-        if (hl % 2 == 1) {
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-B loads of Os16, Osc are done
 #pragma unroll
-          for (int e = 0; e < 32; ++e) o[e] += d2[e];
+        for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int p = (8 * wg + 2 * w4 + hr) * kOwTJ + jj / 4, m = 4 * (jj % 4) + t4;
+            Os16[p * kOwLDO16 + g * 16 + ow_os16_word(g, m)] =
+                pack2_16<__half>(acc[4 * jj + 2 * hr] * rowf[hr][jj / 4], acc[4 * jj + 2 * hr + 1] * rowf[hr][jj / 4]);
+          }
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os16, Osc complete
+        const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
+        // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
+        //      Wo blocks (hl, hl + 1) per slot, a fresh accumulator per slot (64 kk) ----
+#pragma unroll
+        for (int e = 0; e < 32; ++e) d2[e] = 0.f;
+        for (int hl = 0; hl < kOwHC; hl += 2) {
+          uint32_t af[4][4];  // [2 (hl - hl0) + ks][fragment register]
+#pragma unroll
+          for (int f = 0; f < 4; ++f) {
+            const uint32_t* r0 = Os16 + (16 * w4 + g) * kOwLDO16 + (hl + f / 2) * 16 + (f % 2) * 8 + 2 * t4;
+            const uint2 lo = *reinterpret_cast<const uint2*>(r0), hi = *reinterpret_cast<const uint2*>(r0 + 8 * kOwLDO16);
+            af[f][0] = lo.x; af[f][1] = hi.x; af[f][2] = lo.y; af[f][3] = hi.y;
+          }
+          const int64_t us = u;
+          const __half* wst = reinterpret_cast<const __half*>(wait_full()) + wg * 8 * 256;  // this warpgroup's 64 z
+          wg_fence_acc(d2);
+#pragma unroll
+          for (int f = 0; f < 4; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(af[f][e])::"memory");
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+          for (int f = 0; f < 4; ++f)
+            wgmma_f16_m64n64k16_rs(d2, af[f], wg_desc(reinterpret_cast<const float*>(wst + (f / 2) * kOwWBlk16 + (f % 2) * 128), 512),
+                                   f == 0 ? 0 : 1);
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          wg_fence_acc(d2);
+          release(us);
+#pragma unroll
+          for (int e = 0; e < 32; ++e) o[e] = fmaf(d2[e], rs[(e / 2) % 2], o[e]);  // d2[4 jj + 2 hr + .]: row hr
         }
       }
     }
@@ -2292,8 +2515,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       const int p = 16 * w4 + g + 8 * hr;
       const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
       if (i >= N || j >= N) continue;
-      const float inv = inv_denom[b * N + i];
-      OutT* orow = out + ((b * N + i) * N + j) * cz;
+      const float inv = inv_denom[b * N + i];  // (16-bit: in Os16 already)
+      T* orow = out + ((b * N + i) * N + j) * cz;
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4;
@@ -2305,14 +2528,12 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             if (z < cz) orow[z] = __ldg(bo + z) + inv * v0;
             if (z + 1 < cz) orow[z + 1] = __ldg(bo + z + 1) + inv * v1;
           }
-        } else {  // bfloat16: one rounding of the fp32 value, as the reference's Linear output has
+        } else {  // T: one rounding of the fp32 value, as the reference's Linear output has
           if (pair) {
-            if (z < cz)
-              *reinterpret_cast<__nv_bfloat162*>(orow + z) =
-                  __floats2bfloat162_rn(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
+            if (z < cz) *reinterpret_cast<uint32_t*>(orow + z) = pack2_16<T>(__ldg(bo + z) + v0, __ldg(bo + z + 1) + v1);
           } else {
-            if (z < cz) orow[z] = __float2bfloat16_rn(__ldg(bo + z) + inv * v0);
-            if (z + 1 < cz) orow[z + 1] = __float2bfloat16_rn(__ldg(bo + z + 1) + inv * v1);
+            if (z < cz) orow[z] = from_float<T>(__ldg(bo + z) + v0);
+            if (z + 1 < cz) orow[z + 1] = from_float<T>(__ldg(bo + z + 1) + v1);
           }
         }
       }
@@ -3275,7 +3496,7 @@ struct DevInfo {
   bool wg_ok = false;  // w_first_wg2 can run: a compute capability 9.0 device, this extension built
                        // with sm_90a code (OPM_SM90A: the Python side turns 9.0 into 9.0a), and its
                        // kWgSmemBytes of shared memory per block available
-  bool ow_ok = false;  // outer_wg can run: wg_ok and its kOwSmemBytes per block available
+  bool ow_ok = false;  // outer_wg can run: wg_ok and its kOwSmemMax per block available
 };
 static DevInfo dev_info(int dev) {
   static DevInfo cache[64];
@@ -3290,7 +3511,7 @@ static DevInfo dev_info(int dev) {
   d.tc_ok = d.major >= 8 && fa.ptxVersion >= 80;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, dev));
   d.wg_ok = kBuiltSm90a && d.major == 9 && d.minor == 0 && kWgSmemBytes <= static_cast<size_t>(d.smem_optin);
-  d.ow_ok = d.wg_ok && kOwSmemBytes <= static_cast<size_t>(d.smem_optin);
+  d.ow_ok = d.wg_ok && kOwSmemMax <= static_cast<size_t>(d.smem_optin);
   if (dev >= 0 && dev < 64) { cache[dev] = d; have[dev] = true; }
   return d;
 }
@@ -3397,32 +3618,48 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
 
 // outer_wg (Hopper, CP = 32): opm_ow_params_kernel (Wf, bias', WoP), opm_prep_ow_kernel (msa -> Aow,
 // Bow; inv_denom), opm_outer_wg_kernel (one block per SM, persistent).
+// The planes' s blocks follow the msa's dtype: sb = 16 s (float32: split TF32 planes) or 32 (fp16 / bf16:
+// T planes, ow_block_s).
 struct OwDims {
-  int64_t KB16, NIT, NBB;
-  int nzc;
+  int64_t KB, NIT, NBB;  // s blocks, i tiles, j tiles
+  int nzc, sb;           // z chunks, s per block
 };
-static OwDims ow_dims(int64_t S, int64_t N, int64_t cz) {
-  return {cdiv(S, kOwSK), cdiv(N, kOwTI), cdiv(N, kOwTJ), static_cast<int>(cdiv(cz, kOwZ))};
+static OwDims ow_dims(int64_t S, int64_t N, int64_t cz, int sb) {
+  return {cdiv(S, sb), cdiv(N, kOwTI), cdiv(N, kOwTJ), static_cast<int>(cdiv(cz, kOwZ)), sb};
 }
+static int ow_sb(at::ScalarType st) { return st == at::kFloat ? ow_block_s<float>() : ow_block_s<__half>(); }
 struct OwPlanes {
   at::Tensor Aow, Bow, WoP;
 };
-static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& f32) {
-  return {at::empty({B * kOwNQ * od.KB16 * 2 * od.NIT * 2 * kOwAPlane}, f32),
-          at::empty({B * od.NBB * od.KB16 * 2 * kOwBPlane}, f32),
+// Aow, Bow in the msa's dtype x (fp32: hi and lo planes; fp16 / bf16: T); WoP fp32 planes, or float16.
+static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& x) {
+  const auto f32 = x.dtype(at::kFloat);
+  if (od.sb == kOwS16)
+    return {at::empty({B * kOwNQ * od.KB * 2 * od.NIT * kOwABlk16}, x), at::empty({B * od.NBB * od.KB * kOwBBlk16}, x),
+            at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * kOwWBlk16}, x.dtype(at::kHalf))};
+  return {at::empty({B * kOwNQ * od.KB * 2 * od.NIT * 2 * kOwAPlane}, f32),
+          at::empty({B * od.NBB * od.KB * 2 * kOwBPlane}, f32),
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
-static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const at::Tensor& bo, at::Tensor& out,
-                                  int64_t B, int64_t N, const OwDims& od, int cz, bool split, const DevInfo& d,
-                                  cudaStream_t stream) {
-  const auto kernel = split ? opm_outer_wg_kernel<true> : opm_outer_wg_kernel<false>;
-  set_smem(kernel, kOwSmemBytes, d, "the wgmma outer-first kernel");
-  const int64_t tiles = B * od.nzc * od.NBB * od.NIT;
-  const int g = grid_for(std::min<int64_t>(tiles, d.sms));
-  kernel<<<g, kOwThreads, kOwSmemBytes, stream>>>(
-      p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), p.WoP.data_ptr<float>(), inv_denom.data_ptr<float>(),
-      bo.data_ptr<float>(), out.data_ptr(), B, N, od.KB16, od.NIT, od.NBB, od.nzc, cz);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// out in the msa's dtype (float32, bfloat16 or float16), as the planes.
+static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
+                                  int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream) {
+  auto run = [&](auto kernel, auto* outp, size_t smem) {
+    set_smem(kernel, smem, d, "the wgmma outer-first kernel");
+    const int64_t tiles = B * od.nzc * od.NBB * od.NIT;
+    const int g = grid_for(std::min<int64_t>(tiles, d.sms));
+    kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
+                                            inv_denom.data_ptr<float>(), bo, outp, B, N, od.KB,
+                                            od.NIT, od.NBB, od.nzc, cz);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (out.scalar_type() == at::kBFloat16)
+    run(opm_outer_wg_kernel<__nv_bfloat16>, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+        ow_smem_bytes<__nv_bfloat16>());
+  else if (out.scalar_type() == at::kHalf)
+    run(opm_outer_wg_kernel<__half>, reinterpret_cast<__half*>(out.data_ptr()), ow_smem_bytes<__half>());
+  else
+    run(opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
 }
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1 (H200, 2026-12-01,
 // prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
@@ -3430,28 +3667,41 @@ static int po_mt(int cm) { return cm <= 256 ? 2 : 1; }
 static size_t po_smem_bytes(int cm, int MT) { return 4ull * po_tile_floats(cm, MT); }
 // opm_ow_params_kernel: returns Wf then bias' (64 floats) in one tensor, and writes WoP for od.nzc z groups
 // (none with nzc 0: wo and WoP are then not read).
+// The parameters all float32, or all float16 / bfloat16 (then Wf's tail holds bo as fp32 too: c_z floats
+// after bias', the fused kernel's bias); wo, bo: undefined tensors where nzc is 0 (not read).
 static at::Tensor launch_ow_params(const at::Tensor& ln_w, const at::Tensor& ln_b, const at::Tensor& wa,
-                                   const at::Tensor& ba, const at::Tensor& wb, const at::Tensor& bb, const float* wo,
-                                   float* WoP, int cm, int c, int cz, int nzc, const DevInfo& d, cudaStream_t stream) {
+                                   const at::Tensor& ba, const at::Tensor& wb, const at::Tensor& bb, const at::Tensor& wo,
+                                   const at::Tensor& bo, void* WoP, int wo16, int cm, int c, int cz, int nzc,
+                                   const DevInfo& d, cudaStream_t stream) {
   const int64_t U = cdiv(cm, 16);
-  at::Tensor Wf = at::empty({U * 8 * 256 + 64}, ln_w.options().dtype(at::kFloat));
-  const int64_t nrest = U * 8 * 32 + static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8;
+  const bool p16 = ln_w.scalar_type() != at::kFloat;
+  at::Tensor Wf = at::empty({U * 8 * 256 + 64 + (p16 ? cz : 0)}, ln_w.options().dtype(at::kFloat));
+  const int64_t nrest = U * 8 * 32 + static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8 + (p16 ? cz : 0);
   const int gpar = grid_for(kPoBiasBlocks + std::min<int64_t>(cdiv(nrest, kThreads), 2ll * d.sms));
-  opm_ow_params_kernel<<<gpar, kThreads, 0, stream>>>(
-      ln_w.data_ptr<float>(), ln_b.data_ptr<float>(), wa.data_ptr<float>(), ba.data_ptr<float>(), wb.data_ptr<float>(),
-      bb.data_ptr<float>(), wo, Wf.data_ptr<float>(), Wf.data_ptr<float>() + U * 8 * 256, WoP, cm, c, cz, nzc);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  float* wf = Wf.data_ptr<float>();
+  auto run = [&](auto tag) {
+    using P = decltype(tag);
+    auto ptr = [](const at::Tensor& t) { return t.defined() ? reinterpret_cast<const P*>(t.data_ptr()) : nullptr; };
+    opm_ow_params_kernel<P><<<gpar, kThreads, 0, stream>>>(ptr(ln_w), ptr(ln_b), ptr(wa), ptr(ba), ptr(wb), ptr(bb),
+                                                          ptr(wo), ptr(bo), wf, wf + U * 8 * 256,
+                                                          p16 ? wf + U * 8 * 256 + 64 : nullptr, WoP, wo16, cm, c, cz, nzc);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (ln_w.scalar_type() == at::kBFloat16) run(__nv_bfloat16());
+  else if (ln_w.scalar_type() == at::kHalf) run(__half());
+  else run(float());
   return Wf;
 }
-// opm_prep_ow_kernel<MT, T, kPlanes> over every tile of x (float32 or bfloat16), beside its inv_denom
-// blocks: the planes Aow, Bow where kPlanes, the rows a_rows, b_rows (B, S, N, 32) where not null. Wf
-// from launch_ow_params.
+// opm_prep_ow_kernel<MT, T, kPlanes> over every tile of x (float32, bfloat16 or float16; od.sb =
+// ow_sb(x's dtype)), beside its inv_denom blocks: the planes Aow, Bow where kPlanes (x's dtype, see
+// ow_planes), the rows a_rows, b_rows (B, S, N, 32) fp32 where not null. Wf from launch_ow_params.
 template <bool kPlanes>
-static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& Wf, float* Aow,
-                           float* Bow, float* a_rows, float* b_rows, int64_t B, int64_t S, int64_t N, int cm, float eps,
+static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& Wf, void* Aow,
+                           void* Bow, float* a_rows, float* b_rows, int64_t B, int64_t S, int64_t N, int cm, float eps,
                            const OwDims& od, at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(od.sb == ow_sb(x.scalar_type()), "outer_product_mean: the planes' s blocks follow msa's dtype");
   const int MT = po_mt(cm);
-  const int64_t ntiles = B * 4 * od.KB16 * (16 * od.NIT / (4 * MT));  // < 2^31 (the callers' ow_tiles_ok)
+  const int64_t ntiles = B * (od.sb / 4) * od.KB * (16 * od.NIT / (4 * MT));  // < 2^31 (the callers' ow_tiles_ok)
   const size_t smem = po_smem_bytes(cm, MT);
   const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), 2 * d.sms));  // inv_denom blocks
   const int gprep = grid_for(n_den + ntiles);  // (ntiles = 0 when S = 0: inv_denom still runs)
@@ -3460,7 +3710,7 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   auto run = [&](auto kernel, const auto* xp) {
     set_smem(kernel, smem, d, "the tensor-core LayerNorm/projection kernel of outer_wg");
     kernel<<<gprep, kPoThreads, smem, stream>>>(xp, mask.data_ptr(), mask_kind, Wf.data_ptr<float>(), biasf, Aow, Bow, B,
-                                                S, N, cm, eps, od.KB16, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den,
+                                                S, N, cm, eps, od.KB, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den,
                                                 a_rows, b_rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
@@ -3468,26 +3718,34 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
     const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
     if (MT == 2) run(opm_prep_ow_kernel<2, __nv_bfloat16, kPlanes>, xp);
     else run(opm_prep_ow_kernel<1, __nv_bfloat16, kPlanes>, xp);
+  } else if (x.scalar_type() == at::kHalf) {
+    const auto* xp = reinterpret_cast<const __half*>(x.data_ptr());
+    if (MT == 2) run(opm_prep_ow_kernel<2, __half, kPlanes>, xp);
+    else run(opm_prep_ow_kernel<1, __half, kPlanes>, xp);
   } else {
     const float* xp = x.data_ptr<float>();
     if (MT == 2) run(opm_prep_ow_kernel<2, float, kPlanes>, xp);
     else run(opm_prep_ow_kernel<1, float, kPlanes>, xp);
   }
 }
-// x: float32, or bfloat16 with split false (the prep reads it as it is); out: float32, or bfloat16 with
-// split false (the fused kernel writes that type).
+// x and out: float32 (split TF32), or both bfloat16 / float16 (the prep reads x as it is, phase A on the
+// 16-bit tensor cores, the fused kernel writes out in that type).
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
-                            bool split, float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream) {
-  const OwDims od = ow_dims(S, N, cz);
-  const OwPlanes p = ow_planes(B, od, x.options().dtype(at::kFloat));
-  const at::Tensor Wf = launch_ow_params(ln_w, ln_b, wa, ba, wb, bb, wo.data_ptr<float>(), p.WoP.data_ptr<float>(), cm,
-                                         c, cz, od.nzc, d, stream);
-  launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr<float>(), p.Bow.data_ptr<float>(), a_rows, b_rows, B, S, N,
-                       cm, eps, od, inv_denom, d, stream);
-  launch_outer_wg_fused(p, inv_denom, bo, out, B, N, od, cz, split, d, stream);
+                            float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
+  const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
+  const OwPlanes p = ow_planes(B, od, x.options());
+  const int wo16 = x.scalar_type() != at::kFloat;  // 16-bit input: phase B in float16
+  const at::Tensor Wf = launch_ow_params(ln_w, ln_b, wa, ba, wb, bb, wo, bo, p.WoP.data_ptr(), wo16, cm, c, cz, od.nzc, d,
+                                         stream);
+  // bo as fp32: the parameter itself, or its copy in Wf's tail (16-bit parameters)
+  const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + cdiv(cm, 16) * 8 * 256 + 64;
+  launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
+                       inv_denom, d, stream);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream);
 }
 
 // small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the
@@ -3558,6 +3816,8 @@ static std::string dtype_str(const at::Tensor& t) { return std::string(c10::toSt
 static int mask_kind_of(at::ScalarType st) {
   switch (st) {
     case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
     case at::kBool: return kBool;
     case at::kByte: return kU8;
     case at::kChar: return kI8;
@@ -3568,21 +3828,22 @@ static int mask_kind_of(at::ScalarType st) {
   }
 }
 
-// variant: a Variant id (kAuto or the variant to force). msa: float32, or bfloat16 where the module's
-// parameters were bfloat16 too (the caller passes them converted to float32): outer_wg then reads msa as
-// it is, takes one TF32 pass per product and writes a bfloat16 out; the other variants run on a float32
-// copy and return float32. Returns (out, the id of the variant that ran, a, b, inv_denom): with keep_ab,
-// where outer_wg ran with hidden_dim 32, a and b (B, S, N, 32) fp32 as its prep computed them (the
-// backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else undefined tensors (None).
+// variant: a Variant id (kAuto or the variant to force). msa: float32, or bfloat16 / float16 with the
+// parameters float32 or all of msa's dtype: outer_wg then reads msa (and the parameters) as they are,
+// runs both products on the 16-bit tensor cores and writes out in msa's dtype; the other variants run
+// on float32 copies and return float32. Returns (out, the id of the variant that ran, a, b,
+// inv_denom): with keep_ab, where outer_wg ran with hidden_dim 32, a and b (B, S, N, 32) fp32 as its
+// prep computed them (the backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else
+// undefined tensors (None).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
-  TORCH_CHECK(msa.scalar_type() == at::kFloat || msa.scalar_type() == at::kBFloat16,
-              "outer_product_mean: msa_repr must be float32 or bfloat16, got ", dtype_str(msa));
-  const bool bf16_input = msa.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(msa.scalar_type() == at::kFloat || msa.scalar_type() == at::kBFloat16 || msa.scalar_type() == at::kHalf,
+              "outer_product_mean: msa_repr must be float32, bfloat16 or float16, got ", dtype_str(msa));
+  const bool half_input = msa.scalar_type() != at::kFloat;
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), cm = msa.size(3);
   TORCH_CHECK(ln_w.dim() == 1 && ln_b.dim() == 1 && ln_w.size(0) == cm && ln_b.size(0) == cm,
               "outer_product_mean: msa_repr has msa_dim = ", num(cm), " (shape ", shape_str(msa),
@@ -3592,7 +3853,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
               ") to match msa_repr ", shape_str(msa), ", got ", shape_str(mask));
   const int mask_kind = mask_kind_of(mask.scalar_type());
   TORCH_CHECK(mask_kind >= 0, "outer_product_mean: unsupported msa_mask dtype ", dtype_str(mask),
-              "; use float32, bool, uint8, int8, int16, int32 or int64");
+              "; use float32, float16, bfloat16, bool, uint8, int8, int16, int32 or int64");
   TORCH_CHECK(wa.dim() == 2 && wa.size(1) == cm && ba.dim() == 1 && ba.size(0) == wa.size(0),
               "outer_product_mean: proj_a weight must be (hidden_dim, msa_dim = ", num(cm), ") with bias (hidden_dim), got ",
               shape_str(wa), " and ", shape_str(ba));
@@ -3608,8 +3869,12 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   TORCH_CHECK(cm >= 1 && cm <= kMaxMsaDim, "outer_product_mean: msa_dim must be in [1, ", num(kMaxMsaDim),
               "] (64 rows of msa are kept in shared memory), got ", num(cm));
   TORCH_CHECK(cz >= 1, "outer_product_mean: pair_dim must be >= 1, got ", num(cz));
+  // parameters: float32, or all of msa's dtype where that is float16 / bfloat16 (converted below where
+  // the variant is not outer_wg)
+  const bool p16 = half_input && ln_w.scalar_type() == msa.scalar_type();
   for (const at::Tensor* p : {&ln_w, &ln_b, &wa, &ba, &wb, &bb, &wo, &bo})
-    TORCH_CHECK(p->scalar_type() == at::kFloat, "outer_product_mean: parameters must be float32, got ",
+    TORCH_CHECK(p->scalar_type() == (p16 ? msa.scalar_type() : at::kFloat), "outer_product_mean: parameters must be ",
+                p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));
@@ -3634,15 +3899,16 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
               "extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0 or 9.0a, not a name such as "
               "Hopper; this build: ", kBuiltSm90a ? "yes" : "no", ") and ", num(kWgSmemBytes), " bytes of "
               "shared memory per block (this GPU: ", num(d.smem_optin), ")");
-  // outer_wg's prep decodes its warp tiles (4 s x 4 n each, S and N padded to 16) in 32 bits
-  const bool ow_tiles_ok = B * round_up(S, 16) * round_up(N, 16) / 16 < (1ll << 31);
-  TORCH_CHECK(variant != kOuterWg || ow_tiles_ok, "outer_product_mean: variant outer_wg needs B * S * N / 16 < 2^31 (S, N "
-              "rounded up to 16), got B = ", num(B), ", S = ", num(S), ", N = ", num(N), "; use outer_first or w_first_wg2");
+  // outer_wg's prep decodes its warp tiles (4 s x 4 n each, S padded to its s blocks, N to 16) in 32 bits
+  const bool ow_tiles_ok = B * round_up(S, ow_sb(msa.scalar_type())) * round_up(N, 16) / 16 < (1ll << 31);
+  TORCH_CHECK(variant != kOuterWg || ow_tiles_ok, "outer_product_mean: variant outer_wg needs B * S * N / 16 < 2^31 (S "
+              "rounded up to 16, or to 32 for float16 / bfloat16, N to 16), got B = ", num(B), ", S = ", num(S),
+              ", N = ", num(N), "; use outer_first or w_first_wg2");
   TORCH_CHECK(variant != kOuterWg || (d.ow_ok && c <= 32), "outer_product_mean: variant outer_wg",
               " needs hidden_dim <= 32 "
               "(this model: ", num(c), "), a compute capability 9.0 GPU (this GPU: ", num(d.major), ".", num(d.minor),
               "), this extension built with sm_90a code (this build: ", kBuiltSm90a ? "yes" : "no", ") and ",
-              num(kOwSmemBytes), " bytes of shared memory per block (this GPU: ", num(d.smem_optin), ")");
+              num(kOwSmemMax), " bytes of shared memory per block (this GPU: ", num(d.smem_optin), ")");
   int CP = c <= 16 ? 16 : c <= 32 ? 32 : c <= 64 ? 64 : 128;
   const int64_t Npad = round_up(N, 4);
   const int64_t CZP = round_up(cz, kZC), CZP4 = round_up(cz, 4);
@@ -3682,18 +3948,20 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                                   2.0 * static_cast<double>(cdiv(N, JCw)) * kLaunchS + kLaunchS
                             : 1e30;
     // outer_wg (Hopper, hidden_dim <= 32): whole waves of tiles (one tile per SM at a time), each
-    // tile's phase-A and phase-B FLOPs (S, c, c_z padded to 16, 32, 128) at their own rates (the
-    // single-TF32 ones for bfloat16 inputs), plus its prep and its three launches
-    const OwDims od = ow_dims(S, N, cz);
-    const double ow_rate_a = bf16_input ? kEffOwA1 : kEffOwA, ow_rate_b = bf16_input ? kEffOwB1 : kEffOwB;
+    // tile's phase-A and phase-B FLOPs (S, c, c_z padded to 16 (32 in fp16 / bf16), 32, 128) at their
+    // own rates (the 16-bit ones for fp16 / bf16 inputs), plus its prep and its three launches
+    const OwDims od = ow_dims(S, N, cz, ow_sb(msa.scalar_type()));
+    const double ow_rate_a = half_input ? kEffOwA16 : kEffOwA, ow_rate_b = half_input ? kEffOwB16 : kEffOwB;
     const double ow_waves = std::ceil(static_cast<double>(B * od.nzc * od.NBB * od.NIT) / d.sms);
-    const double ow_tile_s = kOwNQ * (2.0 * 128 * 128 * kOwSK * od.KB16 / (ow_rate_a / d.sms) +
+    const double ow_tile_s = kOwNQ * (2.0 * 128 * 128 * od.sb * od.KB / (ow_rate_a / d.sms) +
                                       2.0 * 64 * kOwZ * kOwHC * 32 / (ow_rate_b / d.sms));
     // + its tensor-core prep (opm_prep_ow_kernel): the larger of its bytes (msa read, the Aow / Bow
     // planes written) at kBwPrepOw and its tensor-core FLOPs (x3 for the split; rows and K padded
     // as executed) at kEffPrepOw
-    const double ow_prep_bytes = 4.0 * bsn * cm + 2 * 4.0 * B * 16.0 * od.KB16 * 32 * (16.0 * od.NIT + 4.0 * od.NBB);
-    const double ow_prep_flops = 3 * 2.0 * B * 16.0 * od.KB16 * 16.0 * od.NIT * 16.0 * cdiv(cm, 16) * 64;
+    const double el = msa.element_size(), plane_bytes = half_input ? el : 2 * 4.0;  // T, or fp32 hi + lo
+    const double passes = msa.scalar_type() == at::kBFloat16 ? 1 : 3;               // the prep's TF32 passes
+    const double ow_prep_bytes = el * bsn * cm + plane_bytes * B * od.sb * od.KB * 32 * (16.0 * od.NIT + 4.0 * od.NBB);
+    const double ow_prep_flops = passes * 2.0 * B * od.sb * od.KB * 16.0 * od.NIT * 16.0 * cdiv(cm, 16) * 64;
     const double ow_prep_s = std::max(ow_prep_bytes / kBwPrepOw, ow_prep_flops / kEffPrepOw);
     const double t_ow = d.ow_ok && c <= 32 && ow_tiles_ok ? ow_waves * ow_tile_s + ow_prep_s + 3 * kLaunchS : 1e30;
     const bool w_fits = p_col_bytes <= kPChunkBytes;
@@ -3705,7 +3973,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   if (used == kOuterWg) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 
   auto f32 = msa.options().dtype(at::kFloat);
-  const bool half_io = used == kOuterWg && bf16_input;  // bfloat16 in and out
+  const bool half_io = used == kOuterWg && half_input;  // bfloat16 / float16 in and out
   at::Tensor out = at::empty({B, N, N, cz}, half_io ? msa.options() : f32);
   if (out.numel() == 0) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
 
@@ -3714,9 +3982,12 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   at::Tensor x = half_io ? msa.contiguous() : msa.contiguous().to(at::kFloat);
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
   const at::Tensor m = mask.contiguous();
-  const at::Tensor lw = ln_w.contiguous(), lb = ln_b.contiguous();
-  const at::Tensor wa_c = wa.contiguous(), ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();
-  const at::Tensor wo_c = wo.contiguous(), bo_c = bo.contiguous();
+  // 16-bit parameters go to outer_wg's params kernel as they are, as float32 to the other variants
+  const bool pf = !p16 || used == kOuterWg;
+  auto prm = [&](const at::Tensor& t) { return pf ? t.contiguous() : t.contiguous().to(at::kFloat); };
+  const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
+  const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
+  const at::Tensor wo_c = prm(wo), bo_c = prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   if (used == kOuterWg) {  // outer_wg: its own prep (no aT, bq)
     at::Tensor a, b;
@@ -3726,7 +3997,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     }
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
-                    !bf16_input, a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
+                    a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
                     d, stream);
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};
@@ -3789,7 +4060,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
   TORCH_CHECK(ln_w.numel() == cm && ln_b.numel() == cm && wa.dim() == 2 && wa.size(0) == 32 && wa.size(1) == cm &&
                   wb.sizes() == wa.sizes() && ba.numel() == 32 && bb.numel() == 32,
               "outer_product_mean: opm_backward_rows: ln_w, ln_b (c_m), wa, wb (32, c_m), ba, bb (32)");
-  TORCH_CHECK(B * round_up(S, 16) * round_up(N, 16) / 16 < (1ll << 31),
+  TORCH_CHECK(B * round_up(S, ow_sb(msa.scalar_type())) * round_up(N, 16) / 16 < (1ll << 31),
               "outer_product_mean: opm_backward_rows: B * S * N / 16 < 2^31");
   const c10::cuda::CUDAGuard guard(msa.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -3802,9 +4073,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();  // 16-byte loads and bulk copies
   const at::Tensor m = mask.contiguous(), lw = ln_w.contiguous(), lb = ln_b.contiguous(), wa_c = wa.contiguous(),
                    ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();
-  const OwDims od = ow_dims(S, N, 1);
-  const at::Tensor Wf = launch_ow_params(lw, lb, wa_c, ba_c, wb_c, bb_c, nullptr, nullptr, static_cast<int>(cm), 32, 0, 0,
-                                         d, stream);
+  const OwDims od = ow_dims(S, N, 1, ow_sb(x.scalar_type()));
+  const at::Tensor Wf = launch_ow_params(lw, lb, wa_c, ba_c, wb_c, bb_c, at::Tensor(), at::Tensor(), nullptr, 0,
+                                         static_cast<int>(cm), 32, 0, 0, d, stream);
   launch_prep_ow<false>(x, m, mask_kind, Wf, nullptr, nullptr, a.data_ptr<float>(), b.data_ptr<float>(), B, S, N,
                         static_cast<int>(cm), static_cast<float>(eps), od, inv_denom, d, stream);
   return {a, b, inv_denom};
@@ -4101,9 +4372,12 @@ at::Tensor opm_backward_dbo(at::Tensor g);
 """
 
 
-def _wgmma_asm(n, a_regs=0):
-    """Body of a wgmma_tf32_m64{n}k8 wrapper: the inline PTX with its n/2 accumulator operands spelled
-    out; A from shared memory (descriptor `da`) or, with a_regs = 4, from the registers a[0..3]."""
+def _wgmma_asm(n, a_regs=0, ab="tf32"):
+    """Body of a wgmma_tf32_m64{n}k8 wrapper (ab "tf32") or of a m64{n}k16 one (ab "bf16" / "f16", both
+    operands K-major): the inline PTX with its n/2 accumulator operands spelled out; A from shared
+    memory (descriptor `da`) or, with a_regs = 4, from the registers a[0..3]."""
+    # 16-bit: imm-trans-b 0 (K-major B), and imm-trans-a 0 where A is in shared memory
+    shape, tail = ("k8", "p, 1, 1") if ab == "tf32" else ("k16", "p, 1, 1, 0" if a_regs else "p, 1, 1, 0, 0")
     nacc = n // 2
     regs = ", ".join(f"%{i}" for i in range(nacc))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(nacc))
@@ -4114,12 +4388,15 @@ def _wgmma_asm(n, a_regs=0):
         a_ops, ins = f"%{nacc}", '"l"(da), "l"(db), "r"(acc)'
     nb, npred = nacc + max(a_regs, 1), nacc + max(a_regs, 1) + 1
     return (f'  asm volatile("{{\\n .reg .pred p;\\n setp.ne.b32 p, %{npred}, 0;\\n"\n'
-            f'               "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {{{regs}}}, {a_ops}, %{nb}, p, 1, 1;\\n}}\\n"\n'
+            f'               "wgmma.mma_async.sync.aligned.m64n{n}{shape}.f32.{ab}.{ab} {{{regs}}}, {a_ops}, %{nb}, {tail};\\n}}\\n"\n'
             f"               : {outs}\n"
             f"               : {ins});\n")
 
 
 _CUDA_SRC = (_CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm(128)).replace("@WGMMA_M64N64K8_RS@", _wgmma_asm(64, 4))
+             .replace("@WGMMA_BF16_M64N128K16@", _wgmma_asm(128, ab="bf16"))
+             .replace("@WGMMA_F16_M64N128K16@", _wgmma_asm(128, ab="f16"))
+             .replace("@WGMMA_F16_M64N64K16_RS@", _wgmma_asm(64, 4, ab="f16"))
              .replace("@VARIANT_ENUM@", _variant_enum(_ALL_VARIANTS)))
 
 # =============================================================================================
@@ -4255,11 +4532,11 @@ def _ln_kernel_runs(msa, c, c_m):
 def _rows_kernel_runs(msa, c, c_m):
     """Whether the backward's a, b and 1 / denom come from outer_wg's prep kernel (_ext.opm_backward_rows):
     a float32 or bfloat16 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim <= 768 and
-    B * S * N / 16 < 2^31 (S, N rounded up to 16), as for outer_wg."""
+    B * S * N / 16 < 2^31 (S rounded up to 16, or 32 for bfloat16, N to 16), as for outer_wg."""
     B, S, N = msa.shape[:3]
-    pad = lambda n: -(-n // 16) * 16
+    pad = lambda n, m: -(-n // m) * m
     return (msa.is_cuda and msa.dtype in (torch.float32, torch.bfloat16) and c == 32 and 1 <= c_m <= 768
-            and B * pad(S) * pad(N) // 16 < 2**31 and bool(_ext.opm_device_caps(msa.device.index)[2]))
+            and B * pad(S, 16 if msa.dtype == torch.float32 else 32) * pad(N, 16) // 16 < 2**31 and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
 
 def _ab_kernel_runs(msa, c, c_z, ct):
@@ -4468,19 +4745,19 @@ def _f32(t):
 
 
 def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
-    """The CUDA forward in float32: half-precision masks and parameters are converted here, and msa too
-    unless it and every parameter are bfloat16; the output is returned in out_dtype. A bfloat16 msa goes
-    to the extension as it is: outer_wg reads it directly, makes single TF32 products instead of split
-    TF32 (three: a, b and O rounded to TF32, 2^-11, finer than the bfloat16 reference's rounding of each,
-    2^-8) and writes bfloat16; the other variants convert it. Records the variant that ran in
+    """The CUDA forward: msa and the parameters go to the extension as they are where all are float16 /
+    bfloat16 of one dtype (it converts them where the variant is not outer_wg), else converted to
+    float32 here (masks of every dtype the kernels take go as they are, float16 / bfloat16 included);
+    the output is returned in
+    out_dtype. A float16 / bfloat16 msa goes to the extension as it is: outer_wg reads it directly,
+    runs phase A on the 16-bit tensor cores and writes that dtype (module docstring); the other
+    variants convert it. Records the variant that ran in
     model.last_variant. keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom
     as outer_wg's prep computed them where outer_wg ran with hidden_dim 32 (the backward then takes them
     instead of recomputing), else (out, None)."""
-    if mask.dtype in (torch.float16, torch.bfloat16):
-        mask = mask.float()
-    bf16 = msa.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in params)
-    out, ran, a, b, inv_d = _ext.opm_forward(msa if bf16 else _f32(msa), mask, *(_f32(p) for p in params), eps, code,
-                                             keep_ab)
+    half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
+    out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
+                                             *(params if half else (_f32(p) for p in params)), eps, code, keep_ab)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not keep_ab:

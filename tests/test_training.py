@@ -424,15 +424,18 @@ def test_outer_product_mean_memory():
 class _FakeOpmExtension:
     """Stands in for outer_product_mean's CUDA extension: opm_forward in float32 PyTorch ops (with keep_ab
     and hidden_dim 32, a, b and 1 / denom too, as outer_wg returns them), and a record of the dtypes it
-    was handed (parameters float32 only, msa float32 or bfloat16)."""
+    was handed (msa and the parameters float32, or all of one dtype, float16 or bfloat16; the mask of
+    any dtype the kernels take)."""
 
     def __init__(self, real):
-        self.real, self.dtypes, self.msa_dtypes = real, [], []
+        self.real, self.dtypes, self.msa_dtypes, self.mask_dtypes = real, [], [], []
 
     def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code, keep_ab):
         self.dtypes.append({t.dtype for t in (lw, lb, wa, ba, wb, bb, wo, bo)})
         self.msa_dtypes.append(msa.dtype)
+        self.mask_dtypes.append(mask.dtype)
         msa = msa.float()
+        lw, lb, wa, ba, wb, bb, wo, bo = (t.float() for t in (lw, lb, wa, ba, wb, bb, wo, bo))
         x = (msa - msa.mean(-1, keepdim=True)) / (msa.var(-1, unbiased=False, keepdim=True) + eps).sqrt() * lw + lb
         m = mask.float()[..., None]
         a, b = (x @ wa.t() + ba) * m, (x @ wb.t() + bb) * m
@@ -525,10 +528,9 @@ def test_opm_model_new_autograd_like_reference(opm_cpu):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_opm_model_new_half_precision(opm_cpu, dtype):
-    """Half-precision module and inputs (KernelBench's casts, the mask too): the kernels get float32
-    parameters and a float32 msa, except that a bfloat16 msa goes as it is (outer_wg reads it, with one
-    TF32 pass per product); the output and every gradient come back in the input's dtype, close to the
-    reference's float32."""
+    """Half-precision module and inputs (KernelBench's casts, the mask too): the kernels get the msa,
+    the mask and the parameters as they are (outer_wg reads float16 / bfloat16 itself); the output and
+    every gradient come back in the input's dtype, close to the reference's float32."""
     mod, fake = opm_cpu
     model, new = _opm_pair(mod, seed=52)
     new = new.to(dtype)
@@ -542,9 +544,9 @@ def test_opm_model_new_half_precision(opm_cpu, dtype):
     for name, w, o in zip(("msa",) + OPM_NAMES, want, got):
         assert o.dtype == dtype, name
         assert torch.allclose(o.float(), w, atol=2e-2, rtol=2e-2), (name, (o.float() - w).abs().max().item())
-    assert all(d == {torch.float32} for d in fake.dtypes)
-    want_msa = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    assert fake.msa_dtypes and all(d == want_msa for d in fake.msa_dtypes)
+    assert fake.dtypes and all(d == {dtype} for d in fake.dtypes)
+    assert fake.msa_dtypes and all(d == dtype for d in fake.msa_dtypes)
+    assert fake.mask_dtypes and all(d == dtype for d in fake.mask_dtypes)
 
 
 def test_opm_model_new_rejects_other_dtypes(opm_cpu):
