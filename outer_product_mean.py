@@ -66,9 +66,11 @@ the mask and the parameters and writes its output in that dtype (no PyTorch cast
 the projections in fp32 (mma.sync single TF32 for bfloat16, split for float16), a and b rounded to
 the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores with fp32
 accumulation, O / denom rounded to float16 (each pair's row scaled by a power of two: no overflow;
-2^-11, under bfloat16's 2^-8) and multiplied by Wo in float16 on the tensor cores. The other
-variants, and outer_wg under CUDA autocast, run the float32 kernels on converted copies; the output
-comes back in the input's dtype (under CUDA autocast, in the autocast dtype, as the reference's is).
+2^-11, under bfloat16's 2^-8) and multiplied by Wo in float16 on the tensor cores (bfloat16 weights
+above 65504 would overflow there; below 2^-14 they lose bits, an absolute error under 2^-25). The
+other variants run the float32 kernels on converted copies. The output comes back in the input's
+dtype; under CUDA autocast in the autocast dtype, as the reference's, with the kernels chosen by the
+module's and the input's dtypes as above (a float32 module: the float32 kernels).
 The backward (outer_product_mean_backward, float32 inside) saves the inputs, and a, b and 1 / denom
 where outer_wg ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen
 elsewhere); on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute
@@ -166,8 +168,8 @@ constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg2: cap of one chunk
 // with the wave model of "auto" (whole waves of tiles; phase B, N = 64 per wgmma with A from
 // registers, runs at about 60% of phase A's rate).
 // kEffOwA16, kEffOwB16: both phases on the 16-bit tensor cores (fp16 / bf16 inputs), fitted with the
-// wave model to the fused kernel's time in bf16 at crop, shallow and long (profile: 252 / 413 / 2047 us;
-// modelled 247 / 408 / 2049).
+// wave model to the fused kernel's time in bf16 at crop, shallow and long (profile: 252 / 413 / 2047 us
+// with the row max by shuffles, modelled 247 / 408 / 2049; by REDUX, as built, 247 / - / 1977).
 // kEffPrep: opm_prep_kernel (FMA LayerNorm + projections), 4.3 GFLOP in ~255 us at crop (profile).
 // kEffPrepOw, kBwPrepOw: outer_wg's tensor-core prep (opm_prep_ow_kernel): its tensor
 // FLOPs (x3 for the split) ran at ~90 TFLOP/s at crop (12.9 GFLOP in 146-151 us) and deep (51.5 in
@@ -1955,7 +1957,7 @@ __device__ __forceinline__ int64_t po_row(const PoTile& p, int64_t S, int64_t N,
 
 // ---------------------------------------------------------------------------------------------
 // opm_prep_ow_kernel<MT, T>: LayerNorm + both projections + mask for outer_wg, on mma.sync m16n8k8 in
-//   split TF32 (one TF32 pass for bfloat16 x: a and b are rounded to bfloat16 after, 2^-9, over TF32's
+//   split TF32 (one TF32 pass for bfloat16 x: a and b are rounded to bfloat16 after, 2^-8, over TF32's
 //   2^-11). A block (4 warps) takes tiles of 4 s x NW = 4 MT n (16 MT msa rows) of one b: s in
 //   [s0, s0 + 4) (s0 = 4 sq: a quarter of a 16-s block of the fp32 planes, an eighth of a 32-s block
 //   of the T planes), n in [n0, n0 + NW); tiles cover s < kSS KBS (kSS = ow_block_s<T>) and n < 16 NIT;
@@ -4745,14 +4747,11 @@ def _f32(t):
 
 
 def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
-    """The CUDA forward: msa and the parameters go to the extension as they are where all are float16 /
-    bfloat16 of one dtype (it converts them where the variant is not outer_wg), else converted to
-    float32 here (masks of every dtype the kernels take go as they are, float16 / bfloat16 included);
-    the output is returned in
-    out_dtype. A float16 / bfloat16 msa goes to the extension as it is: outer_wg reads it directly,
-    runs phase A on the 16-bit tensor cores and writes that dtype (module docstring); the other
-    variants convert it. Records the variant that ran in
-    model.last_variant. keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom
+    """The CUDA forward, returned in out_dtype. Where msa and every parameter are float16 / bfloat16 of one
+    dtype they go to the extension as they are: outer_wg reads them and runs both products on the
+    16-bit tensor cores (module docstring), the other variants convert them to float32 inside the
+    extension. Otherwise they are converted to float32 here. Masks of every dtype the kernels take go as
+    they are. Records the variant that ran in model.last_variant. keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom
     as outer_wg's prep computed them where outer_wg ran with hidden_dim 32 (the backward then takes them
     instead of recomputing), else (out, None)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
@@ -4796,8 +4795,9 @@ class ModelNew(nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init.
 
     float32, float16 or bfloat16 (module and msa_repr in one dtype; any mask dtype the kernels take,
-    or float16 / bfloat16), computed in float32 and returned in the input's dtype (the autocast dtype
-    under CUDA autocast). Differentiable with respect to msa_repr and every parameter; a mask that
+    float16 / bfloat16 included), computed in float16 / bfloat16 by outer_wg on Hopper (module
+    docstring), else in float32, and returned in the input's dtype (the autocast dtype under CUDA
+    autocast). Differentiable with respect to msa_repr and every parameter; a mask that
     requires grad raises. After a forward last_variant names the variant that ran; after a backward
     last_backward is the tuple of its parts that ran in CUDA kernels (outer_product_mean_backward's
     parts: "a, b", "dWo", "da, db", "LayerNorm"; () where PyTorch ops computed all).
