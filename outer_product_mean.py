@@ -2026,10 +2026,12 @@ __device__ __forceinline__ void po_load16(float* xs, int LDX, const T* __restric
 // Assumptions: 128 threads (kPoThreads); Wf, biasf as opm_ow_params_kernel writes them; c_m <= kMaxMsaDim.
 // ---------------------------------------------------------------------------------------------
 constexpr int kPoThreads = 128;
-// Blocks per SM that ptxas is held to: 4 for 16-bit x (left free, it takes up to 168 registers: 3
-// blocks); none for float32 (0 emits no .minnctapersm).
+// Blocks per SM that ptxas is held to: 5 for 16-bit x (96 registers; the x tile's 37 KB at c_m 256
+// allow 5 per SM; left free, ptxas takes up to 168 registers: 3 blocks; at 4 blocks, bfloat16 at crop
+// 93 against 87 us, float16 134 against 126, H200, 2026-12-02); none for float32 (0 emits no
+// .minnctapersm).
 template <int MT, typename T>
-constexpr int po_min_blocks() { return std::is_same_v<T, float> ? 0 : 4; }
+constexpr int po_min_blocks() { return std::is_same_v<T, float> ? 0 : 5; }
 template <int MT, typename T, bool kPlanes>
 __global__ void __launch_bounds__(kPoThreads, po_min_blocks<MT, T>()) opm_prep_ow_kernel(
     const T* __restrict__ x, const void* __restrict__ mask, int mask_kind, const float* __restrict__ Wf,
