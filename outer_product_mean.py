@@ -2005,7 +2005,7 @@ __device__ __forceinline__ void po_load16(float* xs, int LDX, const T* __restric
 //       float16 / bfloat16 x (T): 16-byte loads of 8 values per lane when c_m % 8 == 0, all of a
 //       warp's rows in flight at once (po_load16), else one value per load; converted to fp32 into
 //       the same tile.
-//   (2) statistics, warp w < 2 MT for rows [8 w, 8 w + 8) (the other warps wait): lane (g, t) sums
+//   (2) statistics, warp w < 2 MT for rows [8 w, 8 w + 8) (at MT 1 warps 2, 3 wait): lane (g, t) sums
 //       the 16-byte chunks 4u + t of row 8 w + g; two passes (mean, then the centred sum of squares:
 //       no cancellation at large offsets), 2 shuffles each; mean, rstd and the mask to st_s.
 //   (3) y = (x - mean) . Wg over K = 16 U: per 16-k group u the lane's x chunk holds its two
@@ -2026,8 +2026,8 @@ __device__ __forceinline__ void po_load16(float* xs, int LDX, const T* __restric
 // Assumptions: 128 threads (kPoThreads); Wf, biasf as opm_ow_params_kernel writes them; c_m <= kMaxMsaDim.
 // ---------------------------------------------------------------------------------------------
 constexpr int kPoThreads = 128;
-// Blocks per SM that ptxas is held to: 5 for 16-bit x (96 registers; the x tile's 37 KB at c_m 256
-// allow 5 per SM; left free, ptxas takes up to 168 registers: 3 blocks; at 4 blocks, bfloat16 at crop
+// Blocks per SM that ptxas is held to: 5 for 16-bit x (96 registers; 37 KB of shared memory per block
+// at c_m 256 allow 5 per SM, 4 above c_m 656; left free, ptxas takes up to 168 registers: 3 blocks; at 4 blocks, bfloat16 at crop
 // 93 against 87 us, float16 134 against 126, H200, 2026-12-02); none for float32 (0 emits no
 // .minnctapersm).
 template <int MT, typename T>
@@ -2070,7 +2070,9 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<MT, T>()) opm_prep_o
   // Wf's B fragments for (3): a ring of kWR 16-k groups in registers, group u in slot u % kWR,
   // refilled with group u + kWR once read, filled after each tile's x loads (its latency under the
   // statistics); (3) runs kWR groups per loop step so that no slot is copied (a one-group ring moved its
-  // registers at every step and so waited there for the load just issued). float32: one group.
+  // registers at every step and so waited there for the load just issued). float32: one group (its
+  // prep, 146 us at crop, as before; a deeper ring there is not measured). bfloat16 reads no lo plane:
+  // those loads are dead and the compiler drops them.
   constexpr int kWR = std::is_same_v<T, float> ? 1 : kSplitProj ? 2 : 4;
   const float4* wf = Wf4 + (2 * warp) * 64 + lane;  // this warp's n8 tiles 2 warp, 2 warp + 1
   float4 wh[kWR][2], wl[kWR][2];
