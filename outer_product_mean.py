@@ -2030,10 +2030,10 @@ constexpr int kPoThreads = 128;
 // at c_m 256 allow 5 per SM, 4 above c_m 656; left free, ptxas takes up to 168 registers: 3 blocks; at 4 blocks, bfloat16 at crop
 // 93 against 87 us, float16 134 against 126, H200, 2026-12-02); none for float32 (0 emits no
 // .minnctapersm).
-template <int MT, typename T>
+template <typename T>
 constexpr int po_min_blocks() { return std::is_same_v<T, float> ? 0 : 5; }
 template <int MT, typename T, bool kPlanes>
-__global__ void __launch_bounds__(kPoThreads, po_min_blocks<MT, T>()) opm_prep_ow_kernel(
+__global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_kernel(
     const T* __restrict__ x, const void* __restrict__ mask, int mask_kind, const float* __restrict__ Wf,
     const float* __restrict__ biasf, void* __restrict__ Aow_v, void* __restrict__ Bow_v, int64_t B, int64_t S,
     int64_t N, int cm, float eps, int64_t KBS, int64_t NIT, int64_t NBB, float* __restrict__ inv_denom, int n_den,
