@@ -35,10 +35,14 @@ runs the mma kernel. `model.last_variant` names the kernel that ran: "wgmma", "w
 
 fp16 / bf16 ("wgmma16"): the same kernel's 16-bit build reads the input in its own type (TMA boxes of 64
 channels, 8-byte shared-memory loads, converted to fp32 in registers), computes the statistics and s in
-fp32 as above, rounds s once to the input's type and runs both products as wgmma m64nHk16 in that type
-with fp32 accumulation (no split: one wgmma per 16 k instead of three per 8); W1' and W2 are rounded to
-that type once per call, b1', b2, w3, layer 3 and the sigmoid stay fp32, and the output is written in the
-input's type. It runs where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere,
+fp32, rounds s once to the input's type and runs both products as wgmma m64nHk16 in that type with fp32
+accumulation (no split: one wgmma per 16 k instead of three per 8); W1' and W2 are rounded to that type
+once per call, b1', b2, w3, layer 3 and the sigmoid stay fp32, and the output is written in the input's
+type. At pair_dim > 64 its statistics are two sweeps with the first mean corrected once by its exact
+residual (m = sum / C, then m += (sum - m C) / C: exact on a row of one value; the correction by sum d that
+the fp32 build adds moves s by ~2^-24 |mean| rstd, far below the rounding of s to 16 bits), and s is one
+FFMA of the two sides' terms, s = (xb - mb) rb / 2 + [(xa - ma) ra / 2]; as that is not symmetric in the
+two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. It runs where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere,
 and for "mma" / "fma", the fp32 kernels run on a converted copy and the output is converted back.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
@@ -1131,7 +1135,8 @@ contact_map_mma_kernel(const float* __restrict__ x,       // (B, N, N, C)
 // itself and hands each tile's (b, I, J) to the consumers beside its slot (tinfo), taking tickets from
 // an atomic counter after each block's first two tiles; its copies are marked L2 evict_first; the
 // consumers track slots and parities incrementally, take turns on the tensor cores and compute each
-// side's LayerNorm term as one FFMA from the statistics' d = x - m. KC = 64 (pair_dim 32-64) keeps the
+// side's LayerNorm term as one FFMA from the statistics' d = x - m (the 16-bit build, kOneSide: row_stats16,
+// the tile half's term d r, then s = fmaf(d_mirror, r_mirror, term), outputs from positions with i <= j). KC = 64 (pair_dim 32-64) keeps the
 // simpler path (a fixed stride of tiles decoded by each role, subtract-multiply terms, no ping-pong):
 // the streamlined statistics start their sums from the first four 16-channel chunks, which at KC = 64
 // may be zero-filled padding (pair_dim 32, 48), and the rest of that path was built and measured at
@@ -1452,6 +1457,58 @@ __device__ __forceinline__ void half_stats(float4 (&v)[4][NK], int C, float inv_
       row_stats<NK, false, WIDE>(v[r], C / 16, inv_c, eps, (r & 1) ? ok1 : ok0, mean[r], rstd[r]);
   }
 }
+// The 16-bit build's statistics of one row (KC = 128, C > 64; a quad holds the row as in row_stats): a
+// first sweep's mean m = sum / C, corrected once by its exact residual fmaf(-m, C, sum) (so that m is the
+// row's value on a row of one value at any C: the sum of C equal 16-bit values is exact in fp32), then
+// var = sum d^2 / C with d = x - m over the valid channels; v's valid chunks are overwritten with d. m is
+// within about an ulp of the mean, so the fp32 build's correction by sum d would move s by ~2^-24 |m| rstd,
+// far below the rounding of s to 16 bits that follows; without it the second sweep is one FADD and one
+// FFMA per value. Invalid pairs (ok = false) get rstd = 0.
+template <int NK, bool FULL>
+__device__ __forceinline__ void row_stats16(float4 (&v)[NK], int nvalid, float cf, float inv_c, float eps, bool ok,
+                                            float& rstd) {
+  static_assert(NK >= 4, "the sums start from four chunks");
+  float s4[4];
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    const float cs = (v[kk].x + v[kk].y) + (v[kk].z + v[kk].w);
+    if (kk < 4) s4[kk] = cs;  // chunks 0..3 hold channels < 64 < C
+    else s4[kk & 3] += cs;
+  }
+  float sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  float m = sum * inv_c;
+  m = fmaf(fmaf(-m, cf, sum), inv_c, m);
+  float a4[4];
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    if (FULL || kk < nvalid) {  // channels >= C are zero-filled: (0 - m)^2 must not count
+      const float4 d = make_float4(v[kk].x - m, v[kk].y - m, v[kk].z - m, v[kk].w - m);
+      v[kk] = d;
+      float& a = a4[kk & 3];
+      a = kk < 4 ? d.x * d.x : fmaf(d.x, d.x, a);
+      a = fmaf(d.w, d.w, fmaf(d.z, d.z, fmaf(d.y, d.y, a)));
+    }
+  }
+  float m2 = (a4[0] + a4[1]) + (a4[2] + a4[3]);
+  m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+  m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+  rstd = ok ? rsqrtf(m2 * inv_c + eps) : 0.f;
+}
+// row_stats16 of rows R0, R0 + 1 of v (one half), one uniform branch on C == KC around both.
+template <int NK, int R0>
+__device__ __forceinline__ void half_stats16(float4 (&v)[4][NK], int C, float inv_c, float eps, bool ok0, bool ok1,
+                                             float (&rstd)[4]) {
+  const float cf = static_cast<float>(C);
+  if (C == 16 * NK) {
+#pragma unroll
+    for (int r = R0; r < R0 + 2; ++r) row_stats16<NK, true>(v[r], NK, cf, inv_c, eps, (r & 1) ? ok1 : ok0, rstd[r]);
+  } else {
+#pragma unroll
+    for (int r = R0; r < R0 + 2; ++r) row_stats16<NK, false>(v[r], C / 16, cf, inv_c, eps, (r & 1) ? ok1 : ok0, rstd[r]);
+  }
+}
 // s = ((xa - ma) ra + (xb - mb) rb) / 2 per channel (the LayerNorm affine is folded into W1; r = rstd / 2
 // here) from one term per side. Each product is rounded on its own (no FMA contraction between the
 // sides), and both sides of a pair and both roles of a position (tile row, mirror row) go through the
@@ -1483,6 +1540,16 @@ template <typename T, int KS>
 __device__ __forceinline__ void s_fragments16(const float4& pa, const float4& pb, int kk, int h, uint32_t (&a)[KS][4]) {
   a[kk][h] = pack2<T>(__fadd_rn(pa.x, pb.x), __fadd_rn(pa.y, pb.y));
   a[kk][2 + h] = pack2<T>(__fadd_rn(pa.z, pb.z), __fadd_rn(pa.w, pb.w));
+}
+// The 16-bit KC = 128 build's s of chunk kk: the tile half's term ua = da ra (row_stats16's d times r) plus the
+// mirror's db rb as one FFMA, s = fmaf(db, rb, ua), rounded to T once (registers as s_fragments16). The two sides
+// do not enter alike, so s(i, j) and s(j, i) may differ in the last bit: the kernel writes out[b,i,j] and
+// out[b,j,i] from the position with i <= j only (a diagonal tile holds both).
+template <typename T, int KS>
+__device__ __forceinline__ void s_fragments16_fma(const float4& ua, const float4& db, float rb, int kk, int h,
+                                                  uint32_t (&a)[KS][4]) {
+  a[kk][h] = pack2<T>(fmaf(db.x, rb, ua.x), fmaf(db.y, rb, ua.y));
+  a[kk][2 + h] = pack2<T>(fmaf(db.z, rb, ua.z), fmaf(db.w, rb, ua.w));
 }
 
 // The wgmma kernel's parameters, packed once per call into the layout the kernel keeps in shared memory (one bulk
@@ -1787,6 +1854,7 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
   static_assert((KC == 64 || KC == 128) && (HP == 32 || HP == 64), "contact_map_wgmma_kernel: KC 64 / 128, HP 32 / 64");
   constexpr bool kWide = KC == 128;
   constexpr bool k16 = WgElem<T>::kHalf;  // the 16-bit build
+  constexpr bool kOneSide = k16 && kWide;  // row_stats16 and s = fmaf(db, rb, da ra): outputs from i <= j only
   constexpr int kConsumerRegs = kWide ? kConsumerRegs128 : kConsumerRegs64;
   constexpr int kProducerRegs = kWide ? kProducerRegs128 : kProducerRegs64;
   extern __shared__ __align__(16) float smem_raw[];
@@ -1904,7 +1972,8 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
     const int i0 = TILE * I + (p0 >> 3), j0 = TILE * J + (p0 & 7);
     const int i1 = i0 + 1;  // p1 = p0 + 8: next tile row, same column
     const bool ok0 = i0 < N && j0 < N, ok1 = i1 < N && j0 < N;
-    float mean[4], rstd[4];  // KC = 128: mean[] holds each row's delta, v the rows' d = x - m (row_stats' WIDE)
+    float mean[4], rstd[4];  // KC = 128: mean[] holds each row's delta, v the rows' d = x - m (row_stats' WIDE;
+                             // kOneSide: v gets d, mean[] is unused)
     uint32_t ah[KS1][4], al[k16 ? 1 : KS1][4];  // the 16-bit build: ah only, in T
     {
       // ---- operands: this thread's 4 rows (tile p0, p0 + 8; mirror p0, p0 + 8) into registers, both
@@ -1919,8 +1988,18 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
         v[0][kk] = slot_chunk4(tl, p0, kk, t4);
         v[1][kk] = slot_chunk4(tl, p0 + 8, kk, t4);
       }
-      half_stats<NK, 0, kWide>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
-      if constexpr (kWide) {  // the tile half's terms before the mirror's wait
+      if constexpr (kOneSide) half_stats16<NK, 0>(v, C, inv_c, eps, ok0, ok1, rstd);
+      else half_stats<NK, 0, kWide>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
+      if constexpr (kOneSide) {  // the tile half's terms d ra before the mirror's wait
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float r = 0.5f * rstd[h];
+            const float4 d = v[h][kk];
+            v[h][kk] = make_float4(__fmul_rn(d.x, r), __fmul_rn(d.y, r), __fmul_rn(d.z, r), __fmul_rn(d.w, r));
+          }
+      } else if constexpr (kWide) {  // the tile half's terms before the mirror's wait
 #pragma unroll
         for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
@@ -1937,13 +2016,14 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
         mbar_arrive(empty + s0);
         mbar_arrive(empty + s1);
       }
-      half_stats<NK, 2, kWide>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
+      if constexpr (kOneSide) half_stats16<NK, 2>(v, C, inv_c, eps, ok0, ok1, rstd);
+      else half_stats<NK, 2, kWide>(v, C, inv_c, eps, ok0, ok1, mean, rstd);
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          if constexpr (k16 && kWide) {
-            s_fragments16<T, KS1>(v[h][kk], term_ffma(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah);
+          if constexpr (kOneSide) {
+            s_fragments16_fma<T, KS1>(v[h][kk], v[2 + h][kk], 0.5f * rstd[2 + h], kk, h, ah);
           } else if constexpr (k16) {
             const float4 pa = term_sub_mul(v[h][kk], mean[h], 0.5f * rstd[h]);
             s_fragments16<T, KS1>(pa, term_sub_mul(v[2 + h][kk], mean[2 + h], 0.5f * rstd[2 + h]), kk, h, ah);
@@ -2018,7 +2098,10 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
         z0 = fmaf(ww, relu(acc[4 * j + e] + bb), z0);
         z1 = fmaf(ww, relu(acc[4 * j + 2 + e] + bb), z1);
       }
-    write_pair_outputs(z0, z1, t4, ok0, ok1, i0, i1, j0, b, N, bias3, out);
+    // kOneSide: a diagonal tile's positions with i > j leave both outputs to their mirror position (s is not
+    // symmetric bit for bit there); an off-diagonal tile has i < j everywhere
+    write_pair_outputs(z0, z1, t4, ok0 && (!kOneSide || i0 <= j0), ok1 && (!kOneSide || i1 <= j0), i0, i1, j0, b, N,
+                       bias3, out);
   }
 #else
   __trap();  // built without sm_90a: the host never launches this (wgmma_supported)

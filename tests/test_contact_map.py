@@ -631,6 +631,40 @@ def test_half_precision_reads_fp16_bf16_natively(cm, ref, dtype, B, N, C, H, dis
             assert torch.allclose(out, want, atol=1e-2, rtol=1e-2), (v, (out.float() - want.float()).abs().max().item())
 
 
+@gpu
+@needs_cuda
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("C", [80, 96, 112, 128])
+def test_half_precision_constant_rows_and_diagonal_tiles(cm, ref, dtype, C):
+    """The 16-bit build at pair_dim > 64 (row_stats16): its mean is the first sweep's, corrected once by the
+    exact residual, so a row of one value centres to exactly 0; an fp32 ulp off at a value of 30000 would
+    be 2^-9 * rstd (1 / sqrt(eps) = 316) ~ 0.6 in s, far above the dtype reference's error. Rows of
+    one value at several magnitudes, on and off the diagonal (i = j, and both (i, j) and (j, i) of a
+    diagonal tile), some in edge tiles (N = 21). The output is exactly symmetric (each unordered pair
+    written from one position) and within twice the dtype reference's error of fp64 or two output ulps:
+    both sit at about an output ulp from rounding to 16 bits (at C = 80 in fp16 the kernel measured
+    1.03x the reference's 5.0e-4 with other values), where a row centred an ulp off moves s by ~0.6."""
+    m_ref, new = _pair(cm, ref, C, 48, seed=C + 5)
+    m_ref, new = m_ref.to(dtype), new.to(dtype)
+    gen = torch.Generator().manual_seed(C)
+    x = _draw((2, 21, 21, C), "normal", gen)
+    for (b, i, j), v in zip([(0, 3, 5), (0, 5, 3), (0, 4, 4), (1, 2, 9), (1, 20, 17), (1, 16, 16), (0, 0, 19)],
+                            [30000.0, 7.3, 12.9, -0.37, 1000.0, -20000.0, 3.0]):
+        x[b, i, j] = v
+    x = x.to(dtype).cuda()
+    with torch.inference_mode():
+        got = new(x)
+        want = m_ref(x)
+        want64 = _copy64(m_ref)(x.double())
+    assert new.last_variant == "wgmma16"
+    assert torch.equal(got, got.transpose(1, 2))
+    err = (got.double() - want64).abs().max().item()
+    e_ref = (want.double() - want64).abs().max().item()
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert err <= 2 * max(e_ref, ulp), f"err {err:.2e} vs the {dtype} reference's {e_ref:.2e}"
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: the fused backward against fp64 autograd and the PyTorch-ops backward
 # ------------------------------------------------------------------------------------------------
