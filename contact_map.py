@@ -42,8 +42,9 @@ type. At pair_dim > 64 its statistics are two sweeps with the first mean correct
 residual (m = sum / C, then m += (sum - m C) / C: exact on a row of one value; the correction by sum d that
 the fp32 build adds moves s by ~2^-24 |mean| rstd, far below the rounding of s to 16 bits), and s is one
 FFMA of the two sides' terms, s = (xb - mb) rb / 2 + [(xa - ma) ra / 2]; as that is not symmetric in the
-two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. It runs where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere,
-and for "mma" / "fma", the fp32 kernels run on a converted copy and the output is converted back.
+two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. It runs
+where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere, and for "mma" / "fma",
+the fp32 kernels run on a converted copy and the output is converted back.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
     "auto"  the wgmma kernel above where it runs (its 16-bit build for fp16 / bf16), else the mma kernel.
@@ -1136,11 +1137,11 @@ contact_map_mma_kernel(const float* __restrict__ x,       // (B, N, N, C)
 // an atomic counter after each block's first two tiles; its copies are marked L2 evict_first; the
 // consumers track slots and parities incrementally, take turns on the tensor cores and compute each
 // side's LayerNorm term as one FFMA from the statistics' d = x - m (the 16-bit build, kOneSide: row_stats16,
-// the tile half's term d r, then s = fmaf(d_mirror, r_mirror, term), outputs from positions with i <= j). KC = 64 (pair_dim 32-64) keeps the
-// simpler path (a fixed stride of tiles decoded by each role, subtract-multiply terms, no ping-pong):
-// the streamlined statistics start their sums from the first four 16-channel chunks, which at KC = 64
-// may be zero-filled padding (pair_dim 32, 48), and the rest of that path was built and measured at
-// KC = 128 only (NOTES.md).
+// the tile half's term d r, then s = fmaf(d_mirror, r_mirror, term), outputs from positions with i <= j).
+// KC = 64 (pair_dim 32-64) keeps the simpler path (a fixed stride of tiles decoded by each role,
+// subtract-multiply terms, no ping-pong): the streamlined statistics start their sums from the first four
+// 16-channel chunks, which at KC = 64 may be zero-filled padding (pair_dim 32, 48), and the rest of that
+// path was built and measured at KC = 128 only (NOTES.md).
 // Both halves land with row p = 8 il + jl for pair p = (i, j) = (8I + il, 8J + jl): the mirror's
 // tensor map walks x with the two position strides swapped. Out-of-range positions are zero-filled
 // by the copy engine (edge tiles), channels C..KC-1 likewise.
@@ -1506,7 +1507,8 @@ __device__ __forceinline__ void half_stats16(float4 (&v)[4][NK], int C, float in
     for (int r = R0; r < R0 + 2; ++r) row_stats16<NK, true>(v[r], NK, cf, inv_c, eps, (r & 1) ? ok1 : ok0, rstd[r]);
   } else {
 #pragma unroll
-    for (int r = R0; r < R0 + 2; ++r) row_stats16<NK, false>(v[r], C / 16, cf, inv_c, eps, (r & 1) ? ok1 : ok0, rstd[r]);
+    for (int r = R0; r < R0 + 2; ++r)
+      row_stats16<NK, false>(v[r], C / 16, cf, inv_c, eps, (r & 1) ? ok1 : ok0, rstd[r]);
   }
 }
 // s = ((xa - ma) ra + (xb - mb) rb) / 2 per channel (the LayerNorm affine is folded into W1; r = rstd / 2
