@@ -665,6 +665,80 @@ def test_half_precision_constant_rows_and_diagonal_tiles(cm, ref, dtype, C):
     assert err <= 2 * max(e_ref, ulp), f"err {err:.2e} vs the {dtype} reference's {e_ref:.2e}"
 
 
+@gpu
+@needs_cuda
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_tickets_across_calls_streams_and_graphs(cm, ref, dtype):
+    """The 16-bit build at pair_dim > 64 takes its tiles' tickets from a counter in each call's workspace,
+    which its params kernel zeroes before the main kernel (a programmatic dependent launch) takes the first
+    ticket. A count left over, or a workspace shared by two streams at once, would skip tiles and leave their
+    outputs unwritten. Every output below comes after a NaN block of its size was freed (or, for the graph's,
+    after its buffer was filled with NaN) and must equal that input's first output bit for bit: 40 calls back
+    to back on the current stream, interleaved with fp32 calls and with a 15-tile input (blocks without
+    tickets, another block count); calls on two side streams at once; a module whose parameters sit 2 bytes
+    off 16-byte alignment; replays of a captured graph, on its stream and on another, and eager calls after
+    them. The first outputs match the reference in that dtype (allclose 1e-2)."""
+    import copy
+    m_ref, new = _pair(cm, ref, 128, 64, seed=11)
+    _, new32 = _pair(cm, ref, 128, 64, seed=11)
+    m_ref, new = m_ref.to(dtype), new.to(dtype)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 200, 200, 128, generator=gen).to(dtype).cuda()
+    small = torch.randn(1, 40, 40, 128, generator=gen).to(dtype).cuda()
+    x32 = torch.randn(2, 200, 200, 128, generator=gen).cuda()
+
+    skew = copy.deepcopy(new)  # every parameter 2 bytes off 16-byte alignment
+    for name, prm in list(skew.named_parameters()):
+        buf = torch.empty(prm.numel() + 1, dtype=dtype, device="cuda")
+        with torch.no_grad():
+            buf[1:].copy_(prm.reshape(-1))
+        prefix, _, leaf = name.rpartition(".")
+        setattr(skew.get_submodule(prefix), leaf, torch.nn.Parameter(buf[1:].view(prm.shape)))
+
+    def poisoned(model, inp):
+        junk = torch.full(inp.shape[:3], float("nan"), dtype=inp.dtype, device="cuda")
+        del junk
+        return model(inp)
+
+    with torch.inference_mode():
+        want, want_small, want32 = new(x).clone(), new(small).clone(), new32(x32).clone()
+        assert new.last_variant == "wgmma16" and new32.last_variant == "wgmma"
+        assert torch.allclose(want, m_ref(x), atol=1e-2, rtol=1e-2)
+        assert torch.allclose(want_small, m_ref(small), atol=1e-2, rtol=1e-2)
+        outs = []
+        for k in range(40):
+            outs.append((poisoned(new, x), want))
+            if k % 3 == 0:
+                outs.append((poisoned(new32, x32), want32))
+            if k % 4 == 0:
+                outs.append((poisoned(new, small), want_small))
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        for s in (s1, s2):
+            s.wait_stream(torch.cuda.current_stream())
+        for k in range(10):
+            for s, inp, w in ((s1, x, want), (s2, small if k % 2 else x, want_small if k % 2 else want)):
+                with torch.cuda.stream(s):
+                    outs.append((poisoned(new, inp), w))
+        torch.cuda.synchronize()
+        outs.append((poisoned(skew, x), want))
+        assert skew.last_variant == "wgmma16"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = new(x)
+        for s in (torch.cuda.current_stream(), s1, torch.cuda.current_stream()):
+            static.fill_(float("nan"))
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                graph.replay()
+            torch.cuda.synchronize()
+            outs.append((static.clone(), want))
+            outs.append((poisoned(new, x), want))
+        torch.cuda.synchronize()
+    wrong = [k for k, (o, w) in enumerate(outs) if not torch.equal(o, w)]
+    assert not wrong, f"{len(wrong)} of {len(outs)} outputs differ from the first call's, e.g. #{wrong[:5]}"
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: the fused backward against fp64 autograd and the PyTorch-ops backward
 # ------------------------------------------------------------------------------------------------
