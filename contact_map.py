@@ -42,9 +42,11 @@ type. At pair_dim > 64 its statistics are two sweeps with the first mean correct
 residual (m = sum / C, then m += (sum - m C) / C: exact on a row of one value; the correction by sum d that
 the fp32 build adds moves s by ~2^-24 |mean| rstd, far below the rounding of s to 16 bits), and s is one
 FFMA of the two sides' terms, s = (xb - mb) rb / 2 + [(xa - ma) ra / 2]; as that is not symmetric in the
-two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. It runs
-where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere, and for "mma" / "fma",
-the fp32 kernels run on a converted copy and the output is converted back.
+two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. Its
+rows and terms fit 160 registers per thread, so that build runs three consumer warpgroups per SM (with
+no turns on the tensor cores: its products are 12 wgmma per tile). The 16-bit build runs where the fp32
+build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere, and for "mma" / "fma", the fp32
+kernels run on a converted copy and the output is converted back.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
     "auto"  the wgmma kernel above where it runs (its 16-bit build for fp16 / bf16), else the mma kernel.
@@ -1112,15 +1114,16 @@ contact_map_mma_kernel(const float* __restrict__ x,       // (B, N, N, C)
 // =============================================================================================
 // The wgmma kernel (Hopper, sm_90a): both products on wgmma, tiles by the TMA engine
 // =============================================================================================
-// Per block (one per SM, kWgThreads = 384 threads):
-//   warpgroups 0, 1  consumers (setmaxnreg up): warpgroup w takes every other tile of the block, one
+// Per block (one per SM, kWgThreads<NCW> threads: NCW = 2 consumer warpgroups, 3 in the 16-bit KC = 128
+// build):
+//   warpgroups < NCW consumers (setmaxnreg up): warpgroup w takes every NCW-th tile of the block, one
 //                    64-pair tile at a time: its rows into registers (then the tile's two ring slots
 //                    are released), statistics, s and its split into wgmma A fragments for all of K,
 //                    GEMM1 = m64nHPk8 wgmma with A from registers, GEMM1's accumulator turned in
-//                    registers into GEMM2's A fragments, GEMM2, layer 3 and the output. KC = 128: the
-//                    two warpgroups' GEMM1 + GEMM2 take turns (WgBarrier), so one warpgroup's products
-//                    run while the other computes its statistics and s.
-//   warpgroup 2      producer (setmaxnreg down); thread kParamsThread copies the packed parameters
+//                    registers into GEMM2's A fragments, GEMM2, layer 3 and the output. fp32 KC = 128:
+//                    the two warpgroups' GEMM1 + GEMM2 take turns (WgBarrier), so one warpgroup's
+//                    products run while the other computes its statistics and s.
+//   warpgroup NCW    producer (setmaxnreg down); thread kParamsThread copies the packed parameters
 //                    (contact_map_wgmma_params_kernel's wpack, written by the same call just before:
 //                    this kernel is its programmatic dependent and waits for it there only,
 //                    griddepcontrol.wait) into shared memory on the `wbar` mbarrier; thread
@@ -1130,12 +1133,12 @@ contact_map_mma_kernel(const float* __restrict__ x,       // (B, N, N, C)
 //                    per half, completing on the slot's `full` mbarrier; a consumer warp arrives on the
 //                    slot's `empty` mbarrier once it has read it (4 arrivals free it). Slot use u counts
 //                    the block's half tiles: slot u % R, mbarrier parity (u / R) & 1; tile q of the
-//                    block uses u = 2q (tile) and 2q + 1 (mirror). R is 8 or 4, so that each slot
-//                    serves one consumer warpgroup (launch_wgmma says why).
+//                    block uses u = 2q (tile) and 2q + 1 (mirror). R is 4 NCW or 2 NCW, so that each
+//                    slot serves one consumer warpgroup (launch_wgmma says why).
 // Two builds: KC = 128 (pair_dim 65-128) is the streamlined one (kWide): the producer walks the tiles
 // itself and hands each tile's (b, I, J) to the consumers beside its slot (tinfo), taking tickets from
-// an atomic counter after each block's first two tiles; its copies are marked L2 evict_first; the
-// consumers track slots and parities incrementally, take turns on the tensor cores and compute each
+// an atomic counter after each block's first NCW tiles; its copies are marked L2 evict_first; the
+// consumers track slots and parities incrementally, take turns on the tensor cores (fp32) and compute each
 // side's LayerNorm term as one FFMA from the statistics' d = x - m (the 16-bit build, kOneSide: row_stats16,
 // the tile half's term d r, then s = fmaf(d_mirror, r_mirror, term), outputs from positions with i <= j).
 // KC = 64 (pair_dim 32-64) keeps the simpler path (a fixed stride of tiles decoded by each role,
@@ -1166,18 +1169,31 @@ contact_map_mma_kernel(const float* __restrict__ x,       // (B, N, N, C)
 // while the other is promoted); both products.
 // Assumptions: C % 16 == 0, 32 <= C <= KC (64 or 128), H <= HP (32 or 64); x 16-byte aligned, contiguous;
 // sm_90a (elsewhere the kernel is a trap that the host never launches).
-constexpr int kWgThreads = 384;
-constexpr int kProducerWarpgroup = 2;
-constexpr int kTileThread = 256, kParamsThread = 288;  // the producer warpgroup's two working threads
+// Consumer warpgroups per block (NCW): 3 in the 16-bit KC = 128 build (kOneSide: its rows and terms fit
+// 160 registers), 2 elsewhere; the producer warpgroup is warpgroup NCW, its two working threads the first
+// lanes of its first two warps.
+template <int NCW>
+constexpr int kWgThreads = 128 * (NCW + 1);
+template <int NCW>
+constexpr int kTileThread = 128 * NCW;
+template <int NCW>
+constexpr int kParamsThread = 128 * NCW + 32;
 // setmaxnreg per build: KC = 128's producer (32-bit ticket walk) fits in 24 registers, KC = 64's
-// (64-bit strided walk) takes 40 (FlashAttention-3's consumer / producer split)
+// (64-bit strided walk) takes 40 (FlashAttention-3's consumer / producer split); with three consumer
+// warpgroups the 512 threads share 65536 registers: 3 x 160 + 24 per lane.
 constexpr int kConsumerRegs128 = 240, kProducerRegs128 = 24;
 constexpr int kConsumerRegs64 = 232, kProducerRegs64 = 40;
-static_assert(2 * 128 * kConsumerRegs64 + 128 * kProducerRegs64 <= kWgThreads * ((65536 / kWgThreads) & ~7),
-              "setmaxnreg budget");
-static_assert(2 * 128 * kConsumerRegs128 + 128 * kProducerRegs128 <= kWgThreads * ((65536 / kWgThreads) & ~7),
-              "setmaxnreg budget");
-constexpr int kWgMaxSlots = 8;  // 8 or 4 (launch_wgmma)
+constexpr int kConsumerRegs3 = 160;
+template <int NCW>
+constexpr int kRegsPerLane = (65536 / kWgThreads<NCW>) & ~7;
+template <int NCW>
+constexpr bool kRegsFit(int consumer, int producer) {
+  return NCW * 128 * consumer + 128 * producer <= kWgThreads<NCW> * kRegsPerLane<NCW>;
+}
+static_assert(kRegsFit<2>(kConsumerRegs64, kProducerRegs64), "setmaxnreg budget");
+static_assert(kRegsFit<2>(kConsumerRegs128, kProducerRegs128), "setmaxnreg budget");
+static_assert(kRegsFit<3>(kConsumerRegs3, kProducerRegs128), "setmaxnreg budget");
+// Ring slots: a multiple of 2 NCW (launch_wgmma says why), at most 4 NCW.
 
 // Named barriers of the consumer warpgroups' turns on the tensor cores (KC = 128 build; 0 is
 // __syncthreads'): warpgroup w syncs on kMmaTurn0 + w before its GEMM1, and after its GEMM2 arrives on
@@ -1240,6 +1256,9 @@ struct WgElem {
   static constexpr bool kHalf = !std::is_same<T, float>::value;
   static constexpr int kBoxC = 128 / static_cast<int>(sizeof(T));
 };
+// The consumer warpgroups of a build (NCW, kWgThreads above).
+template <typename T, int KC>
+constexpr int kConsumerWgs = WgElem<T>::kHalf && KC == 128 ? 3 : 2;
 template <typename T>
 __device__ __forceinline__ float to_f32(T v) {
   if constexpr (std::is_same<T, __half>::value) return __half2float(v);
@@ -1708,19 +1727,19 @@ __device__ __forceinline__ void copy_half_tile(T* slots, int slot_elems, uint64_
   }
 }
 
-// Thread kTileThread, KC = 128: the block's tiles q = 0, 1 are blockIdx.x and blockIdx.x + gridDim.x, the
-// later ones tickets from tile_counter (t = 2 gridDim.x + ticket; the params kernel zeroes the counter on
-// each call), so blocks whose copies land sooner take more tiles. Each ticket is taken two tiles ahead
-// (tk0 for q + 1, tk1 for q + 2), so that the atomic's round trip is over long before its use. Each
-// tile's (b, I, J) goes to the consumers in tinfo beside its first slot (ordered before their reads by
-// the copies' completion on full[s]). Past the last tile, use 2q gets a sentinel (b = -1, I = 1) for one
-// consumer warpgroup and use 2q + 2 one (b = -1, I = 0) for the other, each completing its slot's phase
+// Thread kTileThread, KC = 128: the block's tiles q < NCW are blockIdx.x + q gridDim.x, the later ones
+// tickets from tile_counter (t = NCW gridDim.x + ticket; the params kernel zeroes the counter on each
+// call), so blocks whose copies land sooner take more tiles. Each ticket is taken two tiles ahead (tk0
+// for q + 1, tk1 for q + 2), so that the atomic's round trip is over long before its use. Each tile's
+// (b, I, J) goes to the consumers in tinfo beside its first slot (ordered before their reads by the
+// copies' completion on full[s]). Past the last tile, uses 2q, 2q + 2, ... get one sentinel (b = -1;
+// I = 1 for the first, 0 for the others) for each consumer warpgroup, each completing its slot's phase
 // with a plain arrive. The slot ps = u % R, pw = (u / R) & 1 and wrapped = u >= R of half-tile use u are
 // kept incrementally, and the tile indices are 32-bit (the host checks total < 2^31): with no division
 // by R and no 64-bit division the walk fits kProducerRegs128. The copies are marked L2 evict_first:
 // every input byte is read once, so its lines are the first to be replaced when a later copy misses
 // (under the harness's flush, which leaves L2 full of dirty lines, the other lines stay).
-template <typename T, int KC>
+template <typename T, int KC, int NCW>
 __device__ __forceinline__ void produce_tiles_by_ticket(const Ring<T>& rg, const CUtensorMap& tm_tile,
                                                         const CUtensorMap& tm_mirror, int* tile_counter,
                                                         long long total, long long tiles_per_b) {
@@ -1752,13 +1771,16 @@ __device__ __forceinline__ void produce_tiles_by_ticket(const Ring<T>& rg, const
   for (unsigned q = 0;; ++q) {
     wait_slot();
     if (t >= total32) {
-      tinfo[ps] = make_int4(-1, 1, 0, 0);  // the first sentinel (I = 1)
-      mbar_arrive(full + ps);
-      next_slot();
-      next_slot();
-      wait_slot();
-      tinfo[ps] = make_int4(-1, 0, 0, 0);
-      mbar_arrive(full + ps);
+#pragma unroll
+      for (int k = 0; k < NCW; ++k) {
+        if (k > 0) {
+          next_slot();
+          next_slot();
+          wait_slot();
+        }
+        tinfo[ps] = make_int4(-1, k == 0 ? 1 : 0, 0, 0);  // the first sentinel has I = 1
+        mbar_arrive(full + ps);
+      }
       break;
     }
     int b, I, J;
@@ -1769,17 +1791,17 @@ __device__ __forceinline__ void produce_tiles_by_ticket(const Ring<T>& rg, const
     wait_slot();
     copy_half(ps, true, b, I, J);
     next_slot();
-    if (q == 0) {
-      t = blockIdx.x + gridDim.x;
+    if (q + 1 < NCW) {
+      t += gridDim.x;
     } else {
-      if (q == 1) {
+      if (q + 1 == NCW) {
         asm volatile("griddepcontrol.wait;\n" ::: "memory");  // tile_counter zeroed by the params kernel
         tk0 = static_cast<unsigned>(atomicAdd(tile_counter, 1));
       } else {
         tk0 = tk1;
       }
       tk1 = static_cast<unsigned>(atomicAdd(tile_counter, 1));
-      t = 2u * gridDim.x + tk0;
+      t = NCW * gridDim.x + tk0;
     }
   }
 }
@@ -1843,7 +1865,7 @@ __device__ __forceinline__ void write_pair_outputs(float z0, float z1, int t4, b
 // it), unused at KC = 64. Shared memory: SmemWg(KC, HP, R, sizeof(T)).total bytes. T: the input's, output's
 // and parameters' type (float: split-TF32 products; __half / __nv_bfloat16: the 16-bit build, products in T).
 template <typename T, int KC, int HP>
-__global__ void __launch_bounds__(kWgThreads, 1)
+__global__ void __launch_bounds__(kWgThreads<kConsumerWgs<T, KC>>, 1)
 contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as (C, N (j), N (i), B)
                          const __grid_constant__ CUtensorMap tm_mirror,  // x as (C, N (i), N (j), B)
                          T* __restrict__ out,                            // (B, N, N)
@@ -1857,7 +1879,9 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
   constexpr bool kWide = KC == 128;
   constexpr bool k16 = WgElem<T>::kHalf;  // the 16-bit build
   constexpr bool kOneSide = k16 && kWide;  // row_stats16 and s = fmaf(db, rb, da ra): outputs from i <= j only
-  constexpr int kConsumerRegs = kWide ? kConsumerRegs128 : kConsumerRegs64;
+  constexpr int NCW = kConsumerWgs<T, KC>;
+  constexpr bool kTurns = kWide && NCW == 2;  // the consumers' products take turns (WgBarrier)
+  constexpr int kConsumerRegs = NCW == 3 ? kConsumerRegs3 : kWide ? kConsumerRegs128 : kConsumerRegs64;
   constexpr int kProducerRegs = kWide ? kProducerRegs128 : kProducerRegs64;
   extern __shared__ __align__(16) float smem_raw[];
   const SmemWg L(KC, HP, R, sizeof(T));
@@ -1888,25 +1912,27 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
   }
   __syncthreads();  // the mbarriers are initialised before anyone waits on them
 
-  if (wg == kProducerWarpgroup) {
+  if (wg == NCW) {  // the producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (tid == kParamsThread) {
+    if (tid == kParamsThread<NCW>) {
       produce_params<T, KC, HP>(w1s, wpack, wbar);
-    } else if (tid == kTileThread) {
-      if constexpr (kWide) produce_tiles_by_ticket<T, KC>(rg, tm_tile, tm_mirror, tile_counter, total, tiles_per_b);
+    } else if (tid == kTileThread<NCW>) {
+      if constexpr (kWide)
+        produce_tiles_by_ticket<T, KC, NCW>(rg, tm_tile, tm_mirror, tile_counter, total, tiles_per_b);
       else produce_tiles_strided<T, KC>(rg, tm_tile, tm_mirror, total, tiles_per_b);
     }
     return;  // no block-wide barrier after this point
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-  // ---- consumer warpgroups 0 and 1 ------------------------------------------------------------
-  // The consumer warpgroup wg's tiles: q = wg, wg + 2, ... of the block (block-local order). KC = 128: the
+  // ---- consumer warpgroups 0 .. NCW - 1 --------------------------------------------------------
+  // The consumer warpgroup wg's tiles: q = wg, wg + NCW, ... of the block (block-local order). KC = 128: the
   // tiles' coordinates from the producer (tinfo), slots and parities kept incrementally, the loop ends at a
-  // sentinel; the products take turns with the other warpgroup: warpgroup w syncs on mma_turn(w) before
-  // GEMM1 and after GEMM2 arrives on the other's, warpgroup 1 granting warpgroup 0 the first turn. Every
-  // tile's GEMM2 arrives unconditionally; at its sentinel a warpgroup consumes the arrival meant for its
-  // next turn, and at the first sentinel gives the other warpgroup the arrival that its own sentinel (the
-  // second) will consume, so each barrier phase gets exactly one sync (128 threads) and one arrive (128).
+  // sentinel; kTurns (fp32, NCW = 2): the products take turns with the other warpgroup: warpgroup w syncs on
+  // mma_turn(w) before GEMM1 and after GEMM2 arrives on the other's, warpgroup 1 granting warpgroup 0 the
+  // first turn. Every tile's GEMM2 arrives unconditionally; at its sentinel a warpgroup consumes the
+  // arrival meant for its next turn, and at the first sentinel gives the other warpgroup the arrival that
+  // its own sentinel (the second) will consume, so each barrier phase gets exactly one sync (128 threads)
+  // and one arrive (128). Without turns (NCW = 3) a sentinel only ends the loop.
   // KC = 64: a fixed stride of tiles, each decoded here, slot u % R.
   // The loop body stays in the kernel: as a function (or lambda) taking the shared-memory pointers (vec,
   // w1s, the ring's), the compiler derives their addresses differently and the machine code changes
@@ -1922,16 +1948,16 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
 #pragma unroll
   for (int e = 0; e < NA; ++e) d0[e] = d1[e] = 0.f;
   bool staged = false;  // this thread has waited for the weights
-  if constexpr (kWide) {
+  if constexpr (kTurns) {
     if (wg == 1) named_bar_arrive(mma_turn(0));  // warpgroup 0's products go first
   }
   unsigned q = wg;  // block-local tile index
-  // KC = 128: slot and parity of use u0 = 2q, kept incrementally (u0 advances by 4 per tile; launch_wgmma
-  // makes R a multiple of 4, so one wrap at most, but the two steps below hold for any R >= 2)
+  // KC = 128: slot and parity of use u0 = 2q, kept incrementally (u0 advances by 2 NCW per tile; launch_wgmma
+  // makes R a multiple of 2 NCW, so one wrap at most, but the two steps below hold for any R >= NCW)
   int cs = static_cast<int>((2u * q) % R);
   unsigned cph = ((2u * q) / R) & 1;
   for (long long t = blockIdx.x + static_cast<long long>(wg) * gridDim.x; kWide || t < total;
-       t += 2ll * gridDim.x, q += 2) {
+       t += static_cast<long long>(NCW) * gridDim.x, q += NCW) {
     int b = 0, I = 0, J = 0;
     if constexpr (!kWide) decode_tile(t, tiles_per_b, b, I, J);
     const unsigned u0 = 2 * q, u1 = 2 * q + 1;
@@ -1942,7 +1968,7 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
       ph0 = cph;
       s1 = s0 + 1 == R ? 0 : s0 + 1;
       ph1 = s0 + 1 == R ? ph0 ^ 1 : ph0;
-      cs += 4;
+      cs += 2 * NCW;
       if (cs >= R) {
         cs -= R;
         cph ^= 1;
@@ -1965,9 +1991,11 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
       b = ti.x;
       I = ti.y;
       J = ti.z;
-      if (b < 0) {  // a sentinel: the block's tiles are done (I = 1: the first of its two sentinels)
-        named_bar_sync(mma_turn(wg));
-        if (I != 0) named_bar_arrive(mma_turn(1 - wg));
+      if (b < 0) {  // a sentinel: the block's tiles are done (I = 1: the first of its NCW sentinels)
+        if constexpr (kTurns) {
+          named_bar_sync(mma_turn(wg));
+          if (I != 0) named_bar_arrive(mma_turn(1 - wg));
+        }
         break;
       }
     }
@@ -2042,7 +2070,7 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
     }
     // ---- MLP on the tensor cores: GEMM1 acc = s W1'^T; h1 = relu(acc + b1') split in registers into
     // GEMM2's A fragments (gemm2_unit's order); GEMM2 acc = h1 W2^T ----
-    if constexpr (kWide) named_bar_sync(mma_turn(wg));  // this warpgroup's turn on the tensor cores
+    if constexpr (kTurns) named_bar_sync(mma_turn(wg));  // this warpgroup's turn on the tensor cores
     float acc[NA];
     if constexpr (k16) {
       // both products in T: GEMM1 into d0; h1 = relu(d0 + b1') rounded to T in the order of the accumulator
@@ -2087,7 +2115,7 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
       wg_fence(bh);
       wg_fence(bl);
     }
-    if constexpr (kWide) named_bar_arrive(mma_turn(1 - wg));  // the other warpgroup's turn
+    if constexpr (kTurns) named_bar_arrive(mma_turn(1 - wg));  // the other warpgroup's turn
 
     // ---- layer 3: z = sum_u w3[u] relu(h2[u] + b2[u]) over this lane's units, then the output ----
     float z0 = 0.f, z1 = 0.f;
@@ -2322,17 +2350,18 @@ bool wgmma_supported(int C, int H, int N, const void* x, int esize, const Device
 }
 
 
-// As many ring slots as fit (8 or 4: a multiple of 4); one block per SM, at most one per tile.
+// As many ring slots as fit (4 NCW or 2 NCW); one block per SM, at most one per tile.
 template <typename T, int KC, int HP>
 void launch_wgmma(const WgArgs<T>& a, const torch::Tensor& wpack_buf, cudaStream_t stream, int num_sms, int max_smem) {
   constexpr bool kWide = KC == 128;  // the streamlined build (contact_map_wgmma_kernel)
-  // R a multiple of 4, so that every slot serves one warpgroup only (warpgroup w's uses u = 4k + 2w, 4k + 2w + 1):
+  // R a multiple of 2 NCW, so that every slot serves one warpgroup only (warpgroup w's uses u = 2 NCW k + 2w, + 1):
   // a parity wait is safe only for a waiter that also waited on the slot's previous phase. At R = 5 a
   // warpgroup could find the other's earlier copy into the slot still in flight, read the parity of that
   // incomplete phase as its own completed one and read the slot early (wrong outputs at batch, R = 5, in 6 of
   // 300 back-to-back calls: NOTES.md).
-  int R = kWgMaxSlots;
-  while (R > 4 && SmemWg(KC, HP, R, sizeof(T)).total > max_smem) R -= 4;
+  constexpr int NCW = kConsumerWgs<T, KC>;
+  int R = 4 * NCW;  // 8 or 12 slots where they fit, else 4 or 6
+  while (R > 2 * NCW && SmemWg(KC, HP, R, sizeof(T)).total > max_smem) R -= 2 * NCW;
   const int smem = SmemWg(KC, HP, R, sizeof(T)).total;
   TORCH_CHECK(smem <= max_smem, "contact_map: the wgmma kernel needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));
   auto kernel = contact_map_wgmma_kernel<T, KC, HP>;
@@ -2360,7 +2389,7 @@ void launch_wgmma(const WgArgs<T>& a, const torch::Tensor& wpack_buf, cudaStream
   // kernel runs, and waits for it (griddepcontrol.wait) only before copying wpack
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kWgThreads);
+  cfg.blockDim = dim3(kWgThreads<NCW>);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];

@@ -506,40 +506,47 @@ def test_back_to_back_calls_are_deterministic(cm, ref, C):
 @gpu
 @needs_cuda
 @hopper
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,N,C,H", [
-    # tiles per block's two consumer warpgroups on 132 SMs (H100 / H200 SXM; other SM counts give other
-    # splits, still of both kinds): 1 / 0 (15 tiles), 1 / 1 or 1 / 0 (153), 5 / 4 or 4 / 4 (1176),
-    # 16 / 16 (4224): equal counts, one more for warpgroup 0, and warpgroup 1 without a tile; the last two
-    # also at pair_dim 64 (the KC = 64 build's fixed stride)
+    # tiles per block on 132 SMs (H100 / H200 SXM; other SM counts give other splits, still of every kind):
+    # 15, 153, 1176 and 4224 tiles give the fp32 build's two consumer warpgroups 1 / 0, 1 / 1 or 1 / 0,
+    # 5 / 4 or 4 / 4, 16 / 16 tiles, and the 16-bit build's three 1 / 0 / 0, 1 / 1 / 0 or 1 / 0 / 0,
+    # 3 / 3 / 3 or 3 / 3 / 2, 11 / 11 / 10: equal counts, more for the first ones, warpgroups without a
+    # tile; 15 and 153 tiles leave blocks without a ticket. (1, 384, 64, 64), (8, 256, 64, 32): the
+    # KC = 64 build's fixed stride
     (1, 40, 128, 32), (1, 130, 128, 64), (1, 384, 128, 64), (8, 256, 128, 32), (1, 384, 64, 64), (8, 256, 64, 32),
     (2, 200, 128, 64),
 ])
-def test_wgmma_tile_schedule_writes_every_output_on_every_call(cm, ref, B, N, C, H):
+def test_wgmma_tile_schedule_writes_every_output_on_every_call(cm, ref, B, N, C, H, dtype):
     """The wgmma kernel's KC = 128 build hands tiles out from a counter that its params kernel zeroes on every
-    call (the blocks' tile counts differ from call to call; with 15 and 153 tiles some blocks' second tile is
-    past the end, so their sentinels come without a ticket) and its consumer warpgroups take turns on the
-    tensor cores (named barriers). If a call started from a stale count, tiles would be skipped and their
-    outputs left as the allocator's old bytes: each call's output block is poisoned with NaN first (a freed
-    NaN block of the output's size), and all 12 calls must equal the first call bit for bit (the per-tile
-    arithmetic does not depend on which block or warpgroup takes a tile) and match the fp64 reference at
-    atol = rtol = 1e-4. A missing barrier arrival shows as a hang (pytest sets no timeout: the run stalls);
-    an extra one only as a changed schedule, which this bit-equality cannot see, nor the cache hint."""
+    call (the blocks' tile counts differ from call to call) to two consumer warpgroups per block that take
+    turns on the tensor cores (named barriers; fp32) or to three that do not (fp16 / bf16). If a call
+    started from a stale count, tiles would be skipped and their outputs left as the allocator's old bytes:
+    each call's output block is poisoned with NaN first (a freed NaN block of the output's size), and all 12
+    calls must equal the first call bit for bit (the per-tile arithmetic does not depend on which block or
+    warpgroup takes a tile) and match the fp64 reference of the same rounded inputs and parameters (atol =
+    rtol = 1e-4 in fp32, 1e-2 in bf16). A missing barrier arrival or sentinel shows as a hang (pytest sets
+    no timeout: the run stalls); an extra one only as a changed schedule, which this bit-equality cannot
+    see, nor the cache hint."""
     m_ref, new = _pair(cm, ref, C, H, seed=N + H)
-    x = torch.randn(B, N, N, C, generator=torch.Generator().manual_seed(B + N), dtype=torch.float32).cuda() + 0.3
+    m_ref, new = m_ref.to(dtype), new.to(dtype)
+    x = (torch.randn(B, N, N, C, generator=torch.Generator().manual_seed(B + N), dtype=torch.float32) + 0.3).to(dtype)
+    x = x.cuda()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
     with torch.inference_mode():
         new.variant = "auto"
         want_first = new(x).clone()
-        assert new.last_variant == "wgmma"
-        want = _copy64(m_ref)(x.double()).float()
+        assert new.last_variant == ("wgmma" if dtype == torch.float32 else "wgmma16")
+        want = _copy64(m_ref)(x.double())
         for _ in range(12):
-            junk = torch.full((B, N, N), float("nan"), device="cuda")
+            junk = torch.full((B, N, N), float("nan"), device="cuda", dtype=dtype)
             del junk
             got = new(x)
             torch.cuda.synchronize()
             assert torch.isfinite(got).all(), "an output element was not written"
             assert torch.equal(got, want_first)
-    assert new.last_variant == "wgmma"
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert got.dtype == dtype
+    assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
 
 
 @gpu
