@@ -1273,11 +1273,13 @@ __device__ __forceinline__ T from_f32(float v) {
   else if constexpr (std::is_same<T, __nv_bfloat16>::value) return __float2bfloat16_rn(v);
   else return v;
 }
-// Two 16-bit values (lo in the low half) from / into one 32-bit register, rounded to nearest.
+// Two 16-bit values (lo in the low half) from / into one 32-bit register, rounded to nearest. A bf16 value is
+// the high half of its fp32 value: one shift for lo, one mask for hi (__bfloat1622float2 extracts and then
+// shifts hi: PRMT + SHF).
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t u) {
   if constexpr (std::is_same<T, __half>::value) return __half22float2(*reinterpret_cast<const __half2*>(&u));
-  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  else return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
 }
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
