@@ -12,7 +12,7 @@ Tensors: pair (B, N, N, C = pair_dim) float32, float16 or bfloat16 on a CUDA dev
 (B, N, N) in pair's dtype on the same device. Parameters: the reference's (H = hidden_dim), in pair's dtype
 on its device, read at every call (a later `load_state_dict` or in-place update takes effect).
 
-How the default ("auto") runs on an H100 / H200: s is symmetric, so each unordered pair {i, j} is computed
+How the default ("auto") runs on an H100 / H200 in fp32: s is symmetric, so each unordered pair {i, j} is computed
 once and written to out[b,i,j] and out[b,j,i] (exactly symmetric). The positions are cut into tiles of 8 x 8
 pairs (b, I, J) with I <= J. A small kernel first folds the LayerNorm affine into the first layer
 (W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs W1', W2 as split-TF32 planes. The main kernel,
@@ -42,11 +42,11 @@ type. At pair_dim > 64 its statistics are two sweeps with the first mean correct
 residual (m = sum / C, then m += (sum - m C) / C: exact on a row of one value; the correction by sum d that
 the fp32 build adds moves s by ~2^-24 |mean| rstd, far below the rounding of s to 16 bits), and s is one
 FFMA of the two sides' terms, s = (xb - mb) rb / 2 + [(xa - ma) ra / 2]; as that is not symmetric in the
-two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. Its
-rows and terms fit 160 registers per thread, so that build runs three consumer warpgroups per SM (with
-no turns on the tensor cores: its products are 12 wgmma per tile). The 16-bit build runs where the fp32
-build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere, and for "mma" / "fma", the fp32
-kernels run on a converted copy and the output is converted back.
+two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. Its rows
+and terms fit 160 registers per thread, so that build runs three consumer warpgroups per SM (with no turns
+on the tensor cores: its products are 12 wgmma per tile, 10 at hidden_dim <= 32). The 16-bit build runs
+where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere, and for "mma" / "fma",
+the fp32 kernels run on a converted copy and the output is converted back.
 
 Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
     "auto"  the wgmma kernel above where it runs (its 16-bit build for fp16 / bf16), else the mma kernel.
@@ -1876,7 +1876,7 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
                          const T* __restrict__ b3,                       // (1)
                          float eps, int B, int N, int C, int H, int R) {
 #if defined(CM_WG_DEVICE)
-  // The build: KC = 128 takes the streamlined path (ticket walk, evict_first, ping-pong, FFMA terms)
+  // The build: KC = 128 takes the streamlined path (ticket walk, evict_first, FFMA terms; ping-pong in fp32)
   static_assert((KC == 64 || KC == 128) && (HP == 32 || HP == 64), "contact_map_wgmma_kernel: KC 64 / 128, HP 32 / 64");
   constexpr bool kWide = KC == 128;
   constexpr bool k16 = WgElem<T>::kHalf;  // the 16-bit build
@@ -2362,7 +2362,8 @@ void launch_wgmma(const WgArgs<T>& a, const torch::Tensor& wpack_buf, cudaStream
   // incomplete phase as its own completed one and read the slot early (wrong outputs at batch, R = 5, in 6 of
   // 300 back-to-back calls: NOTES.md).
   constexpr int NCW = kConsumerWgs<T, KC>;
-  int R = 4 * NCW;  // 8 or 12 slots where they fit, else 4 or 6
+  // 8 or 12 slots where they fit (the 16-bit build's 12 x 16 KB fit on every sm_90 GPU), else 4 or 6
+  int R = 4 * NCW;
   while (R > 2 * NCW && SmemWg(KC, HP, R, sizeof(T)).total > max_smem) R -= 2 * NCW;
   const int smem = SmemWg(KC, HP, R, sizeof(T)).total;
   TORCH_CHECK(smem <= max_smem, "contact_map: the wgmma kernel needs " + num(smem) + " bytes of shared memory per block; this device allows " + num(max_smem));

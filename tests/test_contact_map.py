@@ -508,19 +508,20 @@ def test_back_to_back_calls_are_deterministic(cm, ref, C):
 @hopper
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,N,C,H", [
-    # tiles per block on 132 SMs (H100 / H200 SXM; other SM counts give other splits, still of every kind):
-    # 15, 153, 1176 and 4224 tiles give the fp32 build's two consumer warpgroups 1 / 0, 1 / 1 or 1 / 0,
-    # 5 / 4 or 4 / 4, 16 / 16 tiles, and the 16-bit build's three 1 / 0 / 0, 1 / 1 / 0 or 1 / 0 / 0,
-    # 3 / 3 / 3 or 3 / 3 / 2, 11 / 11 / 10: equal counts, more for the first ones, warpgroups without a
-    # tile; 15 and 153 tiles leave blocks without a ticket. (1, 384, 64, 64), (8, 256, 64, 32): the
-    # KC = 64 build's fixed stride
+    # tiles per block on 132 SMs (H100 / H200 SXM; other SM counts give other splits): 15, 153, 650, 1176 and
+    # 4224 tiles; the first three per block are fixed in the 16-bit build (two in fp32), the rest tickets,
+    # so the splits differ from call to call. Typical splits over the fp32 build's two consumer warpgroups:
+    # 1 / 0, 1 / 1 or 1 / 0, 3 / 2, 5 / 4 or 4 / 4, 16 / 16; over the bf16 build's three: 1 / 0 / 0,
+    # 1 / 1 / 0 or 1 / 0 / 0 (no block takes a ticket), 2 / 2 / 1, 3 / 3 / 3 or 3 / 3 / 2, 11 / 11 / 10:
+    # equal counts, more for the first ones, warpgroups without a tile. (1, 384, 64, 64), (8, 256, 64, 32):
+    # the KC = 64 build's fixed stride (two consumer warpgroups in every dtype)
     (1, 40, 128, 32), (1, 130, 128, 64), (1, 384, 128, 64), (8, 256, 128, 32), (1, 384, 64, 64), (8, 256, 64, 32),
     (2, 200, 128, 64),
 ])
 def test_wgmma_tile_schedule_writes_every_output_on_every_call(cm, ref, B, N, C, H, dtype):
     """The wgmma kernel's KC = 128 build hands tiles out from a counter that its params kernel zeroes on every
     call (the blocks' tile counts differ from call to call) to two consumer warpgroups per block that take
-    turns on the tensor cores (named barriers; fp32) or to three that do not (fp16 / bf16). If a call
+    turns on the tensor cores (named barriers; fp32) or to three that do not (fp16 / bf16; bf16 here). If a call
     started from a stale count, tiles would be skipped and their outputs left as the allocator's old bytes:
     each call's output block is poisoned with NaN first (a freed NaN block of the output's size), and all 12
     calls must equal the first call bit for bit (the per-tile arithmetic does not depend on which block or
