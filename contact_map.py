@@ -3334,12 +3334,17 @@ def _gencode_flags():
 
 
 def _build():
-    """Compile CUDA_SRC with load_inline (cached by PyTorch under a name carrying the source hash)."""
+    """Compile CUDA_SRC with load_inline (cached by PyTorch under a name carrying the hash of the source, the
+    flags and the build root)."""
     verbose = os.environ.get("CONTACT_MAP_VERBOSE", "") not in ("", "0")
     gencode = _gencode_flags()
     flags = (["-O3", "-lineinfo"] + gencode + (["-DCM_SM90A"] if any("code=sm_90a" in f for f in gencode) else [])
              + (["-Xptxas", "-v"] if verbose else []))
-    digest = hashlib.sha1((CUDA_SRC + " ".join(flags)).encode()).hexdigest()[:12]
+    # the build root belongs in the name: PyTorch versions a name (name_v1, name_v2, ...) each time one process
+    # loads it from another build directory, and the versioned name then rebuilds in the first directory
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # as PyTorch reads it (unset: its default root)
+    root = "default" if root is None else os.path.abspath(root)
+    digest = hashlib.sha1((CUDA_SRC + " ".join(flags) + "\n" + root).encode()).hexdigest()[:12]
     name = f"contact_map_{digest}"
     # built already? (PyTorch's private build-directory function; a rebuild in one process adds _v1, ... to the name)
     build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)

@@ -4504,7 +4504,12 @@ _VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
 _CUDA_FLAGS = (["-O3"] + _GENCODE + (["-DOPM_SM90A"] if any("code=sm_90a" in f for f in _GENCODE) else [])
                + (["-Xptxas", "-v"] if _VERBOSE else []))
 _CXX_FLAGS = ["-O3"]
-_HASH = hashlib.sha256((_CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS)).encode()).hexdigest()[:12]
+# the build root belongs in the name: PyTorch versions a name (name_v1, name_v2, ...) each time one process loads
+# it from another build directory, and the versioned name then rebuilds in the first directory
+_BUILD_ROOT = os.environ.get("TORCH_EXTENSIONS_DIR")  # as PyTorch reads it (unset: its default root)
+_BUILD_ROOT = "default" if _BUILD_ROOT is None else os.path.abspath(_BUILD_ROOT)
+_HASH = hashlib.sha256((_CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS) + "\n" + _BUILD_ROOT)
+                       .encode()).hexdigest()[:12]
 _EXT_NAME = f"outer_product_mean_{_HASH}"
 
 

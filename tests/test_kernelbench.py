@@ -120,8 +120,17 @@ def test_kernelbench_load_path(repo_root, load_module, kernel_module, path, tmp_
     """Precompile into a build directory as build_compile_cache does, load again from it without a
     rebuild, construct ModelNew with KernelBench's seeding, take the reference's weights, and reject a
     CPU input with a clear error."""
-    kernel_module(path, "kb_build_check_" + path[:-3])  # skips without a CUDA toolkit
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", ""))
+    first = kernel_module(path, "kb_build_check_" + path[:-3])  # skips without a CUDA toolkit
+    default_dir = os.environ.get("TORCH_EXTENSIONS_DIR")  # None: PyTorch's default root
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", default_dir or "")  # restored after the test (KernelBench's load sets it)
+
+    def use_default_dir():
+        if default_dir is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = default_dir
+
+    use_default_dir()
     build_dir = str(tmp_path / "kb_build")
     _exec_like_kernelbench(repo_root, path, build_dir)
     capfd.readouterr()
@@ -130,6 +139,17 @@ def test_kernelbench_load_path(repo_root, load_module, kernel_module, path, tmp_
     NewModel = _exec_like_kernelbench(repo_root, path, build_dir)
     err = capfd.readouterr().err
     assert "building" not in err.lower(), f"{path}: the second load rebuilt the extension:\n{err}"
+    # PyTorch's loader renames an extension (name_v1, name_v2, ...) when one process loads its name from a
+    # second build directory, and the renamed one rebuilds in the first directory: each directory must get
+    # its own name, so that a later load from the default directory (another test, a plain import) finds
+    # its build
+    kb_ext = NewModel.__init__.__globals__["_ext"].__name__
+    assert not re.search(r"_v\d+$", kb_ext), f"{path}: KernelBench's load was versioned: {kb_ext}"
+    assert kb_ext != first._ext.__name__, f"{path}: two build directories share the name {kb_ext}"
+    use_default_dir()
+    again = kernel_module(path, "kb_default_again_" + path[:-3])
+    assert again._ext.__name__ == first._ext.__name__, (
+        f"{path}: the default directory's extension was renamed: {first._ext.__name__} -> {again._ext.__name__}")
 
     ref = _reference(repo_root, load_module, path)
     torch.manual_seed(42)
