@@ -118,8 +118,9 @@ def _reference(repo_root, load_module, path):
 @pytest.mark.parametrize("path", KERNEL_FILES)
 def test_kernelbench_load_path(repo_root, load_module, kernel_module, path, tmp_path, monkeypatch, capfd):
     """Precompile into a build directory as build_compile_cache does, load again from it without a
-    rebuild, construct ModelNew with KernelBench's seeding, take the reference's weights, and reject a
-    CPU input with a clear error."""
+    rebuild, under the directory's own unversioned name (a later load from the default directory keeps
+    its name too), construct ModelNew with KernelBench's seeding, take the reference's weights, and
+    reject a CPU input with a clear error."""
     first = kernel_module(path, "kb_build_check_" + path[:-3])  # skips without a CUDA toolkit
     default_dir = os.environ.get("TORCH_EXTENSIONS_DIR")  # None: PyTorch's default root
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", default_dir or "")  # restored after the test (KernelBench's load sets it)
