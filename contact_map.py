@@ -3333,19 +3333,39 @@ def _gencode_flags():
     return list(dict.fromkeys(flags))
 
 
-def _build():
-    """Compile CUDA_SRC with load_inline (cached by PyTorch under a name carrying the hash of the source, the
-    flags and the build root)."""
-    verbose = os.environ.get("CONTACT_MAP_VERBOSE", "") not in ("", "0")
+def _verbose():
+    return os.environ.get("CONTACT_MAP_VERBOSE", "") not in ("", "0")
+
+
+def _nvcc_flags():
+    """nvcc's flags: -O3, line info, _gencode_flags(), -DCM_SM90A with sm_90a code, -Xptxas -v with
+    CONTACT_MAP_VERBOSE set."""
     gencode = _gencode_flags()
-    flags = (["-O3", "-lineinfo"] + gencode + (["-DCM_SM90A"] if any("code=sm_90a" in f for f in gencode) else [])
-             + (["-Xptxas", "-v"] if verbose else []))
-    # the build root belongs in the name: PyTorch versions a name (name_v1, name_v2, ...) each time one process
-    # loads it from another build directory, and the versioned name then rebuilds in the first directory
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # as PyTorch reads it (unset: its default root)
-    root = "default" if root is None else os.path.abspath(root)
-    digest = hashlib.sha1((CUDA_SRC + " ".join(flags) + "\n" + root).encode()).hexdigest()[:12]
-    name = f"contact_map_{digest}"
+    return (["-O3", "-lineinfo"] + gencode + (["-DCM_SM90A"] if any("code=sm_90a" in f for f in gencode) else [])
+            + (["-Xptxas", "-v"] if _verbose() else []))
+
+
+def _build_environment():
+    """What besides the source and the flags shapes the build: the build root (TORCH_EXTENSIONS_DIR as PyTorch
+    reads it; unset, its default root), the CUDA toolkit PyTorch found (its include and library paths) and
+    PyTorch itself (its version and headers). All of it goes into the extension's name, so that each
+    environment keeps its own build: under one name PyTorch's loader renames the extension (name_v1, ...) when
+    a process loads it from a second build directory, and ninja rebuilds one toolkit's build over another's in
+    silence (a failed link there deletes it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return "\n".join(["default" if root is None else os.path.abspath(root), str(torch.utils.cpp_extension.CUDA_HOME),
+                      torch.__version__, os.path.dirname(torch.__file__)])
+
+
+def _extension_name():
+    """contact_map_ and a hash of the CUDA source, _nvcc_flags() and _build_environment()."""
+    key = CUDA_SRC + " ".join(_nvcc_flags()) + "\n" + _build_environment()
+    return "contact_map_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _build():
+    """Compile CUDA_SRC with load_inline (cached by PyTorch under _extension_name())."""
+    name = _extension_name()
     # built already? (PyTorch's private build-directory function; a rebuild in one process adds _v1, ... to the name)
     build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
     d = build_directory(name, False) if build_directory is not None else ""
@@ -3353,8 +3373,8 @@ def _build():
     if not cached:
         print("building contact_map CUDA extension, about 3 minutes the first time on a 2-core machine ...",
               file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=flags,
-                       verbose=verbose)
+    return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=_nvcc_flags(),
+                       verbose=_verbose())
 
 
 _ext = _build()

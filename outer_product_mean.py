@@ -4504,13 +4504,27 @@ _VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
 _CUDA_FLAGS = (["-O3"] + _GENCODE + (["-DOPM_SM90A"] if any("code=sm_90a" in f for f in _GENCODE) else [])
                + (["-Xptxas", "-v"] if _VERBOSE else []))
 _CXX_FLAGS = ["-O3"]
-# the build root belongs in the name: PyTorch versions a name (name_v1, name_v2, ...) each time one process loads
-# it from another build directory, and the versioned name then rebuilds in the first directory
-_BUILD_ROOT = os.environ.get("TORCH_EXTENSIONS_DIR")  # as PyTorch reads it (unset: its default root)
-_BUILD_ROOT = "default" if _BUILD_ROOT is None else os.path.abspath(_BUILD_ROOT)
-_HASH = hashlib.sha256((_CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS) + "\n" + _BUILD_ROOT)
-                       .encode()).hexdigest()[:12]
-_EXT_NAME = f"outer_product_mean_{_HASH}"
+
+
+def _build_environment():
+    """What besides the source and the flags shapes the build: the build root (TORCH_EXTENSIONS_DIR as PyTorch
+    reads it; unset, its default root), the CUDA toolkit PyTorch found (its include and library paths) and
+    PyTorch itself (its version and headers). All of it goes into the extension's name, so that each
+    environment keeps its own build: under one name PyTorch's loader renames the extension (name_v1, ...) when
+    a process loads it from a second build directory, and ninja rebuilds one toolkit's build over another's in
+    silence (a failed link there deletes it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return "\n".join(["default" if root is None else os.path.abspath(root), str(torch.utils.cpp_extension.CUDA_HOME),
+                      torch.__version__, os.path.dirname(torch.__file__)])
+
+
+def _extension_name():
+    """outer_product_mean_ and a hash of the sources, the flags and _build_environment()."""
+    key = _CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS) + "\n" + _build_environment()
+    return "outer_product_mean_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+_EXT_NAME = _extension_name()
 
 
 def _is_cached(name):

@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+import torch.utils.cpp_extension
 
 KERNEL_FILES = ("contact_map.py", "outer_product_mean.py")
 
@@ -162,6 +163,23 @@ def test_kernelbench_load_path(repo_root, load_module, kernel_module, path, tmp_
     new.load_state_dict(model.state_dict())
     with pytest.raises(RuntimeError, match="CUDA"):
         new(*ref.get_inputs())
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES)
+def test_extension_name_follows_the_toolkit_and_the_build_root(kernel_module, path, monkeypatch):
+    """The file loads its extension under _extension_name(), and that name changes with the CUDA toolkit
+    PyTorch found and with the build root: under one name, a process (or a shell) with another CUDA_HOME
+    rebuilt the cached extension over the first one's build (ninja, no message), and a failed link there
+    deleted it."""
+    mod = kernel_module(path, "kb_name_" + path[:-3])
+    name = mod._extension_name()
+    assert mod._ext.__name__ == name
+    monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", "/opt/another/cuda")
+    other_toolkit = mod._extension_name()
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/tmp/another_root")
+    other_root = mod._extension_name()
+    assert len({name, other_toolkit, other_root}) == 3, (name, other_toolkit, other_root)
 
 
 @pytest.mark.parametrize("path", KERNEL_FILES)
