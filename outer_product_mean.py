@@ -2415,32 +2415,47 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         [[maybe_unused]] const float* a_lo = a_hi + kOwAPlane;
         const float* b_hi = stg + (kSplit ? 4 * kOwAPlane : kOwABlk16);
         [[maybe_unused]] const float* b_lo = b_hi + kOwBPlane;
-        wg_fence_acc(d);
+        if constexpr (kSplit) {
+          wg_fence_acc(d);
 #pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          const int off = ks * 64;  // two core matrices along k (8 k in fp32, 16 in T): 256 bytes
-          const int fresh = (kb * kKSteps + ks) % kPromo == 0;
-          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-          if constexpr (kSplit) {
+          for (int ks = 0; ks < kKSteps; ++ks) {
+            const int off = ks * 64;  // two core matrices along k (8 k): 256 bytes
+            const int fresh = (kb * kKSteps + ks) % kPromo == 0;
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
             wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
             wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
             wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
-          } else {
-            wgmma16_m64n128k16<T>(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           }
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          wg_fence_acc(d);
+          release(us);
+          if (((kb + 1) * kKSteps) % kPromo == 0) {  // a promotion period ends here
+#pragma unroll
+            for (int e = 0; e < 64; ++e) acc[e] += d[e];
+          }
+        } else {  // 16-bit: all of S into acc, one stage's wgmmas left in flight while the next is issued
+          wg_fence_acc(acc);
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks)  // two core matrices along k (16 k in T): 256 bytes
+            wgmma16_m64n128k16<T>(acc, wg_desc(a_hi + ks * 64, 512), wg_desc(b_hi + ks * 64, 512), kb + ks > 0);
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          if (kb > 0) {
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            release(us - 1);  // the previous stage's wgmmas have completed
+          }
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        wg_fence_acc(d);
-        release(us);
-        if (((kb + 1) * kKSteps) % kPromo == 0) {  // a promotion period ends here
+      }
+      if constexpr (kSplit) {
+        if ((KBS * kKSteps) % kPromo != 0) {  // the last, partial promotion period
 #pragma unroll
           for (int e = 0; e < 64; ++e) acc[e] += d[e];
         }
-      }
-      if ((KBS * kKSteps) % kPromo != 0) {  // the last, partial promotion period
-#pragma unroll
-        for (int e = 0; e < 64; ++e) acc[e] += d[e];
+      } else {
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_acc(acc);
+        release(u - 1);
       }
       if constexpr (kSplit) {
         // ---- O_q -> Os: acc[4 jj + 2 hr + e] is row 16 w4 + g + 8 hr = (il8 = 2 w4 + hr, hl = g),
@@ -2532,36 +2547,51 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
         // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
-        //      Wo blocks (hl, hl + 1) per slot, a fresh accumulator per slot (64 kk) ----
+        //      Wo blocks (hl, hl + 1) per slot, one accumulator over the q's four slots; a slot's wgmmas
+        //      stay in flight while the next slot's are issued, so its A fragments (af[sl % 2]) and the
+        //      slot are released one slot later ----
 #pragma unroll
-        for (int e = 0; e < 32; ++e) d2[e] = 0.f;
-        for (int hl = 0; hl < kOwHC; hl += 2) {
-          uint32_t af[4][4];  // [2 (hl - hl0) + ks][fragment register]
+        for (int e = 0; e < 32; ++e) d2[e] = 0.f;  // (overwritten: scale-d 0 first)
+        uint32_t af[2][4][4];  // [sl % 2][2 (hl - hl0) + ks][fragment register]
+#pragma unroll
+        for (int sl = 0; sl < kOwHC / 2; ++sl) {
+          uint32_t (&a)[4][4] = af[sl % 2];
 #pragma unroll
           for (int f = 0; f < 4; ++f) {
-            const uint32_t* r0 = Os16 + (16 * w4 + g) * kOwLDO16 + (hl + f / 2) * 16 + (f % 2) * 8 + 2 * t4;
+            const uint32_t* r0 = Os16 + (16 * w4 + g) * kOwLDO16 + (2 * sl + f / 2) * 16 + (f % 2) * 8 + 2 * t4;
             const uint2 lo = *reinterpret_cast<const uint2*>(r0), hi = *reinterpret_cast<const uint2*>(r0 + 8 * kOwLDO16);
-            af[f][0] = lo.x; af[f][1] = hi.x; af[f][2] = lo.y; af[f][3] = hi.y;
+            a[f][0] = lo.x; a[f][1] = hi.x; a[f][2] = lo.y; a[f][3] = hi.y;
           }
-          const int64_t us = u;
           const __half* wst = reinterpret_cast<const __half*>(wait_full()) + wg * 8 * 256;  // this warpgroup's 64 z
           wg_fence_acc(d2);
 #pragma unroll
-          for (int f = 0; f < 4; ++f)
+          for (int f = 0; f < 4; ++f)  // the A fragments are wgmma inputs: written before the fence
 #pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(af[f][e])::"memory");
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[f][e])::"memory");
           asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
           for (int f = 0; f < 4; ++f)
-            wgmma_f16_m64n64k16_rs(d2, af[f], wg_desc(reinterpret_cast<const float*>(wst + (f / 2) * kOwWBlk16 + (f % 2) * 128), 512),
-                                   f == 0 ? 0 : 1);
+            wgmma_f16_m64n64k16_rs(d2, a[f], wg_desc(reinterpret_cast<const float*>(wst + (f / 2) * kOwWBlk16 + (f % 2) * 128), 512),
+                                   sl + f > 0);
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          wg_fence_acc(d2);
-          release(us);
+          if (sl > 0) {
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 #pragma unroll
-          for (int e = 0; e < 32; ++e) o[e] = fmaf(d2[e], rs[(e / 2) % 2], o[e]);  // d2[4 jj + 2 hr + .]: row hr
+            for (int f = 0; f < 4; ++f)  // the previous slot's fragments were read until here
+#pragma unroll
+              for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(af[(sl + 1) % 2][f][e])::"memory");
+            release(u - 2);
+          }
         }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_acc(d2);
+#pragma unroll
+        for (int f = 0; f < 4; ++f)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(af[1][f][e])::"memory");
+        release(u - 1);
+#pragma unroll
+        for (int e = 0; e < 32; ++e) o[e] = fmaf(d2[e], rs[(e / 2) % 2], o[e]);  // d2[4 jj + 2 hr + .]: row hr
       }
     }
     // ---- epilogue: o[4 jj + 2 hr + e] is pair p = 16 w4 + g + 8 hr (il = p / 4, jl = p % 4),
