@@ -170,6 +170,8 @@ constexpr int64_t kPChunkBytesWg = 512ll << 20; // w_first_wg2: cap of one chunk
 // kEffOwA16, kEffOwB16: both phases on the 16-bit tensor cores (fp16 / bf16 inputs), fitted with the
 // wave model to the fused kernel's time in bf16 at crop, shallow and long (profile: 252 / 413 / 2047 us
 // with the row max by shuffles, modelled 247 / 408 / 2049; by REDUX, as built, 247 / - / 1977).
+// The kernel with wgmmas in flight (221 / 346 / 1727 us) fits 513 / 233: kept at the older fit, the
+// model overestimates it by ~11%, so "auto" leans away from outer_wg at small shapes.
 // kEffPrep: opm_prep_kernel (FMA LayerNorm + projections), 4.3 GFLOP in ~255 us at crop (profile).
 // kEffPrepOw, kBwPrepOw: outer_wg's tensor-core prep (opm_prep_ow_kernel): its tensor
 // FLOPs (x3 for the split) ran at ~90 TFLOP/s at crop (12.9 GFLOP in 146-151 us) and deep (51.5 in
@@ -2296,9 +2298,10 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
 //   (12 x 16 KB + 34 KB: 231872 bytes); then full[kStages], empty[kStages].
 // Named barrier 1 (256 consumer threads) guards Os (Os16, Osc): before the staging (the previous q's
 //   phase-B loads are done) and after it.
-// Every stage's wgmmas are waited for (wait_group 0) before the next stage's are issued; the two
-//   warpgroups fill each other's waits (keeping one stage in flight, wait_group 1 with a full wait
-//   only at each promotion, is no faster).
+// Split TF32: every stage's wgmmas are waited for (wait_group 0) before the next stage's are issued;
+//   the two warpgroups fill each other's waits (keeping one stage in flight, wait_group 1 with a full
+//   wait only at each promotion, is no faster). 16-bit: one phase-A stage's (one phase-B slot's)
+//   wgmmas stay in flight while the next one's are issued, each slot released once its wgmmas are done.
 // T float: split TF32 throughout (fp32 planes, hi and lo). T __nv_bfloat16 / __half (16-bit input and
 //   output): phase A on the 16-bit tensor cores (wgmma m64n128k16, fp32 accumulation) from the T planes
 //   of 32-s blocks (a and b rounded to T, as the reference in that dtype rounds its projections), two
