@@ -2291,8 +2291,8 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
 //   do not fit the 168 registers a 384-thread block starts with); warps 8-11: the producer
 //   warpgroup (down to kOwProducerRegs), of which thread 256 issues the copies. Stage use u counts ring slots
 //   over the block's whole walk: slot u % kStages, parity (u / kStages) & 1.
-// Per thread: phase A acc[64] (running) + d[64] (fresh); phase B o[32] (running, over all q) +
-//   d2[32] (fresh); o lives across the whole tile.
+// Per thread: phase A acc[64] (running) + d[64] (fresh; 16-bit: acc alone, all of S); phase B o[32]
+//   (running, over all q) + d2[32] (fresh); o lives across the whole tile.
 // Shared memory (dynamic, ow_smem_bytes<T>): the ring [kStages][kSlot], then float: Os [64][kOwLDO]
 //   (5 x 32 KB + 65 KB + the barriers: 230480 bytes); fp16 / bf16: Os16 [64][kOwLDO16 words] and Osc [64]
 //   (12 x 16 KB + 34 KB: 231872 bytes); then full[kStages], empty[kStages].
@@ -2321,7 +2321,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   constexpr bool kSplit = std::is_same_v<T, float>;
   constexpr int kSlot = kSplit ? kOwStage : kOwSlot16, kStages = kSplit ? kOwStages : kOwStages16;
   constexpr int kKSteps = kSplit ? kOwSK / 8 : kOwS16 / 16;  // wgmma k steps per phase-A stage
-  constexpr int kPromo = kSplit ? kWgPromo : kWgPromo / 2;  // k steps per promotion: 64 s either way
+  constexpr int kPromo = kWgPromo;  // split TF32: k steps per promotion (64 s)
   using PT = std::conditional_t<kSplit, float, T>;
   const PT* Aow = static_cast<const PT*>(Aow_v);
   const PT* Bow = static_cast<const PT*>(Bow_v);
