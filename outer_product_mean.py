@@ -2332,27 +2332,32 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   uint64_t* full = reinterpret_cast<uint64_t*>(Os + (kSplit ? 64 * kOwLDO : 64 * kOwLDO16 + 64));  // (16-bit: Osc)
   uint64_t* empty = full + kStages;
   const int tid = threadIdx.x, wg = tid / 128;
-  const int64_t MBA = 2 * NIT, total = B * nzc * NBB * NIT;
+  const int64_t MBA = 2 * NIT;
+  // tile and slot counters in 32 bits (the host checks that the tiles number under 2^31; a block's walk uses
+  // fewer ring slots than that): 64-bit divisions by kStages and NIT cost ~40 dependent instructions each
+  const uint32_t total = static_cast<uint32_t>(B * nzc * NBB * NIT), nit = static_cast<uint32_t>(NIT),
+                 nbb = static_cast<uint32_t>(NBB), nz = static_cast<uint32_t>(nzc);
+  const int kbs = static_cast<int>(KBS);
   if (tid == 0) mbar_ring_init(full, empty, kStages);
   __syncthreads();
   if (wg == 2) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
     if (tid == 256) {
-      int64_t u = 0;  // ring slots used so far
+      uint32_t u = 0;  // ring slots used so far
       auto slot = [&](unsigned bytes) -> float* {  // the next slot, once free; its full barrier expects `bytes`
         const int st = static_cast<int>(u % kStages);
-        if (u >= kStages) mbar_wait(empty + st, static_cast<unsigned>((u / kStages - 1) & 1));
+        if (u >= kStages) mbar_wait(empty + st, (u / kStages - 1) & 1);
         mbar_expect_tx(full + st, bytes);
         ++u;
         return sm + st * kSlot;
       };
-      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-        const int64_t it = t % NIT, jt = (t / NIT) % NBB, zc = (t / (NIT * NBB)) % nzc, b = t / (NIT * NBB * nzc);
+      for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
+        const int64_t it = t % nit, jt = t / nit % nbb, zc = t / nit / nbb % nz, b = t / nit / nbb / nz;
         for (int q = 0; q < kOwNQ; ++q) {
           if constexpr (kSplit) {
             const float* a = Aow + ((b * kOwNQ + q) * KBS * MBA + 2 * it) * (2 * kOwAPlane);
             const float* bb = Bow + (b * NBB + jt) * KBS * (2 * kOwBPlane);
-            for (int64_t kb = 0; kb < KBS; ++kb) {
+            for (int kb = 0; kb < kbs; ++kb) {
               const int st = static_cast<int>(u % kStages);
               float* dst = slot(4 * kOwStage);
               bulk_copy(dst, a + kb * MBA * (2 * kOwAPlane), 4 * 4 * kOwAPlane, full + st);
@@ -2361,7 +2366,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           } else {  // the two A blocks of this i tile (adjacent), then the B block
             const PT* a = Aow + ((b * kOwNQ + q) * KBS * MBA + 2 * it) * kOwABlk16;
             const PT* bb = Bow + (b * NBB + jt) * KBS * kOwBBlk16;
-            for (int64_t kb = 0; kb < KBS; ++kb) {
+            for (int kb = 0; kb < kbs; ++kb) {
               const int st = static_cast<int>(u % kStages);
               float* dst = slot(4 * kOwSlot16);
               bulk_copy(dst, a + kb * MBA * kOwABlk16, 2 * 2 * kOwABlk16, full + st);
@@ -2391,27 +2396,37 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kOwConsumerRegs));
   const int lane = tid % 32, g = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
   const bool pair = (cz & 1) == 0;  // then z even and z + 1 < c_z whenever z < c_z
-  int64_t u = 0;
+  uint32_t u = 0;
   auto wait_full = [&]() -> const float* {  // slot use u, once its copies have landed; u advances
     const int st = static_cast<int>(u % kStages);
-    mbar_wait(full + st, static_cast<unsigned>((u / kStages) & 1));
+    mbar_wait(full + st, (u / kStages) & 1);
     ++u;
     return sm + st * kSlot;
   };
-  auto release = [&](int64_t us) {  // this warp is done with slot use us (its wgmmas have completed)
+  auto release = [&](uint32_t us) {  // this warp is done with slot use us (its wgmmas have completed)
     if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kStages));
   };
   float acc[64], d[64], o[32], d2[32];
-  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const int64_t it = t % NIT, jt = (t / NIT) % NBB, zc = (t / (NIT * NBB)) % nzc, b = t / (NIT * NBB * nzc);
+  for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int64_t it = t % nit, jt = t / nit % nbb, zc = t / nit / nbb % nz, b = t / nit / nbb / nz;
+    if constexpr (kSplit) {
 #pragma unroll
-    for (int e = 0; e < 32; ++e) o[e] = 0.f;
+      for (int e = 0; e < 32; ++e) o[e] = 0.f;
+    } else {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
+          o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
+        }
+    }
     for (int q = 0; q < kOwNQ; ++q) {
       // ---- phase A: O_q (this warpgroup's 64 rows (il, hl) x 128 columns (jl, k)), K = S ----
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
-      for (int64_t kb = 0; kb < KBS; ++kb) {
-        const int64_t us = u;  // this stage's slot use
+      for (int kb = 0; kb < kbs; ++kb) {
+        const uint32_t us = u;  // this stage's slot use
         const float* stg = wait_full();
         // split: hi / lo planes of this warpgroup's A block and of the B block; 16-bit: the T blocks
         const float* a_hi = stg + (kSplit ? wg * 2 * kOwAPlane : wg * kOwABlk16 / 2);
@@ -2451,7 +2466,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         }
       }
       if constexpr (kSplit) {
-        if ((KBS * kKSteps) % kPromo != 0) {  // the last, partial promotion period
+        if ((kbs * kKSteps) % kPromo != 0) {  // the last, partial promotion period
 #pragma unroll
           for (int e = 0; e < 64; ++e) acc[e] += d[e];
         }
@@ -2486,7 +2501,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             split_tf32(r0[4], ahi[ks][2], alo[ks][2]);
             split_tf32(r0[8 * kOwLDO + 4], ahi[ks][3], alo[ks][3]);
           }
-          const int64_t us = u;
+          const uint32_t us = u;
           const float* stg = wait_full();
           const float* w_hi = stg + wg * (64 / 8) * 256;  // this warpgroup's 64 z of the 128-row block
           const float* w_lo = w_hi + kOwWPlane;
@@ -2617,12 +2632,12 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             if (z < cz) orow[z] = __ldg(bo + z) + inv * v0;
             if (z + 1 < cz) orow[z + 1] = __ldg(bo + z + 1) + inv * v1;
           }
-        } else {  // T: one rounding of the fp32 value, as the reference's Linear output has
+        } else {  // T: one rounding of the fp32 value (bias included), as the reference's Linear output has
           if (pair) {
-            if (z < cz) *reinterpret_cast<uint32_t*>(orow + z) = pack2_16<T>(__ldg(bo + z) + v0, __ldg(bo + z + 1) + v1);
+            if (z < cz) *reinterpret_cast<uint32_t*>(orow + z) = pack2_16<T>(v0, v1);
           } else {
-            if (z < cz) orow[z] = from_float<T>(__ldg(bo + z) + v0);
-            if (z + 1 < cz) orow[z + 1] = from_float<T>(__ldg(bo + z + 1) + v1);
+            if (z < cz) orow[z] = from_float<T>(v0);
+            if (z + 1 < cz) orow[z + 1] = from_float<T>(v1);
           }
         }
       }
@@ -3736,6 +3751,7 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
     const int64_t tiles = B * od.nzc * od.NBB * od.NIT;
+    TORCH_CHECK(tiles < (1ll << 31), "outer_product_mean: the wgmma outer-first kernel takes fewer than 2^31 tiles");
     const int g = grid_for(std::min<int64_t>(tiles, d.sms));
     kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
                                             inv_denom.data_ptr<float>(), bo, outp, B, N, od.KB,
