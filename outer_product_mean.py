@@ -1628,20 +1628,21 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
   uint64_t* empty = full + kWgStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t total = B * MB128 * NB;
+  const int kbs = static_cast<int>(KB);
   if (tid == 0) mbar_ring_init(full, empty, kWgStages);
   __syncthreads();
   if (wg == 2) {  // producer warp
     if (tid == 256) {
       const int64_t MB64 = 2 * MB128;
-      int64_t u = 0;  // stage uses so far
+      uint32_t u = 0;  // stage uses so far (32 bits: a 64-bit u % kWgStages is ~40 dependent instructions)
       for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
         const int64_t mblk = t % MB128, nb = (t / MB128) % NB, b = t / (MB128 * NB);
         const float* a0 = At + (b * MB64 + 2 * mblk) * KB * (2 * kWgAPlane);
         const float* a1 = a0 + KB * (2 * kWgAPlane);
         const float* p = Pt + (b * NB + nb) * KB * (2 * kWgBPlane);
-        for (int64_t kb = 0; kb < KB; ++kb, ++u) {
+        for (int kb = 0; kb < kbs; ++kb, ++u) {
           const int st = static_cast<int>(u % kWgStages);
-          if (u >= kWgStages) mbar_wait(empty + st, static_cast<unsigned>((u / kWgStages - 1) & 1));
+          if (u >= kWgStages) mbar_wait(empty + st, (u / kWgStages - 1) & 1);
           mbar_expect_tx(full + st, 4 * kWgStage);
           float* dst = sm + st * kWgStage;
           bulk_copy(dst, a0 + kb * (2 * kWgAPlane), 4 * 2 * kWgAPlane, full + st);
@@ -1654,15 +1655,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
   }
   const int lane = tid % 32, g = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
   const bool pair = (cz & 1) == 0;  // then CZP4 is even, z even, and z + 1 < c_z whenever z < c_z
-  int64_t u = 0;
+  uint32_t u = 0;
   float acc[64], d[64];
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t mblk = t % MB128, nb = (t / MB128) % NB, b = t / (MB128 * NB);
 #pragma unroll
     for (int q = 0; q < 64; ++q) acc[q] = d[q] = 0.f;
-    for (int64_t kb = 0; kb < KB; ++kb, ++u) {
+    for (int kb = 0; kb < kbs; ++kb, ++u) {
       const int st = static_cast<int>(u % kWgStages);
-      mbar_wait(full + st, static_cast<unsigned>((u / kWgStages) & 1));
+      mbar_wait(full + st, (u / kWgStages) & 1);
       const float* a_hi = sm + st * kWgStage + wg * 2 * kWgAPlane;
       const float* a_lo = a_hi + kWgAPlane;
       const float* b_hi = sm + st * kWgStage + 4 * kWgAPlane;
@@ -1686,7 +1687,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
         for (int q = 0; q < 64; ++q) acc[q] += d[q];
       }
     }
-    if ((KB * (kWgBK / 8)) % kWgPromo != 0) {  // the last, partial promotion period
+    if ((kbs * (kWgBK / 8)) % kWgPromo != 0) {  // the last, partial promotion period
 #pragma unroll
       for (int q = 0; q < 64; ++q) acc[q] += d[q];
     }
@@ -2752,15 +2753,16 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t sl = blockIdx.x % kBwNSL, gr = blockIdx.x / kBwNSL, groups = gridDim.x / kBwNSL;
   const int64_t MB = 2 * NIT, total = B * NITc * NBB;
+  const int kbs = static_cast<int>(KB16);
   if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
   __syncthreads();
   if (wg == 2) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
     if (tid == 256) {
-      int64_t u = 0;
+      uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
         const int st = static_cast<int>(u % kBwoStages);
-        if (u >= kBwoStages) mbar_wait(empty + st, static_cast<unsigned>((u / kBwoStages - 1) & 1));
+        if (u >= kBwoStages) mbar_wait(empty + st, (u / kBwoStages - 1) & 1);
         mbar_expect_tx(full + st, bytes);
         ++u;
         return sm + st * kOwStage;
@@ -2769,7 +2771,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         const int64_t itc = t % NITc, it = it0 + itc, jt = (t / NITc) % NBB, b = t / (NITc * NBB);
         const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * (2 * kOwAPlane);
         const float* bb = Bbw + (b * NBB + jt) * KB16 * (2 * kOwBPlane);
-        for (int64_t kb = 0; kb < KB16; ++kb) {
+        for (int kb = 0; kb < kbs; ++kb) {
           const int st = static_cast<int>(u % kBwoStages);
           float* dst = slot(4 * kOwStage);
           bulk_copy(dst, a + kb * MB * (2 * kOwAPlane), 4 * 4 * kOwAPlane, full + st);
@@ -2788,14 +2790,14 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kOwConsumerRegs));
   const int lane = tid % 32, g = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
   float* Os_w = Os + wg * 128 * kBwLDO;
-  int64_t u = 0;
+  uint32_t u = 0;
   auto wait_full = [&]() -> const float* {
     const int st = static_cast<int>(u % kBwoStages);
-    mbar_wait(full + st, static_cast<unsigned>((u / kBwoStages) & 1));
+    mbar_wait(full + st, (u / kBwoStages) & 1);
     ++u;
     return sm + st * kOwStage;
   };
-  auto release = [&](int64_t us) {
+  auto release = [&](uint32_t us) {
     if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kBwoStages));
   };
   float D[2][32], dz[2][32];
@@ -2809,8 +2811,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
       float acc[64], d[64];
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
-      for (int64_t kb = 0; kb < KB16; ++kb) {
-        const int64_t us = u;
+      for (int kb = 0; kb < kbs; ++kb) {
+        const uint32_t us = u;
         const float* stg = wait_full();
         const float* a_hi = stg + wg * 2 * kOwAPlane;
         const float* a_lo = a_hi + kOwAPlane;
@@ -2835,7 +2837,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
           for (int e = 0; e < 64; ++e) acc[e] += d[e];
         }
       }
-      if ((KB16 * (kOwSK / 8)) % kWgPromo != 0) {
+      if ((kbs * (kOwSK / 8)) % kWgPromo != 0) {
 #pragma unroll
         for (int e = 0; e < 64; ++e) acc[e] += d[e];
       }
@@ -2867,7 +2869,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         split_tf32(r0[4 * kBwLDO], ahi[ks][2], alo[ks][2]);
         split_tf32(r0[4 * kBwLDO + 8], ahi[ks][3], alo[ks][3]);
       }
-      const int64_t us = u;
+      const uint32_t us = u;
       const float* stg = wait_full();
       const float* g_hi = stg + wg * 4096;
       const float* g_lo = g_hi + 2048;
@@ -3052,10 +3054,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     if (tid == 256) {
       mbar_expect_tx(wbar, 4 * kAbOperand);
       bulk_copy(Ws, Wt + sl * kAbOperand, 4 * kAbOperand, wbar);
-      int64_t u = 0;
+      uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
         const int st = static_cast<int>(u % kAbStages);
-        if (u >= kAbStages) mbar_wait(empty + st, static_cast<unsigned>((u / kAbStages - 1) & 1));
+        if (u >= kAbStages) mbar_wait(empty + st, (u / kAbStages - 1) & 1);
         mbar_expect_tx(full + st, bytes);
         ++u;
         return ring + st * 8192;
@@ -3080,14 +3082,14 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kOwConsumerRegs));
   const int lane = tid % 32, gq = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
-  int64_t u = 0;
+  uint32_t u = 0;
   auto wait_full = [&]() -> const float* {
     const int st = static_cast<int>(u % kAbStages);
-    mbar_wait(full + st, static_cast<unsigned>((u / kAbStages) & 1));
+    mbar_wait(full + st, (u / kAbStages) & 1);
     ++u;
     return ring + st * 8192;
   };
-  auto release = [&](int64_t us) {
+  auto release = [&](uint32_t us) {
     if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kAbStages));
   };
   const int ll = w4 / 2;                // this thread's G rows: r = 16 w4 + gq + 8 hr = 32 ll + ol
@@ -3104,7 +3106,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #pragma unroll
     for (int e = 0; e < 32; ++e) gacc[e] = gsum[e] = 0.f;
     for (int f = 0; f < 2; ++f) {
-      const int64_t us = u;
+      const uint32_t us = u;
       const float* stg = wait_full();
       if (f == wg) {
         const float* row0 = stg + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r (hr 0)
@@ -3158,7 +3160,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #pragma unroll
       for (int par = 0; par < 2; ++par) {
         if (2 * mp + par >= mbc) continue;
-        const int64_t us = u;
+        const uint32_t us = u;
         const float* stg = wait_full();
         if (par == wg) {
           float acc[32];
