@@ -2291,9 +2291,10 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
 // Warps 0-7: two consumer warpgroups (setmaxnreg to kOwConsumerRegs: the 64 + 64 + 32 accumulators
 //   do not fit the 168 registers a 384-thread block starts with); warps 8-11: the producer
 //   warpgroup (down to kOwProducerRegs), of which thread 256 issues the copies. Stage use u counts ring slots
-//   over the block's whole walk: slot u % kStages, parity (u / kStages) & 1.
+//   over the block's whole walk: slot u % kStages, parity (u / kStages) & 1 (the producer's u is 32-bit;
+//   the consumers keep the slot and parity incrementally).
 // Per thread: phase A acc[64] (running) + d[64] (fresh; 16-bit: acc alone, all of S); phase B o[32]
-//   (running, over all q) + d2[32] (fresh); o lives across the whole tile.
+//   (running, over all q; 16-bit: from the bias) + d2[32] (fresh); o lives across the whole tile.
 // Shared memory (dynamic, ow_smem_bytes<T>): the ring [kStages][kSlot], then float: Os [64][kOwLDO]
 //   (5 x 32 KB + 65 KB + the barriers: 230480 bytes); fp16 / bf16: Os16 [64][kOwLDO16 words] and Osc [64]
 //   (12 x 16 KB + 34 KB: 231872 bytes); then full[kStages], empty[kStages].
@@ -2397,16 +2398,29 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kOwConsumerRegs));
   const int lane = tid % 32, g = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
   const bool pair = (cz & 1) == 0;  // then z even and z + 1 < c_z whenever z < c_z
-  uint32_t u = 0;
-  auto wait_full = [&]() -> const float* {  // slot use u, once its copies have landed; u advances
-    const int st = static_cast<int>(u % kStages);
-    mbar_wait(full + st, (u / kStages) & 1);
-    ++u;
-    return sm + st * kSlot;
+  // the next slot use's slot cs and parity cph, kept incrementally (no division on the path between wgmmas)
+  int cs = 0;
+  uint32_t cph = 0;
+  auto wait_full = [&]() -> const float* {  // the next slot use, once its copies have landed; cs advances
+    mbar_wait(full + cs, cph);
+    const float* p = sm + cs * kSlot;
+    if (++cs == kStages) {
+      cs = 0;
+      cph ^= 1;
+    }
+    return p;
   };
-  auto release = [&](uint32_t us) {  // this warp is done with slot use us (its wgmmas have completed)
-    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kStages));
+  auto back = [&](int k) {  // the slot of the k-th latest use (k = 1: the one wait_full returned last)
+    const int st = cs - k;
+    return st < 0 ? st + kStages : st;
   };
+  auto release = [&](int st) {  // this warp is done with slot st (its wgmmas have completed)
+    if (lane == 0) mbar_arrive(empty + st);
+  };
+  // 16-bit phase A: the wgmma descriptors of slot 0's blocks (this warpgroup's A block, the B block); another slot
+  // or k step adds its byte offset / 16 to the start-address field, which holds any shared address of this
+  // block (under 2^18 bytes) without a carry
+  [[maybe_unused]] const uint64_t dA0 = wg_desc(sm + wg * kOwABlk16 / 2, 512), dB0 = wg_desc(sm + kOwABlk16, 512);
   float acc[64], d[64], o[32], d2[32];
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t it = t % nit, jt = t / nit % nbb, zc = t / nit / nbb % nz, b = t / nit / nbb / nz;
@@ -2427,12 +2441,12 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
       for (int kb = 0; kb < kbs; ++kb) {
-        const uint32_t us = u;  // this stage's slot use
+        [[maybe_unused]] const int st = cs;  // this stage's slot
         const float* stg = wait_full();
-        // split: hi / lo planes of this warpgroup's A block and of the B block; 16-bit: the T blocks
-        const float* a_hi = stg + (kSplit ? wg * 2 * kOwAPlane : wg * kOwABlk16 / 2);
+        // split: hi / lo planes of this warpgroup's A block and of the B block (16-bit: dA0, dB0)
+        [[maybe_unused]] const float* a_hi = stg + wg * 2 * kOwAPlane;
         [[maybe_unused]] const float* a_lo = a_hi + kOwAPlane;
-        const float* b_hi = stg + (kSplit ? 4 * kOwAPlane : kOwABlk16);
+        [[maybe_unused]] const float* b_hi = stg + 4 * kOwAPlane;
         [[maybe_unused]] const float* b_lo = b_hi + kOwBPlane;
         if constexpr (kSplit) {
           wg_fence_acc(d);
@@ -2448,7 +2462,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           }
           asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
           wg_fence_acc(d);
-          release(us);
+          release(back(1));
           if (((kb + 1) * kKSteps) % kPromo == 0) {  // a promotion period ends here
 #pragma unroll
             for (int e = 0; e < 64; ++e) acc[e] += d[e];
@@ -2457,12 +2471,14 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           wg_fence_acc(acc);
           asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-          for (int ks = 0; ks < kKSteps; ++ks)  // two core matrices along k (16 k in T): 256 bytes
-            wgmma16_m64n128k16<T>(acc, wg_desc(a_hi + ks * 64, 512), wg_desc(b_hi + ks * 64, 512), kb + ks > 0);
+          for (int ks = 0; ks < kKSteps; ++ks) {  // two core matrices along k (16 k in T): 256 bytes
+            const uint64_t off = static_cast<uint64_t>(st * (kSlot / 4) + ks * 16);
+            wgmma16_m64n128k16<T>(acc, dA0 + off, dB0 + off, kb + ks > 0);
+          }
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           if (kb > 0) {
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            release(us - 1);  // the previous stage's wgmmas have completed
+            release(back(2));  // the previous stage's wgmmas have completed
           }
         }
       }
@@ -2474,7 +2490,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       } else {
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         wg_fence_acc(acc);
-        release(u - 1);
+        release(back(1));
       }
       if constexpr (kSplit) {
         // ---- O_q -> Os: acc[4 jj + 2 hr + e] is row 16 w4 + g + 8 hr = (il8 = 2 w4 + hr, hl = g),
@@ -2502,7 +2518,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             split_tf32(r0[4], ahi[ks][2], alo[ks][2]);
             split_tf32(r0[8 * kOwLDO + 4], ahi[ks][3], alo[ks][3]);
           }
-          const uint32_t us = u;
           const float* stg = wait_full();
           const float* w_hi = stg + wg * (64 / 8) * 256;  // this warpgroup's 64 z of the 128-row block
           const float* w_lo = w_hi + kOwWPlane;
@@ -2521,7 +2536,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
           wg_fence_acc(d2);
-          release(us);
+          release(back(1));
           if (hl % 2 == 1) {
 #pragma unroll
             for (int e = 0; e < 32; ++e) o[e] += d2[e];
@@ -2599,7 +2614,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             for (int f = 0; f < 4; ++f)  // the previous slot's fragments were read until here
 #pragma unroll
               for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(af[(sl + 1) % 2][f][e])::"memory");
-            release(u - 2);
+            release(back(2));
           }
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -2608,7 +2623,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         for (int f = 0; f < 4; ++f)
 #pragma unroll
           for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(af[1][f][e])::"memory");
-        release(u - 1);
+        release(back(1));
 #pragma unroll
         for (int e = 0; e < 32; ++e) o[e] = fmaf(d2[e], rs[(e / 2) % 2], o[e]);  // d2[4 jj + 2 hr + .]: row hr
       }
