@@ -25,7 +25,7 @@ per-kernel rate measured on the H200, kEff* in the CUDA source, plus 2 us per la
 cheapest. Candidates: outer_first; w_first where one j column of P fits 32 MB, its stage 2 being
 w_first_small when a 128 x 128 tile grid is under one wave, else w_first_tc2 on sm_80+ (w_first_tc
 where its 136 KB of shared memory per block do not fit), else the FMA w_first; on an H100 / H200
-with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 < 2^31).
+with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 and B * N^2 / 64 < 2^31).
 There outer_wg wins at most shapes (in float16 / bfloat16 at few sequences too), w_first_wg2 at few
 sequences, w_first_small at tiny ones.
 `model.last_variant` names the variant that ran. The paths:
@@ -82,8 +82,8 @@ msa_repr and every parameter, none for the mask (one that requires grad raises);
 raises.
 Limits: float32 inside but in outer_wg (float16 / bfloat16 cost one conversion each way elsewhere);
 msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
-residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32 and B * S * N / 16 < 2^31 (S
-rounded up to 16, or to 32 in float16 / bfloat16, N to 16).
+residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32, B * S * N / 16 < 2^31 (S
+rounded up to 16, or to 32 in float16 / bfloat16, N to 16) and B * N^2 / 64 < 2^31.
 
 Run:   python harness.py outer_product_mean
 Build: about 110 s cold on a 2-core machine (nvcc ~105 s of CPU; cached, rebuilt when this changes).
@@ -4023,11 +4023,14 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
               "extension built with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0 or 9.0a, not a name such as "
               "Hopper; this build: ", kBuiltSm90a ? "yes" : "no", ") and ", num(kWgSmemBytes), " bytes of "
               "shared memory per block (this GPU: ", num(d.smem_optin), ")");
-  // outer_wg's prep decodes its warp tiles (4 s x 4 n each, S padded to its s blocks, N to 16) in 32 bits
-  const bool ow_tiles_ok = B * round_up(S, ow_sb(msa.scalar_type())) * round_up(N, 16) / 16 < (1ll << 31);
+  // outer_wg's prep decodes its warp tiles (4 s x 4 n each, S padded to its s blocks, N to 16) and its fused
+  // kernel its tiles (16 i x 4 j x 128 z) in 32 bits
+  const bool ow_tiles_ok = B * round_up(S, ow_sb(msa.scalar_type())) * round_up(N, 16) / 16 < (1ll << 31) &&
+                           B * cdiv(N, kOwTI) * cdiv(N, kOwTJ) * cdiv(cz, kOwZ) < (1ll << 31);
   TORCH_CHECK(variant != kOuterWg || ow_tiles_ok, "outer_product_mean: variant outer_wg needs B * S * N / 16 < 2^31 (S "
-              "rounded up to 16, or to 32 for float16 / bfloat16, N to 16), got B = ", num(B), ", S = ", num(S),
-              ", N = ", num(N), "; use outer_first or w_first_wg2");
+              "rounded up to 16, or to 32 for float16 / bfloat16, N to 16) and B * N^2 / 64 < 2^31 (per 128 of "
+              "pair_dim, N rounded up to 16), got B = ", num(B), ", S = ", num(S), ", N = ", num(N),
+              "; use outer_first or w_first_wg2");
   TORCH_CHECK(variant != kOuterWg || (d.ow_ok && c <= 32), "outer_product_mean: variant outer_wg",
               " needs hidden_dim <= 32 "
               "(this model: ", num(c), "), a compute capability 9.0 GPU (this GPU: ", num(d.major), ".", num(d.minor),
