@@ -25,7 +25,8 @@ per-kernel rate measured on the H200, kEff* in the CUDA source, plus 2 us per la
 cheapest. Candidates: outer_first; w_first where one j column of P fits 32 MB, its stage 2 being
 w_first_small when a 128 x 128 tile grid is under one wave, else w_first_tc2 on sm_80+ (w_first_tc
 where its 136 KB of shared memory per block do not fit), else the FMA w_first; on an H100 / H200
-with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 and B * N^2 / 64 < 2^31).
+with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 < 2^31 and
+B * N^2 / 64 < 2^31 per 128 of pair_dim).
 There outer_wg wins at most shapes (in float16 / bfloat16 at few sequences too), w_first_wg2 at few
 sequences, w_first_small at tiny ones.
 `model.last_variant` names the variant that ran. The paths:
@@ -83,7 +84,7 @@ raises.
 Limits: float32 inside but in outer_wg (float16 / bfloat16 cost one conversion each way elsewhere);
 msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
 residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32, B * S * N / 16 < 2^31 (S
-rounded up to 16, or to 32 in float16 / bfloat16, N to 16) and B * N^2 / 64 < 2^31.
+rounded up to 16, or to 32 in float16 / bfloat16, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim.
 
 Run:   python harness.py outer_product_mean
 Build: about 110 s cold on a 2-core machine (nvcc ~105 s of CPU; cached, rebuilt when this changes).

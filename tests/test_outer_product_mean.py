@@ -409,17 +409,19 @@ def test_outer_wg_needs_hidden_dim_at_most_32(opm, ref):
 
 
 @gpu
-def test_outer_wg_tile_index_limit_names_a_kept_variant(opm, ref):
-    """B * S * N / 16 >= 2^31: forced outer_wg raises before any allocation and names variants that
-    exist (stride-0 inputs: the check comes before the copy to contiguous)."""
+@pytest.mark.parametrize("S, N", [(2**19, 2**16), (1, 2**19)])
+def test_outer_wg_tile_index_limit_names_a_kept_variant(opm, ref, S, N):
+    """B * S * N / 16 >= 2^31 (the prep's warp tiles) or B * N^2 / 64 >= 2^31 (the fused kernel's tiles):
+    forced outer_wg raises before any allocation and names variants that exist (stride-0 inputs: the
+    check comes before the copy to contiguous; the second shape's output alone would be 8 TiB)."""
     _skip_unless_runs(opm, "outer_wg")
     _, new = _pair(opm, ref, 16, 8, 32, 8)
-    S, N = 2**19, 2**16  # B * S * N / 16 = 2^31
     msa = torch.randn(1, 1, 1, 16, device="cuda").expand(1, S, N, 16)
     mask = torch.ones(1, 1, 1, device="cuda").expand(1, S, N)
     new.variant = "outer_wg"
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"outer_wg needs B \* S \* N / 16 < 2\^31 .*got B = 1, "
-                                                           r"S = 524288, N = 65536; use outer_first or w_first_wg2"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"outer_wg needs B \* S \* N / 16 < 2\^31 .* and "
+                                                           r"B \* N\^2 / 64 < 2\^31 .*got B = 1, "
+                                                           rf"S = {S}, N = {N}; use outer_first or w_first_wg2"):
         new(msa, mask)
     for v in ("outer_first", "w_first_wg2"):
         assert v in opm.ModelNew.ALL_VARIANTS
