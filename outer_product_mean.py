@@ -2336,7 +2336,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   uint64_t* empty = full + kStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t MBA = 2 * NIT;
-  // tile and slot counters in 32 bits (the host checks that the tiles number under 2^31; a block's walk uses
+  // tile and slot counters in 32 bits (the host's ow_tiles_ok keeps the tiles under 2^31; a block's walk uses
   // fewer ring slots than that): 64-bit divisions by kStages and NIT cost ~40 dependent instructions each
   const uint32_t total = static_cast<uint32_t>(B * nzc * NBB * NIT), nit = static_cast<uint32_t>(NIT),
                  nbb = static_cast<uint32_t>(NBB), nz = static_cast<uint32_t>(nzc);
@@ -3768,8 +3768,7 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream) {
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
-    const int64_t tiles = B * od.nzc * od.NBB * od.NIT;
-    TORCH_CHECK(tiles < (1ll << 31), "outer_product_mean: the wgmma outer-first kernel takes fewer than 2^31 tiles");
+    const int64_t tiles = B * od.nzc * od.NBB * od.NIT;  // < 2^31 (the callers' ow_tiles_ok)
     const int g = grid_for(std::min<int64_t>(tiles, d.sms));
     kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
                                             inv_denom.data_ptr<float>(), bo, outp, B, N, od.KB,
