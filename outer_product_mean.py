@@ -31,7 +31,7 @@ There outer_wg wins at most shapes (in float16 / bfloat16 at few sequences too),
 sequences, w_first_small at tiny ones.
 `model.last_variant` names the variant that ran. The paths:
   outer_wg     opm_ow_params_kernel (LayerNorm affine folded into the projection weights, split-TF32
-               weight planes), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, written
+               weight planes; row-scaled float16 planes for a 16-bit msa), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, written
                as a / b's split-TF32 planes in wgmma tile order, fp16 / bf16 planes for a 16-bit msa;
                inv_denom), opm_outer_wg_kernel<T> (persistent, warp-specialised: per 16 i x 4 j x 128
                z tile, phase A O = a b^T and phase B out += O Wo on wgmma, fed by one producer
@@ -64,7 +64,8 @@ outputs over 2^31 elements, non-contiguous inputs (copied first). One CUDA devic
 the device of the inputs.
 Half precision and training: with float16 / bfloat16 inputs and parameters outer_wg reads msa_repr,
 the mask and the parameters and writes its output in that dtype (no PyTorch casts): LayerNorm and
-the projections in fp32 (mma.sync single TF32 for bfloat16, split for float16), a and b rounded to
+the projections on mma.sync in float16 with fp32 accumulation (normalised rows and row-scaled weights
+each split into two float16 terms for float16, one term for bfloat16), a and b rounded to
 the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores with fp32
 accumulation, O / denom rounded to float16 (each pair's row scaled by a power of two: no overflow;
 2^-11, under bfloat16's 2^-8) and multiplied by Wo in float16 on the tensor cores (bfloat16 weights
@@ -1158,6 +1159,18 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
   __trap();  // TF32 mma needs sm_80+: never return a silently wrong product
 #endif
 }
+// d += a b for one m16n8k16 step in float16 (fp32 accumulation): a[0] row g, k 2 t + {0, 1}; a[1] row
+// g + 8; a[2] k + 8; a[3] both; b0 k 2 t + {0, 1}, b1 k + 8, column g; d as mma_tf32's.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // f16 mma needs sm_80+
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // opm_wfirst_tc_kernel: opm_wfirst_gemm_kernel's product (w_first stage 2 for the j-chunk
@@ -1868,36 +1881,101 @@ __device__ __forceinline__ void pack_wop16(int64_t e3, const P* __restrict__ wo,
 //   Wf[((u * 8 + nt) * 2 + plane) * 128 + lane * 4 + e] = plane of Wg[8 nt + lane / 4, 16 u + 4 (lane % 4) + e]
 // (the k order of opm_prep_ow_kernel: in each 16-k group u, lane t's k = 16u + 4t + {0, 1} make
 // mma step 0's columns t and t + 4, and 16u + 4t + {2, 3} step 1's).
+// For float16 / bfloat16 msa (w16) the products run on mma.sync m16n8k16 in float16 instead:
+//   y[r, o] = isc[o] sum_k xn[r, k] (sc[o] Wg[o, k]) + bias'[o],   xn = (x - mean_r) rstd_r
+// with sc[o] = 2^e the power of two that puts max_k |Wg[o, k]| sc[o] in [2^14, 2^15) (no float16
+// overflow; the row's large values far above float16's subnormals) and isc[o] = 1 / sc[o]; |xn| <=
+// sqrt(c_m), so xn needs no scale. Each operand is rounded to float16 (hi), and for float16 msa also
+// split: lo = float16(v - hi), products lo hi + hi lo + hi hi (about 2^-21 relative, as split TF32);
+// bfloat16 msa takes hi hi alone (2^-11 per operand, as one TF32 pass, under bfloat16's 2^-8).
+// Wf (as float16, U * 8 * 2 * 128 halves, the first half of the float32 layout's space):
+//   Wf16[(((u * 8 + nt) * 2 + plane) * 32 + lane) * 4 + e] = plane of sc Wg[8 nt + lane / 4, 16 u + 4 (lane % 4) + e]
+// (lane t's k = 16u + 4t + {0, 1} are m16n8k16's k 2t, 2t + 1 (b0), 16u + 4t + {2, 3} its k 2t + 8,
+// 2t + 9 (b1), as the x chunk that lane reads: a0 / a2).
 // ---------------------------------------------------------------------------------------------
 constexpr int kPoLDY = 64 * 4 + 4; // staging row (one n): 64 channels x 4 s, +4: conflict-free stores
-constexpr int kPoBiasBlocks = 8;   // opm_ow_params_kernel: 8 blocks x 8 warps, one warp per channel o
+constexpr int kPoBiasBlocks = 64;  // opm_ow_params_kernel: one block per channel o
 
 // opm_ow_params_kernel: outer_wg's weight operands in one launch. Blocks [0, kPoBiasBlocks): bias'[o],
-//   one warp per o (lanes over k, fp64); the rest, one grid-stride index over Wf's 4-element groups
-//   (U * 8 * 32, U = ceil(c_m / 16)) then WoP's (pack_wop4; with wo16, pack_wop16: float16 blocks), then,
-//   where bof is not null, bo as fp32 into bof (c_z). P: the parameters' type (float, __half or
-//   __nv_bfloat16), read as fp32.
-//   Wf: (U * 8 * 2 * 128) floats then bias' (64), as above.
+//   one block per o (threads over k, fp64), and with w16 also sc[o] and row o of Wf16 (above); the rest,
+//   one grid-stride index over Wf's 4-element groups (U * 8 * 32, U = ceil(c_m / 16); none with w16)
+//   then WoP's (pack_wop4; with wo16, pack_wop16: float16 blocks), then, where bof is not null, bo as
+//   fp32 into bof (c_z). P: the parameters' type (float, __half or __nv_bfloat16), read as fp32.
+//   Wf: (U * 8 * 2 * 128) floats (or Wf16) then bias' (64), then isc (64; 1 without w16), as above.
 template <typename P>
 __global__ void __launch_bounds__(kThreads) opm_ow_params_kernel(
     const P* __restrict__ ln_w, const P* __restrict__ ln_b, const P* __restrict__ wa, const P* __restrict__ ba,
     const P* __restrict__ wb, const P* __restrict__ bb, const P* __restrict__ wo, const P* __restrict__ bo,
-    float* __restrict__ Wf, float* __restrict__ biasf, float* __restrict__ bof, void* __restrict__ WoP, int wo16, int cm,
-    int c, int cz, int nzc) {
+    float* __restrict__ Wf, float* __restrict__ biasf, float* __restrict__ bof, void* __restrict__ WoP, int wo16, int w16,
+    int cm, int c, int cz, int nzc) {
   const int tid = threadIdx.x;
   const int64_t blk = blockIdx.x;
+  const int U = static_cast<int>(cdiv(cm, 16));
   if (blk < kPoBiasBlocks) {
-    const int o = static_cast<int>(blk) * (kThreads / 32) + tid / 32, lane = tid % 32, h = o % 32;
+    const int o = static_cast<int>(blk), h = o % 32, lane = tid % 32, warp = tid / 32;
     const P* W = o < 32 ? wa : wb;
+    // thread's k = tid + kThreads i: all loads in flight at once, Wg kept for Wf16; the fp64 sums per
+    // thread, then per warp by shuffles, then over the warps in order (zeros past c_m add nothing)
+    constexpr int KI = kMaxMsaDim / kThreads;
+    static_assert(KI * kThreads == kMaxMsaDim, "opm_ow_params_kernel: k chunks cover c_m");
     double acc = 0.0;
-    if (h < c)
-      for (int k = lane; k < cm; k += 32) acc += static_cast<double>(ldg_f(ln_b, k)) * ldg_f(W, static_cast<int64_t>(h) * cm + k);
+    float wg[KI], mx = 0.f;  // Wg[o, k]; max_k |Wg[o, k]|
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) biasf[o] = h < c ? static_cast<float>(static_cast<double>(ldg_f(o < 32 ? ba : bb, h)) + acc) : 0.f;
+    for (int i = 0; i < KI; ++i) {
+      const int k = tid + kThreads * i;
+      const bool in = h < c && k < cm;
+      const float w = in ? ldg_f(W, static_cast<int64_t>(h) * cm + k) : 0.f;
+      acc += static_cast<double>(in ? ldg_f(ln_b, k) : 0.f) * w;
+      wg[i] = (in ? ldg_f(ln_w, k) : 0.f) * w;
+      mx = fmaxf(mx, fabsf(wg[i]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    }
+    __shared__ double red_d[kThreads / 32];
+    __shared__ float red_m[kThreads / 32];
+    if (lane == 0) {
+      red_d[warp] = acc;
+      red_m[warp] = mx;
+    }
+    __syncthreads();
+    acc = 0.0;
+    mx = 0.f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) {
+      acc += red_d[w];
+      mx = fmaxf(mx, red_m[w]);
+    }
+    // sc = 2^e with mx sc in [2^14, 2^15) (mx = m 2^ex, m in [0.5, 1)); 1 for a zero or non-finite row
+    int ex = 0;
+    frexpf(mx, &ex);
+    const int e = w16 && mx > 0.f && isfinite(mx) ? min(max(15 - ex, -126), 126) : 0;
+    if (tid == 0) {
+      biasf[o] = h < c ? static_cast<float>(static_cast<double>(ldg_f(o < 32 ? ba : bb, h)) + acc) : 0.f;
+      biasf[64 + o] = ldexpf(1.f, -e);
+    }
+    if (w16) {  // row o of Wf16: k over 16 U (<= kMaxMsaDim), zeros past c_m
+      const float sc = ldexpf(1.f, e);
+      __half* W16 = reinterpret_cast<__half*>(Wf);
+      const int nt = o / 8, g = o % 8;
+#pragma unroll
+      for (int i = 0; i < KI; ++i) {
+        const int k = tid + kThreads * i;
+        if (k < 16 * U) {
+          const float v = wg[i] * sc;
+          const __half hi = __float2half_rn(v), lo = __float2half_rn(v - __half2float(hi));
+          const int u = k / 16, t = (k % 16) / 4;
+          __half* dst = W16 + ((static_cast<int64_t>(u * 8 + nt) * 2) * 32 + 4 * g + t) * 4 + k % 4;
+          dst[0] = hi;
+          dst[32 * 4] = lo;
+        }
+      }
+    }
     return;
   }
-  const int64_t nF = static_cast<int64_t>(cdiv(cm, 16)) * 8 * 32;
+  const int64_t nF = w16 ? 0 : static_cast<int64_t>(U) * 8 * 32;
   const int64_t nW = static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8;
   const int64_t nB = bof != nullptr ? cz : 0;  // bo as fp32 (16-bit parameters)
   const int64_t stride = (gridDim.x - kPoBiasBlocks) * static_cast<int64_t>(kThreads);
@@ -1996,8 +2074,8 @@ __device__ __forceinline__ void po_load16(float* xs, int LDX, const T* __restric
 
 // ---------------------------------------------------------------------------------------------
 // opm_prep_ow_kernel<MT, T>: LayerNorm + both projections + mask for outer_wg, on mma.sync m16n8k8 in
-//   split TF32 (one TF32 pass for bfloat16 x: a and b are rounded to bfloat16 after, 2^-8, over TF32's
-//   2^-11). A block (4 warps) takes tiles of 4 s x NW = 4 MT n (16 MT msa rows) of one b: s in
+//   split TF32 for float32 x; for float16 / bfloat16 x on m16n8k16 in float16 (Wf16 above: split for
+//   float16, one pass for bfloat16, whose a and b are rounded to 2^-8 after it). A block (4 warps) takes tiles of 4 s x NW = 4 MT n (16 MT msa rows) of one b: s in
 //   [s0, s0 + 4) (s0 = 4 sq: a quarter of a 16-s block of the fp32 planes, an eighth of a 32-s block
 //   of the T planes), n in [n0, n0 + NW); tiles cover s < kSS KBS (kSS = ow_block_s<T>) and n < 16 NIT;
 //   rows past S or N are zeros and give zeros (mask 0, rstd 0).
@@ -2017,8 +2095,10 @@ __device__ __forceinline__ void po_load16(float* xs, int LDX, const T* __restric
 //       register ring of kWR groups (below), its first groups loaded during (2); per k step
 //       the small terms, then hi*hi, into a fresh accumulator, promoted into fp32 by ordinary adds
 //       (promoting once per group instead measured no faster: 151 vs 146 us at crop); one pass:
-//       hi*hi into the running accumulator.
-//   (4) y * rstd + bias', times the mask, staged as ys[n_l][o][s_l] (row kPoLDY) over the x tile,
+//       hi*hi into the running accumulator. 16-bit x: y = xn . (sc Wg), each 16-k group one
+//       m16n8k16 k step (the lane's chunk is its a0 / a1 and a2 / a3 pairs), the split's three
+//       products per group into a fresh accumulator, promoted as above.
+//   (4) y * rstd + bias' (16-bit x: y * isc + bias'), times the mask, staged as ys[n_l][o][s_l] (row kPoLDY) over the x tile,
 //       then read as 4 s of one (n, o) (16 bytes), split, and written to both planes of Aow (o < 32)
 //       or Bow (o >= 32; j < 4 NBB): 8 lanes write 128 contiguous bytes per plane; for T, rounded to
 //       T and written as 8 bytes at ow_off16h of the block (8 lanes: 8 rows of one core matrix).
@@ -2046,7 +2126,7 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
   constexpr int RT = 16 * MT, NW = 4 * MT;  // rows, residues n per tile
   constexpr bool k16 = !std::is_same_v<T, float>;        // 16-bit input: T planes (ow_off16h)
   constexpr int kSS = ow_block_s<T>();                      // s per plane block
-  constexpr bool kSplitProj = !std::is_same_v<T, __nv_bfloat16>;  // bfloat16: one TF32 pass (below)
+  constexpr bool kSplitProj = !std::is_same_v<T, __nv_bfloat16>;  // bfloat16: one pass (hi hi, below)
   using PT = std::conditional_t<k16, T, float>;
   PT* Aow = static_cast<PT*>(Aow_v);
   PT* Bow = static_cast<PT*>(Bow_v);
@@ -2069,17 +2149,18 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
   __syncthreads();
   const bool bulk = (cm & 3) == 0;  // rows are 16-byte multiples at 16-byte aligned addresses
   const int64_t NNT = 16 * NIT / NW, NSQ = (kSS / 4) * KBS, ntiles = B * NSQ * NNT, MBA = 2 * NIT;
-  const float4* Wf4 = reinterpret_cast<const float4*>(Wf);
   unsigned phase = 0;
   // Wf's B fragments for (3): a ring of kWR 16-k groups in registers, group u in slot u % kWR,
   // refilled with group u + kWR once read, filled after each tile's x loads (its latency under the
   // statistics); (3) runs kWR groups per loop step so that no slot is copied (a one-group ring moved its
   // registers at every step and so waited there for the load just issued). float32: one group (its
   // prep, 146 us at crop, as before; a deeper ring there is not measured). bfloat16 reads no lo plane:
-  // those loads are dead and the compiler drops them.
+  // those loads are dead and the compiler drops them. Per lane and group one float4 per n8 tile and
+  // plane (two TF32 k steps), or one uint2 (Wf16: one float16 k step of 16).
   constexpr int kWR = std::is_same_v<T, float> ? 1 : kSplitProj ? 2 : 4;
-  const float4* wf = Wf4 + (2 * warp) * 64 + lane;  // this warp's n8 tiles 2 warp, 2 warp + 1
-  float4 wh[kWR][2], wl[kWR][2];
+  using WV = std::conditional_t<k16, uint2, float4>;
+  const WV* wf = reinterpret_cast<const WV*>(Wf) + (2 * warp) * 64 + lane;  // this warp's n8 tiles 2 warp, 2 warp + 1
+  WV wh[kWR][2], wl[kWR][2];
   // 16-bit x with c_m % 8 == 0 (16-byte rows): po_load16 with RPW rows x CPL chunks per lane (MT 2
   // takes c_m <= 256, MT 1 c_m <= 768)
   constexpr int RPW = RT / 4, CPL = MT == 2 ? 1 : 3;
@@ -2161,11 +2242,15 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
     }
     __syncthreads();  // st_s complete
     // ---- (3) acc[mt][j][2 hf + e] = sum_k (x - mean)[row 16 mt + 8 hf + g][k] Wg[16 warp + 8 j + 2 t + e][k] ----
-    float mean[MT][2];
+    // (16-bit x: sum_k xn[row][k] sc Wg[o][k], xn = (x - mean) rstd, on m16n8k16 in float16)
+    float mean[MT][2], rstd[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) mean[mt][hf] = st_s[0][16 * mt + 8 * hf + g];
+      for (int hf = 0; hf < 2; ++hf) {
+        mean[mt][hf] = st_s[0][16 * mt + 8 * hf + g];
+        if constexpr (k16) rstd[mt][hf] = st_s[1][16 * mt + 8 * hf + g];
+      }
     float acc[MT][2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -2179,39 +2264,73 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
       for (int r = 0; r < kWR; ++r) {
         const int u = u0 + r;
         if (u >= U) break;
-        const uint32_t bh[2][2][2] = {  // [j][k step][b register]
-            {{__float_as_uint(wh[r][0].x), __float_as_uint(wh[r][0].y)}, {__float_as_uint(wh[r][0].z), __float_as_uint(wh[r][0].w)}},
-            {{__float_as_uint(wh[r][1].x), __float_as_uint(wh[r][1].y)}, {__float_as_uint(wh[r][1].z), __float_as_uint(wh[r][1].w)}}};
-        const uint32_t bl[2][2][2] = {
-            {{__float_as_uint(wl[r][0].x), __float_as_uint(wl[r][0].y)}, {__float_as_uint(wl[r][0].z), __float_as_uint(wl[r][0].w)}},
-            {{__float_as_uint(wl[r][1].x), __float_as_uint(wl[r][1].y)}, {__float_as_uint(wl[r][1].z), __float_as_uint(wl[r][1].w)}}};
+        if constexpr (k16) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          uint32_t ah[2][4], al[2][4];  // [k step][fragment register]
+          for (int mt = 0; mt < MT; ++mt) {
+            uint32_t ah[4], al[4];  // m16n8k16 A fragment: the lane's chunk of rows g (hf 0) and g + 8 (hf 1)
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            // columns >= c_m hold zeros, so -mean there; Wg is zero there (finite means give 0)
-            const float4 v = reinterpret_cast<const float4*>(xs + (16 * mt + 8 * hf + g) * LDX)[4 * u + t];
-            split_tf32(v.x - mean[mt][hf], ah[0][hf], al[0][hf]);
-            split_tf32(v.y - mean[mt][hf], ah[0][hf + 2], al[0][hf + 2]);
-            split_tf32(v.z - mean[mt][hf], ah[1][hf], al[1][hf]);
-            split_tf32(v.w - mean[mt][hf], ah[1][hf + 2], al[1][hf + 2]);
-          }
+            for (int hf = 0; hf < 2; ++hf) {
+              // columns >= c_m hold zeros, so -mean rstd there; Wf16 is zero there (finite values give 0)
+              const float4 v = reinterpret_cast<const float4*>(xs + (16 * mt + 8 * hf + g) * LDX)[4 * u + t];
+              const float m = mean[mt][hf], rs = rstd[mt][hf];
+              const float x0 = (v.x - m) * rs, x1 = (v.y - m) * rs, x2 = (v.z - m) * rs, x3 = (v.w - m) * rs;
+              ah[hf] = pack2_16<__half>(x0, x1);
+              ah[hf + 2] = pack2_16<__half>(x2, x3);
+              if constexpr (kSplitProj) {
+                const float2 h01 = to_float2<__half>(ah[hf]), h23 = to_float2<__half>(ah[hf + 2]);
+                al[hf] = pack2_16<__half>(x0 - h01.x, x1 - h01.y);
+                al[hf + 2] = pack2_16<__half>(x2 - h23.x, x3 - h23.y);
+              }
+            }
 #pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int st = 0; st < 2; ++st) {
+            for (int j = 0; j < 2; ++j) {
               if constexpr (kSplitProj) {
                 float d[4] = {0.f, 0.f, 0.f, 0.f};
-                mma_tf32(d, al[st], bh[j][st][0], bh[j][st][1]);  // the small terms first
-                mma_tf32(d, ah[st], bl[j][st][0], bl[j][st][1]);
-                mma_tf32(d, ah[st], bh[j][st][0], bh[j][st][1]);
+                mma_f16(d, al, wh[r][j].x, wh[r][j].y);  // the small terms first
+                mma_f16(d, ah, wl[r][j].x, wl[r][j].y);
+                mma_f16(d, ah, wh[r][j].x, wh[r][j].y);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) acc[mt][j][q] += d[q];
               } else {
-                mma_tf32(acc[mt][j], ah[st], bh[j][st][0], bh[j][st][1]);
+                mma_f16(acc[mt][j], ah, wh[r][j].x, wh[r][j].y);
               }
             }
+          }
+        } else {
+          const uint32_t bh[2][2][2] = {  // [j][k step][b register]
+              {{__float_as_uint(wh[r][0].x), __float_as_uint(wh[r][0].y)}, {__float_as_uint(wh[r][0].z), __float_as_uint(wh[r][0].w)}},
+              {{__float_as_uint(wh[r][1].x), __float_as_uint(wh[r][1].y)}, {__float_as_uint(wh[r][1].z), __float_as_uint(wh[r][1].w)}}};
+          const uint32_t bl[2][2][2] = {
+              {{__float_as_uint(wl[r][0].x), __float_as_uint(wl[r][0].y)}, {__float_as_uint(wl[r][0].z), __float_as_uint(wl[r][0].w)}},
+              {{__float_as_uint(wl[r][1].x), __float_as_uint(wl[r][1].y)}, {__float_as_uint(wl[r][1].z), __float_as_uint(wl[r][1].w)}}};
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            uint32_t ah[2][4], al[2][4];  // [k step][fragment register]
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+              // columns >= c_m hold zeros, so -mean there; Wg is zero there (finite means give 0)
+              const float4 v = reinterpret_cast<const float4*>(xs + (16 * mt + 8 * hf + g) * LDX)[4 * u + t];
+              split_tf32(v.x - mean[mt][hf], ah[0][hf], al[0][hf]);
+              split_tf32(v.y - mean[mt][hf], ah[0][hf + 2], al[0][hf + 2]);
+              split_tf32(v.z - mean[mt][hf], ah[1][hf], al[1][hf]);
+              split_tf32(v.w - mean[mt][hf], ah[1][hf + 2], al[1][hf + 2]);
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+              for (int st = 0; st < 2; ++st) {
+                if constexpr (kSplitProj) {
+                  float d[4] = {0.f, 0.f, 0.f, 0.f};
+                  mma_tf32(d, al[st], bh[j][st][0], bh[j][st][1]);  // the small terms first
+                  mma_tf32(d, ah[st], bl[j][st][0], bl[j][st][1]);
+                  mma_tf32(d, ah[st], bh[j][st][0], bh[j][st][1]);
+#pragma unroll
+                  for (int q = 0; q < 4; ++q) acc[mt][j][q] += d[q];
+                } else {
+                  mma_tf32(acc[mt][j], ah[st], bh[j][st][0], bh[j][st][1]);
+                }
+              }
+          }
         }
         if (u + kWR < U) {
 #pragma unroll
@@ -2236,7 +2355,9 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int o = 16 * warp + 8 * j + 2 * t + e;
-            yrow[4 * o] = (acc[mt][j][2 * hf + e] * rs + __ldg(biasf + o)) * mr;
+            // (16-bit x: rstd is in xn, and isc[o], after bias', undoes Wf16's row scale exactly)
+            const float f = k16 ? __ldg(biasf + 64 + o) : rs;
+            yrow[4 * o] = (acc[mt][j][2 * hf + e] * f + __ldg(biasf + o)) * mr;
           }
       }
     __syncthreads();  // ys complete
@@ -3787,26 +3908,29 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
 // prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
 static int po_mt(int cm) { return cm <= 256 ? 2 : 1; }
 static size_t po_smem_bytes(int cm, int MT) { return 4ull * po_tile_floats(cm, MT); }
-// opm_ow_params_kernel: returns Wf then bias' (64 floats) in one tensor, and writes WoP for od.nzc z groups
-// (none with nzc 0: wo and WoP are then not read).
+// opm_ow_params_kernel: returns Wf (float32 planes, or Wf16 for a 16-bit msa: w16), then bias' and
+// isc (64 floats each) in one tensor, and writes WoP for od.nzc z groups (none with nzc 0: wo and WoP
+// are then not read).
 // The parameters all float32, or all float16 / bfloat16 (then Wf's tail holds bo as fp32 too: c_z floats
-// after bias', the fused kernel's bias); wo, bo: undefined tensors where nzc is 0 (not read).
+// after isc, the fused kernel's bias); wo, bo: undefined tensors where nzc is 0 (not read).
+static int64_t ow_wf_floats(int cm) { return cdiv(cm, 16) * 8 * 256; }  // Wf's weights; bias' follows
 static at::Tensor launch_ow_params(const at::Tensor& ln_w, const at::Tensor& ln_b, const at::Tensor& wa,
                                    const at::Tensor& ba, const at::Tensor& wb, const at::Tensor& bb, const at::Tensor& wo,
-                                   const at::Tensor& bo, void* WoP, int wo16, int cm, int c, int cz, int nzc,
+                                   const at::Tensor& bo, void* WoP, int wo16, int w16, int cm, int c, int cz, int nzc,
                                    const DevInfo& d, cudaStream_t stream) {
   const int64_t U = cdiv(cm, 16);
   const bool p16 = ln_w.scalar_type() != at::kFloat;
-  at::Tensor Wf = at::empty({U * 8 * 256 + 64 + (p16 ? cz : 0)}, ln_w.options().dtype(at::kFloat));
-  const int64_t nrest = U * 8 * 32 + static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8 + (p16 ? cz : 0);
+  at::Tensor Wf = at::empty({ow_wf_floats(cm) + 128 + (p16 ? cz : 0)}, ln_w.options().dtype(at::kFloat));
+  const int64_t nrest = (w16 ? 0 : U * 8 * 32) + static_cast<int64_t>(nzc) * kOwNQ * kOwHC * kOwZ * 8 + (p16 ? cz : 0);
   const int gpar = grid_for(kPoBiasBlocks + std::min<int64_t>(cdiv(nrest, kThreads), 2ll * d.sms));
   float* wf = Wf.data_ptr<float>();
   auto run = [&](auto tag) {
     using P = decltype(tag);
     auto ptr = [](const at::Tensor& t) { return t.defined() ? reinterpret_cast<const P*>(t.data_ptr()) : nullptr; };
     opm_ow_params_kernel<P><<<gpar, kThreads, 0, stream>>>(ptr(ln_w), ptr(ln_b), ptr(wa), ptr(ba), ptr(wb), ptr(bb),
-                                                          ptr(wo), ptr(bo), wf, wf + U * 8 * 256,
-                                                          p16 ? wf + U * 8 * 256 + 64 : nullptr, WoP, wo16, cm, c, cz, nzc);
+                                                          ptr(wo), ptr(bo), wf, wf + ow_wf_floats(cm),
+                                                          p16 ? wf + ow_wf_floats(cm) + 128 : nullptr, WoP, wo16, w16, cm,
+                                                          c, cz, nzc);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (ln_w.scalar_type() == at::kBFloat16) run(__nv_bfloat16());
@@ -3830,7 +3954,7 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   // current one, measured slower: bfloat16 at crop 122 against 93 us, H200, 2026-12-02)
   const int gprep = grid_for(n_den + ntiles);  // (ntiles = 0 when S = 0: inv_denom still runs)
   if (gprep == 0) return;
-  const float* biasf = Wf.data_ptr<float>() + cdiv(cm, 16) * 8 * 256;
+  const float* biasf = Wf.data_ptr<float>() + ow_wf_floats(cm);
   auto run = [&](auto kernel, const auto* xp) {
     set_smem(kernel, smem, d, "the tensor-core LayerNorm/projection kernel of outer_wg");
     kernel<<<gprep, kPoThreads, smem, stream>>>(xp, mask.data_ptr(), mask_kind, Wf.data_ptr<float>(), biasf, Aow, Bow, B,
@@ -3863,10 +3987,10 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
   const int wo16 = x.scalar_type() != at::kFloat;  // 16-bit input: phase B in float16
-  const at::Tensor Wf = launch_ow_params(ln_w, ln_b, wa, ba, wb, bb, wo, bo, p.WoP.data_ptr(), wo16, cm, c, cz, od.nzc, d,
-                                         stream);
+  const at::Tensor Wf = launch_ow_params(ln_w, ln_b, wa, ba, wb, bb, wo, bo, p.WoP.data_ptr(), wo16, wo16, cm, c, cz,
+                                         od.nzc, d, stream);
   // bo as fp32: the parameter itself, or its copy in Wf's tail (16-bit parameters)
-  const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + cdiv(cm, 16) * 8 * 256 + 64;
+  const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
   launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream);
@@ -4086,7 +4210,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     // planes written) at kBwPrepOw and its tensor-core FLOPs (x3 for the split; rows and K padded
     // as executed) at kEffPrepOw
     const double el = msa.element_size(), plane_bytes = half_input ? el : 2 * 4.0;  // T, or fp32 hi + lo
-    const double passes = msa.scalar_type() == at::kBFloat16 ? 1 : 3;               // the prep's TF32 passes
+    // the prep's passes in TF32 units (its float16 products, m16n8k16, run at twice the TF32 rate)
+    const double passes = !half_input ? 3 : msa.scalar_type() == at::kBFloat16 ? 0.5 : 1.5;
     const double ow_prep_bytes = el * bsn * cm + plane_bytes * B * od.sb * od.KB * 32 * (16.0 * od.NIT + 4.0 * od.NBB);
     const double ow_prep_flops = passes * 2.0 * B * od.sb * od.KB * 16.0 * od.NIT * 16.0 * cdiv(cm, 16) * 64;
     const double ow_prep_s = std::max(ow_prep_bytes / kBwPrepOw, ow_prep_flops / kEffPrepOw);
@@ -4202,7 +4327,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
                    ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();
   const OwDims od = ow_dims(S, N, 1, ow_sb(x.scalar_type()));
   const at::Tensor Wf = launch_ow_params(lw, lb, wa_c, ba_c, wb_c, bb_c, at::Tensor(), at::Tensor(), nullptr, 0,
-                                         static_cast<int>(cm), 32, 0, 0, d, stream);
+                                         x.scalar_type() != at::kFloat, static_cast<int>(cm), 32, 0, 0, d, stream);
   launch_prep_ow<false>(x, m, mask_kind, Wf, nullptr, nullptr, a.data_ptr<float>(), b.data_ptr<float>(), B, S, N,
                         static_cast<int>(cm), static_cast<float>(eps), od, inv_denom, d, stream);
   return {a, b, inv_denom};
