@@ -31,11 +31,11 @@ There outer_wg wins at most shapes (in float16 / bfloat16 at few sequences too),
 sequences, w_first_small at tiny ones.
 `model.last_variant` names the variant that ran. The paths:
   outer_wg     opm_ow_params_kernel (LayerNorm affine folded into the projection weights, split-TF32
-               weight planes; row-scaled float16 planes for a 16-bit msa), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, written
-               as a / b's split-TF32 planes in wgmma tile order, fp16 / bf16 planes for a 16-bit msa;
-               inv_denom), opm_outer_wg_kernel<T> (persistent, warp-specialised: per 16 i x 4 j x 128
-               z tile, phase A O = a b^T and phase B out += O Wo on wgmma, fed by one producer
-               warpgroup's bulk copies).
+               weight planes; row-scaled float16 planes for a 16-bit msa), opm_prep_ow_kernel (LayerNorm
+               + projections + mask on mma.sync, written as a / b's split-TF32 planes in wgmma tile
+               order, fp16 / bf16 planes for a 16-bit msa; inv_denom), opm_outer_wg_kernel<T>
+               (persistent, warp-specialised: per 16 i x 4 j x 128 z tile, phase A O = a b^T and phase B
+               out += O Wo on wgmma, fed by one producer warpgroup's bulk copies).
   w_first_wg2  opm_prep_kernel (FMA LayerNorm + projections: aT (B, S, CP, ceil4(N)), bq (B, S, N,
                CP), inv_denom (B, N), packed Wo), opm_pack_a_kernel, per j-chunk (<= 512 MB of P's
                planes) opm_wfirst_proj_wg_kernel and the persistent wgmma GEMM opm_wfirst_wg_kernel.
@@ -1965,7 +1965,7 @@ __global__ void __launch_bounds__(kThreads) opm_ow_params_kernel(
         const int k = tid + kThreads * i;
         if (k < 16 * U) {
           const float v = wg[i] * sc;
-          const __half hi = __float2half_rn(v), lo = __float2half_rn(v - __half2float(hi));
+          const __half hi = from_float<__half>(v), lo = from_float<__half>(v - __half2float(hi));
           const int u = k / 16, t = (k % 16) / 4;
           __half* dst = W16 + ((static_cast<int64_t>(u * 8 + nt) * 2) * 32 + 4 * g + t) * 4 + k % 4;
           dst[0] = hi;
@@ -2073,12 +2073,12 @@ __device__ __forceinline__ void po_load16(float* xs, int LDX, const T* __restric
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// opm_prep_ow_kernel<MT, T>: LayerNorm + both projections + mask for outer_wg, on mma.sync m16n8k8 in
-//   split TF32 for float32 x; for float16 / bfloat16 x on m16n8k16 in float16 (Wf16 above: split for
-//   float16, one pass for bfloat16, whose a and b are rounded to 2^-8 after it). A block (4 warps) takes tiles of 4 s x NW = 4 MT n (16 MT msa rows) of one b: s in
-//   [s0, s0 + 4) (s0 = 4 sq: a quarter of a 16-s block of the fp32 planes, an eighth of a 32-s block
-//   of the T planes), n in [n0, n0 + NW); tiles cover s < kSS KBS (kSS = ow_block_s<T>) and n < 16 NIT;
-//   rows past S or N are zeros and give zeros (mask 0, rstd 0).
+// opm_prep_ow_kernel<MT, T>: LayerNorm + both projections + mask for outer_wg, on mma.sync m16n8k8 in split
+//   TF32 for float32 x; for float16 / bfloat16 x on m16n8k16 in float16 (Wf16 above: split for float16, one
+//   pass for bfloat16, whose a and b are rounded to 2^-8 after it). A block (4 warps) takes tiles of 4 s x
+//   NW = 4 MT n (16 MT msa rows) of one b: s in [s0, s0 + 4) (s0 = 4 sq: a quarter of a 16-s block of the
+//   fp32 planes, an eighth of a 32-s block of the T planes), n in [n0, n0 + NW); tiles cover s < kSS KBS
+//   (kSS = ow_block_s<T>) and n < 16 NIT; rows past S or N are zeros and give zeros (mask 0, rstd 0).
 //   Warp w computes channels o in [16 w, 16 w + 16) (two n8 tiles) for all the tile's rows, so each
 //   weight fragment feeds MT m16 tiles. Per tile:
 //   (1) x rows -> shared memory, row rho = 4 n_l + s_l at rho * LDX (LDX = 16 mod 32 words: the
@@ -2098,10 +2098,11 @@ __device__ __forceinline__ void po_load16(float* xs, int LDX, const T* __restric
 //       hi*hi into the running accumulator. 16-bit x: y = xn . (sc Wg), each 16-k group one
 //       m16n8k16 k step (the lane's chunk is its a0 / a1 and a2 / a3 pairs), the split's three
 //       products per group into a fresh accumulator, promoted as above.
-//   (4) y * rstd + bias' (16-bit x: y * isc + bias'), times the mask, staged as ys[n_l][o][s_l] (row kPoLDY) over the x tile,
-//       then read as 4 s of one (n, o) (16 bytes), split, and written to both planes of Aow (o < 32)
-//       or Bow (o >= 32; j < 4 NBB): 8 lanes write 128 contiguous bytes per plane; for T, rounded to
-//       T and written as 8 bytes at ow_off16h of the block (8 lanes: 8 rows of one core matrix).
+//   (4) y * rstd + bias' (16-bit x: y * isc + bias'), times the mask, staged as ys[n_l][o][s_l] (row
+//       kPoLDY) over the x tile, then read as 4 s of one (n, o) (16 bytes), split, and written to both
+//       planes of Aow (o < 32) or Bow (o >= 32; j < 4 NBB): 8 lanes write 128 contiguous bytes per plane;
+//       for T, rounded to T and written as 8 bytes at ow_off16h of the block (8 lanes: 8 rows of one core
+//       matrix).
 //       With a_rows (not null; hidden_dim 32), also a and b as rows: a_rows, b_rows (B, S, N, 32) fp32,
 //       row po_row, channel o % 32, valid rows only (32 lanes write one row's 128 bytes per s): the a,
 //       b that the backward takes. kPlanes false: the rows only (Aow, Bow not written).
