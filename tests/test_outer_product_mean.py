@@ -613,6 +613,18 @@ def test_output_over_2_31_elements(opm, ref):
 _HALF_ULP = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -12}
 
 
+def _outer_wg_against_fp64(m_ref, new, msa, mask):
+    """outer_wg forced on a 16-bit module pair and inputs: (got, want, want64, err, e_ref, top): ModelNew's
+    output, the reference's in that dtype, the fp64 evaluation, the max errors of both against it and its
+    largest magnitude."""
+    want64 = _ref64(m_ref, msa, mask)
+    with torch.no_grad():
+        want = m_ref(msa, mask)
+    got = _run(new, msa, mask, "outer_wg")
+    err, e_ref = (got.double() - want64).abs().max().item(), (want.double() - want64).abs().max().item()
+    return got, want, want64, err, e_ref, want64.abs().max().item()
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("S, N, cm, cz, dist", [(64, 48, 64, 128, "normal"), (300, 40, 128, 128, "heavy"),
@@ -637,13 +649,8 @@ def test_outer_wg_half_inputs_against_fp64(opm, ref, S, N, cm, cz, dist, dtype):
     m_ref, new = m_ref.to(dtype), new.to(dtype)
     msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
     mask = _mask(B, S, N, "binary", gen).to(dtype).cuda()
-    want64 = _ref64(m_ref, msa, mask)
-    with torch.no_grad():
-        want = m_ref(msa, mask)
-    got = _run(new, msa, mask, "outer_wg")
+    got, want, want64, err, e_ref, top = _outer_wg_against_fp64(m_ref, new, msa, mask)
     assert got.dtype == dtype and got.shape == want.shape and torch.isfinite(got).all()
-    top = want64.abs().max().item()
-    err, e_ref = (got.double() - want64).abs().max().item(), (want.double() - want64).abs().max().item()
     assert err <= max(e_ref, 3 * _HALF_ULP[dtype] * top), f"err {err:.2e} vs the reference's {e_ref:.2e} (top {top:.2e})"
     miss = lambda t: int(((t.double() - want64).abs() > 1e-2 + 1e-2 * want64.abs()).sum())
     assert miss(got) <= miss(want), (miss(got), miss(want))
@@ -670,13 +677,8 @@ def test_outer_wg_bf16_prep_scales_each_weight_row(opm, ref, wa_scale, wb_scale)
     m_ref, new = m_ref.to(torch.bfloat16), new.to(torch.bfloat16)
     msa = _msa((B, S, N, cm), "normal", gen).to(torch.bfloat16).cuda()
     mask = _mask(B, S, N, "binary", gen).to(torch.bfloat16).cuda()
-    want64 = _ref64(m_ref, msa, mask)
-    with torch.no_grad():
-        want = m_ref(msa, mask)
-    got = _run(new, msa, mask, "outer_wg")
-    top = want64.abs().max().item()
+    got, _, _, err, e_ref, top = _outer_wg_against_fp64(m_ref, new, msa, mask)
     assert top > 0 and torch.isfinite(got).all() and got.abs().max().item() > 0.5 * top
-    err, e_ref = (got.double() - want64).abs().max().item(), (want.double() - want64).abs().max().item()
     assert err <= max(e_ref, _HALF_ULP[torch.bfloat16] * top), f"err {err:.2e} vs the reference's {e_ref:.2e} (top {top:.2e})"
 
 
