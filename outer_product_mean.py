@@ -506,27 +506,38 @@ __device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uin
 @WGMMA_F16_M64N64K16_RS@}
 // d += A B^T for one k step of 8 in split TF32 (B's hi and lo planes K-major at b_hi, b_lo; sbo bytes
 // between 8-row groups): lo_a hi_b, hi_a lo_b, then hi_a hi_b (the small terms first); d is
-// overwritten rather than added to where fresh.
+// overwritten rather than added to where fresh. kSplit false: hi_a hi_b alone (single TF32; the lo
+// operands are not read).
+template <bool kSplit = true>
 __device__ __forceinline__ void wgmma_split_m64n64k8_rs(float (&d)[32], const uint32_t (&ahi)[4],
                                                         const uint32_t (&alo)[4], const float* b_hi,
                                                         const float* b_lo, unsigned sbo, bool fresh) {
-  wgmma_tf32_m64n64k8_rs(d, alo, wg_desc(b_hi, sbo), fresh ? 0 : 1);
-  wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_lo, sbo), 1);
-  wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_hi, sbo), 1);
+  if constexpr (kSplit) {
+    wgmma_tf32_m64n64k8_rs(d, alo, wg_desc(b_hi, sbo), fresh ? 0 : 1);
+    wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_lo, sbo), 1);
+    wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_hi, sbo), 1);
+  } else {
+    wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_hi, sbo), fresh ? 0 : 1);
+  }
 }
-// KS split-TF32 k steps in one wgmma batch with A in registers (k step q's B planes at b + 64 q, hi,
-// and b + lo_off + 64 q, lo): into the fresh accumulator d, waited for, then added into sum in fp32.
-template <int KS>
+// KS split-TF32 (kSplit) or single-TF32 k steps in one wgmma batch with A in registers (k step q's B
+// planes at b + 64 q, hi, and b + lo_off + 64 q, lo): into the fresh accumulator d, waited for, then
+// added into sum in fp32.
+template <int KS, bool kSplit = true>
 __device__ __forceinline__ void wgmma_split_batch_rs(float (&d)[32], float (&sum)[32], uint32_t (&ahi)[KS][4],
                                                      uint32_t (&alo)[KS][4], const float* b, int lo_off, unsigned sbo) {
   wg_fence_acc(d);
 #pragma unroll
   for (int q = 0; q < KS; ++q)  // the A fragments are wgmma inputs too: written before the fence
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[q][e]), "+r"(alo[q][e])::"memory");
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (kSplit) asm volatile("" : "+r"(ahi[q][e]), "+r"(alo[q][e])::"memory");
+      else asm volatile("" : "+r"(ahi[q][e])::"memory");
+    }
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-  for (int q = 0; q < KS; ++q) wgmma_split_m64n64k8_rs(d, ahi[q], alo[q], b + 64 * q, b + lo_off + 64 * q, sbo, q == 0);
+  for (int q = 0; q < KS; ++q)
+    wgmma_split_m64n64k8_rs<kSplit>(d, ahi[q], alo[q], b + 64 * q, b + lo_off + 64 * q, sbo, q == 0);
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   wg_fence_acc(d);
@@ -2800,13 +2811,15 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*8 + c)*kOwStage + w*4096 + plane*2048 + wo_off16(z, p % 16)]
 //       = gd[b, 64 it + 32 w + p / 4, 4 jt + p % 4, z],  p = 16 c + p % 16  (warpgroup w's pair p)
 // (s = 16 kb + s % 16; zeros past S, N and c_z); Abw and Bbw only if ab, Gbw for the i tiles it0 ..
-// it0 + NITc - 1 (a chunk). Work items of 4 consecutive k, one store_split4 each.
+// it0 + NITc - 1 (a chunk). Work items of 4 consecutive k, one store_split4 each (kSplit false: the hi
+// planes alone, for opm_bw_wo_kernel<false>; the lo planes are left unwritten).
 // ---------------------------------------------------------------------------------------------
 constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
 constexpr int kBwoStages = 4;
 constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLDO) + 16 * kBwoStages;
 __host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
+template <bool kSplit>
 __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     const float* __restrict__ av, const float* __restrict__ bv, const float* __restrict__ g,
     const float* __restrict__ inv_denom, float* __restrict__ Abw, float* __restrict__ Bbw, float* __restrict__ Gbw,
@@ -2860,7 +2873,14 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
       dst = Gbw + blk * kOwStage + w * 4096 + wo_off16(z, 4 * quad);
       plane = 2048;
     }
-    store_split4(dst, dst + plane, v[0], v[1], v[2], v[3]);
+    if constexpr (kSplit) {
+      store_split4(dst, dst + plane, v[0], v[1], v[2], v[3]);
+    } else {
+      uint32_t h[4], l;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) split_tf32(v[q], h[q], l);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
+    }
   }
 }
 
@@ -2878,7 +2898,10 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // D stays in registers over the block's tiles: part[(x*2 + w)*8192 + 128 hk + z] at the end
 // (opm_bw_wo_sum_kernel sums the groups and warpgroups in order).
 // Registers per consumer thread: phase A acc 64 + d 64, D 64; phase W D 64 + fresh 64 + fragments.
+// kSplit false (float16 / bfloat16 inputs): single TF32, hi x hi alone in both phases (only the hi planes
+// are written and copied), about 2^-11 relative per operand.
 // ---------------------------------------------------------------------------------------------
+template <bool kSplit>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     const float* __restrict__ Abw, const float* __restrict__ Bbw, const float* __restrict__ Gbw,
     float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc) {
@@ -2911,15 +2934,30 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         const float* bb = Bbw + (b * NBB + jt) * KB16 * (2 * kOwBPlane);
         for (int kb = 0; kb < kbs; ++kb) {
           const int st = static_cast<int>(u % kBwoStages);
-          float* dst = slot(4 * kOwStage);
-          bulk_copy(dst, a + kb * MB * (2 * kOwAPlane), 4 * 4 * kOwAPlane, full + st);
-          bulk_copy(dst + 4 * kOwAPlane, bb + kb * (2 * kOwBPlane), 4 * 2 * kOwBPlane, full + st);
+          const float* ak = a + kb * MB * (2 * kOwAPlane);
+          const float* bk = bb + kb * (2 * kOwBPlane);
+          if constexpr (kSplit) {
+            float* dst = slot(4 * kOwStage);
+            bulk_copy(dst, ak, 4 * 4 * kOwAPlane, full + st);
+            bulk_copy(dst + 4 * kOwAPlane, bk, 4 * 2 * kOwBPlane, full + st);
+          } else {  // the hi planes: a of both 32-row blocks, b
+            float* dst = slot(4 * (2 * kOwAPlane + kOwBPlane));
+            bulk_copy(dst, ak, 4 * kOwAPlane, full + st);
+            bulk_copy(dst + 2 * kOwAPlane, ak + 2 * kOwAPlane, 4 * kOwAPlane, full + st);
+            bulk_copy(dst + 4 * kOwAPlane, bk, 4 * kOwBPlane, full + st);
+          }
         }
         const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * 8 * kOwStage;
         for (int c = 0; c < 8; ++c) {
           const int st = static_cast<int>(u % kBwoStages);
-          float* dst = slot(4 * kOwStage);
-          bulk_copy(dst, gt + c * kOwStage, 4 * kOwStage, full + st);
+          if constexpr (kSplit) {
+            float* dst = slot(4 * kOwStage);
+            bulk_copy(dst, gt + c * kOwStage, 4 * kOwStage, full + st);
+          } else {  // each warpgroup's hi plane
+            float* dst = slot(4 * 4096);
+            bulk_copy(dst, gt + c * kOwStage, 4 * 2048, full + st);
+            bulk_copy(dst + 4096, gt + c * kOwStage + 4096, 4 * 2048, full + st);
+          }
         }
       }
     }
@@ -2962,9 +3000,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
           const int off = ks * 64;
           const int fresh = (kb * (kOwSK / 8) + ks) % kWgPromo == 0;
           asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-          wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
-          wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
-          wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
+          if constexpr (kSplit) {
+            wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
+            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
+          } else {
+            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+          }
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -3016,7 +3058,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
+        for (int e = 0; e < 4; ++e) {
+          if constexpr (kSplit) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
+          else asm volatile("" : "+r"(ahi[ks][e])::"memory");
+        }
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
@@ -3024,7 +3069,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #pragma unroll
         for (int zh = 0; zh < 2; ++zh) {
           const int off = zh * 1024 + ks * 64;  // z rows 64 zh .. (8 row groups of 128 floats), pairs 8 ks ..
-          wgmma_split_m64n64k8_rs(dz[zh], ahi[ks], alo[ks], g_hi + off, g_lo + off, 512, fresh);
+          wgmma_split_m64n64k8_rs<kSplit>(dz[zh], ahi[ks], alo[ks], g_hi + off, g_lo + off, 512, fresh);
         }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -3152,7 +3197,8 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // The G step starts a fresh accumulator every two k steps (6 wgmma), the da step every four (12), each
 // added into fp32 sums: longer chains on the tensor cores' accumulator biased proj_a / proj_b's weight
 // gradients (sums over every msa row of da, db) to ~5x the reference's error at crop with one
-// accumulator per J (48 wgmma).
+// accumulator per J (48 wgmma). kSplit false (float16 / bfloat16 inputs): single TF32, hi x hi alone in
+// both steps (4 and 8 wgmma per fresh accumulator; Gt's lo plane not written, Wt's not read).
 // The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
 // waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
 // g slots: one box of the tensor map tm_g (g as (c_z, N j, N i, B)), da: (c_z, 2 j, 32 i) at (0, l0, o0,
@@ -3161,7 +3207,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // c_z read the next row (or the slot's stale tail: the ring starts zeroed, so it holds earlier data,
 // finite for finite inputs), against zero rows of Wt.
 // ---------------------------------------------------------------------------------------------
-template <int kForm>
+template <int kForm, bool kSplit>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
     const float* __restrict__ inv_denom, float* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
@@ -3249,19 +3295,47 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
       if (f == wg) {
         const float* row0 = stg + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r (hr 0)
         const float* row1 = row0 + 8 * rs1;                                       // row r + 8 (hr 1)
-        for (int p = 0; p < kp; ++p) {
-          const float4 x0 = *reinterpret_cast<const float4*>(row0 + 16 * p);
-          const float4 x1 = *reinterpret_cast<const float4*>(row1 + 16 * p);
-          uint32_t ahi[2][4], alo[2][4];
-          split_tf32(x0.x, ahi[0][0], alo[0][0]);
-          split_tf32(x1.x, ahi[0][1], alo[0][1]);
-          split_tf32(x0.y, ahi[0][2], alo[0][2]);
-          split_tf32(x1.y, ahi[0][3], alo[0][3]);
-          split_tf32(x0.z, ahi[1][0], alo[1][0]);
-          split_tf32(x1.z, ahi[1][1], alo[1][1]);
-          split_tf32(x0.w, ahi[1][2], alo[1][2]);
-          split_tf32(x1.w, ahi[1][3], alo[1][3]);
-          wgmma_split_batch_rs<2>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
+        if constexpr (kSplit) {  // 2 k steps (6 wgmma) per batch: k steps 2 p, 2 p + 1 (z = 16 p + 4 t4 + e)
+          for (int p = 0; p < kp; ++p) {
+            const float4 x0 = *reinterpret_cast<const float4*>(row0 + 16 * p);
+            const float4 x1 = *reinterpret_cast<const float4*>(row1 + 16 * p);
+            uint32_t ahi[2][4], alo[2][4];
+            split_tf32(x0.x, ahi[0][0], alo[0][0]);
+            split_tf32(x1.x, ahi[0][1], alo[0][1]);
+            split_tf32(x0.y, ahi[0][2], alo[0][2]);
+            split_tf32(x1.y, ahi[0][3], alo[0][3]);
+            split_tf32(x0.z, ahi[1][0], alo[1][0]);
+            split_tf32(x1.z, ahi[1][1], alo[1][1]);
+            split_tf32(x0.w, ahi[1][2], alo[1][2]);
+            split_tf32(x1.w, ahi[1][3], alo[1][3]);
+            wgmma_split_batch_rs<2, true>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
+          }
+        } else {  // 4 k steps (4 wgmma) per batch, 2 for an odd last p
+          // k steps 2 p and 2 p + 1 into fragments i and i + 1 (the hi parts; lo is dead)
+          auto frag = [&](int p, auto& ahi, auto& alo, int i) {
+            const float4 x0 = *reinterpret_cast<const float4*>(row0 + 16 * p);
+            const float4 x1 = *reinterpret_cast<const float4*>(row1 + 16 * p);
+            split_tf32(x0.x, ahi[i][0], alo[i][0]);
+            split_tf32(x1.x, ahi[i][1], alo[i][1]);
+            split_tf32(x0.y, ahi[i][2], alo[i][2]);
+            split_tf32(x1.y, ahi[i][3], alo[i][3]);
+            split_tf32(x0.z, ahi[i + 1][0], alo[i + 1][0]);
+            split_tf32(x1.z, ahi[i + 1][1], alo[i + 1][1]);
+            split_tf32(x0.w, ahi[i + 1][2], alo[i + 1][2]);
+            split_tf32(x1.w, ahi[i + 1][3], alo[i + 1][3]);
+          };
+          int p = 0;
+          for (; p + 1 < kp; p += 2) {
+            uint32_t ahi[4][4], alo[4][4];
+            frag(p, ahi, alo, 0);
+            frag(p + 1, ahi, alo, 2);
+            wgmma_split_batch_rs<4, false>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
+          }
+          if (p < kp) {
+            uint32_t ahi[2][4], alo[2][4];
+            frag(p, ahi, alo, 0);
+            wgmma_split_batch_rs<2, false>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
+          }
         }
       }
       release(us);
@@ -3288,7 +3362,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
         split_tf32(gsum[4 * jj + 2 * hr + 1] * sc2[hr], h1, l1);
         float* dst = gt0 + 2048 * hr + 64 * (jj % 4) + 4 * (jj / 4);
         *reinterpret_cast<uint2*>(dst) = make_uint2(h0, h1);
-        *reinterpret_cast<uint2*>(dst + 8192) = make_uint2(l0, l1);
+        if constexpr (kSplit) *reinterpret_cast<uint2*>(dst + 8192) = make_uint2(l0, l1);
       }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before wgmma reads Gt
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
@@ -3305,18 +3379,19 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #pragma unroll
           for (int e = 0; e < 32; ++e) acc[e] = 0.f;
           const float* frag = stg + (w4 * 32 + lane) * 4;
+          constexpr int KB = kSplit ? 4 : 8;  // k steps per batch: 12 wgmma split, 8 single
 #pragma unroll 1
-          for (int k2 = 0; k2 < 4; ++k2) {  // four k steps per batch
-            uint32_t ahi[4][4], alo[4][4];
+          for (int k2 = 0; k2 < 16 / KB; ++k2) {
+            uint32_t ahi[KB][4], alo[KB][4];
 #pragma unroll
-            for (int h2 = 0; h2 < 4; ++h2) {
-              const float4 v = *reinterpret_cast<const float4*>(frag + (4 * k2 + h2) * 512);
+            for (int h2 = 0; h2 < KB; ++h2) {
+              const float4 v = *reinterpret_cast<const float4*>(frag + (KB * k2 + h2) * 512);
               split_tf32(v.x, ahi[h2][0], alo[h2][0]);
               split_tf32(v.y, ahi[h2][1], alo[h2][1]);
               split_tf32(v.z, ahi[h2][2], alo[h2][2]);
               split_tf32(v.w, ahi[h2][3], alo[h2][3]);
             }
-            wgmma_split_batch_rs<4>(acc, total[mp], ahi, alo, Gt + 4 * k2 * 64, 8192, 4096);
+            wgmma_split_batch_rs<KB, kSplit>(acc, total[mp], ahi, alo, Gt + KB * k2 * 64, 8192, 4096);
           }
         }
         release(us);
@@ -3346,7 +3421,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// The backward's LayerNorm part, each msa row read once (fp32, hidden_dim 32, msa_dim CM):
+// The backward's LayerNorm part, each msa row read once (x_in and d_x_in of type T: float32, float16 or
+// bfloat16; everything else fp32; hidden_dim 32, msa_dim CM):
 //   xhat = (x_in - mean) rstd,  x = xhat ln_w + ln_b            (recomputed; statistics in two passes
 //                                                                over the row in shared memory)
 //   dpa = da * mask, dpb = db * mask                             (per row)
@@ -3356,18 +3432,22 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 //   d_ba = sum_r dpa, d_bb = sum_r dpb
 // Persistent blocks of 256 threads (one per SM) take tiles of 32 rows t = blockIdx.x, + gridDim.x, ...;
 // double-buffered: while a tile is computed, the block's next tile (x_in by one bulk copy per row into
-// rows of LDX = CM + 8 floats, da and db by one each, all on the other buffer's mbarrier) is in flight;
+// rows of LDX = CM + 8 floats, a 16-bit row in the first CM / 2 of them, da and db by one each, all on
+// the other buffer's mbarrier) is in flight;
 // a partial last tile (R % 32) is loaded by plain loads with zeros past R. Wa | Wb (ws, rows of CM + 8)
 // sit in shared memory once per block. Per tile:
 //   build: dp = (da | db) rows times the mask, split into TF32 hi / lo planes as dp[r][k] (rows of 68)
 //     and dp^T[k][r] (rows of 36); thread tid adds channel tid % 64 of rows tid / 64 + 4 i (bias sums);
-//     statistics, warp w for rows 4 w .. 4 w + 3, xhat in place;
+//     statistics, warp w for rows 4 w .. 4 w + 3 (16-bit rows widened to fp32 in place first), xhat
+//     in place;
 //   dy = dp . W (32 x CM, K = 64) and dW += dp^T . x (64 x CM, K = 32), both on mma.sync m16n8k8 in
-//     split TF32 (the small terms, then hi x hi, into a fresh accumulator per k step, added in fp32);
+//     split TF32 (the small terms, then hi x hi, into a fresh accumulator per k step, added in fp32;
+//     16-bit x: single TF32, hi x hi alone, as the other backward kernels run for 16-bit inputs);
 //     warp w owns columns [w CM / 8, (w + 1) CM / 8) of both (NT = CM / 64 n8 tiles); W and x (= xhat
 //     ln_w + ln_b) are split as their B fragments are loaded;
 //   per row, the sums of g and g xhat over the warp's columns (quad shuffles), the 8 warps' added in
-//     order through shared memory; d_x_in written (float2 per thread); d_ln_w, d_ln_b accumulated.
+//     order through shared memory; d_x_in written (two values per thread, rounded once to T); d_ln_w,
+//     d_ln_b accumulated.
 // Each block writes its partials (part[blk][64][CM]: dWa | dWb; part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b
 // over the block's rows (lanes added by shuffles), d_ba, d_bb); opm_block_sum_kernel adds them in block
 // order in fp64.
@@ -3395,15 +3475,16 @@ struct LnSmem {  // offsets in floats
 };
 template <int CM>
 constexpr size_t ln_smem_bytes() { return 4ull * LnSmem<CM>::floats; }
-template <int CM>
+template <int CM, typename T>
 __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
-    const float* __restrict__ xin, const float* __restrict__ da, const float* __restrict__ db,
+    const T* __restrict__ xin, const float* __restrict__ da, const float* __restrict__ db,
     const void* __restrict__ mask, int mask_kind, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
-    const float* __restrict__ wa, const float* __restrict__ wb, float* __restrict__ dx, float* __restrict__ part,
+    const float* __restrict__ wa, const float* __restrict__ wb, T* __restrict__ dx, float* __restrict__ part,
     float* __restrict__ part_ln, int64_t R, float eps) {
 #if defined(OPM_WG_DEVICE)
   using L = LnSmem<CM>;
   constexpr int NT = CM / 64, LDX = L::LDX, LDP = L::LDP, LDT = L::LDT;
+  constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit x: single TF32 products (the lo planes unused)
   static_assert(CM == 128 || CM == 256, "CM: 128 or 256");
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
@@ -3424,8 +3505,9 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
   auto issue = [&](int64_t tt, int buf) {  // thread 0: tile tt's bulk copies into buffer buf
     float* xs = sm + L::xs + buf * kLnRows * LDX;
     float* raw = sm + L::raw + buf * kLnRows * 64;
-    mbar_expect_tx(&bar[buf], 4u * kLnRows * (CM + 64));
-    for (int r = 0; r < kLnRows; ++r) bulk_copy(xs + r * LDX, xin + (tt * kLnRows + r) * CM, 4u * CM, &bar[buf]);
+    mbar_expect_tx(&bar[buf], kLnRows * (unsigned(sizeof(T)) * CM + 4u * 64));
+    for (int r = 0; r < kLnRows; ++r)
+      bulk_copy(xs + r * LDX, xin + (tt * kLnRows + r) * CM, unsigned(sizeof(T)) * CM, &bar[buf]);
     bulk_copy(raw, da + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
     bulk_copy(raw + kLnRows * 32, db + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
   };
@@ -3477,10 +3559,18 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
       mbar_wait(&bar[buf], (phases >> buf) & 1u);
       phases ^= 1u << buf;
     } else {  // the partial last tile: plain loads, zeros past R
-      for (int e = tid; e < kLnRows * (CM / 4); e += 256) {
-        const int r = e / (CM / 4), q = e % (CM / 4);
-        reinterpret_cast<float4*>(xs + r * LDX)[q] =
-            r0 + r < R ? __ldg(reinterpret_cast<const float4*>(xin + (r0 + r) * CM) + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+      if constexpr (std::is_same_v<T, float>) {
+        for (int e = tid; e < kLnRows * (CM / 4); e += 256) {
+          const int r = e / (CM / 4), q = e % (CM / 4);
+          reinterpret_cast<float4*>(xs + r * LDX)[q] =
+              r0 + r < R ? __ldg(reinterpret_cast<const float4*>(xin + (r0 + r) * CM) + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      } else {  // 16-bit x: 8 values per load into the row's first CM / 2 floats, where the copies put them
+        for (int e = tid; e < kLnRows * (CM / 8); e += 256) {
+          const int r = e / (CM / 8), q = e % (CM / 8);
+          reinterpret_cast<uint4*>(xs + r * LDX)[q] =
+              r0 + r < R ? __ldg(reinterpret_cast<const uint4*>(xin + (r0 + r) * CM) + q) : make_uint4(0u, 0u, 0u, 0u);
+        }
       }
       for (int e = tid; e < kLnRows * 64; e += 256) {
         const int r = (e % 1024) / 32;
@@ -3497,14 +3587,24 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
       uint32_t hi, lo;
       split_tf32(v, hi, lo);
       ph[r * LDP + k] = hi;
-      pl[r * LDP + k] = lo;
+      if constexpr (kSplit) pl[r * LDP + k] = lo;
       th[k * LDT + r] = hi;
-      tl[k * LDT + r] = lo;
+      if constexpr (kSplit) tl[k * LDT + r] = lo;
     }
-    // ---- statistics: warp w, rows 4 w .. 4 w + 3 ----
+    // ---- statistics: warp w, rows 4 w .. 4 w + 3 (16-bit x widened in place first: each lane holds its
+    //      CM / 32 values of the row in registers between the warp's reads and writes) ----
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) {
       const int r = 4 * warp + rr;
+      if constexpr (!std::is_same_v<T, float>) {
+        float v[CM / 32];
+#pragma unroll
+        for (int j = 0; j < CM / 32; ++j) v[j] = to_float(reinterpret_cast<const T*>(xs + r * LDX)[lane + 32 * j]);
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < CM / 32; ++j) xs[r * LDX + lane + 32 * j] = v[j];
+        __syncwarp();
+      }
       float sum = 0.f;
 #pragma unroll
       for (int m = lane; m < CM; m += 32) sum += xs[r * LDX + m];
@@ -3558,8 +3658,10 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_tf32(d, al[mt], bh0, bh1);  // the small terms first
-          mma_tf32(d, ah[mt], bl0, bl1);
+          if constexpr (kSplit) {
+            mma_tf32(d, al[mt], bh0, bh1);  // the small terms first
+            mma_tf32(d, ah[mt], bl0, bl1);
+          }
           mma_tf32(d, ah[mt], bh0, bh1);
 #pragma unroll
           for (int q = 0; q < 4; ++q) acc1[mt][nt][q] += d[q];
@@ -3608,8 +3710,10 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_tf32(d, al, bh[nt][0], bh[nt][1]);
-          mma_tf32(d, ah, bl[nt][0], bl[nt][1]);
+          if constexpr (kSplit) {
+            mma_tf32(d, al, bh[nt][0], bh[nt][1]);
+            mma_tf32(d, ah, bl[nt][0], bl[nt][1]);
+          }
           mma_tf32(d, ah, bh[nt][0], bh[nt][1]);
 #pragma unroll
           for (int q = 0; q < 4; ++q) accw[mt][nt][q] += d[q];
@@ -3634,9 +3738,13 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
         for (int nt = 0; nt < NT; ++nt) {
           const float dy0 = acc1[mt][nt][2 * hf], dy1 = acc1[mt][nt][2 * hf + 1];
           const float2 x2 = xh[mt][hf][nt];
-          if (r0 + r < R)
-            *reinterpret_cast<float2*>(dx + (r0 + r) * CM + col0 + 8 * nt + 2 * t) =
-                make_float2(rstd * (dy0 * lwc[nt][0] - m1 - x2.x * m2), rstd * (dy1 * lwc[nt][1] - m1 - x2.y * m2));
+          if (r0 + r < R) {
+            const float v0 = rstd * (dy0 * lwc[nt][0] - m1 - x2.x * m2), v1 = rstd * (dy1 * lwc[nt][1] - m1 - x2.y * m2);
+            if constexpr (std::is_same_v<T, float>)
+              *reinterpret_cast<float2*>(dx + (r0 + r) * CM + col0 + 8 * nt + 2 * t) = make_float2(v0, v1);
+            else
+              *reinterpret_cast<uint32_t*>(dx + (r0 + r) * CM + col0 + 8 * nt + 2 * t) = pack2_16<T>(v0, v1);
+          }
           dlw[nt][0] = fmaf(dy0, x2.x, dlw[nt][0]);
           dlw[nt][1] = fmaf(dy1, x2.y, dlw[nt][1]);
           dlb[nt][0] += dy0;
@@ -4291,7 +4399,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
 }
 
 // The backward's a and b (LayerNorm, both projections, the mask: outer_wg's prep with rows out) and
-// inv_denom, as the forward computes them: msa (B, S, N, c_m) float32 or bfloat16, mask (B, S, N) of a
+// inv_denom, as the forward computes them: msa (B, S, N, c_m) float32, float16 or bfloat16, mask (B, S, N) of a
 // dtype mask_kind_of takes, parameters float32 with hidden_dim 32, c_m <= kMaxMsaDim, CUDA, on a device
 // where outer_wg runs, B * S * N / 16 < 2^31 (S, N rounded up to 16). Returns (a, b (B, S, N, 32) fp32,
 // inv_denom (B, N)).
@@ -4300,8 +4408,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
                                                                  at::Tensor wb, at::Tensor bb, double eps) {
   for (const at::Tensor* t : {&msa, &mask, &ln_w, &ln_b, &wa, &ba, &wb, &bb})
     TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_rows takes CUDA tensors");
-  TORCH_CHECK(msa.dim() == 4 && (msa.scalar_type() == at::kFloat || msa.scalar_type() == at::kBFloat16),
-              "outer_product_mean: opm_backward_rows: msa (B, S, N, c_m) float32 or bfloat16");
+  TORCH_CHECK(msa.dim() == 4 && (msa.scalar_type() == at::kFloat || msa.scalar_type() == at::kHalf ||
+                                 msa.scalar_type() == at::kBFloat16),
+              "outer_product_mean: opm_backward_rows: msa (B, S, N, c_m) float32, float16 or bfloat16");
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), cm = msa.size(3);
   TORCH_CHECK(cm >= 1 && cm <= kMaxMsaDim, "outer_product_mean: opm_backward_rows: c_m in [1, ", num(kMaxMsaDim), "]");
   TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
@@ -4335,11 +4444,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 }
 
 // The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N),
-// g (B, N, N, c_z) fp32, c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). Returns dwo
-// (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most kBwoChunkBytes; each chunk's block
+// g (B, N, N, c_z) fp32, c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok); split TF32
+// (split) or single TF32 (opm_bw_wo_kernel<false>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most kBwoChunkBytes; each chunk's block
 // partials are added into dwo in order (a fixed summation order for a given device).
 constexpr int64_t kBwoChunkBytes = 256ll << 20;
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g) {
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, bool split) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &g})
@@ -4368,17 +4477,19 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   at::Tensor Gbw = at::empty({B * NITc * NBB * 8 * kOwStage}, f32);
   const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NBB, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
-  set_smem(opm_bw_wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
+  const auto wo_kernel = split ? opm_bw_wo_kernel<true> : opm_bw_wo_kernel<false>;
+  const auto wo_prep_kernel = split ? opm_bw_wo_prep_kernel<true> : opm_bw_wo_prep_kernel<false>;
+  set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
   for (int64_t it0 = 0; it0 < NIT; it0 += NITc) {
     const int64_t nitc = std::min<int64_t>(NITc, NIT - it0);
     const bool ab = it0 == 0;
     const int64_t items = (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * 8 * 1024;
-    opm_bw_wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
+    wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
         ac.data_ptr<float>(), bc.data_ptr<float>(), gc.data_ptr<float>(), ic.data_ptr<float>(), Abw.data_ptr<float>(),
         Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0, nitc);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * NBB, groups)));
-    opm_bw_wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
+    wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
         Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT, NBB,
         it0, nitc);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -4427,9 +4538,10 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 
 // The backward's da and db (before the mask) on wgmma, G recomputed per tile: a, b (B, S, N, 32) fp32
 // (masked), inv_denom (B, N), g (B, N, N, c_z) fp32 with c_z <= 128 and c_z % 4 == 0 (16-byte rows: the
-// tensor map's strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. Returns (da, db).
+// tensor map's strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs; split TF32 (split) or
+// single TF32 (opm_bw_ab_kernel<form, false>). Returns (da, db).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo) {
+                                                   at::Tensor wo, bool split) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &g, &wo})
@@ -4466,29 +4578,34 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   TORCH_CHECK(blocks < (1ll << 31), "outer_product_mean: opm_backward_ab: too many blocks");
   const float* vt = Vt.data_ptr<float>();
   const float* wt = Wt.data_ptr<float>();
-  set_smem(opm_bw_ab_kernel<0>, kAbSmemBytes, d, "the backward's da kernel");
-  opm_bw_ab_kernel<0><<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+  const auto da_kernel = split ? opm_bw_ab_kernel<0, true> : opm_bw_ab_kernel<0, false>;
+  const auto db_kernel = split ? opm_bw_ab_kernel<1, true> : opm_bw_ab_kernel<1, false>;
+  set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
+  da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
       vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), da.data_ptr<float>(), B, S, N, cz, NJT, SB, NOT, NSC);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  set_smem(opm_bw_ab_kernel<1>, kAbSmemBytes, d, "the backward's db kernel");
-  opm_bw_ab_kernel<1><<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+  set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
+  db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
       vt + B * NJT * SB * 8192, wt + 16 * kAbOperand, make_g_map(gc, 32, 2), ic.data_ptr<float>(), db.data_ptr<float>(),
       B, S, N, cz, NJT, SB, NOT, NSC);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {da, db};
 }
 
-// The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m), da, db (R, 32) fp32 (before the mask),
-// mask (R) of a dtype mask_kind_of takes, ln_w, ln_b (c_m), wa, wb (32, c_m) fp32, c_m 128 or 256, CUDA, on a
-// device where outer_wg runs. Returns (d_x_in, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows
-// in a fixed order for a given device.
+// The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m) float32, float16 or bfloat16, da, db
+// (R, 32) fp32 (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w, ln_b (c_m), wa, wb (32, c_m)
+// fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
+// d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
     at::Tensor wb, double eps) {
   for (const at::Tensor* t : {&xin, &da, &db, &mask, &ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_ln takes CUDA tensors");
-  for (const at::Tensor* t : {&xin, &da, &db, &ln_w, &ln_b, &wa, &wb})
+  for (const at::Tensor* t : {&da, &db, &ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ln takes float32, got ", dtype_str(*t));
+  const auto xt = xin.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16,
+              "outer_product_mean: opm_backward_ln: x_in float32, float16 or bfloat16, got ", dtype_str(xin));
   TORCH_CHECK(xin.dim() == 2 && (xin.size(1) == 128 || xin.size(1) == 256),
               "outer_product_mean: opm_backward_ln: x_in (R, 128 or 256)");
   const int64_t R = xin.size(0), cm = xin.size(1);
@@ -4510,23 +4627,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   };
   const at::Tensor xc = aligned(xin), dac = aligned(da), dbc = aligned(db), mc = mask.contiguous(),
                    lwc = ln_w.contiguous(), lbc = ln_b.contiguous(), wac = wa.contiguous(), wbc = wb.contiguous();
-  const auto f32 = xin.options();
-  at::Tensor dx = at::empty({R, cm}, f32);
+  const auto f32 = xin.options().dtype(at::kFloat);
+  at::Tensor dx = at::empty({R, cm}, xin.options());
   at::Tensor sums = at::zeros({66 * cm + 64}, f32);  // dWa | dWb (64 x c_m), d_ln_w, d_ln_b, d_ba, d_bb
   if (R > 0) {
     const int64_t tiles = cdiv(R, kLnRows);
     const int blocks = static_cast<int>(std::min<int64_t>(tiles, d.sms));
     at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * (2 * cm + 64)}, f32);
-    auto run = [&](auto kernel, size_t smem) {
+    auto run = [&](auto kernel, size_t smem, auto* type) {  // type: a null pointer of x_in's element type
+      using T = std::remove_pointer_t<decltype(type)>;
       set_smem(kernel, smem, d, "the backward's LayerNorm kernel");
-      kernel<<<blocks, 256, smem, stream>>>(xc.data_ptr<float>(), dac.data_ptr<float>(), dbc.data_ptr<float>(),
-                                            mc.data_ptr(), mask_kind, lwc.data_ptr<float>(), lbc.data_ptr<float>(),
-                                            wac.data_ptr<float>(), wbc.data_ptr<float>(), dx.data_ptr<float>(),
-                                            part.data_ptr<float>(), part_ln.data_ptr<float>(), R, static_cast<float>(eps));
+      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()), dac.data_ptr<float>(),
+                                            dbc.data_ptr<float>(), mc.data_ptr(), mask_kind, lwc.data_ptr<float>(),
+                                            lbc.data_ptr<float>(), wac.data_ptr<float>(), wbc.data_ptr<float>(),
+                                            reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(),
+                                            part_ln.data_ptr<float>(), R, static_cast<float>(eps));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (cm == 256) run(opm_bw_ln_kernel<256>, ln_smem_bytes<256>());
-    else run(opm_bw_ln_kernel<128>, ln_smem_bytes<128>());
+    auto run_cm = [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      if (cm == 256) run(opm_bw_ln_kernel<256, T>, ln_smem_bytes<256>(), type);
+      else run(opm_bw_ln_kernel<128, T>, ln_smem_bytes<128>(), type);
+    };
+    if (xt == at::kBFloat16) run_cm(static_cast<__nv_bfloat16*>(nullptr));
+    else if (xt == at::kHalf) run_cm(static_cast<__half*>(nullptr));
+    else run_cm(static_cast<float*>(nullptr));
     opm_block_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
         part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -4575,13 +4700,13 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::device_caps(device); }
 
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g) {
-  return opm::opm_backward_wo(a, b, inv_denom, g);
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, bool split) {
+  return opm::opm_backward_wo(a, b, inv_denom, g, split);
 }
 
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo) {
-  return opm::opm_backward_ab(a, b, inv_denom, g, wo);
+                                                   at::Tensor wo, bool split) {
+  return opm::opm_backward_ab(a, b, inv_denom, g, wo, split);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
@@ -4612,9 +4737,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab);
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g);
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, bool split);
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo);
+                                                   at::Tensor wo, bool split);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
     at::Tensor wb, double eps);
@@ -4796,18 +4921,19 @@ def _wo_kernel_runs(msa, c, c_z, ct):
 
 def _ln_kernel_runs(msa, c, c_m):
     """Whether the LayerNorm part of the backward goes to opm_bw_ln_kernel (_ext.opm_backward_ln): a
-    float32 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim 128 or 256."""
-    return (msa.is_cuda and msa.dtype == torch.float32 and c == 32 and c_m in (128, 256)
+    float32, float16 or bfloat16 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim 128 or
+    256."""
+    return (msa.is_cuda and msa.dtype in _FLOAT_DTYPES and c == 32 and c_m in (128, 256)
             and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
 
 def _rows_kernel_runs(msa, c, c_m):
     """Whether the backward's a, b and 1 / denom come from outer_wg's prep kernel (_ext.opm_backward_rows):
-    a float32 or bfloat16 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim <= 768 and
-    B * S * N / 16 < 2^31 (S rounded up to 16, or 32 for bfloat16, N to 16), as for outer_wg."""
+    a float32, float16 or bfloat16 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim <= 768
+    and B * S * N / 16 < 2^31 (S rounded up to 16, or 32 for 16-bit msa, N to 16), as for outer_wg."""
     B, S, N = msa.shape[:3]
     pad = lambda n, m: -(-n // m) * m
-    return (msa.is_cuda and msa.dtype in (torch.float32, torch.bfloat16) and c == 32 and 1 <= c_m <= 768
+    return (msa.is_cuda and msa.dtype in _FLOAT_DTYPES and c == 32 and 1 <= c_m <= 768
             and B * pad(S, 16 if msa.dtype == torch.float32 else 32) * pad(N, 16) // 16 < 2**31 and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
 
@@ -4819,7 +4945,7 @@ def _ab_kernel_runs(msa, c, c_z, ct):
 
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
-                                rows_kernel=None, ab=None, parts=None):
+                                rows_kernel=None, ab=None, parts=None, split=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
@@ -4840,19 +4966,22 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     projections) where _rows_kernel_runs holds (rows_kernel None) or rows_kernel is True, elsewhere by
     ATen's LayerNorm (torch.native_layer_norm) and addmm per contiguous chunk of the B*S*N msa rows.
 
-    out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma in
-    split TF32) where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
+    out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma)
+    where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
     (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
     True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
-    both). These two kernels compute in float32, so they serve float16 / bfloat16 inputs too. With both,
-    dbo is the column sums of grad_out (opm_colsum_kernel), else the chunks' sums. The rest (the mask,
-    dy, the LayerNorm backward, dWa, dba, dWb, dbb, d_ln_w, d_ln_b) runs in one sweep over the msa rows
-    (opm_bw_ln_kernel: a float32 msa) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is
-    True, else in chunks of rows with ATen's native_layer_norm_backward. Takes detached tensors (the
-    autograd Function's backward calls it under no_grad). parts: a list to which the names of the parts
-    computed by this file's kernels are appended, in this order: "a, b" (given by the forward or by the
-    prep kernel; with `ab` given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm",
-    appended before they run (ModelNew.last_backward holds them as a tuple once the call returns).
+    both). These two kernels compute in float32 on TF32 tensor cores: split TF32 (about fp32's precision)
+    where split is True, single TF32 (each operand rounded to 10 mantissa bits, float16's precision and
+    finer than bfloat16's 7; a third of the products) where it is False; None: split for a float32 msa,
+    single for float16 / bfloat16. With both, dbo is the column sums of grad_out (opm_colsum_kernel),
+    else the chunks' sums. The rest (the mask, dy, the LayerNorm backward, dWa, dba, dWb, dbb, d_ln_w,
+    d_ln_b) runs in one sweep over the msa rows (opm_bw_ln_kernel: the msa in its dtype, the math in
+    fp32) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks of rows
+    with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's backward
+    calls it under no_grad). parts: a list to which the names of the parts computed by this file's
+    kernels are appended, in this order: "a, b" (given by the forward or by the prep kernel; with `ab`
+    given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
+    run (ModelNew.last_backward holds them as a tuple once the call returns).
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
     G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
@@ -4873,6 +5002,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
+    split = msa.dtype == torch.float32 if split is None else bool(split)
     if parts is not None:
         parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("da, db", ab_in_kernel),
                                  ("LayerNorm", ln_in_kernel)) if k]
@@ -4910,11 +5040,11 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if wo_in_kernel or ab_in_kernel:
         inv_d, g_ct = inv_d.contiguous(), grad_out.to(ct).contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_ct)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_ct, split)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:
-        da, db = _ext.opm_backward_ab(a, b, inv_d, g_ct, Wo.contiguous())
+        da, db = _ext.opm_backward_ab(a, b, inv_d, g_ct, Wo.contiguous(), split)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)

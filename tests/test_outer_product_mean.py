@@ -774,11 +774,11 @@ class _EinsumKernels:
     LayerNorm by ATen), so that the host-side plumbing of outer_product_mean_backward runs on a CPU."""
 
     @staticmethod
-    def opm_backward_wo(a, b, inv_denom, g):
+    def opm_backward_wo(a, b, inv_denom, g, split):
         return torch.einsum("bsih,bsjk,bijz->zhk", a, b, g * inv_denom[:, :, None, None]).reshape(g.shape[-1], -1)
 
     @staticmethod
-    def opm_backward_ab(a, b, inv_denom, g, wo):
+    def opm_backward_ab(a, b, inv_denom, g, wo, split):
         G = torch.einsum("bijz,zhk->bijhk", g * inv_denom[:, :, None, None], wo.reshape(-1, 32, 32))
         return torch.einsum("bijhk,bsjk->bsih", G, b), torch.einsum("bijhk,bsih->bsjk", G, a)
 
@@ -870,6 +870,54 @@ def test_backward_rows_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, c
     assert opm._rows_kernel_runs(msa, 32, cm) and not opm._rows_kernel_runs(msa, 16, cm)
     _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, 3, dict(rows_kernel=True, ln_kernel=False),
                                    dict(rows_kernel=False, ln_kernel=False), mask_kind)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, S, N, cm, cz, dist, mask_kind", [(1, 40, 37, 256, 128, "normal", "binary"),
+                                                              (2, 9, 20, 128, 100, "heavy", "bool"),
+                                                              (1, 3, 9, 128, 8, "uniform", "int8"),
+                                                              (2, 50, 100, 256, 64, "offset", "fraction")])
+def test_backward_half_msa_kernels_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm, cz, dist, mask_kind, dtype):
+    """A float16 / bfloat16 msa and parameters through every backward kernel as ModelNew's backward runs
+    them (a, b from the prep reading the msa in its dtype, dWo and da, db in single TF32, the LayerNorm
+    kernel reading the msa and writing its gradient in that dtype) against the PyTorch-ops chunks (fp32
+    math) on the same inputs, both against fp64 autograd of the reference on those inputs upcast: each
+    gradient in the input's dtype, finite, bit-equal on a repeat call, its max error relative to its
+    largest value at most max(2x the ops path's, 2^-9: four roundings to TF32's 10 mantissa bits).
+    Partial 32-row tiles of the LayerNorm kernel (R = 1480, 360, 27: no full tile) and several tiles per
+    block (R = 10000); pair_dim 100 and 8 (an odd count of 16-z steps in da / db's G step), 64, 128;
+    float, bool, integer and fractional masks (the mask in the msa's dtype where it is floating)."""
+    if not _caps(opm)[2]:
+        pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
+    gen = torch.Generator().manual_seed(B + S + N + cz + 4)
+    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S + 4)
+    msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
+    mask = _mask(B, S, N, mask_kind, gen)
+    mask = (mask.to(dtype) if mask.is_floating_point() else mask).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+    params = [p.detach().to(dtype) for p in new.parameters()]
+    args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
+    assert opm._ln_kernel_runs(msa, 32, cm) and opm._rows_kernel_runs(msa, 32, cm)
+    parts = []
+    fused = opm.outer_product_mean_backward(*args, parts=parts)
+    assert parts == ["a, b", "dWo", "da, db", "LayerNorm"]
+    again = opm.outer_product_mean_backward(*args)
+    ops = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False, rows_kernel=False, ln_kernel=False)
+    m64 = copy.deepcopy(m_ref).double()
+    with torch.no_grad():
+        for p64, p in zip(m64.parameters(), params):
+            p64.copy_(p.double())
+    x64 = msa.double().requires_grad_(True)
+    (m64(x64, mask.double()) * g.double()).sum().backward()
+    want = (x64.grad,) + tuple(p.grad for p in m64.parameters())
+    names = ("msa",) + tuple(n for n, _ in m64.named_parameters())
+    rel = lambda t, w: (t.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30)
+    for name, f, r, o, w in zip(names, fused, again, ops, want):
+        assert f.shape == w.shape and f.dtype == dtype and torch.isfinite(f).all(), name
+        assert torch.equal(f, r), f"{name}: a repeat call differs"
+        e_f, e_o = rel(f, w), rel(o, w)
+        assert e_f <= max(2 * e_o, 2.0**-9), f"{name}: kernels {e_f:.2e} vs ops {e_o:.2e}"
 
 
 @gpu
