@@ -2899,7 +2899,8 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // (opm_bw_wo_sum_kernel sums the groups and warpgroups in order).
 // Registers per consumer thread: phase A acc 64 + d 64, D 64; phase W D 64 + fresh 64 + fragments.
 // kSplit false (float16 / bfloat16 inputs): single TF32, hi x hi alone in both phases (only the hi planes
-// are written and copied), about 2^-11 relative per operand.
+// are written and copied), about 2^-11 relative per operand; phase A then accumulates all of S in acc
+// on the tensor cores and waits for a stage's wgmmas after issuing the next stage's (wait_group 1).
 // ---------------------------------------------------------------------------------------------
 template <bool kSplit>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
@@ -2987,39 +2988,59 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
       float acc[64], d[64];
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
-      for (int kb = 0; kb < kbs; ++kb) {
-        const uint32_t us = u;
-        const float* stg = wait_full();
-        const float* a_hi = stg + wg * 2 * kOwAPlane;
-        const float* a_lo = a_hi + kOwAPlane;
-        const float* b_hi = stg + 4 * kOwAPlane;
-        const float* b_lo = b_hi + kOwBPlane;
-        wg_fence_acc(d);
+      if constexpr (kSplit) {
+        for (int kb = 0; kb < kbs; ++kb) {
+          const uint32_t us = u;
+          const float* stg = wait_full();
+          const float* a_hi = stg + wg * 2 * kOwAPlane;
+          const float* a_lo = a_hi + kOwAPlane;
+          const float* b_hi = stg + 4 * kOwAPlane;
+          const float* b_lo = b_hi + kOwBPlane;
+          wg_fence_acc(d);
 #pragma unroll
-        for (int ks = 0; ks < kOwSK / 8; ++ks) {
-          const int off = ks * 64;
-          const int fresh = (kb * (kOwSK / 8) + ks) % kWgPromo == 0;
-          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-          if constexpr (kSplit) {
+          for (int ks = 0; ks < kOwSK / 8; ++ks) {
+            const int off = ks * 64;
+            const int fresh = (kb * (kOwSK / 8) + ks) % kWgPromo == 0;
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
             wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
             wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
             wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
-          } else {
-            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           }
-          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          wg_fence_acc(d);
+          release(us);
+          if (((kb + 1) * (kOwSK / 8)) % kWgPromo == 0) {
+#pragma unroll
+            for (int e = 0; e < 64; ++e) acc[e] += d[e];
+          }
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        wg_fence_acc(d);
-        release(us);
-        if (((kb + 1) * (kOwSK / 8)) % kWgPromo == 0) {
+        if ((kbs * (kOwSK / 8)) % kWgPromo != 0) {
 #pragma unroll
           for (int e = 0; e < 64; ++e) acc[e] += d[e];
         }
-      }
-      if ((kbs * (kOwSK / 8)) % kWgPromo != 0) {
+      } else {  // single TF32: all of S into acc, one stage's wgmmas in flight while the next is issued
+        uint32_t prev = 0;
+        for (int kb = 0; kb < kbs; ++kb) {
+          const uint32_t us = u;
+          const float* stg = wait_full();
+          const float* a_hi = stg + wg * 2 * kOwAPlane;
+          const float* b_hi = stg + 4 * kOwAPlane;
+          wg_fence_acc(acc);
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-        for (int e = 0; e < 64; ++e) acc[e] += d[e];
+          for (int ks = 0; ks < kOwSK / 8; ++ks)
+            wgmma_tf32_m64n128k8(acc, wg_desc(a_hi + ks * 64, 512), wg_desc(b_hi + ks * 64, 512), kb + ks > 0);
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          if (kb > 0) {
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            release(prev);  // the previous stage's wgmmas have completed
+          }
+          prev = us;
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_acc(acc);
+        release(prev);
       }
       // ---- O -> Os_w: acc[4 jj + 2 hr + e] is row R = 16 w4 + g + 8 hr = (hh = R / 32, il = R % 32),
       //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
