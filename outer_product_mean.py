@@ -3219,7 +3219,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // added into fp32 sums: longer chains on the tensor cores' accumulator biased proj_a / proj_b's weight
 // gradients (sums over every msa row of da, db) to ~5x the reference's error at crop with one
 // accumulator per J (48 wgmma). kSplit false (float16 / bfloat16 inputs): single TF32, hi x hi alone in
-// both steps (4 and 8 wgmma per fresh accumulator; Gt's lo plane not written, Wt's not read).
+// both steps (4 and 8 wgmma per fresh accumulator; Gt's lo plane not written, Wt's copied but not read).
 // The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
 // waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
 // g slots: one box of the tensor map tm_g (g as (c_z, N j, N i, B)), da: (c_z, 2 j, 32 i) at (0, l0, o0,
@@ -3458,7 +3458,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 // a partial last tile (R % 32) is loaded by plain loads with zeros past R. Wa | Wb (ws, rows of CM + 8)
 // sit in shared memory once per block. Per tile:
 //   build: dp = (da | db) rows times the mask, split into TF32 hi / lo planes as dp[r][k] (rows of 68)
-//     and dp^T[k][r] (rows of 36); thread tid adds channel tid % 64 of rows tid / 64 + 4 i (bias sums);
+//     and dp^T[k][r] (rows of 36; 16-bit x: the hi planes alone); thread tid adds channel tid % 64 of rows tid / 64 + 4 i (bias sums);
 //     statistics, warp w for rows 4 w .. 4 w + 3 (16-bit rows widened to fp32 in place first), xhat
 //     in place;
 //   dy = dp . W (32 x CM, K = 64) and dW += dp^T . x (64 x CM, K = 32), both on mma.sync m16n8k8 in
@@ -4996,8 +4996,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     finer than bfloat16's 7; a third of the products) where it is False; None: split for a float32 msa,
     single for float16 / bfloat16. With both, dbo is the column sums of grad_out (opm_colsum_kernel),
     else the chunks' sums. The rest (the mask, dy, the LayerNorm backward, dWa, dba, dWb, dbb, d_ln_w,
-    d_ln_b) runs in one sweep over the msa rows (opm_bw_ln_kernel: the msa in its dtype, the math in
-    fp32) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks of rows
+    d_ln_b) runs in one sweep over the msa rows (opm_bw_ln_kernel: the msa in its dtype, fp32 math,
+    its products split TF32 for a float32 msa and single TF32 for float16 / bfloat16 whatever split
+    says) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks of rows
     with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's backward
     calls it under no_grad). parts: a list to which the names of the parts computed by this file's
     kernels are appended, in this order: "a, b" (given by the forward or by the prep kernel; with `ab`

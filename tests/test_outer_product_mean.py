@@ -883,10 +883,12 @@ def test_backward_half_msa_kernels_against_fp64_and_the_ops_path(opm, ref, B, S,
     them (a, b from the prep reading the msa in its dtype, dWo and da, db in single TF32, the LayerNorm
     kernel reading the msa and writing its gradient in that dtype) against the PyTorch-ops chunks (fp32
     math) on the same inputs, both against fp64 autograd of the reference on those inputs upcast: each
-    gradient in the input's dtype, finite, bit-equal on a repeat call, its max error relative to its
-    largest value at most max(2x the ops path's, 2^-9: four roundings to TF32's 10 mantissa bits).
-    Partial 32-row tiles of the LayerNorm kernel (R = 1480, 360, 27: no full tile) and several tiles per
-    block (R = 10000); pair_dim 100 and 8 (an odd count of 16-z steps in da / db's G step), 64, 128;
+    gradient in the input's dtype, finite, bit-equal to an explicit split=False call (the default for
+    16-bit input, and deterministic), its max error relative to its largest value at most max(2x the ops
+    path's, 2^-9: a few roundings to TF32's 10 mantissa bits, or one to bfloat16), and the ops path's own
+    at most 2^-8; split=True (split TF32 with 16-bit input) within the same bound. R = 1480 and 360 end
+    in a partial 32-row tile of the LayerNorm kernel, R = 27 has no full tile, R = 10000 gives several
+    tiles per block; pair_dim 100 and 8 (an odd count of 16-z steps in da / db's G step), 64, 128;
     float, bool, integer and fractional masks (the mask in the msa's dtype where it is floating)."""
     if not _caps(opm)[2]:
         pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
@@ -902,7 +904,8 @@ def test_backward_half_msa_kernels_against_fp64_and_the_ops_path(opm, ref, B, S,
     parts = []
     fused = opm.outer_product_mean_backward(*args, parts=parts)
     assert parts == ["a, b", "dWo", "da, db", "LayerNorm"]
-    again = opm.outer_product_mean_backward(*args)
+    single = opm.outer_product_mean_backward(*args, split=False)
+    split = opm.outer_product_mean_backward(*args, split=True)
     ops = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False, rows_kernel=False, ln_kernel=False)
     m64 = copy.deepcopy(m_ref).double()
     with torch.no_grad():
@@ -913,11 +916,14 @@ def test_backward_half_msa_kernels_against_fp64_and_the_ops_path(opm, ref, B, S,
     want = (x64.grad,) + tuple(p.grad for p in m64.parameters())
     names = ("msa",) + tuple(n for n, _ in m64.named_parameters())
     rel = lambda t, w: (t.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30)
-    for name, f, r, o, w in zip(names, fused, again, ops, want):
+    assert len(fused) == len(single) == len(split) == len(ops) == len(want) == 9
+    for name, f, r, sp, o, w in zip(names, fused, single, split, ops, want):
         assert f.shape == w.shape and f.dtype == dtype and torch.isfinite(f).all(), name
-        assert torch.equal(f, r), f"{name}: a repeat call differs"
-        e_f, e_o = rel(f, w), rel(o, w)
+        assert torch.equal(f, r), f"{name}: the default differs from split=False"
+        e_f, e_s, e_o = rel(f, w), rel(sp, w), rel(o, w)
+        assert e_o <= 2.0**-8, f"{name}: ops {e_o:.2e}"
         assert e_f <= max(2 * e_o, 2.0**-9), f"{name}: kernels {e_f:.2e} vs ops {e_o:.2e}"
+        assert e_s <= max(2 * e_o, 2.0**-9), f"{name}: split kernels {e_s:.2e} vs ops {e_o:.2e}"
 
 
 @gpu
