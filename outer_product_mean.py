@@ -3458,7 +3458,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 // a partial last tile (R % 32) is loaded by plain loads with zeros past R. Wa | Wb (ws, rows of CM + 8)
 // sit in shared memory once per block. Per tile:
 //   build: dp = (da | db) rows times the mask, split into TF32 hi / lo planes as dp[r][k] (rows of 68)
-//     and dp^T[k][r] (rows of 36; 16-bit x: the hi planes alone); thread tid adds channel tid % 64 of rows tid / 64 + 4 i (bias sums);
+//     and dp^T[k][r] (rows of 36; 16-bit x: the hi planes alone); thread tid adds channel tid % 64 of
+//     rows tid / 64 + 4 i (bias sums);
 //     statistics, warp w for rows 4 w .. 4 w + 3 (16-bit rows widened to fp32 in place first), xhat
 //     in place;
 //   dy = dp . W (32 x CM, K = 64) and dW += dp^T . x (64 x CM, K = 32), both on mma.sync m16n8k8 in
@@ -4464,10 +4465,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
   return {a, b, inv_denom};
 }
 
-// The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N),
-// g (B, N, N, c_z) fp32, c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok); split TF32
-// (split) or single TF32 (opm_bw_wo_kernel<false>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most kBwoChunkBytes; each chunk's block
-// partials are added into dwo in order (a fixed summation order for a given device).
+// The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N), g
+// (B, N, N, c_z) fp32, c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok); split TF32
+// (split) or single TF32 (opm_bw_wo_kernel<false>). Returns dwo (c_z, 1024) fp32. The G planes go in
+// chunks of i tiles of at most kBwoChunkBytes; each chunk's block partials are added into dwo in order (a
+// fixed summation order for a given device).
 constexpr int64_t kBwoChunkBytes = 256ll << 20;
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, bool split) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
