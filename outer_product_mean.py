@@ -544,6 +544,25 @@ __device__ __forceinline__ void wgmma_split_batch_rs(float (&d)[32], float (&sum
 #pragma unroll
   for (int e = 0; e < 32; ++e) sum[e] += d[e];
 }
+// One ring stage of a 64 x 128 product in split TF32 (operands K-major in shared memory, sbo bytes
+// between 8-row groups): KSTEPS k steps of 8, each lo_a hi_b, hi_a lo_b, then hi_a hi_b (the small terms
+// first) into d and its own commit group; d restarts (scale-d 0) at k steps k0 + ks that are multiples
+// of PROMO (w_first_wg2's stage 2 and dWo's phase A; outer_wg's phase A writes the same loop out).
+template <int KSTEPS, int PROMO>
+__device__ __forceinline__ void wgmma_split_stage_m64n128(float (&d)[64], const float* a_hi, const float* a_lo,
+                                                          const float* b_hi, const float* b_lo, unsigned sbo,
+                                                          int k0) {
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    const int off = ks * 64;  // two core matrices along k (8 k): 256 bytes
+    const int fresh = (k0 + ks) % PROMO == 0;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, sbo), wg_desc(b_hi + off, sbo), fresh ? 0 : 1);
+    wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, sbo), wg_desc(b_lo + off, sbo), 1);
+    wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, sbo), wg_desc(b_hi + off, sbo), 1);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  }
+}
 #endif
 
 // =============================================================================================
@@ -1694,16 +1713,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
       const float* b_hi = sm + st * kWgStage + 4 * kWgAPlane;
       const float* b_lo = b_hi + kWgBPlane;
       wg_fence_acc(d);
-#pragma unroll
-      for (int ks = 0; ks < kWgBK / 8; ++ks) {
-        const int off = ks * 64;  // 8 k = two core matrices along k = 256 bytes
-        const int fresh = (kb * (kWgBK / 8) + ks) % kWgPromo == 0;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off), wg_desc(b_hi + off), fresh ? 0 : 1);  // the small terms first
-        wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off), wg_desc(b_lo + off), 1);
-        wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off), wg_desc(b_hi + off), 1);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      }
+      wgmma_split_stage_m64n128<kWgBK / 8, kWgPromo>(d, a_hi, a_lo, b_hi, b_lo, 1024, kb * (kWgBK / 8));
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       wg_fence_acc(d);
       if (lane == 0) mbar_arrive(empty + st);  // this warp is done with the stage
@@ -2584,6 +2594,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         [[maybe_unused]] const float* b_lo = b_hi + kOwBPlane;
         if constexpr (kSplit) {
           wg_fence_acc(d);
+          // (wgmma_split_stage_m64n128's body, written out: through the function ptxas orders this
+          // kernel's descriptor arithmetic differently, with the same instruction count)
 #pragma unroll
           for (int ks = 0; ks < kKSteps; ++ks) {
             const int off = ks * 64;  // two core matrices along k (8 k): 256 bytes
@@ -2997,16 +3009,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
           const float* b_hi = stg + 4 * kOwAPlane;
           const float* b_lo = b_hi + kOwBPlane;
           wg_fence_acc(d);
-#pragma unroll
-          for (int ks = 0; ks < kOwSK / 8; ++ks) {
-            const int off = ks * 64;
-            const int fresh = (kb * (kOwSK / 8) + ks) % kWgPromo == 0;
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            wgmma_tf32_m64n128k8(d, wg_desc(a_lo + off, 512), wg_desc(b_hi + off, 512), fresh ? 0 : 1);
-            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_lo + off, 512), 1);
-            wgmma_tf32_m64n128k8(d, wg_desc(a_hi + off, 512), wg_desc(b_hi + off, 512), 1);
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          }
+          wgmma_split_stage_m64n128<kOwSK / 8, kWgPromo>(d, a_hi, a_lo, b_hi, b_lo, 512, kb * (kOwSK / 8));
           asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
           wg_fence_acc(d);
           release(us);
