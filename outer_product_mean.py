@@ -504,40 +504,58 @@ __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uin
 // warp: a[0] row g, k 2 t4 + {0, 1}; a[1] row g + 8; a[2] k + 8; a[3] both), B K-major.
 __device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
 @WGMMA_F16_M64N64K16_RS@}
+// The same in T (__half or __nv_bfloat16).
+template <typename T>
+__device__ __forceinline__ void wgmma16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+@WGMMA_BF16_M64N64K16_RS@  } else {
+    wgmma_f16_m64n64k16_rs(d, a, db, acc);
+  }
+}
 // d += A B^T for one k step of 8 in split TF32 (B's hi and lo planes K-major at b_hi, b_lo; sbo bytes
 // between 8-row groups): lo_a hi_b, hi_a lo_b, then hi_a hi_b (the small terms first); d is
-// overwritten rather than added to where fresh. kSplit false: hi_a hi_b alone (single TF32; the lo
-// operands are not read).
-template <bool kSplit = true>
+// overwritten rather than added to where fresh.
 __device__ __forceinline__ void wgmma_split_m64n64k8_rs(float (&d)[32], const uint32_t (&ahi)[4],
                                                         const uint32_t (&alo)[4], const float* b_hi,
                                                         const float* b_lo, unsigned sbo, bool fresh) {
-  if constexpr (kSplit) {
-    wgmma_tf32_m64n64k8_rs(d, alo, wg_desc(b_hi, sbo), fresh ? 0 : 1);
-    wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_lo, sbo), 1);
-    wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_hi, sbo), 1);
-  } else {
-    wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_hi, sbo), fresh ? 0 : 1);
-  }
+  wgmma_tf32_m64n64k8_rs(d, alo, wg_desc(b_hi, sbo), fresh ? 0 : 1);
+  wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_lo, sbo), 1);
+  wgmma_tf32_m64n64k8_rs(d, ahi, wg_desc(b_hi, sbo), 1);
 }
-// KS split-TF32 (kSplit) or single-TF32 k steps in one wgmma batch with A in registers (k step q's B
-// planes at b + 64 q, hi, and b + lo_off + 64 q, lo): into the fresh accumulator d, waited for, then
-// added into sum in fp32.
-template <int KS, bool kSplit = true>
+// KS split-TF32 k steps in one wgmma batch with A in registers (k step q's B planes at b + 64 q, hi, and
+// b + lo_off + 64 q, lo): into the fresh accumulator d, waited for, then added into sum in fp32.
+template <int KS>
 __device__ __forceinline__ void wgmma_split_batch_rs(float (&d)[32], float (&sum)[32], uint32_t (&ahi)[KS][4],
                                                      uint32_t (&alo)[KS][4], const float* b, int lo_off, unsigned sbo) {
   wg_fence_acc(d);
 #pragma unroll
   for (int q = 0; q < KS; ++q)  // the A fragments are wgmma inputs too: written before the fence
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if constexpr (kSplit) asm volatile("" : "+r"(ahi[q][e]), "+r"(alo[q][e])::"memory");
-      else asm volatile("" : "+r"(ahi[q][e])::"memory");
-    }
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[q][e]), "+r"(alo[q][e])::"memory");
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
   for (int q = 0; q < KS; ++q)
-    wgmma_split_m64n64k8_rs<kSplit>(d, ahi[q], alo[q], b + 64 * q, b + lo_off + 64 * q, sbo, q == 0);
+    wgmma_split_m64n64k8_rs(d, ahi[q], alo[q], b + 64 * q, b + lo_off + 64 * q, sbo, q == 0);
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  wg_fence_acc(d);
+#pragma unroll
+  for (int e = 0; e < 32; ++e) sum[e] += d[e];
+}
+// The same for KS k steps of 16 in T (k step q's B at b + 64 q floats, K-major core matrices of 8 rows x
+// 16 bytes, sbo bytes between 8-row groups).
+template <int KS, typename T>
+__device__ __forceinline__ void wgmma16_batch_rs(float (&d)[32], float (&sum)[32], uint32_t (&a)[KS][4], const float* b,
+                                                 unsigned sbo) {
+  wg_fence_acc(d);
+#pragma unroll
+  for (int q = 0; q < KS; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[q][e])::"memory");
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+  for (int q = 0; q < KS; ++q)
+    wgmma16_m64n64k16_rs<T>(d, a[q], wg_desc(b + 64 * q, sbo), q > 0);
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   wg_fence_acc(d);
@@ -2813,9 +2831,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 // ---------------------------------------------------------------------------------------------
 // The backward's out_proj weight gradient on wgmma, without the (N, N, c*c) outer product in memory:
 //   dWo[z, hk] = sum_{b,i,j} gd[b,i,j,z] O[b,i,j,hk],  gd = g inv_denom[b,i],  O[b,i,j,(h,k)] = sum_s a b
-// for c = 32 (hk = 1024), c_z <= 128, a, b (B, S, N, 32) fp32 (masked), split TF32 throughout.
-// opm_bw_wo_prep_kernel writes three sets of split planes in 16-k core-matrix blocks (element (r, k) of a
-// block plane at wo_off16(r, k): 8-row groups 512 bytes apart, k core matrices 128 bytes apart):
+// for c = 32 (hk = 1024), c_z <= 128, a, b (B, S, N, 32) fp32 (masked); T float: split TF32 throughout, T
+// __half / __nv_bfloat16: the products' operands rounded to T (16-bit wgmma, fp32 accumulation).
+// opm_bw_wo_prep_kernel<float> writes three sets of split planes in 16-k core-matrix blocks (element (r, k)
+// of a block plane at wo_off16(r, k): 8-row groups 512 bytes apart, k core matrices 128 bytes apart):
 //   Abw[(((b*kBwNSL + sl)*KB16 + kb)*MB + mb)*2*kOwAPlane + plane*kOwAPlane + wo_off16(r, s % 16)]
 //       = a[b, s, 32 mb + r % 32, 2 sl + r / 32]  (r < 64: rows (hh = r / 32, il = r % 32); MB = 2 NIT)
 //   Bbw[((b*NBB + jb)*KB16 + kb)*2*kOwBPlane + plane*kOwBPlane + wo_off16(n, s % 16)]
@@ -2823,20 +2842,80 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*8 + c)*kOwStage + w*4096 + plane*2048 + wo_off16(z, p % 16)]
 //       = gd[b, 64 it + 32 w + p / 4, 4 jt + p % 4, z],  p = 16 c + p % 16  (warpgroup w's pair p)
 // (s = 16 kb + s % 16; zeros past S, N and c_z); Abw and Bbw only if ab, Gbw for the i tiles it0 ..
-// it0 + NITc - 1 (a chunk). Work items of 4 consecutive k, one store_split4 each (kSplit false: the hi
-// planes alone, for opm_bw_wo_kernel<false>; the lo planes are left unwritten).
+// it0 + NITc - 1 (a chunk). Work items of 4 consecutive k, one store_split4 each.
+// 16-bit T: one T plane per set, blocks of 32 s (KB16 then counts them) at ow_off16h (outer_wg's 16-bit
+// blocks: 8-row groups 512 bytes apart), 8 consecutive k per item:
+//   Abw[(((b*kBwNSL + sl)*KB16 + kb)*MB + mb)*kOwABlk16 + ow_off16h(r, s % 32)]  (s = 32 kb + s % 32)
+//   Bbw[((b*NBB + jb)*KB16 + kb)*kOwBBlk16 + ow_off16h(n, s % 32)]
+//   Gbw[(((b*NITc + it - it0)*NBB + jt)*4 + c)*8192 + w*4096 + ow_off16h(z, P)] = gd of warpgroup w's
+//       pair p = 32 c + wo_pair16(P): 32 pairs per slot, in the order of phase W's A fragments.
 // ---------------------------------------------------------------------------------------------
 constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
 constexpr int kBwoStages = 4;
 constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLDO) + 16 * kBwoStages;
 __host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
-template <bool kSplit>
+// The pair at position P (0..31) of a 16-bit G slot: the A fragment of k position kk = P % 16 of k step P / 16
+// holds Os rows t4 + 4 e + 8 h for kk = 2 t4 + e + 8 h (8 t4 words apart: conflict-free loads).
+__host__ __device__ __forceinline__ int wo_pair16(int P) {
+  const int kk = P & 15;
+  return (P & 16) + ((kk & 7) >> 1) + 4 * (kk & 1) + 8 * (kk >> 3);
+}
+template <typename T>
 __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     const float* __restrict__ av, const float* __restrict__ bv, const float* __restrict__ g,
     const float* __restrict__ inv_denom, float* __restrict__ Abw, float* __restrict__ Bbw, float* __restrict__ Gbw,
     int64_t B, int64_t S, int64_t N, int cz, int64_t KB16, int64_t NIT, int64_t NBB, bool ab, int64_t it0, int64_t NITc) {
   const int64_t MB = 2 * NIT;
+  if constexpr (!std::is_same_v<T, float>) {  // T planes, blocks of 32 s (KB16 counts them), 8 consecutive k per item
+    const int64_t KB = KB16;
+    const int64_t nA = ab ? B * kBwNSL * KB * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB * 128 * 4 : 0;
+    const int64_t nG = B * NITc * NBB * 4 * 2 * 4 * 128;
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < nA + nB + nG;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      T* dst;
+      if (e < nA) {  // (b, sl, kb, mb, oct, r): r fastest
+        const int r = static_cast<int>(e % 64), oct = static_cast<int>(e / 64 % 4);
+        const int64_t blk = e / 256;  // ((b*kBwNSL + sl)*KB + kb)*MB + mb
+        const int64_t mb = blk % MB, kb = blk / MB % KB, sl = blk / MB / KB % kBwNSL, b = blk / MB / KB / kBwNSL;
+        const int64_t i = 32 * mb + r % 32, h = 2 * sl + r / 32;
+        for (int q = 0; q < 8; ++q) {
+          const int64_t s = 32 * kb + 8 * oct + q;
+          if (s < S && i < N) v[q] = __ldg(av + ((b * S + s) * N + i) * 32 + h);
+        }
+        dst = reinterpret_cast<T*>(Abw) + blk * kOwABlk16 + ow_off16h(r, 8 * oct);
+      } else if (e < nA + nB) {  // (b, jb, kb, oct, n): n fastest
+        const int64_t f = e - nA;
+        const int n = static_cast<int>(f % 128), oct = static_cast<int>(f / 128 % 4);
+        const int64_t blk = f / 512;  // (b*NBB + jb)*KB + kb
+        const int64_t kb = blk % KB, jb = blk / KB % NBB, b = blk / KB / NBB;
+        const int64_t j = 4 * jb + n / 32;
+        for (int q = 0; q < 8; ++q) {
+          const int64_t s = 32 * kb + 8 * oct + q;
+          if (s < S && j < N) v[q] = __ldg(bv + ((b * S + s) * N + j) * 32 + n % 32);
+        }
+        dst = reinterpret_cast<T*>(Bbw) + blk * kOwBBlk16 + ow_off16h(n, 8 * oct);
+      } else {  // (b, it, jt, c, w, oct, z): z fastest; positions P = 8 oct + q of slot c
+        const int64_t f = e - nA - nB;
+        const int z = static_cast<int>(f % 128), oct = static_cast<int>(f / 128 % 4), w = static_cast<int>(f / 512 % 2);
+        const int64_t blk = f / 1024;  // ((b*NITc + it - it0)*NBB + jt)*4 + c
+        const int c = static_cast<int>(blk % 4);
+        const int64_t jt = blk / 4 % NBB, it = it0 + blk / 4 / NBB % NITc, b = blk / 4 / NBB / NITc;
+        if (z < cz) {
+          for (int q = 0; q < 8; ++q) {
+            const int p = 32 * c + wo_pair16(8 * oct + q);
+            const int64_t i = 64 * it + 32 * w + p / 4, j = 4 * jt + p % 4;
+            if (i < N && j < N) v[q] = __ldg(g + ((b * N + i) * N + j) * cz + z) * __ldg(inv_denom + b * N + i);
+          }
+        }
+        dst = reinterpret_cast<T*>(Gbw) + blk * 8192 + w * 4096 + ow_off16h(z, 8 * oct);
+      }
+      *reinterpret_cast<uint4*>(dst) =
+          make_uint4(pack2_16<T>(v[0], v[1]), pack2_16<T>(v[2], v[3]), pack2_16<T>(v[4], v[5]), pack2_16<T>(v[6], v[7]));
+    }
+    return;
+  }
   const int64_t nA = ab ? B * kBwNSL * KB16 * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB16 * 128 * 4 : 0;
   const int64_t nG = B * NITc * NBB * 8 * 2 * 128 * 4;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < nA + nB + nG;
@@ -2885,14 +2964,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
       dst = Gbw + blk * kOwStage + w * 4096 + wo_off16(z, 4 * quad);
       plane = 2048;
     }
-    if constexpr (kSplit) {
-      store_split4(dst, dst + plane, v[0], v[1], v[2], v[3]);
-    } else {
-      uint32_t h[4], l;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) split_tf32(v[q], h[q], l);
-      *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
-    }
+    store_split4(dst, dst + plane, v[0], v[1], v[2], v[3]);
   }
 }
 
@@ -2910,11 +2982,13 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // D stays in registers over the block's tiles: part[(x*2 + w)*8192 + 128 hk + z] at the end
 // (opm_bw_wo_sum_kernel sums the groups and warpgroups in order).
 // Registers per consumer thread: phase A acc 64 + d 64, D 64; phase W D 64 + fresh 64 + fragments.
-// kSplit false (float16 / bfloat16 inputs): single TF32, hi x hi alone in both phases (only the hi planes
-// are written and copied), about 2^-11 relative per operand; phase A then accumulates all of S in acc
-// on the tensor cores and waits for a stage's wgmmas after issuing the next stage's (wait_group 1).
+// 16-bit T (float16 / bfloat16 inputs): phase A on wgmma m64n128k16 from 32-s stages of T planes, all of S
+// accumulated in acc on the tensor cores, a stage's wgmmas waited for after the next stage's are issued
+// (wait_group 1); phase W on m64n64k16 with 32 pairs per slot, O rounded to T as its A fragments are
+// loaded (rows wo_pair16: conflict-free), a fresh accumulator per 64 pairs; each operand rounded to T,
+// as the reference in that dtype rounds O and g / d.
 // ---------------------------------------------------------------------------------------------
-template <bool kSplit>
+template <typename T>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     const float* __restrict__ Abw, const float* __restrict__ Bbw, const float* __restrict__ Gbw,
     float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc) {
@@ -2928,6 +3002,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   const int64_t sl = blockIdx.x % kBwNSL, gr = blockIdx.x / kBwNSL, groups = gridDim.x / kBwNSL;
   const int64_t MB = 2 * NIT, total = B * NITc * NBB;
   const int kbs = static_cast<int>(KB16);
+  constexpr bool kHalf = !std::is_same_v<T, float>;
+  constexpr int kABlk = kHalf ? kOwABlk16 / 2 : 2 * kOwAPlane, kBBlk = kHalf ? kOwBBlk16 / 2 : 2 * kOwBPlane;  // floats
   if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
   __syncthreads();
   if (wg == 2) {  // producer warpgroup
@@ -2943,34 +3019,36 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
       };
       for (int64_t t = gr; t < total; t += groups) {
         const int64_t itc = t % NITc, it = it0 + itc, jt = (t / NITc) % NBB, b = t / (NITc * NBB);
-        const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * (2 * kOwAPlane);
-        const float* bb = Bbw + (b * NBB + jt) * KB16 * (2 * kOwBPlane);
+        const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * kABlk;
+        const float* bb = Bbw + (b * NBB + jt) * KB16 * kBBlk;
         for (int kb = 0; kb < kbs; ++kb) {
           const int st = static_cast<int>(u % kBwoStages);
-          const float* ak = a + kb * MB * (2 * kOwAPlane);
-          const float* bk = bb + kb * (2 * kOwBPlane);
-          if constexpr (kSplit) {
+          const float* ak = a + kb * MB * kABlk;
+          const float* bk = bb + kb * kBBlk;
+          if constexpr (kHalf) {  // both 32-row blocks of a, then b (32 s each)
+            float* dst = slot(4 * (2 * kABlk + kBBlk));
+            bulk_copy(dst, ak, 4 * 2 * kABlk, full + st);
+            bulk_copy(dst + 2 * kABlk, bk, 4 * kBBlk, full + st);
+          } else {
             float* dst = slot(4 * kOwStage);
             bulk_copy(dst, ak, 4 * 4 * kOwAPlane, full + st);
             bulk_copy(dst + 4 * kOwAPlane, bk, 4 * 2 * kOwBPlane, full + st);
-          } else {  // the hi planes: a of both 32-row blocks, b
-            float* dst = slot(4 * (2 * kOwAPlane + kOwBPlane));
-            bulk_copy(dst, ak, 4 * kOwAPlane, full + st);
-            bulk_copy(dst + 2 * kOwAPlane, ak + 2 * kOwAPlane, 4 * kOwAPlane, full + st);
-            bulk_copy(dst + 4 * kOwAPlane, bk, 4 * kOwBPlane, full + st);
           }
+        }
+        if constexpr (kHalf) {  // 4 slots of 32 pairs per warpgroup (16 KB)
+          const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * 4 * 4096;
+          for (int c = 0; c < 4; ++c) {
+            const int st = static_cast<int>(u % kBwoStages);
+            float* dst = slot(4 * 4096);
+            bulk_copy(dst, gt + c * 4096, 4 * 4096, full + st);
+          }
+          continue;
         }
         const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * 8 * kOwStage;
         for (int c = 0; c < 8; ++c) {
           const int st = static_cast<int>(u % kBwoStages);
-          if constexpr (kSplit) {
-            float* dst = slot(4 * kOwStage);
-            bulk_copy(dst, gt + c * kOwStage, 4 * kOwStage, full + st);
-          } else {  // each warpgroup's hi plane
-            float* dst = slot(4 * 4096);
-            bulk_copy(dst, gt + c * kOwStage, 4 * 2048, full + st);
-            bulk_copy(dst + 4096, gt + c * kOwStage + 4096, 4 * 2048, full + st);
-          }
+          float* dst = slot(4 * kOwStage);
+          bulk_copy(dst, gt + c * kOwStage, 4 * kOwStage, full + st);
         }
       }
     }
@@ -3000,7 +3078,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
       float acc[64], d[64];
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
-      if constexpr (kSplit) {
+      if constexpr (!kHalf) {
         for (int kb = 0; kb < kbs; ++kb) {
           const uint32_t us = u;
           const float* stg = wait_full();
@@ -3022,22 +3100,22 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #pragma unroll
           for (int e = 0; e < 64; ++e) acc[e] += d[e];
         }
-      } else {  // single TF32: all of S into acc, one stage's wgmmas in flight while the next is issued
+      } else {  // T: all of S into acc, one stage's wgmmas in flight while the next is issued
         uint32_t prev = 0;
         for (int kb = 0; kb < kbs; ++kb) {
           const uint32_t us = u;
           const float* stg = wait_full();
-          const float* a_hi = stg + wg * 2 * kOwAPlane;
-          const float* b_hi = stg + 4 * kOwAPlane;
+          const float* a16 = stg + wg * kABlk;
+          const float* b16 = stg + 2 * kABlk;
           wg_fence_acc(acc);
           asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-          for (int ks = 0; ks < kOwSK / 8; ++ks)
-            wgmma_tf32_m64n128k8(acc, wg_desc(a_hi + ks * 64, 512), wg_desc(b_hi + ks * 64, 512), kb + ks > 0);
+          for (int ks = 0; ks < 2; ++ks)  // two core matrices along k (16 s in T): 256 bytes
+            wgmma16_m64n128k16<T>(acc, wg_desc(a16 + ks * 64, 512), wg_desc(b16 + ks * 64, 512), kb + ks > 0);
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           if (kb > 0) {
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            release(prev);  // the previous stage's wgmmas have completed
+            release(prev);
           }
           prev = us;
         }
@@ -3063,6 +3141,48 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     for (int zh = 0; zh < 2; ++zh)
 #pragma unroll
       for (int e = 0; e < 32; ++e) dz[zh][e] = 0.f;  // (overwritten: scale-d 0 first; zeroed so that dz is not live in phase A)
+    if constexpr (kHalf) {  // 32 pairs per slot (two k steps of 16, pairs wo_pair16), O rounded to T on load
+      for (int c = 0; c < 4; ++c) {
+        uint32_t a16[2][4];  // k 2 t4 + e + 8 h of k step ks: Os_w row 32 c + 16 ks + t4 + 4 e + 8 h; hk 16 w4 + g (+ 8)
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+          const float* r0 = Os_w + (32 * c + 16 * ks + t4) * kBwLDO + 16 * w4 + g;
+          a16[ks][0] = pack2_16<T>(r0[0], r0[4 * kBwLDO]);
+          a16[ks][1] = pack2_16<T>(r0[8], r0[4 * kBwLDO + 8]);
+          a16[ks][2] = pack2_16<T>(r0[8 * kBwLDO], r0[12 * kBwLDO]);
+          a16[ks][3] = pack2_16<T>(r0[8 * kBwLDO + 8], r0[12 * kBwLDO + 8]);
+        }
+        const uint32_t us = u;
+        const float* stg = wait_full();
+        const float* g16 = stg + wg * 2048;  // this warpgroup's 128 z x 32 pairs
+        wg_fence_acc(dz[0]);
+        wg_fence_acc(dz[1]);
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a16[ks][e])::"memory");
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+          const int fresh = (c % 2 == 0) && ks == 0;  // a fresh accumulator per 64 pairs
+#pragma unroll
+          for (int zh = 0; zh < 2; ++zh)  // z rows 64 zh .. (8 row groups of 256 T), pairs 16 ks ..
+            wgmma16_m64n64k16_rs<T>(dz[zh], a16[ks], wg_desc(g16 + zh * 1024 + ks * 64, 512), fresh ? 0 : 1);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_acc(dz[0]);
+        wg_fence_acc(dz[1]);
+        release(us);
+        if (c % 2 == 1) {
+#pragma unroll
+          for (int zh = 0; zh < 2; ++zh)
+#pragma unroll
+            for (int e = 0; e < 32; ++e) D[zh][e] += dz[zh][e];
+        }
+      }
+      continue;
+    }
     for (int c = 0; c < 8; ++c) {
       uint32_t ahi[2][4], alo[2][4];  // A[hk][p] = Os_w[p][hk]: rows 16 w4 + g (+ 8), columns t4 (+ 4)
 #pragma unroll
@@ -3082,10 +3202,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if constexpr (kSplit) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
-          else asm volatile("" : "+r"(ahi[ks][e])::"memory");
-        }
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
@@ -3093,7 +3210,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #pragma unroll
         for (int zh = 0; zh < 2; ++zh) {
           const int off = zh * 1024 + ks * 64;  // z rows 64 zh .. (8 row groups of 128 floats), pairs 8 ks ..
-          wgmma_split_m64n64k8_rs<kSplit>(dz[zh], ahi[ks], alo[ks], g_hi + off, g_lo + off, 512, fresh);
+          wgmma_split_m64n64k8_rs(dz[zh], ahi[ks], alo[ks], g_hi + off, g_lo + off, 512, fresh);
         }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -3156,6 +3273,10 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_sum_kernel(const float* __
 //     16 (ks / 2) + 4 (cc % 4) + 2 (ks % 2) + cc / 4 for kap = 8 ks + cc: the order in which a thread's
 //     float4 of g (4 consecutive z) holds the A fragments of k steps 2p and 2p + 1.
 // ab_off(n, kap): K-major core matrices of a 64 x 128 operand, 8-row groups 4096 bytes apart.
+// opm_bw_ab_prep_kernel<T> for 16-bit T: the same blocks in T, 8 per item (16 bytes), k steps of 16:
+//   Vt[f][((b*NJT + J)*SB + sb)*8192 + ((ks*4 + w4)*32 + lane)*8 + q] (T elements), s as above with
+//     (q / 2) & 1 for q & 1, kk = 16 ks + 2 (lane % 4) + q % 2 + 8 (q / 4): m64n64k16's A fragment;
+//   Wt[f][sl*8192 + ab_off16(n, kap)] = Wf[ab_zperm16(kap), ...], one T plane.
 // ---------------------------------------------------------------------------------------------
 constexpr int kAbStages = 3;
 constexpr int kAbOperand = 2 * 8192;  // floats of a split 64 x 128 operand (hi plane, lo plane)
@@ -3167,9 +3288,55 @@ __host__ __device__ __forceinline__ int ab_zperm(int kap) {
   const int ks = kap >> 3, cc = kap & 7;
   return 16 * (ks >> 1) + 4 * (cc & 3) + 2 * (ks & 1) + (cc >> 2);
 }
+// The T layouts (16-bit products): ab_off16 in T elements (core matrices of 8 rows x 8 T, 8-row groups
+// 2048 bytes apart); ab_zperm16: a thread's float4 of g (z = 16 p + 4 t4 + e) is its A fragment of k
+// step p (k 2 t4 + e for e < 2, 8 + 2 t4 + e - 2 for e >= 2).
+__host__ __device__ __forceinline__ int ab_off16(int n, int kap) {
+  return (n >> 3) * 1024 + (kap >> 3) * 64 + (n & 7) * 8 + (kap & 7);
+}
+__host__ __device__ __forceinline__ int ab_zperm16(int kap) {
+  return 16 * (kap >> 4) + 4 * ((kap & 7) >> 1) + 2 * ((kap >> 3) & 1) + (kap & 1);
+}
+template <typename T>
 __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
     const float* __restrict__ av, const float* __restrict__ bv, const float* __restrict__ wo, float* __restrict__ Vt,
     float* __restrict__ Wt, int64_t B, int64_t S, int64_t N, int cz, int64_t NJT, int64_t SB) {
+  if constexpr (!std::is_same_v<T, float>) {  // T operands: 8 per item (16 bytes)
+    const int64_t nV = B * NJT * SB * 1024, nW = 16 * 64 * 16;
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < 2 * (nV + nW);
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int f = static_cast<int>(e / (nV + nW));
+      const int64_t x = e % (nV + nW);
+      float r[8];
+      uint4* dst;
+      if (x < nV) {  // x = ((b*NJT + J)*SB + sb)*1024 + (ks*4 + w4)*32 + lane; item q: register q / 2, half q % 2
+        const int lane = static_cast<int>(x % 32), w4 = static_cast<int>(x / 32 % 4), ks = static_cast<int>(x / 128 % 8);
+        const int64_t sb = x / 1024 % SB, J = x / 1024 / SB % NJT, b = x / 1024 / SB / NJT;
+        const float* v = f == 0 ? bv : av;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int reg = q / 2;
+          const int64_t s = 64 * sb + 16 * w4 + lane / 4 + 8 * (reg & 1);
+          const int kk = 16 * ks + 2 * (lane % 4) + q % 2 + 8 * (reg >> 1);
+          const int64_t l = 4 * J + kk / 32;
+          r[q] = (s < S && l < N) ? __ldg(v + ((b * S + s) * N + l) * 32 + kk % 32) : 0.f;
+        }
+        dst = reinterpret_cast<uint4*>(reinterpret_cast<T*>(Vt) + (f * nV + x) * 8);
+      } else {  // x - nV = (sl*64 + n)*16 + kap / 8
+        const int y = static_cast<int>(x - nV), kq = y % 16, n = y / 16 % 64, sl = y / 1024;
+        const int c1 = 2 * sl + n / 32, c2 = n % 32;
+        const int hk = f == 0 ? 32 * c1 + c2 : 32 * c2 + c1;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int z = ab_zperm16(8 * kq + q);
+          r[q] = z < cz ? __ldg(wo + static_cast<int64_t>(z) * 1024 + hk) : 0.f;
+        }
+        dst = reinterpret_cast<uint4*>(reinterpret_cast<T*>(Wt) + (f * 16 + sl) * 8192 + ab_off16(n, 8 * kq));
+      }
+      *dst = make_uint4(pack2_16<T>(r[0], r[1]), pack2_16<T>(r[2], r[3]), pack2_16<T>(r[4], r[5]), pack2_16<T>(r[6], r[7]));
+    }
+    return;
+  }
   const int64_t nV = B * NJT * SB * 2048, nW = 16 * 64 * 32;  // float4 items per form
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < 2 * (nV + nW);
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -3221,8 +3388,9 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // The G step starts a fresh accumulator every two k steps (6 wgmma), the da step every four (12), each
 // added into fp32 sums: longer chains on the tensor cores' accumulator biased proj_a / proj_b's weight
 // gradients (sums over every msa row of da, db) to ~5x the reference's error at crop with one
-// accumulator per J (48 wgmma). kSplit false (float16 / bfloat16 inputs): single TF32, hi x hi alone in
-// both steps (4 and 8 wgmma per fresh accumulator; Gt's lo plane not written, Wt's copied but not read).
+// accumulator per J (48 wgmma). 16-bit T (float16 / bfloat16 inputs): both steps on m64n64k16 with the
+// operands rounded to T (g on load, Wt and Vt by the prep, G as Gt is written, at ab_off16), 4 and 8 k
+// steps of 16 per fresh accumulator; Wt, Gt and the Vt slots take half the bytes.
 // The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
 // waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
 // g slots: one box of the tensor map tm_g (g as (c_z, N j, N i, B)), da: (c_z, 2 j, 32 i) at (0, l0, o0,
@@ -3231,7 +3399,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // c_z read the next row (or the slot's stale tail: the ring starts zeroed, so it holds earlier data,
 // finite for finite inputs), against zero rows of Wt.
 // ---------------------------------------------------------------------------------------------
-template <int kForm, bool kSplit>
+template <int kForm, typename T>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
     const float* __restrict__ inv_denom, float* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
@@ -3248,7 +3416,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t x = blockIdx.x, sc = x % NSC, sl = x / NSC % 16, ot = x / NSC / 16 % NOT, b = x / NSC / 16 / NOT;
   const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
-  const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step
+  const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step (16-bit: k steps)
+  constexpr bool kHalf = !std::is_same_v<T, float>;
+  constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
   for (int e = tid; e < kAbStages * 2048; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
   if (tid == 0) {
@@ -3260,8 +3430,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   if (wg == 2) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
     if (tid == 256) {
-      mbar_expect_tx(wbar, 4 * kAbOperand);
-      bulk_copy(Ws, Wt + sl * kAbOperand, 4 * kAbOperand, wbar);
+      constexpr unsigned kWtBytes = kHalf ? 2 * 8192 : 4 * kAbOperand;
+      mbar_expect_tx(wbar, kWtBytes);
+      bulk_copy(Ws, Wt + sl * (kWtBytes / 4), kWtBytes, wbar);
       uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
         const int st = static_cast<int>(u % kAbStages);
@@ -3281,8 +3452,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
         }
         for (int mb = 0; mb < mbc; ++mb) {
           uint64_t* bar = full + static_cast<int>(u % kAbStages);
-          float* dst = slot(4 * 8192);
-          bulk_copy(dst, Vt + ((b * NJT + J) * SB + 8 * sc + mb) * 8192, 4 * 8192, bar);
+          float* dst = slot(kVtBytes);
+          bulk_copy(dst, Vt + ((b * NJT + J) * SB + 8 * sc + mb) * (kVtBytes / 4), kVtBytes, bar);
         }
       }
     }
@@ -3319,7 +3490,26 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
       if (f == wg) {
         const float* row0 = stg + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r (hr 0)
         const float* row1 = row0 + 8 * rs1;                                       // row r + 8 (hr 1)
-        if constexpr (kSplit) {  // 2 k steps (6 wgmma) per batch: k steps 2 p, 2 p + 1 (z = 16 p + 4 t4 + e)
+        if constexpr (kHalf) {  // k steps of 16, 4 per batch: the float4 at z = 16 p + 4 t4 is k step p's fragment
+          // (steps past c_z multiply zeros by Wt's zero rows)
+          for (int p0 = 0; p0 < kp; p0 += 4) {
+            uint32_t a16[4][4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const int z = 16 * (p0 + q) + 4 * t4;
+              float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
+              if (z < cz) {  // (past c_z: zeros, not the slot's other data, which T may not hold)
+                x0 = *reinterpret_cast<const float4*>(row0 + 16 * (p0 + q));
+                x1 = *reinterpret_cast<const float4*>(row1 + 16 * (p0 + q));
+              }
+              a16[q][0] = pack2_16<T>(x0.x, x0.y);
+              a16[q][1] = pack2_16<T>(x1.x, x1.y);
+              a16[q][2] = pack2_16<T>(x0.z, x0.w);
+              a16[q][3] = pack2_16<T>(x1.z, x1.w);
+            }
+            wgmma16_batch_rs<4, T>(gacc, gsum, a16, Ws + p0 * 64, 2048);
+          }
+        } else {  // 2 k steps (6 wgmma) per batch: k steps 2 p, 2 p + 1 (z = 16 p + 4 t4 + e)
           for (int p = 0; p < kp; ++p) {
             const float4 x0 = *reinterpret_cast<const float4*>(row0 + 16 * p);
             const float4 x1 = *reinterpret_cast<const float4*>(row1 + 16 * p);
@@ -3332,33 +3522,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
             split_tf32(x1.z, ahi[1][1], alo[1][1]);
             split_tf32(x0.w, ahi[1][2], alo[1][2]);
             split_tf32(x1.w, ahi[1][3], alo[1][3]);
-            wgmma_split_batch_rs<2, true>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
-          }
-        } else {  // 4 k steps (4 wgmma) per batch, 2 for an odd last p
-          // k steps 2 p and 2 p + 1 into fragments i and i + 1 (the hi parts; lo is dead)
-          auto frag = [&](int p, auto& ahi, auto& alo, int i) {
-            const float4 x0 = *reinterpret_cast<const float4*>(row0 + 16 * p);
-            const float4 x1 = *reinterpret_cast<const float4*>(row1 + 16 * p);
-            split_tf32(x0.x, ahi[i][0], alo[i][0]);
-            split_tf32(x1.x, ahi[i][1], alo[i][1]);
-            split_tf32(x0.y, ahi[i][2], alo[i][2]);
-            split_tf32(x1.y, ahi[i][3], alo[i][3]);
-            split_tf32(x0.z, ahi[i + 1][0], alo[i + 1][0]);
-            split_tf32(x1.z, ahi[i + 1][1], alo[i + 1][1]);
-            split_tf32(x0.w, ahi[i + 1][2], alo[i + 1][2]);
-            split_tf32(x1.w, ahi[i + 1][3], alo[i + 1][3]);
-          };
-          int p = 0;
-          for (; p + 1 < kp; p += 2) {
-            uint32_t ahi[4][4], alo[4][4];
-            frag(p, ahi, alo, 0);
-            frag(p + 1, ahi, alo, 2);
-            wgmma_split_batch_rs<4, false>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
-          }
-          if (p < kp) {
-            uint32_t ahi[2][4], alo[2][4];
-            frag(p, ahi, alo, 0);
-            wgmma_split_batch_rs<2, false>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
+            wgmma_split_batch_rs<2>(gacc, gsum, ahi, alo, Ws + 2 * p * 64, 8192, 4096);
           }
         }
       }
@@ -3376,18 +3540,28 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     // (n, kap) = (2 ol + jj / 4, 32 (2 wg + ll) + 8 (jj % 4) + 2 t4), ol = 16 (w4 % 2) + gq + 8 hr: ab_off is
     // gt0's plus 2048 hr + 64 (jj % 4) + 4 (jj / 4) ((2 gq) % 8 + 1 < 8: no carry; kap steps by 8): one
     // address per thread and J (16 from ab_off each are hoisted out of the J loop by ptxas, and spill)
-    float* gt0 = Gt + ab_off(2 * (16 * (w4 % 2) + gq), 32 * (2 * wg + ll) + 2 * t4);
+    if constexpr (kHalf) {  // the same in T and ab_off16: 2048 hr + 64 (jj % 4) + 8 (jj / 4) T from gt0
+      T* gt0 = reinterpret_cast<T*>(Gt) + ab_off16(2 * (16 * (w4 % 2) + gq), 32 * (2 * wg + ll) + 2 * t4);
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
+      for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        uint32_t h0, l0, h1, l1;
-        split_tf32(gsum[4 * jj + 2 * hr] * sc2[hr], h0, l0);
-        split_tf32(gsum[4 * jj + 2 * hr + 1] * sc2[hr], h1, l1);
-        float* dst = gt0 + 2048 * hr + 64 * (jj % 4) + 4 * (jj / 4);
-        *reinterpret_cast<uint2*>(dst) = make_uint2(h0, h1);
-        if constexpr (kSplit) *reinterpret_cast<uint2*>(dst + 8192) = make_uint2(l0, l1);
-      }
+        for (int hr = 0; hr < 2; ++hr)
+          *reinterpret_cast<uint32_t*>(gt0 + 2048 * hr + 64 * (jj % 4) + 8 * (jj / 4)) =
+              pack2_16<T>(gsum[4 * jj + 2 * hr] * sc2[hr], gsum[4 * jj + 2 * hr + 1] * sc2[hr]);
+    } else {
+      float* gt0 = Gt + ab_off(2 * (16 * (w4 % 2) + gq), 32 * (2 * wg + ll) + 2 * t4);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          uint32_t h0, l0, h1, l1;
+          split_tf32(gsum[4 * jj + 2 * hr] * sc2[hr], h0, l0);
+          split_tf32(gsum[4 * jj + 2 * hr + 1] * sc2[hr], h1, l1);
+          float* dst = gt0 + 2048 * hr + 64 * (jj % 4) + 4 * (jj / 4);
+          *reinterpret_cast<uint2*>(dst) = make_uint2(h0, h1);
+          *reinterpret_cast<uint2*>(dst + 8192) = make_uint2(l0, l1);
+        }
+    }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before wgmma reads Gt
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
     // ---- da step ----
@@ -3402,20 +3576,33 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
           float acc[32];
 #pragma unroll
           for (int e = 0; e < 32; ++e) acc[e] = 0.f;
-          const float* frag = stg + (w4 * 32 + lane) * 4;
-          constexpr int KB = kSplit ? 4 : 8;  // k steps per batch: 12 wgmma split, 8 single
-#pragma unroll 1
-          for (int k2 = 0; k2 < 16 / KB; ++k2) {
-            uint32_t ahi[KB][4], alo[KB][4];
+          if constexpr (kHalf) {  // the block's 8 k steps of 16 in one batch, a uint4 of A per k step
+            const uint4* frag = reinterpret_cast<const uint4*>(stg) + w4 * 32 + lane;
+            uint32_t a16[8][4];
 #pragma unroll
-            for (int h2 = 0; h2 < KB; ++h2) {
-              const float4 v = *reinterpret_cast<const float4*>(frag + (KB * k2 + h2) * 512);
-              split_tf32(v.x, ahi[h2][0], alo[h2][0]);
-              split_tf32(v.y, ahi[h2][1], alo[h2][1]);
-              split_tf32(v.z, ahi[h2][2], alo[h2][2]);
-              split_tf32(v.w, ahi[h2][3], alo[h2][3]);
+            for (int ks = 0; ks < 8; ++ks) {
+              const uint4 v = frag[ks * 128];
+              a16[ks][0] = v.x;
+              a16[ks][1] = v.y;
+              a16[ks][2] = v.z;
+              a16[ks][3] = v.w;
             }
-            wgmma_split_batch_rs<KB, kSplit>(acc, total[mp], ahi, alo, Gt + KB * k2 * 64, 8192, 4096);
+            wgmma16_batch_rs<8, T>(acc, total[mp], a16, Gt, 2048);
+          } else {
+            const float* frag = stg + (w4 * 32 + lane) * 4;
+#pragma unroll 1
+            for (int k2 = 0; k2 < 4; ++k2) {  // four k steps per batch
+              uint32_t ahi[4][4], alo[4][4];
+#pragma unroll
+              for (int h2 = 0; h2 < 4; ++h2) {
+                const float4 v = *reinterpret_cast<const float4*>(frag + (4 * k2 + h2) * 512);
+                split_tf32(v.x, ahi[h2][0], alo[h2][0]);
+                split_tf32(v.y, ahi[h2][1], alo[h2][1]);
+                split_tf32(v.z, ahi[h2][2], alo[h2][2]);
+                split_tf32(v.w, ahi[h2][3], alo[h2][3]);
+              }
+              wgmma_split_batch_rs<4>(acc, total[mp], ahi, alo, Gt + 4 * k2 * 64, 8192, 4096);
+            }
           }
         }
         release(us);
@@ -4469,12 +4656,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 }
 
 // The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N), g
-// (B, N, N, c_z) fp32, c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok); split TF32
-// (split) or single TF32 (opm_bw_wo_kernel<false>). Returns dwo (c_z, 1024) fp32. The G planes go in
+// (B, N, N, c_z) fp32, c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). ops: "split"
+// (split TF32), "float16" or "bfloat16" (the products' operands rounded to that type, opm_bw_wo_kernel<T>).
+// Returns dwo (c_z, 1024) fp32. The G planes go in
 // chunks of i tiles of at most kBwoChunkBytes; each chunk's block partials are added into dwo in order (a
 // fixed summation order for a given device).
 constexpr int64_t kBwoChunkBytes = 256ll << 20;
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, bool split) {
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &g})
@@ -4495,21 +4683,27 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const auto f32 = a.options();
   at::Tensor dwo = at::zeros({cz, 1024}, f32);
   if (B == 0 || S == 0 || N == 0) return dwo;
-  const int64_t KB16 = cdiv(S, kOwSK), NIT = cdiv(N, 64), NBB = cdiv(N, 4);
-  at::Tensor Abw = at::empty({B * kBwNSL * KB16 * 2 * NIT * 2 * kOwAPlane}, f32);
-  at::Tensor Bbw = at::empty({B * NBB * KB16 * 2 * kOwBPlane}, f32);
-  const int64_t tile_bytes = 4ll * 8 * kOwStage;  // Gbw per (b, it, jt)
-  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, kBwoChunkBytes / (tile_bytes * B * NBB)));
-  at::Tensor Gbw = at::empty({B * NITc * NBB * 8 * kOwStage}, f32);
+  const bool half = ops == "float16" || ops == "bfloat16";
+  TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_wo: ops is split, float16 or bfloat16, got ", ops);
+  // blocks of kOwSK s (fp32 planes) or kOwS16 (T planes); floats per a block, b block and (b, it, jt) of Gbw
+  const int64_t KB16 = cdiv(S, half ? kOwS16 : kOwSK), NIT = cdiv(N, 64), NBB = cdiv(N, 4);
+  const int64_t ablk = half ? kOwABlk16 / 2 : 2 * kOwAPlane, bblk = half ? kOwBBlk16 / 2 : 2 * kOwBPlane;
+  const int64_t gtile = half ? 4 * 4096 : 8 * kOwStage;
+  at::Tensor Abw = at::empty({B * kBwNSL * KB16 * 2 * NIT * ablk}, f32);
+  at::Tensor Bbw = at::empty({B * NBB * KB16 * bblk}, f32);
+  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, kBwoChunkBytes / (4 * gtile * B * NBB)));
+  at::Tensor Gbw = at::empty({B * NITc * NBB * gtile}, f32);
   const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NBB, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
-  const auto wo_kernel = split ? opm_bw_wo_kernel<true> : opm_bw_wo_kernel<false>;
-  const auto wo_prep_kernel = split ? opm_bw_wo_prep_kernel<true> : opm_bw_wo_prep_kernel<false>;
+  const auto wo_kernel = !half ? opm_bw_wo_kernel<float>
+                         : ops == "float16" ? opm_bw_wo_kernel<__half> : opm_bw_wo_kernel<__nv_bfloat16>;
+  const auto wo_prep_kernel = !half ? opm_bw_wo_prep_kernel<float>
+                              : ops == "float16" ? opm_bw_wo_prep_kernel<__half> : opm_bw_wo_prep_kernel<__nv_bfloat16>;
   set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
   for (int64_t it0 = 0; it0 < NIT; it0 += NITc) {
     const int64_t nitc = std::min<int64_t>(NITc, NIT - it0);
     const bool ab = it0 == 0;
-    const int64_t items = (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * 8 * 1024;
+    const int64_t items = (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * (half ? 4096 : 8192);
     wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
         ac.data_ptr<float>(), bc.data_ptr<float>(), gc.data_ptr<float>(), ic.data_ptr<float>(), Abw.data_ptr<float>(),
         Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0, nitc);
@@ -4564,10 +4758,11 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 
 // The backward's da and db (before the mask) on wgmma, G recomputed per tile: a, b (B, S, N, 32) fp32
 // (masked), inv_denom (B, N), g (B, N, N, c_z) fp32 with c_z <= 128 and c_z % 4 == 0 (16-byte rows: the
-// tensor map's strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs; split TF32 (split) or
-// single TF32 (opm_bw_ab_kernel<form, false>). Returns (da, db).
+// tensor map's strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split
+// TF32) or "float16" / "bfloat16" (the products' operands rounded to that type, opm_bw_ab_kernel<form, T>).
+// Returns (da, db).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, bool split) {
+                                                   at::Tensor wo, const std::string& ops) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &g, &wo})
@@ -4592,11 +4787,16 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   at::Tensor da = at::empty_like(ac), db = at::empty_like(ac);
   if (B == 0 || S == 0 || N == 0) return {da.zero_(), db.zero_()};
   const int64_t NJT = cdiv(N, 4), SB = cdiv(S, 64), NOT = cdiv(N, 32), NSC = cdiv(SB, 8);
+  const bool half = ops == "float16" || ops == "bfloat16";
+  TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
+  const int64_t vblk = half ? 4096 : 8192, wsl = half ? 4096 : kAbOperand;  // floats per Vt block, Wt slice
   const auto f32 = a.options();
-  at::Tensor Vt = at::empty({2 * B * NJT * SB * 8192}, f32);
-  at::Tensor Wt = at::empty({2 * 16 * kAbOperand}, f32);
-  const int64_t items = 2 * (B * NJT * SB * 2048 + 16 * 64 * 32);
-  opm_bw_ab_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
+  at::Tensor Vt = at::empty({2 * B * NJT * SB * vblk}, f32);
+  at::Tensor Wt = at::empty({2 * 16 * wsl}, f32);
+  const int64_t items = half ? 2 * (B * NJT * SB * 1024 + 16 * 64 * 16) : 2 * (B * NJT * SB * 2048 + 16 * 64 * 32);
+  const auto prep = ops == "float16" ? opm_bw_ab_prep_kernel<__half>
+                    : ops == "bfloat16" ? opm_bw_ab_prep_kernel<__nv_bfloat16> : opm_bw_ab_prep_kernel<float>;
+  prep<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
       ac.data_ptr<float>(), bc.data_ptr<float>(), wc.data_ptr<float>(), Vt.data_ptr<float>(), Wt.data_ptr<float>(), B, S,
       N, cz, NJT, SB);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -4604,15 +4804,17 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   TORCH_CHECK(blocks < (1ll << 31), "outer_product_mean: opm_backward_ab: too many blocks");
   const float* vt = Vt.data_ptr<float>();
   const float* wt = Wt.data_ptr<float>();
-  const auto da_kernel = split ? opm_bw_ab_kernel<0, true> : opm_bw_ab_kernel<0, false>;
-  const auto db_kernel = split ? opm_bw_ab_kernel<1, true> : opm_bw_ab_kernel<1, false>;
+  const auto da_kernel = !half ? opm_bw_ab_kernel<0, float>
+                         : ops == "float16" ? opm_bw_ab_kernel<0, __half> : opm_bw_ab_kernel<0, __nv_bfloat16>;
+  const auto db_kernel = !half ? opm_bw_ab_kernel<1, float>
+                         : ops == "float16" ? opm_bw_ab_kernel<1, __half> : opm_bw_ab_kernel<1, __nv_bfloat16>;
   set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
   da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
       vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), da.data_ptr<float>(), B, S, N, cz, NJT, SB, NOT, NSC);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
   db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
-      vt + B * NJT * SB * 8192, wt + 16 * kAbOperand, make_g_map(gc, 32, 2), ic.data_ptr<float>(), db.data_ptr<float>(),
+      vt + B * NJT * SB * vblk, wt + 16 * wsl, make_g_map(gc, 32, 2), ic.data_ptr<float>(), db.data_ptr<float>(),
       B, S, N, cz, NJT, SB, NOT, NSC);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {da, db};
@@ -4726,13 +4928,13 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::device_caps(device); }
 
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, bool split) {
-  return opm::opm_backward_wo(a, b, inv_denom, g, split);
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
+  return opm::opm_backward_wo(a, b, inv_denom, g, ops);
 }
 
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, bool split) {
-  return opm::opm_backward_ab(a, b, inv_denom, g, wo, split);
+                                                   at::Tensor wo, const std::string& ops) {
+  return opm::opm_backward_ab(a, b, inv_denom, g, wo, ops);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
@@ -4763,9 +4965,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab);
 std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, bool split);
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops);
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, bool split);
+                                                   at::Tensor wo, const std::string& ops);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
     at::Tensor wb, double eps);
@@ -4801,6 +5003,7 @@ _CUDA_SRC = (_CUDA_SRC.replace("@WGMMA_M64N128K8@", _wgmma_asm(128)).replace("@W
              .replace("@WGMMA_BF16_M64N128K16@", _wgmma_asm(128, ab="bf16"))
              .replace("@WGMMA_F16_M64N128K16@", _wgmma_asm(128, ab="f16"))
              .replace("@WGMMA_F16_M64N64K16_RS@", _wgmma_asm(64, 4, ab="f16"))
+             .replace("@WGMMA_BF16_M64N64K16_RS@", _wgmma_asm(64, 4, ab="bf16"))
              .replace("@VARIANT_ENUM@", _variant_enum(_ALL_VARIANTS)))
 
 # =============================================================================================
@@ -4971,7 +5174,7 @@ def _ab_kernel_runs(msa, c, c_z, ct):
 
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
-                                rows_kernel=None, ab=None, parts=None, split=None):
+                                rows_kernel=None, ab=None, parts=None, split=False):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
@@ -4996,10 +5199,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
     (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
     True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
-    both). These two kernels compute in float32 on TF32 tensor cores: split TF32 (about fp32's precision)
-    where split is True, single TF32 (each operand rounded to 10 mantissa bits, float16's precision and
-    finer than bfloat16's 7; a third of the products) where it is False; None: split for a float32 msa,
-    single for float16 / bfloat16. With both, dbo is the column sums of grad_out (opm_colsum_kernel),
+    both). These two kernels run split TF32 (about fp32's precision) for a float32 msa or where split is
+    True; for a float16 / bfloat16 msa they otherwise run on that type's tensor cores (a, b, g / d, Wo and
+    the intermediate O and G rounded to it, as the reference in that dtype rounds them; fp32
+    accumulation). With both, dbo is the column sums of grad_out (opm_colsum_kernel),
     else the chunks' sums. The rest (the mask, dy, the LayerNorm backward, dWa, dba, dWb, dbb, d_ln_w,
     d_ln_b) runs in one sweep over the msa rows (opm_bw_ln_kernel: the msa in its dtype, fp32 math,
     its products split TF32 for a float32 msa and single TF32 for float16 / bfloat16 whatever split
@@ -5029,7 +5232,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
-    split = msa.dtype == torch.float32 if split is None else bool(split)
+    # dWo, da and db's products: split TF32, or in the msa's 16-bit type
+    half = msa.dtype in (torch.float16, torch.bfloat16)
+    ops = _dtype_name(msa.dtype) if half and not split else "split"
     if parts is not None:
         parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("da, db", ab_in_kernel),
                                  ("LayerNorm", ln_in_kernel)) if k]
@@ -5067,11 +5272,11 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if wo_in_kernel or ab_in_kernel:
         inv_d, g_ct = inv_d.contiguous(), grad_out.to(ct).contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_ct, split)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_ct, ops)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:
-        da, db = _ext.opm_backward_ab(a, b, inv_d, g_ct, Wo.contiguous(), split)
+        da, db = _ext.opm_backward_ab(a, b, inv_d, g_ct, Wo.contiguous(), ops)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
