@@ -2868,6 +2868,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     int64_t B, int64_t S, int64_t N, int cz, int64_t KB16, int64_t NIT, int64_t NBB, bool ab, int64_t it0, int64_t NITc) {
   const int64_t MB = 2 * NIT;
   if constexpr (!std::is_same_v<T, float>) {  // T planes, blocks of 32 s (KB16 counts them), 8 consecutive k per item
+    const T* g16 = reinterpret_cast<const T*>(g);  // (g in T)
     const int64_t KB = KB16;
     const int64_t nA = ab ? B * kBwNSL * KB * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB * 128 * 4 : 0;
     const int64_t nG = B * NITc * NBB * 4 * 2 * 4 * 128;
@@ -2906,7 +2907,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
           for (int q = 0; q < 8; ++q) {
             const int p = 32 * c + wo_pair16(8 * oct + q);
             const int64_t i = 64 * it + 32 * w + p / 4, j = 4 * jt + p % 4;
-            if (i < N && j < N) v[q] = __ldg(g + ((b * N + i) * N + j) * cz + z) * __ldg(inv_denom + b * N + i);
+            if (i < N && j < N) v[q] = ldg_f(g16, ((b * N + i) * N + j) * cz + z) * __ldg(inv_denom + b * N + i);
           }
         }
         dst = reinterpret_cast<T*>(Gbw) + blk * 8192 + w * 4096 + ow_off16h(z, 8 * oct);
@@ -3389,15 +3390,16 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // added into fp32 sums: longer chains on the tensor cores' accumulator biased proj_a / proj_b's weight
 // gradients (sums over every msa row of da, db) to ~5x the reference's error at crop with one
 // accumulator per J (48 wgmma). 16-bit T (float16 / bfloat16 inputs): both steps on m64n64k16 with the
-// operands rounded to T (g on load, Wt and Vt by the prep, G as Gt is written, at ab_off16), 4 and 8 k
-// steps of 16 per fresh accumulator; Wt, Gt and the Vt slots take half the bytes.
+// operands in T (g as given, its tensor map's boxes of T; Wt and Vt rounded by the prep, G as Gt is
+// written, at ab_off16), 4 and 8 k steps of 16 per fresh accumulator; g, Wt, Gt and the Vt slots take
+// half the bytes, and Gt has two buffers (by J's parity: no barrier before its stores).
 // The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
 // waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
 // g slots: one box of the tensor map tm_g (g as (c_z, N j, N i, B)), da: (c_z, 2 j, 32 i) at (0, l0, o0,
-// b), rows (ol, ll) at floats 2 c_z ol + c_z ll; db: (c_z, 32 j, 2 i) at (0, o0, l0, b), 32 c_z ll + c_z
-// ol. Rows past N are zeros (the map's fill; their scale is 0 too), and the G step's last float4s past
-// c_z read the next row (or the slot's stale tail: the ring starts zeroed, so it holds earlier data,
-// finite for finite inputs), against zero rows of Wt.
+// b), rows (ol, ll) at elements 2 c_z ol + c_z ll; db: (c_z, 32 j, 2 i) at (0, o0, l0, b), 32 c_z ll +
+// c_z ol. Rows past N are zeros (the map's fill; their scale is 0 too), and the G step's last
+// float4s past c_z read the next row (or the slot's stale tail: the ring starts zeroed, so it holds
+// earlier data, finite for finite inputs), against zero rows of Wt (16-bit T: zeros in their place).
 // ---------------------------------------------------------------------------------------------
 template <int kForm, typename T>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
@@ -3446,7 +3448,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
         for (int w = 0; w < 2; ++w) {  // one box of g: (c_z, 2 j, 32 i) for da, (c_z, 32 j, 2 i) for db
           const int l0 = static_cast<int>(4 * J + 2 * w);
           uint64_t* bar = full + static_cast<int>(u % kAbStages);
-          float* dst = slot(static_cast<unsigned>(4 * 64 * cz));
+          float* dst = slot(static_cast<unsigned>(sizeof(T) * 64 * cz));  // (g in T for 16-bit T)
           if (kForm == 0) tma_load_4d(dst, &tm_g, 0, l0, o0, bi, bar);
           else tma_load_4d(dst, &tm_g, 0, o0, l0, bi, bar);
         }
@@ -3488,24 +3490,24 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
       const uint32_t us = u;
       const float* stg = wait_full();
       if (f == wg) {
-        const float* row0 = stg + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r (hr 0)
-        const float* row1 = row0 + 8 * rs1;                                       // row r + 8 (hr 1)
-        if constexpr (kHalf) {  // k steps of 16, 4 per batch: the float4 at z = 16 p + 4 t4 is k step p's fragment
-          // (steps past c_z multiply zeros by Wt's zero rows)
+        [[maybe_unused]] const float* row0 = stg + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r (hr 0)
+        [[maybe_unused]] const float* row1 = row0 + 8 * rs1;                                       // row r + 8 (hr 1)
+        if constexpr (kHalf) {  // k steps of 16, 4 per batch: the 4 T at z = 16 p + 4 t4 are k step p's fragment
+          // (steps past c_z: zero fragments, not the slot's other data, against Wt's zero rows)
+          const T* r16 = reinterpret_cast<const T*>(stg) + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r
           for (int p0 = 0; p0 < kp; p0 += 4) {
             uint32_t a16[4][4];
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-              const int z = 16 * (p0 + q) + 4 * t4;
-              float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
-              if (z < cz) {  // (past c_z: zeros, not the slot's other data, which T may not hold)
-                x0 = *reinterpret_cast<const float4*>(row0 + 16 * (p0 + q));
-                x1 = *reinterpret_cast<const float4*>(row1 + 16 * (p0 + q));
+              uint2 x0 = make_uint2(0u, 0u), x1 = x0;
+              if (16 * (p0 + q) + 4 * t4 < cz) {
+                x0 = *reinterpret_cast<const uint2*>(r16 + 16 * (p0 + q));
+                x1 = *reinterpret_cast<const uint2*>(r16 + 8 * rs1 + 16 * (p0 + q));
               }
-              a16[q][0] = pack2_16<T>(x0.x, x0.y);
-              a16[q][1] = pack2_16<T>(x1.x, x1.y);
-              a16[q][2] = pack2_16<T>(x0.z, x0.w);
-              a16[q][3] = pack2_16<T>(x1.z, x1.w);
+              a16[q][0] = x0.x;
+              a16[q][1] = x1.x;
+              a16[q][2] = x0.y;
+              a16[q][3] = x1.y;
             }
             wgmma16_batch_rs<4, T>(gacc, gsum, a16, Ws + p0 * 64, 2048);
           }
@@ -3536,12 +3538,15 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
       const int64_t i = kForm == 0 ? o : l;
       sc2[hr] = (o < N && l < N) ? __ldg(inv_denom + b * N + i) : 0.f;
     }
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's da-step wgmma on Gt is done
+    // 16-bit T: G^T in two 16 KB buffers by J's parity; a warpgroup passed the barrier before J - 1's da
+    // step only after its da step of J - 2 (the last reader of this buffer) had completed, so no barrier here
+    [[maybe_unused]] float* GtJ = Gt + (J & 1) * 4096;
+    if constexpr (!kHalf) asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's da-step wgmma on Gt is done
     // (n, kap) = (2 ol + jj / 4, 32 (2 wg + ll) + 8 (jj % 4) + 2 t4), ol = 16 (w4 % 2) + gq + 8 hr: ab_off is
     // gt0's plus 2048 hr + 64 (jj % 4) + 4 (jj / 4) ((2 gq) % 8 + 1 < 8: no carry; kap steps by 8): one
     // address per thread and J (16 from ab_off each are hoisted out of the J loop by ptxas, and spill)
     if constexpr (kHalf) {  // the same in T and ab_off16: 2048 hr + 64 (jj % 4) + 8 (jj / 4) T from gt0
-      T* gt0 = reinterpret_cast<T*>(Gt) + ab_off16(2 * (16 * (w4 % 2) + gq), 32 * (2 * wg + ll) + 2 * t4);
+      T* gt0 = reinterpret_cast<T*>(GtJ) + ab_off16(2 * (16 * (w4 % 2) + gq), 32 * (2 * wg + ll) + 2 * t4);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -3587,7 +3592,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
               a16[ks][2] = v.z;
               a16[ks][3] = v.w;
             }
-            wgmma16_batch_rs<8, T>(acc, total[mp], a16, Gt, 2048);
+            wgmma16_batch_rs<8, T>(acc, total[mp], a16, GtJ, 2048);
           } else {
             const float* frag = stg + (w4 * 32 + lane) * 4;
 #pragma unroll 1
@@ -4019,7 +4024,8 @@ __global__ void __launch_bounds__(kThreads) opm_block_sum_kernel(const float* __
 //   cz / 4 float4 columns, RL = 256 / CG row lanes, sums rows rl, rl + RL, ... of its 4 columns, then
 //   thread cg adds the RL lanes in order. opm_block_sum_kernel adds the blocks' sums.
 // Assumptions: 256 threads; cz % 4 == 0, 4 <= cz <= 1024; g 16-byte aligned.
-__global__ void __launch_bounds__(kThreads) opm_colsum_kernel(const float* __restrict__ g, int64_t rows, int cz,
+template <typename G>
+__global__ void __launch_bounds__(kThreads) opm_colsum_kernel(const G* __restrict__ g, int64_t rows, int cz,
                                                               int64_t rpb, float* __restrict__ part) {
   __shared__ float4 red[kThreads];
   const int CG = cz / 4, RL = kThreads / CG, tid = threadIdx.x, cg = tid % CG, rl = tid / CG;
@@ -4027,7 +4033,14 @@ __global__ void __launch_bounds__(kThreads) opm_colsum_kernel(const float* __res
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (rl < RL)
     for (int64_t r = r0 + rl; r < r1; r += RL) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(g + r * cz) + cg);
+      float4 v;
+      if constexpr (std::is_same_v<G, float>) {
+        v = __ldg(reinterpret_cast<const float4*>(g + r * cz) + cg);
+      } else {  // 4 T in 8 bytes
+        const uint2 h = __ldg(reinterpret_cast<const uint2*>(g + r * cz) + cg);
+        const float2 lo = to_float2<G>(h.x), hi = to_float2<G>(h.y);
+        v = make_float4(lo.x, lo.y, hi.x, hi.y);
+      }
       acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
     }
   red[tid] = acc;
@@ -4665,8 +4678,12 @@ constexpr int64_t kBwoChunkBytes = 256ll << 20;
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
-  for (const at::Tensor* t : {&a, &b, &inv_denom, &g})
+  const bool half = ops == "float16" || ops == "bfloat16";
+  TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_wo: ops is split, float16 or bfloat16, got ", ops);
+  for (const at::Tensor* t : {&a, &b, &inv_denom})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_wo takes float32, got ", dtype_str(*t));
+  TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
+              "outer_product_mean: opm_backward_wo: g in ", half ? ops : "float32", ", got ", dtype_str(g));
   TORCH_CHECK(a.dim() == 4 && a.size(3) == 32 && b.sizes() == a.sizes(), "outer_product_mean: opm_backward_wo: a, b (B, S, N, 32)");
   const int64_t B = a.size(0), S = a.size(1), N = a.size(2);
   TORCH_CHECK(g.dim() == 4 && g.size(0) == B && g.size(1) == N && g.size(2) == N && g.size(3) >= 1 && g.size(3) <= 128,
@@ -4683,8 +4700,6 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const auto f32 = a.options();
   at::Tensor dwo = at::zeros({cz, 1024}, f32);
   if (B == 0 || S == 0 || N == 0) return dwo;
-  const bool half = ops == "float16" || ops == "bfloat16";
-  TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_wo: ops is split, float16 or bfloat16, got ", ops);
   // blocks of kOwSK s (fp32 planes) or kOwS16 (T planes); floats per a block, b block and (b, it, jt) of Gbw
   const int64_t KB16 = cdiv(S, half ? kOwS16 : kOwSK), NIT = cdiv(N, 64), NBB = cdiv(N, 4);
   const int64_t ablk = half ? kOwABlk16 / 2 : 2 * kOwAPlane, bblk = half ? kOwBBlk16 / 2 : 2 * kOwBPlane;
@@ -4703,10 +4718,12 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   for (int64_t it0 = 0; it0 < NIT; it0 += NITc) {
     const int64_t nitc = std::min<int64_t>(NITc, NIT - it0);
     const bool ab = it0 == 0;
-    const int64_t items = (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * (half ? 4096 : 8192);
+    const int64_t items =
+        (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * (half ? 4096 : 8192);
+    // (g's elements are T where ops is float16 / bfloat16)
     wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
-        ac.data_ptr<float>(), bc.data_ptr<float>(), gc.data_ptr<float>(), ic.data_ptr<float>(), Abw.data_ptr<float>(),
-        Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0, nitc);
+        ac.data_ptr<float>(), bc.data_ptr<float>(), static_cast<const float*>(gc.data_ptr()), ic.data_ptr<float>(),
+        Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0, nitc);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * NBB, groups)));
     wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
@@ -4741,15 +4758,19 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// g (B, N, N, c_z) fp32 contiguous, 16-byte aligned, c_z % 4 == 0, as a 4-D tensor map (c_z, N j, N i, B)
+// g (B, N, N, c_z) fp32, fp16 or bf16, contiguous, 16-byte aligned and 16-byte rows (c_z % 4 == 0 in fp32,
+// % 8 == 0 in 16 bits), as a 4-D tensor map (c_z, N j, N i, B)
 // with boxes of (c_z, box_j, box_i, 1), no swizzle, zeros out of range (opm_bw_ab_kernel's g slots).
 CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
   CUtensorMap m;
-  const cuuint64_t B = g.size(0), N = g.size(1), cz = g.size(3);
+  const cuuint64_t B = g.size(0), N = g.size(1), cz = g.size(3), es = g.element_size();
   const cuuint64_t dims[4] = {cz, N, N, B};
-  const cuuint64_t strides[3] = {4 * cz, 4 * cz * N, 4 * cz * N * N};
+  const cuuint64_t strides[3] = {es * cz, es * cz * N, es * cz * N * N};
   const cuuint32_t box[4] = {static_cast<cuuint32_t>(cz), box_j, box_i, 1}, elem[4] = {1, 1, 1, 1};
-  const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, g.data_ptr(), dims, strides, box, elem,
+  const auto type = g.scalar_type() == at::kHalf       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                    : g.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  const CUresult r = encode_tiled()(&m, type, 4, g.data_ptr(), dims, strides, box, elem,
                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "outer_product_mean: cuTensorMapEncodeTiled failed with CUresult ", static_cast<int>(r));
@@ -4765,13 +4786,17 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
                                                    at::Tensor wo, const std::string& ops) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
-  for (const at::Tensor* t : {&a, &b, &inv_denom, &g, &wo})
+  const bool half = ops == "float16" || ops == "bfloat16";
+  TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
+  for (const at::Tensor* t : {&a, &b, &inv_denom, &wo})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
+  TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
+              "outer_product_mean: opm_backward_ab: g in ", half ? ops : "float32", ", got ", dtype_str(g));
   TORCH_CHECK(a.dim() == 4 && a.size(3) == 32 && b.sizes() == a.sizes(), "outer_product_mean: opm_backward_ab: a, b (B, S, N, 32)");
   const int64_t B = a.size(0), S = a.size(1), N = a.size(2);
   TORCH_CHECK(g.dim() == 4 && g.size(0) == B && g.size(1) == N && g.size(2) == N && g.size(3) >= 4 && g.size(3) <= 128 &&
-                  g.size(3) % 4 == 0,
-              "outer_product_mean: opm_backward_ab: g (B, N, N, c_z), c_z a multiple of 4 up to 128");
+                  g.size(3) % (half ? 8 : 4) == 0,
+              "outer_product_mean: opm_backward_ab: g (B, N, N, c_z), c_z a multiple of 4 (16-bit g: 8) up to 128");
   TORCH_CHECK(inv_denom.dim() == 2 && inv_denom.size(0) == B && inv_denom.size(1) == N,
               "outer_product_mean: opm_backward_ab: inv_denom (B, N)");
   const int cz = static_cast<int>(g.size(3));
@@ -4783,12 +4808,10 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
               "outer_product_mean: opm_backward_ab needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
   at::Tensor gc = g.contiguous();
-  if (reinterpret_cast<uintptr_t>(gc.data_ptr<float>()) % 16 != 0) gc = gc.clone();  // 16-byte aligned: the tensor map
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte aligned: the tensor map
   at::Tensor da = at::empty_like(ac), db = at::empty_like(ac);
   if (B == 0 || S == 0 || N == 0) return {da.zero_(), db.zero_()};
   const int64_t NJT = cdiv(N, 4), SB = cdiv(S, 64), NOT = cdiv(N, 32), NSC = cdiv(SB, 8);
-  const bool half = ops == "float16" || ops == "bfloat16";
-  TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
   const int64_t vblk = half ? 4096 : 8192, wsl = half ? 4096 : kAbOperand;  // floats per Vt block, Wt slice
   const auto f32 = a.options();
   at::Tensor Vt = at::empty({2 * B * NJT * SB * vblk}, f32);
@@ -4894,23 +4917,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 // out_proj's bias gradient: the sum of g (..., c_z) over every dimension but the last, fp32, CUDA,
 // c_z % 4 == 0 and c_z <= 1024; in a fixed order for a given device (block sums added in order in fp64).
 at::Tensor opm_backward_dbo(at::Tensor g) {
-  TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kFloat && g.dim() >= 1, "outer_product_mean: opm_backward_dbo takes "
-              "a float32 CUDA tensor");
+  const auto gt = g.scalar_type();
+  TORCH_CHECK(g.is_cuda() && (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16) && g.dim() >= 1,
+              "outer_product_mean: opm_backward_dbo takes a float32, float16 or bfloat16 CUDA tensor");
   const int64_t cz = g.size(-1);
   TORCH_CHECK(cz % 4 == 0 && cz >= 4 && cz <= 1024, "outer_product_mean: opm_backward_dbo: c_z a multiple of 4 up to 1024");
   const c10::cuda::CUDAGuard guard(g.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(g.get_device());
   at::Tensor gc = g.contiguous();
-  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte loads
-  at::Tensor out = at::zeros({cz}, gc.options());
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte loads (8-byte for T)
+  const auto f32 = gc.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({cz}, f32);
   const int64_t rows = gc.numel() / cz;
   if (rows == 0) return out;
   const int blocks = static_cast<int>(std::min<int64_t>(4ll * d.sms, cdiv(rows, 64)));
   const int64_t rpb = cdiv(rows, blocks);
-  at::Tensor part = at::empty({blocks * cz}, gc.options());
-  opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(gc.data_ptr<float>(), rows, static_cast<int>(cz), rpb,
-                                                     part.data_ptr<float>());
+  at::Tensor part = at::empty({blocks * cz}, f32);
+  if (gt == at::kFloat)
+    opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(gc.data_ptr<float>(), rows, static_cast<int>(cz), rpb,
+                                                       part.data_ptr<float>());
+  else if (gt == at::kHalf)
+    opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const __half*>(gc.data_ptr()), rows,
+                                                       static_cast<int>(cz), rpb, part.data_ptr<float>());
+  else
+    opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(gc.data_ptr()), rows,
+                                                       static_cast<int>(cz), rpb, part.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   opm_block_sum_kernel<<<static_cast<int>(cdiv(cz, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
                                                                                   out.data_ptr<float>(), blocks, cz);
@@ -5268,20 +5300,30 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         if wo_in_kernel or ab_in_kernel:
             inv_d = denom.reciprocal()
 
+    # grad_out as the kernels take it: float32 for split TF32, else in the msa's type (no copy where it is
+    # already); da, db's tensor map needs 16-byte rows of it, so pair_dim % 8 == 0 there, else split
+    ops_ab = ops if ops == "split" or c_z % 8 == 0 else "split"
+    g_k = {}
+
+    def g_for(o):
+        if o not in g_k:
+            g_k[o] = grad_out.to(ct if o == "split" else msa.dtype).contiguous()
+        return g_k[o]
+
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
-        inv_d, g_ct = inv_d.contiguous(), grad_out.to(ct).contiguous()
+        inv_d = inv_d.contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_ct, ops)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_for(ops), ops)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:
-        da, db = _ext.opm_backward_ab(a, b, inv_d, g_ct, Wo.contiguous(), ops)
+        da, db = _ext.opm_backward_ab(a, b, inv_d, g_for(ops_ab), Wo.contiguous(), ops_ab)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
     if wo_in_kernel and ab_in_kernel:
-        d_bo = _ext.opm_backward_dbo(g_ct)  # (c_z % 4 == 0 where the da / db kernel runs)
+        d_bo = _ext.opm_backward_dbo(g_for(ops_ab))  # (c_z % 4 == 0 where the da / db kernel runs)
     else:  # chunks: O for dWo and / or G for da, db, whichever no kernel computes
         d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
         b_flat = b.reshape(B, S, N * c)                                                # (B, S, N c)
@@ -5307,6 +5349,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             del g, a_r
         del b_flat
     del a, b
+    g_k.clear()
 
     # The mask, projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of
     # rows (ATen's LayerNorm backward)
