@@ -2848,7 +2848,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 //   Abw[(((b*kBwNSL + sl)*KB16 + kb)*MB + mb)*kOwABlk16 + ow_off16h(r, s % 32)]  (s = 32 kb + s % 32)
 //   Bbw[((b*NBB + jb)*KB16 + kb)*kOwBBlk16 + ow_off16h(n, s % 32)]
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*4 + c)*8192 + w*4096 + ow_off16h(z, P)] = gd of warpgroup w's
-//       pair p = 32 c + wo_pair16(P): 32 pairs per slot, in the order of phase W's A fragments.
+//       pair p = 32 c + wo_pair16(P): 32 pairs per slot, in the order of phase W's A fragments; its items
+//       take 4 z (an 8-byte load of g per pair where c_z % 4 == 0) and 8 positions.
 // ---------------------------------------------------------------------------------------------
 constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
@@ -2871,9 +2872,46 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     const T* g16 = reinterpret_cast<const T*>(g);  // (g in T)
     const int64_t KB = KB16;
     const int64_t nA = ab ? B * kBwNSL * KB * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB * 128 * 4 : 0;
-    const int64_t nG = B * NITc * NBB * 4 * 2 * 4 * 128;
+    const int64_t nG = B * NITc * NBB * 4 * 2 * 4 * 32;
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < nA + nB + nG;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      if (e >= nA + nB) {  // (b, it, jt, c, w, oct, zq): zq fastest; z = 4 zq + e4, positions P = 8 oct + q of slot c
+        const int64_t f = e - nA - nB;
+        const int zq = static_cast<int>(f % 32), oct = static_cast<int>(f / 32 % 4), w = static_cast<int>(f / 128 % 2);
+        const int64_t blk = f / 256;  // ((b*NITc + it - it0)*NBB + jt)*4 + c
+        const int c = static_cast<int>(blk % 4);
+        const int64_t jt = blk / 4 % NBB, it = it0 + blk / 4 / NBB % NITc, b = blk / 4 / NBB / NITc;
+        const int z0 = 4 * zq;
+        float v4[4][8] = {};
+        if (z0 < cz) {
+          for (int q = 0; q < 8; ++q) {
+            const int p = 32 * c + wo_pair16(8 * oct + q);
+            const int64_t i = 64 * it + 32 * w + p / 4, j = 4 * jt + p % 4;
+            if (i < N && j < N) {
+              const float inv = __ldg(inv_denom + b * N + i);
+              const T* row = g16 + ((b * N + i) * N + j) * cz + z0;
+              if (cz % 4 == 0) {  // 4 T in one 8-byte load
+                const uint2 h = __ldg(reinterpret_cast<const uint2*>(row));
+                const float2 lo = to_float2<T>(h.x), hi = to_float2<T>(h.y);
+                v4[0][q] = lo.x * inv;
+                v4[1][q] = lo.y * inv;
+                v4[2][q] = hi.x * inv;
+                v4[3][q] = hi.y * inv;
+              } else {
+                for (int e4 = 0; e4 < 4; ++e4)
+                  if (z0 + e4 < cz) v4[e4][q] = ldg_f(row, e4) * inv;
+              }
+            }
+          }
+        }
+        T* d0 = reinterpret_cast<T*>(Gbw) + blk * 8192 + w * 4096 + ow_off16h(z0, 8 * oct);  // z0 % 8 + 3 < 8
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4)
+          *reinterpret_cast<uint4*>(d0 + 8 * e4) =
+              make_uint4(pack2_16<T>(v4[e4][0], v4[e4][1]), pack2_16<T>(v4[e4][2], v4[e4][3]),
+                         pack2_16<T>(v4[e4][4], v4[e4][5]), pack2_16<T>(v4[e4][6], v4[e4][7]));
+        continue;
+      }
       float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       T* dst;
       if (e < nA) {  // (b, sl, kb, mb, oct, r): r fastest
@@ -2886,7 +2924,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
           if (s < S && i < N) v[q] = __ldg(av + ((b * S + s) * N + i) * 32 + h);
         }
         dst = reinterpret_cast<T*>(Abw) + blk * kOwABlk16 + ow_off16h(r, 8 * oct);
-      } else if (e < nA + nB) {  // (b, jb, kb, oct, n): n fastest
+      } else {  // (b, jb, kb, oct, n): n fastest
         const int64_t f = e - nA;
         const int n = static_cast<int>(f % 128), oct = static_cast<int>(f / 128 % 4);
         const int64_t blk = f / 512;  // (b*NBB + jb)*KB + kb
@@ -2897,20 +2935,6 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
           if (s < S && j < N) v[q] = __ldg(bv + ((b * S + s) * N + j) * 32 + n % 32);
         }
         dst = reinterpret_cast<T*>(Bbw) + blk * kOwBBlk16 + ow_off16h(n, 8 * oct);
-      } else {  // (b, it, jt, c, w, oct, z): z fastest; positions P = 8 oct + q of slot c
-        const int64_t f = e - nA - nB;
-        const int z = static_cast<int>(f % 128), oct = static_cast<int>(f / 128 % 4), w = static_cast<int>(f / 512 % 2);
-        const int64_t blk = f / 1024;  // ((b*NITc + it - it0)*NBB + jt)*4 + c
-        const int c = static_cast<int>(blk % 4);
-        const int64_t jt = blk / 4 % NBB, it = it0 + blk / 4 / NBB % NITc, b = blk / 4 / NBB / NITc;
-        if (z < cz) {
-          for (int q = 0; q < 8; ++q) {
-            const int p = 32 * c + wo_pair16(8 * oct + q);
-            const int64_t i = 64 * it + 32 * w + p / 4, j = 4 * jt + p % 4;
-            if (i < N && j < N) v[q] = ldg_f(g16, ((b * N + i) * N + j) * cz + z) * __ldg(inv_denom + b * N + i);
-          }
-        }
-        dst = reinterpret_cast<T*>(Gbw) + blk * 8192 + w * 4096 + ow_off16h(z, 8 * oct);
       }
       *reinterpret_cast<uint4*>(dst) =
           make_uint4(pack2_16<T>(v[0], v[1]), pack2_16<T>(v[2], v[3]), pack2_16<T>(v[4], v[5]), pack2_16<T>(v[6], v[7]));
@@ -4719,7 +4743,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
     const int64_t nitc = std::min<int64_t>(NITc, NIT - it0);
     const bool ab = it0 == 0;
     const int64_t items =
-        (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * (half ? 4096 : 8192);
+        (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * (half ? 1024 : 8192);
     // (g's elements are T where ops is float16 / bfloat16)
     wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
         ac.data_ptr<float>(), bc.data_ptr<float>(), static_cast<const float*>(gc.data_ptr()), ic.data_ptr<float>(),
