@@ -73,18 +73,18 @@ above 65504 would overflow there; below 2^-14 they lose bits, an absolute error 
 other variants run the float32 kernels on converted copies. The output comes back in the input's
 dtype; under CUDA autocast in the autocast dtype, as the reference's, with the kernels chosen by the
 module's and the input's dtypes as above (a float32 module: the float32 kernels).
-The backward (outer_product_mean_backward, float32 inside) saves the inputs, and a, b and 1 / denom
-where outer_wg ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen
-elsewhere); on Hopper with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute
-out_proj's weight gradient (O per tile on chip) and, for pair_dim % 4 == 0, da and db (G = (g /
-denom) Wo per tile on chip), and for a float32 msa with msa_dim 128 / 256 one kernel the LayerNorm
-part; elsewhere PyTorch ops build O and G for a chunk of rows i at a time (about 256 MB), never the
-whole (B, N, N, c*c); `model.last_backward` names the parts that ran in kernels. Gradients for
+The backward (outer_product_mean_backward) saves the inputs, and a, b and 1 / denom where outer_wg
+ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere); on Hopper
+with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute out_proj's weight gradient (O per tile
+on chip) and, for pair_dim % 4 == 0, da and db (G = (g / denom) Wo per tile on chip), in split TF32
+for a float32 msa and on the float16 / bfloat16 tensor cores for a 16-bit one with pair_dim % 8 == 0,
+and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build O and G for a
+chunk of rows i at a time (about 256 MB), never the whole (B, N, N, c*c); `model.last_backward` names the parts that ran in kernels. Gradients for
 msa_repr and every parameter, none for the mask (one that requires grad raises); double backward
 raises.
-Limits: float32 inside but in outer_wg (float16 / bfloat16 cost one conversion each way elsewhere);
-msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128 run with smaller
-residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32, B * S * N / 16 < 2^31 (S
+Limits: float32 inside but in outer_wg and the backward kernels (float16 / bfloat16 cost one conversion
+each way elsewhere); msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128
+run with smaller residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32, B * S * N / 16 < 2^31 (S
 rounded up to 16, or to 32 in float16 / bfloat16, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim.
 
 Run:   python harness.py outer_product_mean
@@ -2849,15 +2849,17 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 //   Bbw[((b*NBB + jb)*KB16 + kb)*kOwBBlk16 + ow_off16h(n, s % 32)]
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*4 + c)*8192 + w*4096 + ow_off16h(z, P)] = gd of warpgroup w's
 //       pair p = 32 c + wo_pair16(P): 32 pairs per slot, in the order of phase W's A fragments; its items
-//       take 4 z (an 8-byte load of g per pair where c_z % 4 == 0) and 8 positions.
+//       take 4 z (an 8-byte load of g per pair: c_z % 8 == 0 for 16-bit T) and 8 positions.
+// (16-bit indices in T elements.)
 // ---------------------------------------------------------------------------------------------
 constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
 constexpr int kBwoStages = 4;
 constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLDO) + 16 * kBwoStages;
 __host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
-// The pair at position P (0..31) of a 16-bit G slot: the A fragment of k position kk = P % 16 of k step P / 16
-// holds Os rows t4 + 4 e + 8 h for kk = 2 t4 + e + 8 h (8 t4 words apart: conflict-free loads).
+// The pair at position P (0..31) of a 16-bit G slot: the A fragment of k position kk = P % 16 of k step
+// ks = P / 16 holds Os rows 16 ks + t4 + 4 e + 8 h for kk = 2 t4 + e + 8 h (8 t4 words apart: no bank
+// conflicts).
 __host__ __device__ __forceinline__ int wo_pair16(int P) {
   const int kk = P & 15;
   return (P & 16) + ((kk & 7) >> 1) + 4 * (kk & 1) + 8 * (kk >> 3);
@@ -2889,18 +2891,13 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
             const int64_t i = 64 * it + 32 * w + p / 4, j = 4 * jt + p % 4;
             if (i < N && j < N) {
               const float inv = __ldg(inv_denom + b * N + i);
-              const T* row = g16 + ((b * N + i) * N + j) * cz + z0;
-              if (cz % 4 == 0) {  // 4 T in one 8-byte load
-                const uint2 h = __ldg(reinterpret_cast<const uint2*>(row));
-                const float2 lo = to_float2<T>(h.x), hi = to_float2<T>(h.y);
-                v4[0][q] = lo.x * inv;
-                v4[1][q] = lo.y * inv;
-                v4[2][q] = hi.x * inv;
-                v4[3][q] = hi.y * inv;
-              } else {
-                for (int e4 = 0; e4 < 4; ++e4)
-                  if (z0 + e4 < cz) v4[e4][q] = ldg_f(row, e4) * inv;
-              }
+              // 4 T in one 8-byte load (c_z % 8 == 0)
+              const uint2 h = __ldg(reinterpret_cast<const uint2*>(g16 + ((b * N + i) * N + j) * cz + z0));
+              const float2 lo = to_float2<T>(h.x), hi = to_float2<T>(h.y);
+              v4[0][q] = lo.x * inv;
+              v4[1][q] = lo.y * inv;
+              v4[2][q] = hi.x * inv;
+              v4[3][q] = hi.y * inv;
             }
           }
         }
@@ -3140,7 +3137,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           if (kb > 0) {
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            release(prev);
+            release(prev);  // the previous stage's wgmmas have completed
           }
           prev = us;
         }
@@ -3161,7 +3158,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         }
       asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
     }
-    // ---- phase W: D[hk][z] += sum_p Os_w[p][hk] gd[p][z], 16 pairs per slot ----
+    // ---- phase W: D[hk][z] += sum_p Os_w[p][hk] gd[p][z], 16 pairs per slot (16-bit: 32) ----
 #pragma unroll
     for (int zh = 0; zh < 2; ++zh)
 #pragma unroll
@@ -3314,8 +3311,8 @@ __host__ __device__ __forceinline__ int ab_zperm(int kap) {
   return 16 * (ks >> 1) + 4 * (cc & 3) + 2 * (ks & 1) + (cc >> 2);
 }
 // The T layouts (16-bit products): ab_off16 in T elements (core matrices of 8 rows x 8 T, 8-row groups
-// 2048 bytes apart); ab_zperm16: a thread's float4 of g (z = 16 p + 4 t4 + e) is its A fragment of k
-// step p (k 2 t4 + e for e < 2, 8 + 2 t4 + e - 2 for e >= 2).
+// 2048 bytes apart); ab_zperm16: a thread's 4 values of g (z = 16 p + 4 t4 + e) are its A fragment of k
+// step p (k 2 t4 + e for e < 2, 8 + 2 t4 + e - 2 for e >= 2); in T, those 4 z are one 8-byte load.
 __host__ __device__ __forceinline__ int ab_off16(int n, int kap) {
   return (n >> 3) * 1024 + (kap >> 3) * 64 + (n & 7) * 8 + (kap & 7);
 }
@@ -3416,14 +3413,15 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // accumulator per J (48 wgmma). 16-bit T (float16 / bfloat16 inputs): both steps on m64n64k16 with the
 // operands in T (g as given, its tensor map's boxes of T; Wt and Vt rounded by the prep, G as Gt is
 // written, at ab_off16), 4 and 8 k steps of 16 per fresh accumulator; g, Wt, Gt and the Vt slots take
-// half the bytes, and Gt has two buffers (by J's parity: no barrier before its stores).
+// half the bytes of the split build's g and Vt and a quarter of its Wt and Gt (one plane), and Gt has two
+// buffers (by J's parity: no barrier before its stores).
 // The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
 // waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
 // g slots: one box of the tensor map tm_g (g as (c_z, N j, N i, B)), da: (c_z, 2 j, 32 i) at (0, l0, o0,
 // b), rows (ol, ll) at elements 2 c_z ol + c_z ll; db: (c_z, 32 j, 2 i) at (0, o0, l0, b), 32 c_z ll +
 // c_z ol. Rows past N are zeros (the map's fill; their scale is 0 too), and the G step's last
 // float4s past c_z read the next row (or the slot's stale tail: the ring starts zeroed, so it holds
-// earlier data, finite for finite inputs), against zero rows of Wt (16-bit T: zeros in their place).
+// earlier data, finite for finite inputs), against zero rows of Wt; the 16-bit G step loads zeros there.
 // ---------------------------------------------------------------------------------------------
 template <int kForm, typename T>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
@@ -3683,7 +3681,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 //     in place;
 //   dy = dp . W (32 x CM, K = 64) and dW += dp^T . x (64 x CM, K = 32), both on mma.sync m16n8k8 in
 //     split TF32 (the small terms, then hi x hi, into a fresh accumulator per k step, added in fp32;
-//     16-bit x: single TF32, hi x hi alone, as the other backward kernels run for 16-bit inputs);
+//     16-bit x: single TF32, hi x hi alone);
 //     warp w owns columns [w CM / 8, (w + 1) CM / 8) of both (NT = CM / 64 n8 tiles); W and x (= xhat
 //     ln_w + ln_b) are split as their B fragments are loaded;
 //   per row, the sums of g and g xhat over the warp's columns (quad shuffles), the 8 warps' added in
@@ -4044,9 +4042,10 @@ __global__ void __launch_bounds__(kThreads) opm_block_sum_kernel(const float* __
 }
 
 // part[blk][c] = sum of g[r][c] over the rows r of block blk's range [blk rpb, (blk + 1) rpb) (out_proj's
-//   bias gradient, the column sums of grad_out (rows, cz)): thread (cg = tid % CG, rl = tid / CG), CG =
-//   cz / 4 float4 columns, RL = 256 / CG row lanes, sums rows rl, rl + RL, ... of its 4 columns, then
-//   thread cg adds the RL lanes in order. opm_block_sum_kernel adds the blocks' sums.
+//   bias gradient, the column sums of grad_out (rows, cz), G float, __half or __nv_bfloat16): thread (cg =
+//   tid % CG, rl = tid / CG), CG = cz / 4 column quads (one 16- or 8-byte load per row), RL = 256 / CG row
+//   lanes, sums rows rl, rl + RL, ... of its 4 columns in fp32, then thread cg adds the RL lanes in order.
+//   opm_block_sum_kernel adds the blocks' sums.
 // Assumptions: 256 threads; cz % 4 == 0, 4 <= cz <= 1024; g 16-byte aligned.
 template <typename G>
 __global__ void __launch_bounds__(kThreads) opm_colsum_kernel(const G* __restrict__ g, int64_t rows, int cz,
@@ -4693,10 +4692,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 }
 
 // The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N), g
-// (B, N, N, c_z) fp32, c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). ops: "split"
-// (split TF32), "float16" or "bfloat16" (the products' operands rounded to that type, opm_bw_wo_kernel<T>).
-// Returns dwo (c_z, 1024) fp32. The G planes go in
-// chunks of i tiles of at most kBwoChunkBytes; each chunk's block partials are added into dwo in order (a
+// (B, N, N, c_z), c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). ops: "split" (split
+// TF32, g fp32), "float16" or "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded to
+// it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most kBwoChunkBytes; each chunk's block partials are added into dwo in order (a
 // fixed summation order for a given device).
 constexpr int64_t kBwoChunkBytes = 256ll << 20;
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
@@ -4710,8 +4708,9 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
               "outer_product_mean: opm_backward_wo: g in ", half ? ops : "float32", ", got ", dtype_str(g));
   TORCH_CHECK(a.dim() == 4 && a.size(3) == 32 && b.sizes() == a.sizes(), "outer_product_mean: opm_backward_wo: a, b (B, S, N, 32)");
   const int64_t B = a.size(0), S = a.size(1), N = a.size(2);
-  TORCH_CHECK(g.dim() == 4 && g.size(0) == B && g.size(1) == N && g.size(2) == N && g.size(3) >= 1 && g.size(3) <= 128,
-              "outer_product_mean: opm_backward_wo: g (B, N, N, c_z <= 128)");
+  TORCH_CHECK(g.dim() == 4 && g.size(0) == B && g.size(1) == N && g.size(2) == N && g.size(3) >= 1 && g.size(3) <= 128 &&
+                  (!half || g.size(3) % 8 == 0),
+              "outer_product_mean: opm_backward_wo: g (B, N, N, c_z <= 128), c_z % 8 == 0 for 16-bit g");
   TORCH_CHECK(inv_denom.dim() == 2 && inv_denom.size(0) == B && inv_denom.size(1) == N,
               "outer_product_mean: opm_backward_wo: inv_denom (B, N)");
   const int cz = static_cast<int>(g.size(3));
@@ -4720,7 +4719,9 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const DevInfo d = dev_info(a.get_device());
   TORCH_CHECK(d.ow_ok && kBwoSmemBytes <= static_cast<size_t>(d.smem_optin),
               "outer_product_mean: opm_backward_wo needs a compute capability 9.0 device and an sm_90a build");
-  const at::Tensor ac = a.contiguous(), bc = b.contiguous(), gc = g.contiguous(), ic = inv_denom.contiguous();
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous();
+  at::Tensor gc = g.contiguous();
+  if (half && reinterpret_cast<uintptr_t>(gc.data_ptr()) % 8 != 0) gc = gc.clone();  // the prep's 8-byte loads of T
   const auto f32 = a.options();
   at::Tensor dwo = at::zeros({cz, 1024}, f32);
   if (B == 0 || S == 0 || N == 0) return dwo;
@@ -4802,10 +4803,10 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 }
 
 // The backward's da and db (before the mask) on wgmma, G recomputed per tile: a, b (B, S, N, 32) fp32
-// (masked), inv_denom (B, N), g (B, N, N, c_z) fp32 with c_z <= 128 and c_z % 4 == 0 (16-byte rows: the
-// tensor map's strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split
-// TF32) or "float16" / "bfloat16" (the products' operands rounded to that type, opm_bw_ab_kernel<form, T>).
-// Returns (da, db).
+// (masked), inv_denom (B, N), g (B, N, N, c_z) with c_z <= 128 and 16-byte rows (the tensor map's
+// strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
+// c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
+// to it, opm_bw_ab_kernel<form, T>). Returns (da, db).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
                                                    at::Tensor wo, const std::string& ops) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
@@ -4938,8 +4939,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
           sums.narrow(0, 66 * cm, 32), sums.narrow(0, 32 * cm, 32 * cm).view({32, cm}), sums.narrow(0, 66 * cm + 32, 32)};
 }
 
-// out_proj's bias gradient: the sum of g (..., c_z) over every dimension but the last, fp32, CUDA,
-// c_z % 4 == 0 and c_z <= 1024; in a fixed order for a given device (block sums added in order in fp64).
+// out_proj's bias gradient: the sum of g (..., c_z) over every dimension but the last (g fp32, fp16 or
+// bf16, CUDA; the sums and the result fp32), c_z % 4 == 0 and c_z <= 1024; in a fixed order for a given device (block sums added in order in fp64).
 at::Tensor opm_backward_dbo(at::Tensor g) {
   const auto gt = g.scalar_type();
   TORCH_CHECK(g.is_cuda() && (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16) && g.dim() >= 1,
@@ -5198,8 +5199,8 @@ def outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes):
 
 
 def _wo_kernel_runs(msa, c, c_z, ct):
-    """Whether out_proj's weight gradient goes to opm_bw_wo_kernel (_ext.opm_backward_wo): float32 math
-    on a CUDA device where outer_wg runs, hidden_dim 32, pair_dim up to 128."""
+    """Whether out_proj's weight gradient goes to opm_bw_wo_kernel (_ext.opm_backward_wo): float32 inputs
+    and parameters (ct) on a CUDA device where outer_wg runs, hidden_dim 32, pair_dim up to 128."""
     return (msa.is_cuda and ct == torch.float32 and c == 32 and 1 <= c_z <= 128
             and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
@@ -5256,11 +5257,12 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
     True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
     both). These two kernels run split TF32 (about fp32's precision) for a float32 msa or where split is
-    True; for a float16 / bfloat16 msa they otherwise run on that type's tensor cores (a, b, g / d, Wo and
-    the intermediate O and G rounded to it, as the reference in that dtype rounds them; fp32
-    accumulation). With both, dbo is the column sums of grad_out (opm_colsum_kernel),
-    else the chunks' sums. The rest (the mask, dy, the LayerNorm backward, dWa, dba, dWb, dbb, d_ln_w,
-    d_ln_b) runs in one sweep over the msa rows (opm_bw_ln_kernel: the msa in its dtype, fp32 math,
+    True; for a float16 / bfloat16 msa they otherwise run on that type's tensor cores (a, b, Wo, g / d
+    and the intermediate O and G rounded to it, where the reference in that dtype rounds a, b, O and
+    its products; fp32 accumulation) and take grad_out in that type, where pair_dim % 8 == 0 (16-byte
+    rows of it; else split TF32 on an fp32 copy). With both, dbo is the column sums of grad_out
+    (opm_colsum_kernel), else the chunks' sums. The rest (the mask, dy, the LayerNorm backward, dWa,
+    dba, dWb, dbb, d_ln_w, d_ln_b) runs in one sweep over the msa rows (opm_bw_ln_kernel: the msa in its dtype, fp32 math,
     its products split TF32 for a float32 msa and single TF32 for float16 / bfloat16 whatever split
     says) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks of rows
     with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's backward
@@ -5288,9 +5290,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
-    # dWo, da and db's products: split TF32, or in the msa's 16-bit type
+    # dWo, da and db's products: split TF32, or in the msa's 16-bit type (grad_out's rows 16-byte aligned
+    # in it for the kernels' loads and da, db's tensor map: pair_dim % 8 == 0)
     half = msa.dtype in (torch.float16, torch.bfloat16)
-    ops = _dtype_name(msa.dtype) if half and not split else "split"
+    ops = _dtype_name(msa.dtype) if half and not split and c_z % 8 == 0 else "split"
     if parts is not None:
         parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("da, db", ab_in_kernel),
                                  ("LayerNorm", ln_in_kernel)) if k]
@@ -5324,30 +5327,23 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         if wo_in_kernel or ab_in_kernel:
             inv_d = denom.reciprocal()
 
-    # grad_out as the kernels take it: float32 for split TF32, else in the msa's type (no copy where it is
-    # already); da, db's tensor map needs 16-byte rows of it, so pair_dim % 8 == 0 there, else split
-    ops_ab = ops if ops == "split" or c_z % 8 == 0 else "split"
-    g_k = {}
-
-    def g_for(o):
-        if o not in g_k:
-            g_k[o] = grad_out.to(ct if o == "split" else msa.dtype).contiguous()
-        return g_k[o]
+    # grad_out as the kernels take it: float32 for split TF32, else in the msa's type (no copy where it is)
+    g_k = grad_out.to(ct if ops == "split" else msa.dtype).contiguous() if wo_in_kernel or ab_in_kernel else None
 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_for(ops), ops)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:
-        da, db = _ext.opm_backward_ab(a, b, inv_d, g_for(ops_ab), Wo.contiguous(), ops_ab)
+        da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
     if wo_in_kernel and ab_in_kernel:
-        d_bo = _ext.opm_backward_dbo(g_for(ops_ab))  # (c_z % 4 == 0 where the da / db kernel runs)
+        d_bo = _ext.opm_backward_dbo(g_k)  # (c_z % 4 == 0 where the da / db kernel runs)
     else:  # chunks: O for dWo and / or G for da, db, whichever no kernel computes
         d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
         b_flat = b.reshape(B, S, N * c)                                                # (B, S, N c)
@@ -5372,8 +5368,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
                 del G
             del g, a_r
         del b_flat
-    del a, b
-    g_k.clear()
+    del a, b, g_k
 
     # The mask, projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of
     # rows (ATen's LayerNorm backward)
