@@ -3026,6 +3026,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   const int kbs = static_cast<int>(KB16);
   constexpr bool kHalf = !std::is_same_v<T, float>;
   constexpr int kABlk = kHalf ? kOwABlk16 / 2 : 2 * kOwAPlane, kBBlk = kHalf ? kOwBBlk16 / 2 : 2 * kOwBPlane;  // floats
+  // G slots per tile and per 64 pairs, floats per slot: 16 pairs per slot split, 32 in T
+  constexpr int kSlots = kHalf ? 4 : 8, kPer64 = kHalf ? 2 : 4, kGSlot = kHalf ? 4096 : kOwStage;
   if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
   __syncthreads();
   if (wg == 2) {  // producer warpgroup
@@ -3057,20 +3059,11 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
             bulk_copy(dst + 4 * kOwAPlane, bk, 4 * 2 * kOwBPlane, full + st);
           }
         }
-        if constexpr (kHalf) {  // 4 slots of 32 pairs per warpgroup (16 KB)
-          const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * 4 * 4096;
-          for (int c = 0; c < 4; ++c) {
-            const int st = static_cast<int>(u % kBwoStages);
-            float* dst = slot(4 * 4096);
-            bulk_copy(dst, gt + c * 4096, 4 * 4096, full + st);
-          }
-          continue;
-        }
-        const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * 8 * kOwStage;
-        for (int c = 0; c < 8; ++c) {
+        const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * kSlots * kGSlot;
+        for (int c = 0; c < kSlots; ++c) {
           const int st = static_cast<int>(u % kBwoStages);
-          float* dst = slot(4 * kOwStage);
-          bulk_copy(dst, gt + c * kOwStage, 4 * kOwStage, full + st);
+          float* dst = slot(4 * kGSlot);
+          bulk_copy(dst, gt + c * kGSlot, 4 * kGSlot, full + st);
         }
       }
     }
@@ -3163,76 +3156,51 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     for (int zh = 0; zh < 2; ++zh)
 #pragma unroll
       for (int e = 0; e < 32; ++e) dz[zh][e] = 0.f;  // (overwritten: scale-d 0 first; zeroed so that dz is not live in phase A)
-    if constexpr (kHalf) {  // 32 pairs per slot (two k steps of 16, pairs wo_pair16), O rounded to T on load
-      for (int c = 0; c < 4; ++c) {
-        uint32_t a16[2][4];  // k 2 t4 + e + 8 h of k step ks: Os_w row 32 c + 16 ks + t4 + 4 e + 8 h; hk 16 w4 + g (+ 8)
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-          const float* r0 = Os_w + (32 * c + 16 * ks + t4) * kBwLDO + 16 * w4 + g;
-          a16[ks][0] = pack2_16<T>(r0[0], r0[4 * kBwLDO]);
-          a16[ks][1] = pack2_16<T>(r0[8], r0[4 * kBwLDO + 8]);
-          a16[ks][2] = pack2_16<T>(r0[8 * kBwLDO], r0[12 * kBwLDO]);
-          a16[ks][3] = pack2_16<T>(r0[8 * kBwLDO + 8], r0[12 * kBwLDO + 8]);
-        }
-        const uint32_t us = u;
-        const float* stg = wait_full();
-        const float* g16 = stg + wg * 2048;  // this warpgroup's 128 z x 32 pairs
-        wg_fence_acc(dz[0]);
-        wg_fence_acc(dz[1]);
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a16[ks][e])::"memory");
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-          const int fresh = (c % 2 == 0) && ks == 0;  // a fresh accumulator per 64 pairs
-#pragma unroll
-          for (int zh = 0; zh < 2; ++zh)  // z rows 64 zh .. (8 row groups of 256 T), pairs 16 ks ..
-            wgmma16_m64n64k16_rs<T>(dz[zh], a16[ks], wg_desc(g16 + zh * 1024 + ks * 64, 512), fresh ? 0 : 1);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        wg_fence_acc(dz[0]);
-        wg_fence_acc(dz[1]);
-        release(us);
-        if (c % 2 == 1) {
-#pragma unroll
-          for (int zh = 0; zh < 2; ++zh)
-#pragma unroll
-            for (int e = 0; e < 32; ++e) D[zh][e] += dz[zh][e];
-        }
-      }
-      continue;
-    }
-    for (int c = 0; c < 8; ++c) {
-      uint32_t ahi[2][4], alo[2][4];  // A[hk][p] = Os_w[p][hk]: rows 16 w4 + g (+ 8), columns t4 (+ 4)
+    // split on load, or 16-bit T: two k steps of 16 per slot (pairs wo_pair16), O rounded to T on load
+    for (int c = 0; c < kSlots; ++c) {
+      // A[hk][p] = Os_w[p][hk], rows 16 w4 + g (+ 8): split, columns t4 (+ 4) of k step ks; 16-bit T, k
+      // 2 t4 + e + 8 h of k step ks: Os_w row 32 c + 16 ks + t4 + 4 e + 8 h (ahi holds the T pairs)
+      uint32_t ahi[2][4];
+      [[maybe_unused]] uint32_t alo[2][4];
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
-        const float* r0 = Os_w + (16 * c + 8 * ks + t4) * kBwLDO + 16 * w4 + g;
-        split_tf32(r0[0], ahi[ks][0], alo[ks][0]);
-        split_tf32(r0[8], ahi[ks][1], alo[ks][1]);
-        split_tf32(r0[4 * kBwLDO], ahi[ks][2], alo[ks][2]);
-        split_tf32(r0[4 * kBwLDO + 8], ahi[ks][3], alo[ks][3]);
+        if constexpr (kHalf) {
+          const float* r0 = Os_w + (32 * c + 16 * ks + t4) * kBwLDO + 16 * w4 + g;
+          ahi[ks][0] = pack2_16<T>(r0[0], r0[4 * kBwLDO]);
+          ahi[ks][1] = pack2_16<T>(r0[8], r0[4 * kBwLDO + 8]);
+          ahi[ks][2] = pack2_16<T>(r0[8 * kBwLDO], r0[12 * kBwLDO]);
+          ahi[ks][3] = pack2_16<T>(r0[8 * kBwLDO + 8], r0[12 * kBwLDO + 8]);
+        } else {
+          const float* r0 = Os_w + (16 * c + 8 * ks + t4) * kBwLDO + 16 * w4 + g;
+          split_tf32(r0[0], ahi[ks][0], alo[ks][0]);
+          split_tf32(r0[8], ahi[ks][1], alo[ks][1]);
+          split_tf32(r0[4 * kBwLDO], ahi[ks][2], alo[ks][2]);
+          split_tf32(r0[4 * kBwLDO + 8], ahi[ks][3], alo[ks][3]);
+        }
       }
       const uint32_t us = u;
       const float* stg = wait_full();
-      const float* g_hi = stg + wg * 4096;
-      const float* g_lo = g_hi + 2048;
+      const float* g_hi = stg + wg * (kHalf ? 2048 : 4096);  // this warpgroup's 128 z x 16 pairs (T: 32)
+      [[maybe_unused]] const float* g_lo = g_hi + 2048;
       wg_fence_acc(dz[0]);
       wg_fence_acc(dz[1]);
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
+        for (int e = 0; e < 4; ++e) {
+          if constexpr (kHalf) asm volatile("" : "+r"(ahi[ks][e])::"memory");
+          else asm volatile("" : "+r"(ahi[ks][e]), "+r"(alo[ks][e])::"memory");
+        }
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
-        const int fresh = (c % 4 == 0) && ks == 0;  // a fresh accumulator per 64 pairs
+        const int fresh = (c % kPer64 == 0) && ks == 0;  // a fresh accumulator per 64 pairs
 #pragma unroll
         for (int zh = 0; zh < 2; ++zh) {
-          const int off = zh * 1024 + ks * 64;  // z rows 64 zh .. (8 row groups of 128 floats), pairs 8 ks ..
-          wgmma_split_m64n64k8_rs(dz[zh], ahi[ks], alo[ks], g_hi + off, g_lo + off, 512, fresh);
+          // z rows 64 zh .. (8 row groups of 128 floats, T: 256 T), pairs 8 ks .. (T: 16 ks ..)
+          const int off = zh * 1024 + ks * 64;
+          if constexpr (kHalf) wgmma16_m64n64k16_rs<T>(dz[zh], ahi[ks], wg_desc(g_hi + off, 512), fresh ? 0 : 1);
+          else wgmma_split_m64n64k8_rs(dz[zh], ahi[ks], alo[ks], g_hi + off, g_lo + off, 512, fresh);
         }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -3240,7 +3208,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
       wg_fence_acc(dz[0]);
       wg_fence_acc(dz[1]);
       release(us);
-      if (c % 4 == 3) {
+      if (c % kPer64 == kPer64 - 1) {
 #pragma unroll
         for (int zh = 0; zh < 2; ++zh)
 #pragma unroll
@@ -3512,8 +3480,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
       const uint32_t us = u;
       const float* stg = wait_full();
       if (f == wg) {
-        [[maybe_unused]] const float* row0 = stg + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r (hr 0)
-        [[maybe_unused]] const float* row1 = row0 + 8 * rs1;                                       // row r + 8 (hr 1)
         if constexpr (kHalf) {  // k steps of 16, 4 per batch: the 4 T at z = 16 p + 4 t4 are k step p's fragment
           // (steps past c_z: zero fragments, not the slot's other data, against Wt's zero rows)
           const T* r16 = reinterpret_cast<const T*>(stg) + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r
@@ -3534,6 +3500,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
             wgmma16_batch_rs<4, T>(gacc, gsum, a16, Ws + p0 * 64, 2048);
           }
         } else {  // 2 k steps (6 wgmma) per batch: k steps 2 p, 2 p + 1 (z = 16 p + 4 t4 + e)
+          const float* row0 = stg + (16 * (w4 % 2) + gq) * rs1 + ll * rs2 + 4 * t4;  // row r (hr 0)
+          const float* row1 = row0 + 8 * rs1;                                       // row r + 8 (hr 1)
           for (int p = 0; p < kp; ++p) {
             const float4 x0 = *reinterpret_cast<const float4*>(row0 + 16 * p);
             const float4 x1 = *reinterpret_cast<const float4*>(row1 + 16 * p);
