@@ -3630,7 +3630,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 // The backward's LayerNorm part, each msa row read once (x_in and d_x_in of type T: float32, float16 or
 // bfloat16; everything else fp32; hidden_dim 32, msa_dim CM):
 //   xhat = (x_in - mean) rstd,  x = xhat ln_w + ln_b            (recomputed; statistics in two passes
-//                                                                over the row in shared memory)
+//                                                                over the row in registers)
 //   dpa = da * mask, dpb = db * mask                             (per row)
 //   dy[r, m]  = sum_c dpa[r, c] Wa[c, m] + dpb[r, c] Wb[c, m]
 //   d_x_in    = rstd (g - mean_m g - xhat mean_m(g xhat)),  g = dy ln_w
@@ -3639,22 +3639,23 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 // Persistent blocks of 256 threads (one per SM) take tiles of 32 rows t = blockIdx.x, + gridDim.x, ...;
 // double-buffered: while a tile is computed, the block's next tile (x_in by one bulk copy per row into
 // rows of LDX = CM + 8 floats, a 16-bit row in the first CM / 2 of them, da and db by one each, all on
-// the other buffer's mbarrier) is in flight;
-// a partial last tile (R % 32) is loaded by plain loads with zeros past R. Wa | Wb (ws, rows of CM + 8)
-// sit in shared memory once per block. Per tile:
+// the other buffer's mbarrier; lane 0 of each warp issues 4 rows, warps 0 and 1 also da, db) is in flight;
+// a partial last tile (R % 32) is loaded by plain loads with zeros past R; the mask of the block's next tile
+// is loaded a tile ahead (threads 0-31, in registers). Wa | Wb (ws, rows of CM + 8) sit in shared memory
+// once per block. Per tile:
 //   build: dp = (da | db) rows times the mask, split into TF32 hi / lo planes as dp[r][k] (rows of 68)
 //     and dp^T[k][r] (rows of 36; 16-bit x: the hi planes alone); thread tid adds channel tid % 64 of
 //     rows tid / 64 + 4 i (bias sums);
-//     statistics, warp w for rows 4 w .. 4 w + 3 (16-bit rows widened to fp32 in place first), xhat
-//     in place;
+//     statistics, warp w for rows 4 w .. 4 w + 3 (2 or 4 at once) from registers (one 16- or 8-byte load
+//     per 128 columns per lane, two passes), xhat written in place as fp32;
 //   dy = dp . W (32 x CM, K = 64) and dW += dp^T . x (64 x CM, K = 32), both on mma.sync m16n8k8 in
 //     split TF32 (the small terms, then hi x hi, into a fresh accumulator per k step, added in fp32;
 //     16-bit x: single TF32, hi x hi alone);
 //     warp w owns columns [w CM / 8, (w + 1) CM / 8) of both (NT = CM / 64 n8 tiles); W and x (= xhat
 //     ln_w + ln_b) are split as their B fragments are loaded;
 //   per row, the sums of g and g xhat over the warp's columns (quad shuffles), the 8 warps' added in
-//     order through shared memory; d_x_in written (two values per thread, rounded once to T); d_ln_w,
-//     d_ln_b accumulated.
+//     order through shared memory; d_x_in (rounded once to T) staged in the warp's columns of xs, then
+//     written by 16-byte stores; d_ln_w, d_ln_b accumulated.
 // Each block writes its partials (part[blk][64][CM]: dWa | dWb; part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b
 // over the block's rows (lanes added by shuffles), d_ba, d_bb); opm_block_sum_kernel adds them in block
 // order in fp64.
@@ -3674,8 +3675,8 @@ struct LnSmem {  // offsets in floats
   static constexpr int tl = th + 64 * LDT;                // dp^T lo
   static constexpr int ws = tl + 64 * LDT;                // [64][LDX]: Wa | Wb
   static constexpr int lws = ws + 64 * LDX;               // [CM] ln_w, [CM] ln_b
-  static constexpr int stat = lws + 2 * CM;               // [32] mean, [32] rstd
-  static constexpr int red = stat + 2 * kLnRows;          // [2][32][8]: per row and warp, sum g, sum g xhat
+  static constexpr int stat = lws + 2 * CM;               // [32] rstd
+  static constexpr int red = stat + kLnRows;              // [2][32][8]: per row and warp, sum g, sum g xhat
   static constexpr int msk = red + 2 * kLnRows * 8;       // [32]
   static constexpr int bsum = msk + kLnRows;              // [256]
   static constexpr int floats = bsum + 256;
@@ -3709,14 +3710,18 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
   const int col0 = warp * (CM / 8);  // this warp's columns of dy and dW
   const int64_t tiles = (R + kLnRows - 1) / kLnRows;
   auto full = [&](int64_t tt) { return (tt + 1) * kLnRows <= R; };
-  auto issue = [&](int64_t tt, int buf) {  // thread 0: tile tt's bulk copies into buffer buf
+  const unsigned tile_bytes = kLnRows * (unsigned(sizeof(T)) * CM + 4u * 64);
+  // lane 0 of warp w: rows 4 w .. 4 w + 3 of tile tt's x_in, and its da (w = 0) or db (w = 1), into buffer
+  // buf (thread 0 set the buffer's byte count before a block barrier). Spread over the warps: one thread
+  // issuing all 34 held every warp at the next barrier.
+  auto issue = [&](int64_t tt, int buf) {
     float* xs = sm + L::xs + buf * kLnRows * LDX;
     float* raw = sm + L::raw + buf * kLnRows * 64;
-    mbar_expect_tx(&bar[buf], kLnRows * (unsigned(sizeof(T)) * CM + 4u * 64));
-    for (int r = 0; r < kLnRows; ++r)
+#pragma unroll
+    for (int r = 4 * warp; r < 4 * warp + 4; ++r)
       bulk_copy(xs + r * LDX, xin + (tt * kLnRows + r) * CM, unsigned(sizeof(T)) * CM, &bar[buf]);
-    bulk_copy(raw, da + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
-    bulk_copy(raw + kLnRows * 32, db + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
+    if (warp < 2)
+      bulk_copy(raw + warp * kLnRows * 32, (warp == 0 ? da : db) + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
   };
   if (tid == 0) {
     mbar_init(&bar[0], 1);
@@ -3724,21 +3729,27 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();  // the barriers initialised before any copy or wait
-  if (tid == 0 && blockIdx.x < tiles && full(blockIdx.x)) issue(blockIdx.x, 0);
+  if (tid == 0 && blockIdx.x < tiles && full(blockIdx.x)) mbar_expect_tx(&bar[0], tile_bytes);
   for (int e = tid; e < 64 * (CM / 4); e += 256) {
     const int k = e / (CM / 4), q = e % (CM / 4);
     reinterpret_cast<float4*>(ws + k * LDX)[q] =
         __ldg(reinterpret_cast<const float4*>(k < 32 ? wa + k * CM : wb + (k - 32) * CM) + q);
   }
   for (int e = tid; e < 2 * CM; e += 256) lws[e] = __ldg(e < CM ? ln_w + e : ln_b + e - CM);
-  __syncthreads();  // ws, lws visible
-  // ln_w at this thread's accumulator columns col0 + 8 nt + 2 t + e; ln_w, ln_b at its B-fragment
+  __syncthreads();  // ws, lws visible; buffer 0's byte count set
+  if (lane == 0 && blockIdx.x < tiles && full(blockIdx.x)) issue(blockIdx.x, 0);
+  // ln_w at this thread's accumulator columns col0 + 8 nt + 2 t + e (lwc: in registers, read from shared
+  // memory where it is used for fp32 at CM 256, where registers spilled); ln_w, ln_b at its B-fragment
   // columns col0 + 8 nt + g (product 2's x)
-  float lwc[NT][2], lwg[NT], lbg[NT];
+  constexpr bool kLwcRegs = !(kSplit && CM == 256);
+  float2 lwr[NT];
+  float lwg[NT], lbg[NT];
+  auto lwc = [&](int nt) {
+    return kLwcRegs ? lwr[nt] : *reinterpret_cast<const float2*>(lws + col0 + 8 * nt + 2 * t);
+  };
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    lwc[nt][0] = lws[col0 + 8 * nt + 2 * t];
-    lwc[nt][1] = lws[col0 + 8 * nt + 2 * t + 1];
+    if constexpr (kLwcRegs) lwr[nt] = *reinterpret_cast<const float2*>(lws + col0 + 8 * nt + 2 * t);
     lwg[nt] = lws[col0 + 8 * nt + g];
     lbg[nt] = lws[CM + col0 + 8 * nt + g];
   }
@@ -3753,15 +3764,23 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #pragma unroll
       for (int q = 0; q < 4; ++q) accw[mt][nt][q] = 0.f;
   }
+  // threads tid < 32: the mask of row tid of the block's next tile, loaded a tile ahead
+  auto mask_at = [&](int64_t tt) { return tt < tiles && tt * kLnRows + tid < R ? mask_value(mask, tt * kLnRows + tid, mask_kind) : 0.f; };
+  float m_next = tid < kLnRows ? mask_at(blockIdx.x) : 0.f;
   unsigned phases = 0u;  // bit buf: the parity of buffer buf's next wait
   int buf = 0;
   for (int64_t tt = blockIdx.x; tt < tiles; tt += gridDim.x, buf ^= 1) {
     const int64_t r0 = tt * kLnRows;
     float* xs = sm + L::xs + buf * kLnRows * LDX;
     float* raw = sm + L::raw + buf * kLnRows * 64;
+    // (buffer buf ^ 1's previous phase was waited on by every thread in the previous tile)
+    if (tid == 0 && tt + gridDim.x < tiles && full(tt + gridDim.x)) mbar_expect_tx(&bar[buf ^ 1], tile_bytes);
     __syncthreads();  // the previous tile's reads of xs (other buffer), the planes, msk, stat, red are done
-    if (tid == 0 && tt + gridDim.x < tiles && full(tt + gridDim.x)) issue(tt + gridDim.x, buf ^ 1);
-    if (tid < kLnRows) msk[tid] = r0 + tid < R ? mask_value(mask, r0 + tid, mask_kind) : 0.f;
+    if (lane == 0 && tt + gridDim.x < tiles && full(tt + gridDim.x)) issue(tt + gridDim.x, buf ^ 1);
+    if (tid < kLnRows) {
+      msk[tid] = m_next;
+      m_next = mask_at(tt + gridDim.x);
+    }
     if (full(tt)) {
       mbar_wait(&bar[buf], (phases >> buf) & 1u);
       phases ^= 1u << buf;
@@ -3786,10 +3805,16 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
     }
     __syncthreads();  // the tile (plain loads included) and msk visible to every thread
     // ---- build: the dp planes, this thread's bias sums (channel tid % 64) ----
+    float dpv[kLnRows / 4];  // every load before the first store (the planes may alias raw for the compiler)
 #pragma unroll
     for (int i = 0; i < kLnRows / 4; ++i) {
       const int r = tid / 64 + 4 * i, k = tid % 64;
-      const float v = raw[(k / 32) * kLnRows * 32 + r * 32 + k % 32] * msk[r];
+      dpv[i] = raw[(k / 32) * kLnRows * 32 + r * 32 + k % 32] * msk[r];
+    }
+#pragma unroll
+    for (int i = 0; i < kLnRows / 4; ++i) {
+      const int r = tid / 64 + 4 * i, k = tid % 64;
+      const float v = dpv[i];
       dbias += v;
       uint32_t hi, lo;
       split_tf32(v, hi, lo);
@@ -3798,38 +3823,67 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
       th[k * LDT + r] = hi;
       if constexpr (kSplit) tl[k * LDT + r] = lo;
     }
-    // ---- statistics: warp w, rows 4 w .. 4 w + 3 (16-bit x widened in place first: each lane holds its
-    //      CM / 32 values of the row in registers between the warp's reads and writes) ----
+    // ---- statistics: warp w, rows 4 w .. 4 w + 3, RB at once, in registers: lane l holds the row's elements
+    //      128 j + 4 l .. 128 j + 4 l + 3 (one 16-byte load of fp32, 8-byte of T per j); a 16-bit row is
+    //      read whole (it sits in the first half of the fp32 row) before xhat overwrites it. RB = 2 for
+    //      fp32 at CM 256 (4 spilled there) ----
+    constexpr int RB = kSplit && CM == 256 ? 2 : 4, NJ = CM / 128;
 #pragma unroll
-    for (int rr = 0; rr < 4; ++rr) {
-      const int r = 4 * warp + rr;
-      if constexpr (!std::is_same_v<T, float>) {
-        float v[CM / 32];
+    for (int rb = 0; rb < 4; rb += RB) {
+      float xv[RB][NJ][4], s[RB], q[RB];
 #pragma unroll
-        for (int j = 0; j < CM / 32; ++j) v[j] = to_float(reinterpret_cast<const T*>(xs + r * LDX)[lane + 32 * j]);
-        __syncwarp();
+      for (int rr = 0; rr < RB; ++rr)
 #pragma unroll
-        for (int j = 0; j < CM / 32; ++j) xs[r * LDX + lane + 32 * j] = v[j];
-        __syncwarp();
+        for (int j = 0; j < NJ; ++j) {
+          const float* row = xs + (4 * warp + rb + rr) * LDX;
+          if constexpr (std::is_same_v<T, float>) {
+            const float4 v = *reinterpret_cast<const float4*>(row + 128 * j + 4 * lane);
+            xv[rr][j][0] = v.x; xv[rr][j][1] = v.y; xv[rr][j][2] = v.z; xv[rr][j][3] = v.w;
+          } else {
+            const uint2 h = *reinterpret_cast<const uint2*>(reinterpret_cast<const T*>(row) + 128 * j + 4 * lane);
+            const float2 lo = to_float2<T>(h.x), hi = to_float2<T>(h.y);
+            xv[rr][j][0] = lo.x; xv[rr][j][1] = lo.y; xv[rr][j][2] = hi.x; xv[rr][j][3] = hi.y;
+          }
+        }
+      if constexpr (!std::is_same_v<T, float>) __syncwarp();  // every lane's reads of the 16-bit rows done
+#pragma unroll
+      for (int rr = 0; rr < RB; ++rr) {
+        s[rr] = 0.f;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[rr] += xv[rr][j][e];
       }
-      float sum = 0.f;
 #pragma unroll
-      for (int m = lane; m < CM; m += 32) sum += xs[r * LDX + m];
-      sum = warp_sum(sum);
-      const float mean = sum / CM;
-      float v = 0.f;
+      for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-      for (int m = lane; m < CM; m += 32) {
-        const float d = xs[r * LDX + m] - mean;
-        v += d * d;
+        for (int rr = 0; rr < RB; ++rr) s[rr] += __shfl_xor_sync(0xffffffffu, s[rr], o);
+#pragma unroll
+      for (int rr = 0; rr < RB; ++rr) {
+        s[rr] *= 1.f / CM;  // the mean
+        q[rr] = 0.f;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float d = xv[rr][j][e] - s[rr];
+            q[rr] = fmaf(d, d, q[rr]);
+          }
       }
-      v = warp_sum(v);
-      const float rstd = r0 + r < R ? rsqrtf(v / CM + eps) : 0.f;  // rows past R: xhat 0 (also at eps = 0)
 #pragma unroll
-      for (int m = lane; m < CM; m += 32) xs[r * LDX + m] = (xs[r * LDX + m] - mean) * rstd;
-      if (lane == 0) {
-        stat[r] = mean;
-        stat[kLnRows + r] = rstd;
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int rr = 0; rr < RB; ++rr) q[rr] += __shfl_xor_sync(0xffffffffu, q[rr], o);
+#pragma unroll
+      for (int rr = 0; rr < RB; ++rr) {
+        const int r = 4 * warp + rb + rr;
+        const float rstd = r0 + r < R ? rsqrtf(q[rr] / CM + eps) : 0.f;  // rows past R: xhat 0 (also at eps = 0)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+          *reinterpret_cast<float4*>(xs + r * LDX + 128 * j + 4 * lane) =
+              make_float4((xv[rr][j][0] - s[rr]) * rstd, (xv[rr][j][1] - s[rr]) * rstd, (xv[rr][j][2] - s[rr]) * rstd,
+                          (xv[rr][j][3] - s[rr]) * rstd);
+        if (lane == 0) stat[r] = rstd;
       }
     }
     __syncthreads();  // the planes, xhat and stat complete
@@ -3886,7 +3940,8 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           xh[mt][hf][nt] = *reinterpret_cast<const float2*>(xs + r * LDX + col0 + 8 * nt + 2 * t);
-          const float g0 = acc1[mt][nt][2 * hf] * lwc[nt][0], g1 = acc1[mt][nt][2 * hf + 1] * lwc[nt][1];
+          const float2 w2 = lwc(nt);
+          const float g0 = acc1[mt][nt][2 * hf] * w2.x, g1 = acc1[mt][nt][2 * hf + 1] * w2.y;
           s1 += g0 + g1;
           s2 = fmaf(g0, xh[mt][hf][nt].x, fmaf(g1, xh[mt][hf][nt].y, s2));
         }
@@ -3934,23 +3989,23 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int r = 16 * mt + g + 8 * hf;
-        float s1 = 0.f, s2 = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) {
-          s1 += red[r * 8 + w];
-          s2 += red[kLnRows * 8 + r * 8 + w];
-        }
-        const float rstd = stat[kLnRows + r], m1 = s1 / CM, m2 = s2 / CM;
+        const float4 a0 = *reinterpret_cast<const float4*>(red + r * 8), a1 = *reinterpret_cast<const float4*>(red + r * 8 + 4);
+        const float4 c0 = *reinterpret_cast<const float4*>(red + kLnRows * 8 + r * 8);
+        const float4 c1 = *reinterpret_cast<const float4*>(red + kLnRows * 8 + r * 8 + 4);
+        const float s1 = a0.x + a0.y + a0.z + a0.w + a1.x + a1.y + a1.z + a1.w;  // the warps in order
+        const float s2 = c0.x + c0.y + c0.z + c0.w + c1.x + c1.y + c1.z + c1.w;
+        const float rstd = stat[r], m1 = s1 / CM, m2 = s2 / CM;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const float dy0 = acc1[mt][nt][2 * hf], dy1 = acc1[mt][nt][2 * hf + 1];
           const float2 x2 = xh[mt][hf][nt];
-          if (r0 + r < R) {
-            const float v0 = rstd * (dy0 * lwc[nt][0] - m1 - x2.x * m2), v1 = rstd * (dy1 * lwc[nt][1] - m1 - x2.y * m2);
+          {  // staged in xs (read whole before the barrier above), this warp's columns, as T
+            const float2 w2 = lwc(nt);
+            const float v0 = rstd * (dy0 * w2.x - m1 - x2.x * m2), v1 = rstd * (dy1 * w2.y - m1 - x2.y * m2);
             if constexpr (std::is_same_v<T, float>)
-              *reinterpret_cast<float2*>(dx + (r0 + r) * CM + col0 + 8 * nt + 2 * t) = make_float2(v0, v1);
+              *reinterpret_cast<float2*>(xs + r * LDX + col0 + 8 * nt + 2 * t) = make_float2(v0, v1);
             else
-              *reinterpret_cast<uint32_t*>(dx + (r0 + r) * CM + col0 + 8 * nt + 2 * t) = pack2_16<T>(v0, v1);
+              *reinterpret_cast<uint32_t*>(reinterpret_cast<T*>(xs + r * LDX) + col0 + 8 * nt + 2 * t) = pack2_16<T>(v0, v1);
           }
           dlw[nt][0] = fmaf(dy0, x2.x, dlw[nt][0]);
           dlw[nt][1] = fmaf(dy1, x2.y, dlw[nt][1]);
@@ -3958,6 +4013,18 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
           dlb[nt][1] += dy1;
         }
       }
+    // ---- d_x_in: the warp's columns of the 32 rows by 16-byte loads and stores (CH chunks per row) ----
+    __syncwarp();
+    {
+      constexpr int CH = CM / 8 * int(sizeof(T)) / 16;
+#pragma unroll
+      for (int i = 0; i < CH; ++i) {
+        const int e = lane + 32 * i, r = e / CH, q = e % CH;
+        if (r0 + r < R)
+          *reinterpret_cast<uint4*>(reinterpret_cast<char*>(dx + (r0 + r) * CM + col0) + 16 * q) =
+              *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(xs + r * LDX) + sizeof(T) * col0 + 16 * q);
+      }
+    }
     // this thread's generic writes of xs ordered before the bulk copies that refill it
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
