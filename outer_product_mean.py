@@ -3765,7 +3765,9 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
       for (int q = 0; q < 4; ++q) accw[mt][nt][q] = 0.f;
   }
   // threads tid < 32: the mask of row tid of the block's next tile, loaded a tile ahead
-  auto mask_at = [&](int64_t tt) { return tt < tiles && tt * kLnRows + tid < R ? mask_value(mask, tt * kLnRows + tid, mask_kind) : 0.f; };
+  auto mask_at = [&](int64_t tt) {
+    return tt < tiles && tt * kLnRows + tid < R ? mask_value(mask, tt * kLnRows + tid, mask_kind) : 0.f;
+  };
   float m_next = tid < kLnRows ? mask_at(blockIdx.x) : 0.f;
   unsigned phases = 0u;  // bit buf: the parity of buffer buf's next wait
   int buf = 0;
@@ -3989,7 +3991,8 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int r = 16 * mt + g + 8 * hf;
-        const float4 a0 = *reinterpret_cast<const float4*>(red + r * 8), a1 = *reinterpret_cast<const float4*>(red + r * 8 + 4);
+        const float4 a0 = *reinterpret_cast<const float4*>(red + r * 8);
+        const float4 a1 = *reinterpret_cast<const float4*>(red + r * 8 + 4);
         const float4 c0 = *reinterpret_cast<const float4*>(red + kLnRows * 8 + r * 8);
         const float4 c1 = *reinterpret_cast<const float4*>(red + kLnRows * 8 + r * 8 + 4);
         const float s1 = a0.x + a0.y + a0.z + a0.w + a1.x + a1.y + a1.z + a1.w;  // the warps in order
