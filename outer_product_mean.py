@@ -2864,6 +2864,39 @@ __host__ __device__ __forceinline__ int wo_pair16(int P) {
   const int kk = P & 15;
   return (P & 16) + ((kk & 7) >> 1) + 4 * (kk & 1) + 8 * (kk >> 3);
 }
+// The A and B items of opm_bw_wo_prep_kernel: an A item e is (b, sl, kb, mb, grp, r) with r fastest, a B item
+// f = e - nA is (b, jb, kb, grp, n) with n fastest. Each puts into v its P consecutive s = P (4 kb + grp) + q
+// of a at (i = 32 mb + r % 32, h = 2 sl + r / 32) or of b at (j = 4 jb + n / 32, n % 32), zeros past S and N
+// (v holds zeros on entry), and returns its block ((b*kBwNSL + sl)*KB + kb)*MB + mb or (b*NBB + jb)*KB + kb;
+// row is r or n.
+template <int P>
+__device__ __forceinline__ int64_t wo_prep_a_item(int64_t e, const float* __restrict__ av, int64_t S, int64_t N,
+                                                  int64_t KB, int64_t MB, float (&v)[P], int& row, int& grp) {
+  row = static_cast<int>(e % 64);
+  grp = static_cast<int>(e / 64 % 4);
+  const int64_t blk = e / 256;
+  const int64_t mb = blk % MB, kb = blk / MB % KB, sl = blk / MB / KB % kBwNSL, b = blk / MB / KB / kBwNSL;
+  const int64_t i = 32 * mb + row % 32, h = 2 * sl + row / 32;
+  for (int q = 0; q < P; ++q) {
+    const int64_t s = 4 * P * kb + P * grp + q;
+    if (s < S && i < N) v[q] = __ldg(av + ((b * S + s) * N + i) * 32 + h);
+  }
+  return blk;
+}
+template <int P>
+__device__ __forceinline__ int64_t wo_prep_b_item(int64_t f, const float* __restrict__ bv, int64_t S, int64_t N,
+                                                  int64_t KB, int64_t NBB, float (&v)[P], int& row, int& grp) {
+  row = static_cast<int>(f % 128);
+  grp = static_cast<int>(f / 128 % 4);
+  const int64_t blk = f / 512;
+  const int64_t kb = blk % KB, jb = blk / KB % NBB, b = blk / KB / NBB;
+  const int64_t j = 4 * jb + row / 32;
+  for (int q = 0; q < P; ++q) {
+    const int64_t s = 4 * P * kb + P * grp + q;
+    if (s < S && j < N) v[q] = __ldg(bv + ((b * S + s) * N + j) * 32 + row % 32);
+  }
+  return blk;
+}
 template <typename T>
 __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     const float* __restrict__ av, const float* __restrict__ bv, const float* __restrict__ g,
@@ -2911,27 +2944,13 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
       }
       float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       T* dst;
-      if (e < nA) {  // (b, sl, kb, mb, oct, r): r fastest
-        const int r = static_cast<int>(e % 64), oct = static_cast<int>(e / 64 % 4);
-        const int64_t blk = e / 256;  // ((b*kBwNSL + sl)*KB + kb)*MB + mb
-        const int64_t mb = blk % MB, kb = blk / MB % KB, sl = blk / MB / KB % kBwNSL, b = blk / MB / KB / kBwNSL;
-        const int64_t i = 32 * mb + r % 32, h = 2 * sl + r / 32;
-        for (int q = 0; q < 8; ++q) {
-          const int64_t s = 32 * kb + 8 * oct + q;
-          if (s < S && i < N) v[q] = __ldg(av + ((b * S + s) * N + i) * 32 + h);
-        }
-        dst = reinterpret_cast<T*>(Abw) + blk * kOwABlk16 + ow_off16h(r, 8 * oct);
-      } else {  // (b, jb, kb, oct, n): n fastest
-        const int64_t f = e - nA;
-        const int n = static_cast<int>(f % 128), oct = static_cast<int>(f / 128 % 4);
-        const int64_t blk = f / 512;  // (b*NBB + jb)*KB + kb
-        const int64_t kb = blk % KB, jb = blk / KB % NBB, b = blk / KB / NBB;
-        const int64_t j = 4 * jb + n / 32;
-        for (int q = 0; q < 8; ++q) {
-          const int64_t s = 32 * kb + 8 * oct + q;
-          if (s < S && j < N) v[q] = __ldg(bv + ((b * S + s) * N + j) * 32 + n % 32);
-        }
-        dst = reinterpret_cast<T*>(Bbw) + blk * kOwBBlk16 + ow_off16h(n, 8 * oct);
+      int row, oct;
+      if (e < nA) {
+        const int64_t blk = wo_prep_a_item<8>(e, av, S, N, KB, MB, v, row, oct);
+        dst = reinterpret_cast<T*>(Abw) + blk * kOwABlk16 + ow_off16h(row, 8 * oct);
+      } else {
+        const int64_t blk = wo_prep_b_item<8>(e - nA, bv, S, N, KB, NBB, v, row, oct);
+        dst = reinterpret_cast<T*>(Bbw) + blk * kOwBBlk16 + ow_off16h(row, 8 * oct);
       }
       *reinterpret_cast<uint4*>(dst) =
           make_uint4(pack2_16<T>(v[0], v[1]), pack2_16<T>(v[2], v[3]), pack2_16<T>(v[4], v[5]), pack2_16<T>(v[6], v[7]));
@@ -2945,28 +2964,15 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     float v[4] = {0.f, 0.f, 0.f, 0.f};
     float* dst;
     int plane;
-    if (e < nA) {  // (b, sl, kb, mb, quad, r): r fastest (i consecutive)
-      const int r = static_cast<int>(e % 64), quad = static_cast<int>(e / 64 % 4);
-      const int64_t blk = e / 256;  // ((b*kBwNSL + sl)*KB16 + kb)*MB + mb
-      const int64_t mb = blk % MB, kb = blk / MB % KB16, sl = blk / MB / KB16 % kBwNSL, b = blk / MB / KB16 / kBwNSL;
-      const int64_t i = 32 * mb + r % 32, h = 2 * sl + r / 32;
-      for (int q = 0; q < 4; ++q) {
-        const int64_t s = 16 * kb + 4 * quad + q;
-        if (s < S && i < N) v[q] = __ldg(av + ((b * S + s) * N + i) * 32 + h);
-      }
-      dst = Abw + blk * (2 * kOwAPlane) + wo_off16(r, 4 * quad);
+    if (e < nA) {
+      int row, quad;
+      const int64_t blk = wo_prep_a_item<4>(e, av, S, N, KB16, MB, v, row, quad);
+      dst = Abw + blk * (2 * kOwAPlane) + wo_off16(row, 4 * quad);
       plane = kOwAPlane;
-    } else if (e < nA + nB) {  // (b, jb, kb, quad, n): n fastest
-      const int64_t f = e - nA;
-      const int n = static_cast<int>(f % 128), quad = static_cast<int>(f / 128 % 4);
-      const int64_t blk = f / 512;  // (b*NBB + jb)*KB16 + kb
-      const int64_t kb = blk % KB16, jb = blk / KB16 % NBB, b = blk / KB16 / NBB;
-      const int64_t j = 4 * jb + n / 32;
-      for (int q = 0; q < 4; ++q) {
-        const int64_t s = 16 * kb + 4 * quad + q;
-        if (s < S && j < N) v[q] = __ldg(bv + ((b * S + s) * N + j) * 32 + n % 32);
-      }
-      dst = Bbw + blk * (2 * kOwBPlane) + wo_off16(n, 4 * quad);
+    } else if (e < nA + nB) {
+      int row, quad;
+      const int64_t blk = wo_prep_b_item<4>(e - nA, bv, S, N, KB16, NBB, v, row, quad);
+      dst = Bbw + blk * (2 * kOwBPlane) + wo_off16(row, 4 * quad);
       plane = kOwBPlane;
     } else {  // (b, it, jt, c, w, quad, z): z fastest
       const int64_t f = e - nA - nB;
