@@ -3634,7 +3634,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 
 // ---------------------------------------------------------------------------------------------
 // The backward's LayerNorm part, each msa row read once (x_in and d_x_in of type T: float32, float16 or
-// bfloat16; everything else fp32; hidden_dim 32, msa_dim CM):
+// bfloat16; the mask of its own kind; everything else fp32; hidden_dim 32, msa_dim CM):
 //   xhat = (x_in - mean) rstd,  x = xhat ln_w + ln_b            (recomputed; statistics in two passes
 //                                                                over the row in registers)
 //   dpa = da * mask, dpb = db * mask                             (per row)
@@ -3665,8 +3665,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 // Each block writes its partials (part[blk][64][CM]: dWa | dWb; part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b
 // over the block's rows (lanes added by shuffles), d_ba, d_bb); opm_block_sum_kernel adds them in block
 // order in fp64.
-// Conflict-free shared loads: the padded rows (LDX, CM + 8, 68, 36 floats) put the 32 lanes of every
-// fragment load in distinct banks.
+// Conflict-free shared loads: the padded rows (LDX = CM + 8 for xs and ws, 68, 36 floats) put the 32
+// lanes of every fragment load in distinct banks.
 // Assumptions: 256 threads; x_in, da, db 16-byte aligned (the bulk copies); sm_90a (bulk copies, mbarriers).
 // ---------------------------------------------------------------------------------------------
 constexpr int kLnRows = 32;
