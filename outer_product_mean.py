@@ -33,7 +33,9 @@ sequences, w_first_small at tiny ones.
   outer_wg     opm_ow_params_kernel (LayerNorm affine folded into the projection weights, split-TF32
                weight planes; row-scaled float16 planes for a 16-bit msa), opm_prep_ow_kernel (LayerNorm
                + projections + mask on mma.sync, written as a / b's split-TF32 planes in wgmma tile
-               order, fp16 / bf16 planes for a 16-bit msa; inv_denom), opm_outer_wg_kernel<T>
+               order, fp16 / bf16 planes for a 16-bit msa; inv_denom; a 16-bit msa with msa_dim % 16
+               == 0 up to 256 takes opm_prep16_kernel, the same work in warp tiles, bit-equal),
+               opm_outer_wg_kernel<T>
                (persistent, warp-specialised: per 16 i x 4 j x 128 z tile, phase A O = a b^T and phase B
                out += O Wo on wgmma, fed by one producer warpgroup's bulk copies).
   w_first_wg2  opm_prep_kernel (FMA LayerNorm + projections: aT (B, S, CP, ceil4(N)), bq (B, S, N,
@@ -389,9 +391,12 @@ __device__ __forceinline__ T from_float(float v) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
   else return __low2half(__floats2half2_rn(v, 0.f));
 }
-template <typename T>  // two T packed in one register, element 0 in the low half
+// Two T packed in one register, element 0 in the low half. bfloat16: a shift and a mask, one instruction
+// each (the intrinsic took two for the low element).
+template <typename T>
 __device__ __forceinline__ float2 to_float2(uint32_t v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
   else return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 template <typename T>  // two fp32 rounded to T (to nearest), element 0 in the low half
@@ -2447,6 +2452,206 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
 }
 
 // ---------------------------------------------------------------------------------------------
+// opm_prep16_kernel<T, kPlanes>: opm_prep_ow_kernel's work for a 16-bit msa (T float16 / bfloat16) with
+//   c_m % 16 == 0 and c_m <= 256, every warp on its own tiles: no block barrier after the block's weights
+//   are staged. A warp tile is 8 s x 2 n (16 msa rows) of one b: s in [s0, s0 + 8) (s0 = 8 sq), n in
+//   [n0, n0 + 2); tiles cover s < kOwS16 KBS and n < 16 NIT, rows past S or N give zeros (mask 0, rstd 0).
+//   Lane (g, t) owns rows (s0 + g, n0 + hf) (hf = 0, 1: m16n8k16's rows g and g + 8) and in each 16-k
+//   group u the 4 values k = 16 u + 4 t .. + 3 of both, which are its A fragment in Wf16's k order
+//   (a0 / a1 at k 16 u + 4 t + {0, 1}, a2 / a3 at + {2, 3}). Per tile:
+//   (1) every 8-byte load of the lane's 2 x c_m / 4 values issued at once (registers: c_m / 2 per lane),
+//       the rows' mask values;
+//   (2) statistics as opm_prep_ow_kernel's: the lane sums its chunk of each row over u (4 partial sums),
+//       then the quad by 2 shuffles; two passes (mean, then the centred sum of squares);
+//   (3) y = xn . (sc Wg) on m16n8k16 in float16, xn = (x - mean) rstd rounded to float16 (float16 msa:
+//       split, lo hi + hi lo + hi hi per group into a fresh accumulator, then added), all 8 n8 tiles of
+//       o (a and b channels) per warp, B fragments from the block's copy of Wf16 in shared memory (one
+//       16-byte load per lane for two n8 tiles' hi, or one tile's hi and lo);
+//   (4) (y isc + bias') mask: where a_rows is not null, written as fp32 rows (as opm_prep_ow_kernel's);
+//       where kPlanes, rounded to T and staged as ys[hf][o][s_l] in the warp's shared memory, then each
+//       (n, o) written as 16 bytes (8 s: one row of a core matrix) at ow_off16h of the Aow / Bow block.
+//   Every operation and its order per output is opm_prep_ow_kernel's, so the outputs are bit-equal.
+// Blocks [0, n_den) compute inv_denom instead (inv_denom_cols); the host launches at most 2 blocks per
+//   SM in all, so that every block is resident from the start (the tiles are split statically).
+// kU: c_m / 16 at compile time (16: c_m 256, no guards per group), or 0 (c_m / 16 at run time).
+// Shared memory (dynamic, p16_smem_bytes): Wf16's B fragments of the planes read (hi; float16 msa hi and
+//   lo), U * 4 * NP x 32 uint4, bias' and isc (128 floats), then per warp ys [2][64][8] T.
+// Assumptions: kP16Threads threads; x 8-byte aligned; Wf, biasf as opm_ow_params_kernel writes them with
+//   w16; 16 <= c_m <= 256, c_m % 16 == 0; the tile count under 2^31.
+// ---------------------------------------------------------------------------------------------
+constexpr int kP16Warps = 8, kP16Threads = 32 * kP16Warps, kP16MaxU = 16;  // kP16MaxU: 16-k groups (c_m <= 256)
+template <typename T>
+__host__ __device__ constexpr int p16_planes() { return std::is_same_v<T, __half> ? 2 : 1; }
+template <typename T>
+__host__ __device__ constexpr size_t p16_smem_bytes(int cm) {
+  return 8ull * (cm / 16) * 8 * p16_planes<T>() * 32 + 4ull * 128 + 2ull * kP16Warps * 2 * 64 * 8;
+}
+template <typename T, bool kPlanes, int kU>
+__global__ void __launch_bounds__(kP16Threads, 2) opm_prep16_kernel(
+    const T* __restrict__ x, const void* __restrict__ mask, int mask_kind, const float* __restrict__ Wf,
+    const float* __restrict__ biasf, T* __restrict__ Aow, T* __restrict__ Bow, int64_t B, int64_t S, int64_t N,
+    int cm, float eps, int64_t KBS, int64_t NIT, int64_t NBB, float* __restrict__ inv_denom, int n_den,
+    float* __restrict__ a_rows, float* __restrict__ b_rows) {
+#if defined(OPM_WG_DEVICE)
+  constexpr bool kSplit = std::is_same_v<T, __half>;  // float16 msa: split products
+  constexpr int NP = p16_planes<T>();
+  if (blockIdx.x < n_den) {  // blocks [0, n_den): inv_denom, beside the tiles
+    __shared__ double red_f[kP16Threads];
+    __shared__ long long red_i[kP16Threads];
+    inv_denom_cols(mask, mask_kind, B, S, N, inv_denom, blockIdx.x, n_den, red_f, red_i);
+    return;
+  }
+  extern __shared__ uint4 p16_smem[];
+  const int U = kU > 0 ? kU : cm / 16;
+  const uint4* ws = p16_smem;                                      // B fragments, 16 bytes per lane
+  float* bs = reinterpret_cast<float*>(p16_smem + U * 4 * NP * 32);  // bias'[64], isc[64]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  T* ys = reinterpret_cast<T*>(bs + 128) + warp * (2 * 64 * 8);  // [hf][o][s_l]
+  {
+    // Wf16: [(u * 8 + nt) * 2 + plane][lane] uint2 -> ws: float16 msa [(u * 8 + nt)][lane] (hi, lo),
+    // bfloat16 [(u * 4 + nt / 2)][lane] (hi of nt, hi of nt + 1)
+    const uint2* src = reinterpret_cast<const uint2*>(Wf);
+    for (int i = tid; i < U * 4 * NP * 32; i += kP16Threads) {
+      const int f = i / 32, ln = i % 32;
+      const uint2 v0 = __ldg(src + (NP == 2 ? 2 * f : 4 * f) * 32 + ln);
+      const uint2 v1 = __ldg(src + (NP == 2 ? 2 * f + 1 : 4 * f + 2) * 32 + ln);
+      p16_smem[i] = make_uint4(v0.x, v0.y, v1.x, v1.y);
+    }
+    if (tid < 128) bs[tid] = __ldg(biasf + tid);
+  }
+  __syncthreads();  // the block's weights staged; from here on every warp runs alone
+  const uint32_t NN2 = static_cast<uint32_t>(8 * NIT), NS8 = static_cast<uint32_t>(4 * KBS);
+  const uint32_t ntiles = static_cast<uint32_t>(B) * NS8 * NN2, MBA = static_cast<uint32_t>(2 * NIT);
+  const uint32_t stride = static_cast<uint32_t>(gridDim.x - n_den) * kP16Warps;
+  for (uint32_t wt = static_cast<uint32_t>(blockIdx.x - n_den) * kP16Warps + warp; wt < ntiles; wt += stride) {
+    const uint32_t np = wt % NN2, rest = wt / NN2, sq = rest % NS8;
+    const int64_t b = rest / NS8, s = 8 * static_cast<int64_t>(sq) + g, n0 = 2 * static_cast<int64_t>(np);
+    const int64_t row0 = (b * S + s) * N + n0;  // msa row of hf 0; hf 1 is row0 + 1
+    const bool ok[2] = {s < S && n0 < N, s < S && n0 + 1 < N};
+    // ---- (1) the lane's values of both rows, all loads in flight; the rows' mask values ----
+    uint2 xr[kP16MaxU][2];
+#pragma unroll
+    for (int u = 0; u < kP16MaxU; ++u)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        xr[u][hf] = ok[hf] && u < U ? __ldg(reinterpret_cast<const uint2*>(x + (row0 + hf) * cm + 16 * u + 4 * t))
+                                    : make_uint2(0u, 0u);
+    float mk[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) mk[hf] = ok[hf] ? mask_value(mask, row0 + hf, mask_kind) : 0.f;
+    // ---- (2) statistics: mean, rstd of rows hf ----
+    float mean[2], rstd[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < kP16MaxU; ++u)
+        if (u < U) {
+          const float2 v01 = to_float2<T>(xr[u][hf].x), v23 = to_float2<T>(xr[u][hf].y);
+          s4.x += v01.x; s4.y += v01.y; s4.z += v23.x; s4.w += v23.y;
+        }
+      float s1 = (s4.x + s4.y) + (s4.z + s4.w);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+      const float mu = s1 / cm;
+      float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < kP16MaxU; ++u)
+        if (u < U) {
+          const float2 v01 = to_float2<T>(xr[u][hf].x), v23 = to_float2<T>(xr[u][hf].y);
+          const float d0 = v01.x - mu, d1 = v01.y - mu, d2 = v23.x - mu, d3 = v23.y - mu;
+          q4.x = fmaf(d0, d0, q4.x); q4.y = fmaf(d1, d1, q4.y); q4.z = fmaf(d2, d2, q4.z); q4.w = fmaf(d3, d3, q4.w);
+        }
+      float s2 = (q4.x + q4.y) + (q4.z + q4.w);
+      s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+      s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
+      mean[hf] = mu;
+      rstd[hf] = ok[hf] ? 1.f / sqrtf(s2 / cm + eps) : 0.f;  // rows past S / N: y = bias' times mask 0
+    }
+    // ---- (3) acc[nt][2 hf + e] = sum_k xn[row hf][k] sc Wg[8 nt + 2 t + e][k] ----
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+#pragma unroll
+    for (int u = 0; u < kP16MaxU; ++u) {
+      if (u >= U) break;
+      uint32_t ah[4], al[4];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 v01 = to_float2<T>(xr[u][hf].x), v23 = to_float2<T>(xr[u][hf].y);
+        const float m = mean[hf], rs = rstd[hf];
+        const float x0 = (v01.x - m) * rs, x1 = (v01.y - m) * rs, x2 = (v23.x - m) * rs, x3 = (v23.y - m) * rs;
+        ah[hf] = pack2_16<__half>(x0, x1);
+        ah[hf + 2] = pack2_16<__half>(x2, x3);
+        if constexpr (kSplit) {
+          const float2 h01 = to_float2<__half>(ah[hf]), h23 = to_float2<__half>(ah[hf + 2]);
+          al[hf] = pack2_16<__half>(x0 - h01.x, x1 - h01.y);
+          al[hf + 2] = pack2_16<__half>(x2 - h23.x, x3 - h23.y);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        if constexpr (kSplit) {
+          const uint4 w = ws[(u * 8 + nt) * 32 + lane];  // hi, lo
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_f16(d, al, w.x, w.y);  // the small terms first
+          mma_f16(d, ah, w.z, w.w);
+          mma_f16(d, ah, w.x, w.y);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[nt][q] += d[q];
+        } else if (nt % 2 == 0) {
+          const uint4 w = ws[(u * 4 + nt / 2) * 32 + lane];  // hi of nt, of nt + 1
+          mma_f16(acc[nt], ah, w.x, w.y);
+          mma_f16(acc[nt + 1], ah, w.z, w.w);
+        }
+      }
+    }
+    // ---- (4) y = (acc isc + bias') mask: fp32 rows and / or the T planes ----
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int o = 8 * nt + 2 * t;
+        const float y0 = (acc[nt][2 * hf] * bs[64 + o] + bs[o]) * mk[hf];
+        const float y1 = (acc[nt][2 * hf + 1] * bs[64 + o + 1] + bs[o + 1]) * mk[hf];
+        if (a_rows != nullptr && ok[hf])  // (B, S, N, 32) fp32: a for o < 32, b above
+          *reinterpret_cast<float2*>((nt < 4 ? a_rows : b_rows) + (row0 + hf) * 32 + o % 32) = make_float2(y0, y1);
+        if constexpr (kPlanes) {
+          ys[(hf * 64 + o) * 8 + g] = from_float<T>(y0);
+          ys[(hf * 64 + o + 1) * 8 + g] = from_float<T>(y1);
+        }
+      }
+    if constexpr (kPlanes) {
+      __syncwarp();  // ys complete
+      const int64_t kb = sq / 4;
+      const int ks = 8 * static_cast<int>(sq % 4);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // unit e = (hf, o): lanes along o
+        const int e = lane + 32 * i, hf = e / 64, o = e % 64;
+        const uint4 v = *reinterpret_cast<const uint4*>(ys + e * 8);
+        const int64_t n = n0 + hf;
+        if (o < 32) {
+          const int q = o / 8, hl = o % 8;
+          T* dst = Aow + (((b * kOwNQ + q) * KBS + kb) * MBA + n / 8) * kOwABlk16 +
+                   ow_off16h(static_cast<int>(n % 8) * 8 + hl, ks);
+          *reinterpret_cast<uint4*>(dst) = v;
+        } else if (n < 4 * NBB) {
+          T* dst = Bow + ((b * NBB + n / 4) * KBS + kb) * kOwBBlk16 +
+                   ow_off16h(static_cast<int>(n % 4) * 32 + o - 32, ks);
+          *reinterpret_cast<uint4*>(dst) = v;
+        }
+      }
+    }
+    __syncwarp();  // ys read before the next tile's stores
+  }
+#else
+  __trap();  // built without sm_90a: the host never launches this (DevInfo::ow_ok)
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // opm_outer_wg_kernel: outer_wg's fused kernel (see "outer_wg" above). Persistent: block b takes
 //   tiles b, b + grid, ...; tile t -> (it = t % NIT, jt, zc, b): neighbouring blocks share the B
 //   blocks of one jt in L2.
@@ -4342,11 +4547,50 @@ static at::Tensor launch_ow_params(const at::Tensor& ln_w, const at::Tensor& ln_
 // opm_prep_ow_kernel<MT, T, kPlanes> over every tile of x (float32, bfloat16 or float16; od.sb =
 // ow_sb(x's dtype)), beside its inv_denom blocks: the planes Aow, Bow where kPlanes (x's dtype, see
 // ow_planes), the rows a_rows, b_rows (B, S, N, 32) fp32 where not null. Wf from launch_ow_params.
+// A 16-bit x with c_m % 16 == 0, c_m <= 256 at an 8-byte aligned address goes to opm_prep16_kernel (warp
+// tiles), unless block_tiles; everything else to opm_prep_ow_kernel (block tiles).
+static bool p16_runs(const at::Tensor& x, int cm, bool block_tiles) {
+  return !block_tiles && x.scalar_type() != at::kFloat && cm % 16 == 0 && cm >= 16 && cm <= 16 * kP16MaxU &&
+         reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0;
+}
+template <bool kPlanes>
+static void launch_prep16(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& Wf, void* Aow,
+                          void* Bow, float* a_rows, float* b_rows, int64_t B, int64_t S, int64_t N, int cm, float eps,
+                          const OwDims& od, at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
+  const int64_t ntiles = B * (od.sb / 8) * od.KB * (16 * od.NIT / 2);  // warp tiles, < 2^31 (the callers' ow_tiles_ok)
+  // inv_denom blocks, then tile blocks: 2 per SM (launch bounds, shared memory under half an SM's), all
+  // resident at once
+  const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), std::max(1, d.sms / 4)));
+  const int64_t gtiles = std::max<int64_t>(1, std::min<int64_t>(cdiv(ntiles, kP16Warps), 2ll * d.sms - n_den));
+  const float* biasf = Wf.data_ptr<float>() + ow_wf_floats(cm);
+  auto run = [&](auto kernel, const auto* xp, size_t smem) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    set_smem(kernel, smem, d, "the 16-bit LayerNorm/projection kernel of outer_wg");
+    kernel<<<grid_for(n_den + gtiles), kP16Threads, smem, stream>>>(
+        xp, mask.data_ptr(), mask_kind, Wf.data_ptr<float>(), biasf, static_cast<T*>(Aow), static_cast<T*>(Bow), B, S,
+        N, cm, eps, od.KB, od.NIT, od.NBB, inv_denom.data_ptr<float>(), n_den, a_rows, b_rows);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  const auto* xh = reinterpret_cast<const __half*>(x.data_ptr());
+  // (bfloat16 at a compile-time U: ptxas keeps all c_m / 2 widened values of the lane between the
+  // statistics and the products and spills 528 bytes, so bfloat16 takes U at run time alone)
+  if (x.scalar_type() == at::kBFloat16)
+    run(opm_prep16_kernel<__nv_bfloat16, kPlanes, 0>, xb, p16_smem_bytes<__nv_bfloat16>(cm));
+  else if (cm == 16 * kP16MaxU) run(opm_prep16_kernel<__half, kPlanes, kP16MaxU>, xh, p16_smem_bytes<__half>(cm));
+  else run(opm_prep16_kernel<__half, kPlanes, 0>, xh, p16_smem_bytes<__half>(cm));
+}
 template <bool kPlanes>
 static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& Wf, void* Aow,
                            void* Bow, float* a_rows, float* b_rows, int64_t B, int64_t S, int64_t N, int cm, float eps,
-                           const OwDims& od, at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
+                           const OwDims& od, at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
+                           bool block_tiles = false) {
   TORCH_INTERNAL_ASSERT(od.sb == ow_sb(x.scalar_type()), "outer_product_mean: the planes' s blocks follow msa's dtype");
+  if (p16_runs(x, cm, block_tiles)) {
+    launch_prep16<kPlanes>(x, mask, mask_kind, Wf, Aow, Bow, a_rows, b_rows, B, S, N, cm, eps, od, inv_denom, d,
+                           stream);
+    return;
+  }
   const int MT = po_mt(cm);
   const int64_t ntiles = B * (od.sb / 4) * od.KB * (16 * od.NIT / (4 * MT));  // < 2^31 (the callers' ow_tiles_ok)
   const size_t smem = po_smem_bytes(cm, MT);
@@ -4693,11 +4937,13 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
 // The backward's a and b (LayerNorm, both projections, the mask: outer_wg's prep with rows out) and
 // inv_denom, as the forward computes them: msa (B, S, N, c_m) float32, float16 or bfloat16, mask (B, S, N) of a
 // dtype mask_kind_of takes, parameters float32 with hidden_dim 32, c_m <= kMaxMsaDim, CUDA, on a device
-// where outer_wg runs, B * S * N / 16 < 2^31 (S, N rounded up to 16). Returns (a, b (B, S, N, 32) fp32,
-// inv_denom (B, N)).
+// where outer_wg runs, B * S * N / 16 < 2^31 (S, N rounded up to 16). block_tiles: opm_prep_ow_kernel
+// even where opm_prep16_kernel would run (launch_prep_ow; the two give bit-equal rows). Returns (a, b
+// (B, S, N, 32) fp32, inv_denom (B, N)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
                                                                  at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
-                                                                 at::Tensor wb, at::Tensor bb, double eps) {
+                                                                 at::Tensor wb, at::Tensor bb, double eps,
+                                                                 bool block_tiles) {
   for (const at::Tensor* t : {&msa, &mask, &ln_w, &ln_b, &wa, &ba, &wb, &bb})
     TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_rows takes CUDA tensors");
   TORCH_CHECK(msa.dim() == 4 && (msa.scalar_type() == at::kFloat || msa.scalar_type() == at::kHalf ||
@@ -4731,7 +4977,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
   const at::Tensor Wf = launch_ow_params(lw, lb, wa_c, ba_c, wb_c, bb_c, at::Tensor(), at::Tensor(), nullptr, 0,
                                          x.scalar_type() != at::kFloat, static_cast<int>(cm), 32, 0, 0, d, stream);
   launch_prep_ow<false>(x, m, mask_kind, Wf, nullptr, nullptr, a.data_ptr<float>(), b.data_ptr<float>(), B, S, N,
-                        static_cast<int>(cm), static_cast<float>(eps), od, inv_denom, d, stream);
+                        static_cast<int>(cm), static_cast<float>(eps), od, inv_denom, d, stream, block_tiles);
   return {a, b, inv_denom};
 }
 
@@ -5046,8 +5292,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
                                                                  at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
-                                                                 at::Tensor wb, at::Tensor bb, double eps) {
-  return opm::opm_backward_rows(msa, mask, ln_w, ln_b, wa, ba, wb, bb, eps);
+                                                                 at::Tensor wb, at::Tensor bb, double eps,
+                                                                 bool block_tiles) {
+  return opm::opm_backward_rows(msa, mask, ln_w, ln_b, wa, ba, wb, bb, eps, block_tiles);
 }
 
 at::Tensor opm_backward_dbo(at::Tensor g) { return opm::opm_backward_dbo(g); }
@@ -5074,7 +5321,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     at::Tensor wb, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
                                                                  at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
-                                                                 at::Tensor wb, at::Tensor bb, double eps);
+                                                                 at::Tensor wb, at::Tensor bb, double eps,
+                                                                 bool block_tiles);
 at::Tensor opm_backward_dbo(at::Tensor g);
 """
 
@@ -5357,7 +5605,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if ab is not None:
         a, b, inv_d = ab
     elif rows_in_kernel:
-        a, b, inv_d = _ext.opm_backward_rows(msa, mask_k, lw, lb, Wa, Ba, Wb, Bb, eps)
+        a, b, inv_d = _ext.opm_backward_rows(msa, mask_k, lw, lb, Wa, Ba, Wb, Bb, eps, False)
     else:
         a = torch.empty((B, S, N, c), dtype=ct, device=dev)
         b = torch.empty((B, S, N, c), dtype=ct, device=dev)

@@ -702,7 +702,7 @@ def test_outer_wg_half_reads_and_writes_its_dtype(opm, ref, dtype, ctype):
         got = _run(new, msa, mask, "outer_wg")
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert any("opm_prep_ow_kernel<" in n and ctype in n for n in kernels), kernels
+    assert any(f"opm_prep16_kernel<{ctype}" in n for n in kernels), kernels  # c_m % 16 == 0: the warp-tile prep
     assert any(f"opm_outer_wg_kernel<{ctype}>" in n for n in kernels), kernels
     big = ([B, S, N, cm], [B, N, N, cz])
     copies = [(e.name, e.input_shapes) for e in prof.events()
@@ -789,7 +789,7 @@ class _EinsumKernels:
         return g.sum(tuple(range(g.dim() - 1)))
 
     @staticmethod
-    def opm_backward_rows(msa, mask, ln_w, ln_b, wa, ba, wb, bb, eps):
+    def opm_backward_rows(msa, mask, ln_w, ln_b, wa, ba, wb, bb, eps, block_tiles):
         x = F.layer_norm(msa, msa.shape[-1:], ln_w, ln_b, eps)
         m = mask.to(x.dtype)[..., None]
         return (x @ wa.t() + ba) * m, (x @ wb.t() + bb) * m, 1 / mask.to(x.dtype).sum(1).clamp(min=1)
@@ -955,7 +955,7 @@ def test_forward_keeps_a_b_equal_to_the_backward_rows_kernel(opm, ref, B, S, N, 
     eps = new.layer_norm.eps
     out, ran, a, b, inv_d = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("outer_wg"), True)
     assert ALL_VARIANTS[ran] == "outer_wg" and a is not None
-    a2, b2, inv_d2 = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps)
+    a2, b2, inv_d2 = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps, False)
     assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(inv_d, inv_d2)
     p64 = [p.double() for p in params]
     x = F.layer_norm(msa.double(), (cm,), p64[0], p64[1], eps)
@@ -966,3 +966,31 @@ def test_forward_keeps_a_b_equal_to_the_backward_rows_kernel(opm, ref, B, S, N, 
     assert (inv_d.double() - 1 / mask.double().sum(1).clamp(min=1)).abs().max() <= 1e-7
     _, ran, *rest = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("outer_first"), True)
     assert ALL_VARIANTS[ran] == "outer_first" and rest == [None, None, None]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, S, N, cm, dist, mask_kind", [(1, 40, 37, 256, "offset", "binary"),
+                                                          (2, 37, 45, 48, "normal", "bool"),
+                                                          (1, 9, 20, 16, "heavy", "fraction")])
+def test_prep_warp_tiles_equal_block_tiles(opm, ref, B, S, N, cm, dist, mask_kind, dtype):
+    """A 16-bit msa with msa_dim % 16 == 0 (up to 256) takes outer_wg's warp-tile prep
+    (opm_prep16_kernel): its a, b rows and 1 / denom are bit-equal to the block-tile prep's
+    (opm_prep_ow_kernel, block_tiles=True) on the same inputs (S, N not multiples of the tiles), and
+    the forward runs it."""
+    if not _caps(opm)[2]:
+        pytest.skip("outer_wg needs a Hopper GPU and an sm_90a build")
+    gen = torch.Generator().manual_seed(B + S + N + cm)
+    _, new = _pair(opm, ref, cm, 64, 32, seed=S)
+    msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
+    mask = _mask(B, S, N, mask_kind, gen).cuda()
+    params = [p.detach() for p in new.parameters()]
+    eps = new.layer_norm.eps
+    warp = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps, False)
+    block = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps, True)
+    assert all(torch.isfinite(t).all() for t in warp)
+    assert all(torch.equal(w, b) for w, b in zip(warp, block))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        opm._ext.opm_forward(msa, mask, *[p.to(dtype) for p in params], eps, ALL_VARIANTS.index("outer_wg"), False)
+        torch.cuda.synchronize()
+    assert any("opm_prep16_kernel<" in e.name for e in prof.events()), [e.name for e in prof.events()]
