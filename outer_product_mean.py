@@ -2452,15 +2452,16 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
 }
 
 // ---------------------------------------------------------------------------------------------
-// opm_prep16_kernel<T, kPlanes>: opm_prep_ow_kernel's work for a 16-bit msa (T float16 / bfloat16) with
+// opm_prep16_kernel<T, kPlanes, kU>: opm_prep_ow_kernel's work for a 16-bit msa (T float16 / bfloat16) with
 //   c_m % 16 == 0 and c_m <= 256, every warp on its own tiles: no block barrier after the block's weights
 //   are staged. A warp tile is 8 s x 2 n (16 msa rows) of one b: s in [s0, s0 + 8) (s0 = 8 sq), n in
 //   [n0, n0 + 2); tiles cover s < kOwS16 KBS and n < 16 NIT, rows past S or N give zeros (mask 0, rstd 0).
 //   Lane (g, t) owns rows (s0 + g, n0 + hf) (hf = 0, 1: m16n8k16's rows g and g + 8) and in each 16-k
 //   group u the 4 values k = 16 u + 4 t .. + 3 of both, which are its A fragment in Wf16's k order
-//   (a0 / a1 at k 16 u + 4 t + {0, 1}, a2 / a3 at + {2, 3}). Per tile:
-//   (1) every 8-byte load of the lane's 2 x c_m / 4 values issued at once (registers: c_m / 2 per lane),
-//       the rows' mask values;
+//   (fragment registers 0 / 1, rows g / g + 8, hold k 16 u + 4 t + {0, 1}; registers 2 / 3 hold + {2, 3}).
+//   Per tile:
+//   (1) every 8-byte load of the lane's 2 x c_m / 4 values issued at once (c_m / 2 16-bit values in c_m / 4
+//       registers; 64 where U is a run-time value), the rows' mask values;
 //   (2) statistics as opm_prep_ow_kernel's: the lane sums its chunk of each row over u (4 partial sums),
 //       then the quad by 2 shuffles; two passes (mean, then the centred sum of squares);
 //   (3) y = xn . (sc Wg) on m16n8k16 in float16, xn = (x - mean) rstd rounded to float16 (float16 msa:
@@ -2470,7 +2471,10 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
 //   (4) (y isc + bias') mask: where a_rows is not null, written as fp32 rows (as opm_prep_ow_kernel's);
 //       where kPlanes, rounded to T and staged as ys[hf][o][s_l] in the warp's shared memory, then each
 //       (n, o) written as 16 bytes (8 s: one row of a core matrix) at ow_off16h of the Aow / Bow block.
-//   Every operation and its order per output is opm_prep_ow_kernel's, so the outputs are bit-equal.
+//   Every operation and its order per a / b value is opm_prep_ow_kernel's, so a and b are bit-equal
+//   (the planes hold the same values rounded to T by the same rounding). inv_denom: inv_denom_cols adds
+//   blockDim.x / 32 partial sums per column, 8 here against 4 there, so a float mask's fp64 sum can
+//   differ in its last bit where it is not exact (integer and bool masks sum exactly in int64).
 // Blocks [0, n_den) compute inv_denom instead (inv_denom_cols); the host launches at most 2 blocks per
 //   SM in all, so that every block is resident from the start (the tiles are split statically).
 // kU: c_m / 16 at compile time (16: c_m 256, no guards per group), or 0 (c_m / 16 at run time).

@@ -976,21 +976,29 @@ def test_forward_keeps_a_b_equal_to_the_backward_rows_kernel(opm, ref, B, S, N, 
 def test_prep_warp_tiles_equal_block_tiles(opm, ref, B, S, N, cm, dist, mask_kind, dtype):
     """A 16-bit msa with msa_dim % 16 == 0 (up to 256) takes outer_wg's warp-tile prep
     (opm_prep16_kernel): its a, b rows and 1 / denom are bit-equal to the block-tile prep's
-    (opm_prep_ow_kernel, block_tiles=True) on the same inputs (S, N not multiples of the tiles), and
-    the forward runs it."""
+    (opm_prep_ow_kernel, block_tiles=True) on the same inputs (S % 8 or N % 2 nonzero in each case), the
+    profiler shows which kernel each call ran, and the forward runs the warp-tile prep."""
     if not _caps(opm)[2]:
         pytest.skip("outer_wg needs a Hopper GPU and an sm_90a build")
+    ctype = "__nv_bfloat16" if dtype == torch.bfloat16 else "__half"
     gen = torch.Generator().manual_seed(B + S + N + cm)
     _, new = _pair(opm, ref, cm, 64, 32, seed=S)
     msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
     mask = _mask(B, S, N, mask_kind, gen).cuda()
     params = [p.detach() for p in new.parameters()]
     eps = new.layer_norm.eps
-    warp = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps, False)
-    block = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps, True)
-    assert all(torch.isfinite(t).all() for t in warp)
-    assert all(torch.equal(w, b) for w, b in zip(warp, block))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    rows = {}
+    for block_tiles in (False, True):
+        with torch.profiler.profile(activities=acts) as prof:
+            rows[block_tiles] = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps, block_tiles)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        assert any(f"opm_prep16_kernel<{ctype}" in n for n in names) == (not block_tiles), names
+        assert any("opm_prep_ow_kernel<" in n and ctype in n for n in names) == block_tiles, names
+    assert all(torch.isfinite(t).all() for t in rows[False])
+    assert all(torch.equal(w, b) for w, b in zip(rows[False], rows[True]))
+    with torch.profiler.profile(activities=acts) as prof:
         opm._ext.opm_forward(msa, mask, *[p.to(dtype) for p in params], eps, ALL_VARIANTS.index("outer_wg"), False)
         torch.cuda.synchronize()
-    assert any("opm_prep16_kernel<" in e.name for e in prof.events()), [e.name for e in prof.events()]
+    assert any(f"opm_prep16_kernel<{ctype}" in e.name for e in prof.events()), [e.name for e in prof.events()]
