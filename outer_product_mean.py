@@ -294,6 +294,11 @@ __device__ __forceinline__ void inv_denom_cols(const void* mask, int mask_kind, 
     }
 }
 
+// The sum of v over the lane's quad (lanes 4 g .. 4 g + 3: an mma fragment's row), in every lane of it.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -2114,6 +2119,36 @@ __device__ __forceinline__ void po_load16(float* xs, int LDX, const T* __restric
     }
   }
 }
+// The 16-bit preps' A fragment (opm_prep_ow_kernel, opm_prep16_kernel): the lane's 4 values v (k 16 u + 4 t
+// .. + 3) of row half hf (rows g, g + 8) as xn = (v - m) rs rounded to float16 into ah[hf] (k + {0, 1}) and
+// ah[hf + 2] (k + {2, 3}); kSplit: also lo = float16(xn - hi) into al.
+template <bool kSplit>
+__device__ __forceinline__ void po_frag16(float4 v, float m, float rs, int hf, uint32_t (&ah)[4], uint32_t (&al)[4]) {
+  const float x0 = (v.x - m) * rs, x1 = (v.y - m) * rs, x2 = (v.z - m) * rs, x3 = (v.w - m) * rs;
+  ah[hf] = pack2_16<__half>(x0, x1);
+  ah[hf + 2] = pack2_16<__half>(x2, x3);
+  if constexpr (kSplit) {
+    const float2 h01 = to_float2<__half>(ah[hf]), h23 = to_float2<__half>(ah[hf + 2]);
+    al[hf] = pack2_16<__half>(x0 - h01.x, x1 - h01.y);
+    al[hf + 2] = pack2_16<__half>(x2 - h23.x, x3 - h23.y);
+  }
+}
+// acc += a b for one m16n8k16 step in float16: kSplit lo hi + hi lo + hi hi into a fresh accumulator, then
+// added (B fragment hi bh0 / bh1, lo bl0 / bl1); else hi hi straight into acc.
+template <bool kSplit>
+__device__ __forceinline__ void po_mma16(float (&acc)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                         uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+  if constexpr (kSplit) {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_f16(d, al, bh0, bh1);  // the small terms first
+    mma_f16(d, ah, bl0, bl1);
+    mma_f16(d, ah, bh0, bh1);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[q] += d[q];
+  } else {
+    mma_f16(acc, ah, bh0, bh1);
+  }
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -2263,10 +2298,7 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
         const float4 v = row[4 * u];
         s4.x += v.x; s4.y += v.y; s4.z += v.z; s4.w += v.w;
       }
-      float s1 = (s4.x + s4.y) + (s4.z + s4.w);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-      const float mu = s1 / cm;
+      const float mu = quad_sum((s4.x + s4.y) + (s4.z + s4.w)) / cm;
       float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int u = 0; u < U; ++u) {
         const float4 v = row[4 * u];
@@ -2275,9 +2307,7 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
         const float d2 = k + 2 < cm ? v.z - mu : 0.f, d3 = k + 3 < cm ? v.w - mu : 0.f;
         q4.x = fmaf(d0, d0, q4.x); q4.y = fmaf(d1, d1, q4.y); q4.z = fmaf(d2, d2, q4.z); q4.w = fmaf(d3, d3, q4.w);
       }
-      float s2 = (q4.x + q4.y) + (q4.z + q4.w);
-      s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-      s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
+      const float s2 = quad_sum((q4.x + q4.y) + (q4.z + q4.w));
       if (t == 0) {
         st_s[0][rho] = mu;
         // rows past S / N: rstd 0, so their y is 0 * 0 + bias' times mask 0 (1 / sqrt(eps) is inf at eps = 0)
@@ -2317,29 +2347,11 @@ __global__ void __launch_bounds__(kPoThreads, po_min_blocks<T>()) opm_prep_ow_ke
             for (int hf = 0; hf < 2; ++hf) {
               // columns >= c_m hold zeros, so -mean rstd there; Wf16 is zero there (finite values give 0)
               const float4 v = reinterpret_cast<const float4*>(xs + (16 * mt + 8 * hf + g) * LDX)[4 * u + t];
-              const float m = mean[mt][hf], rs = rstd[mt][hf];
-              const float x0 = (v.x - m) * rs, x1 = (v.y - m) * rs, x2 = (v.z - m) * rs, x3 = (v.w - m) * rs;
-              ah[hf] = pack2_16<__half>(x0, x1);
-              ah[hf + 2] = pack2_16<__half>(x2, x3);
-              if constexpr (kSplitProj) {
-                const float2 h01 = to_float2<__half>(ah[hf]), h23 = to_float2<__half>(ah[hf + 2]);
-                al[hf] = pack2_16<__half>(x0 - h01.x, x1 - h01.y);
-                al[hf + 2] = pack2_16<__half>(x2 - h23.x, x3 - h23.y);
-              }
+              po_frag16<kSplitProj>(v, mean[mt][hf], rstd[mt][hf], hf, ah, al);
             }
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              if constexpr (kSplitProj) {
-                float d[4] = {0.f, 0.f, 0.f, 0.f};
-                mma_f16(d, al, wh[r][j].x, wh[r][j].y);  // the small terms first
-                mma_f16(d, ah, wl[r][j].x, wl[r][j].y);
-                mma_f16(d, ah, wh[r][j].x, wh[r][j].y);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) acc[mt][j][q] += d[q];
-              } else {
-                mma_f16(acc[mt][j], ah, wh[r][j].x, wh[r][j].y);
-              }
-            }
+            for (int j = 0; j < 2; ++j)
+              po_mma16<kSplitProj>(acc[mt][j], ah, al, wh[r][j].x, wh[r][j].y, wl[r][j].x, wl[r][j].y);
           }
         } else {
           const uint32_t bh[2][2][2] = {  // [j][k step][b register]
@@ -2554,10 +2566,7 @@ __global__ void __launch_bounds__(kP16Threads, 2) opm_prep16_kernel(
           const float2 v01 = to_float2<T>(xr[u][hf].x), v23 = to_float2<T>(xr[u][hf].y);
           s4.x += v01.x; s4.y += v01.y; s4.z += v23.x; s4.w += v23.y;
         }
-      float s1 = (s4.x + s4.y) + (s4.z + s4.w);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-      const float mu = s1 / cm;
+      const float mu = quad_sum((s4.x + s4.y) + (s4.z + s4.w)) / cm;
       float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int u = 0; u < kP16MaxU; ++u)
@@ -2566,9 +2575,7 @@ __global__ void __launch_bounds__(kP16Threads, 2) opm_prep16_kernel(
           const float d0 = v01.x - mu, d1 = v01.y - mu, d2 = v23.x - mu, d3 = v23.y - mu;
           q4.x = fmaf(d0, d0, q4.x); q4.y = fmaf(d1, d1, q4.y); q4.z = fmaf(d2, d2, q4.z); q4.w = fmaf(d3, d3, q4.w);
         }
-      float s2 = (q4.x + q4.y) + (q4.z + q4.w);
-      s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-      s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
+      const float s2 = quad_sum((q4.x + q4.y) + (q4.z + q4.w));
       mean[hf] = mu;
       rstd[hf] = ok[hf] ? 1.f / sqrtf(s2 / cm + eps) : 0.f;  // rows past S / N: y = bias' times mask 0
     }
@@ -2585,26 +2592,13 @@ __global__ void __launch_bounds__(kP16Threads, 2) opm_prep16_kernel(
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const float2 v01 = to_float2<T>(xr[u][hf].x), v23 = to_float2<T>(xr[u][hf].y);
-        const float m = mean[hf], rs = rstd[hf];
-        const float x0 = (v01.x - m) * rs, x1 = (v01.y - m) * rs, x2 = (v23.x - m) * rs, x3 = (v23.y - m) * rs;
-        ah[hf] = pack2_16<__half>(x0, x1);
-        ah[hf + 2] = pack2_16<__half>(x2, x3);
-        if constexpr (kSplit) {
-          const float2 h01 = to_float2<__half>(ah[hf]), h23 = to_float2<__half>(ah[hf + 2]);
-          al[hf] = pack2_16<__half>(x0 - h01.x, x1 - h01.y);
-          al[hf + 2] = pack2_16<__half>(x2 - h23.x, x3 - h23.y);
-        }
+        po_frag16<kSplit>(make_float4(v01.x, v01.y, v23.x, v23.y), mean[hf], rstd[hf], hf, ah, al);
       }
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         if constexpr (kSplit) {
           const uint4 w = ws[(u * 8 + nt) * 32 + lane];  // hi, lo
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_f16(d, al, w.x, w.y);  // the small terms first
-          mma_f16(d, ah, w.z, w.w);
-          mma_f16(d, ah, w.x, w.y);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[nt][q] += d[q];
+          po_mma16<true>(acc[nt], ah, al, w.x, w.y, w.z, w.w);
         } else if (nt % 2 == 0) {
           const uint4 w = ws[(u * 4 + nt / 2) * 32 + lane];  // hi of nt, of nt + 1
           mma_f16(acc[nt], ah, w.x, w.y);
@@ -4162,10 +4156,8 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
           s1 += g0 + g1;
           s2 = fmaf(g0, xh[mt][hf][nt].x, fmaf(g1, xh[mt][hf][nt].y, s2));
         }
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
+        s1 = quad_sum(s1);
+        s2 = quad_sum(s2);
         if (t == 0) {
           red[r * 8 + warp] = s1;
           red[kLnRows * 8 + r * 8 + warp] = s2;
