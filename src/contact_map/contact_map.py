@@ -1,0 +1,500 @@
+"""Contact-map head as fused CUDA kernels (KernelBench format: defines `ModelNew`).
+
+Drop-in replacement for `reference/contact_map.py`'s `Model`:
+
+    x[b,i,j,c]  = LayerNorm_c(pair[b,i,j,:])                   gamma, beta, eps from `layer_norm`
+    s[b,i,j,c]  = (x[b,i,j,c] + x[b,j,i,c]) / 2                symmetric in (i, j)
+    h1[b,i,j,h] = relu(sum_c W1[h,c] s[b,i,j,c] + b1[h])       mlp[0]: pair_dim -> hidden_dim
+    h2[b,i,j,g] = relu(sum_h W2[g,h] h1[b,i,j,h] + b2[g])      mlp[2]: hidden_dim -> hidden_dim
+    out[b,i,j]  = sigmoid(sum_g w3[g] h2[b,i,j,g] + b3)        mlp[4]: hidden_dim -> 1
+
+Tensors: pair (B, N, N, C = pair_dim) float32, float16 or bfloat16 on a CUDA device (any strides); out
+(B, N, N) in pair's dtype on the same device. Parameters: the reference's (H = hidden_dim), in pair's dtype
+on its device, read at every call (a later `load_state_dict` or in-place update takes effect).
+
+How the default ("auto") runs on an H100 / H200 in fp32: s is symmetric, so each unordered pair {i, j} is computed
+once and written to out[b,i,j] and out[b,j,i] (exactly symmetric). The positions are cut into tiles of 8 x 8
+pairs (b, I, J) with I <= J. A small kernel first folds the LayerNorm affine into the first layer
+(W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs W1', W2 as split-TF32 planes. The main kernel,
+its programmatic dependent, runs one persistent block per SM of three warpgroups. A producer thread hands
+out tiles (each block's first two fixed, later ones from an atomic ticket counter) and copies each tile
+x[b, 8I.., 8J.., :] and its mirror x[b, 8J.., 8I.., :] with the TMA engine into a ring of shared-memory
+slots (L2 evict_first: every input byte is read once). Two consumer warpgroups take tiles in turn: each
+thread reads its rows into registers, computes the LayerNorm statistics by the corrected two-sweep
+algorithm (Chan, Golub & LeVeque 1983: a first mean m, then with d = x - m, mean = m + sum d / C and
+var = (sum d^2 - (sum d)^2 / C) / C; stable at any offset, exact on rows of one value), forms
+s = (x_a - mean_a) rstd_a / 2 + (x_b - mean_b) rstd_b / 2 as one FFMA per side and splits it into wgmma
+A fragments. GEMM1 (m64nHk8 wgmma, A from registers, B from shared memory), relu, GEMM2 on GEMM1's
+accumulator re-split in registers, then layer 3 and the sigmoid. The two consumer warpgroups' products
+take turns (named barriers), so one warpgroup's statistics overlap the other's products. Each input
+element is read from device memory once and nothing but the output is written. It runs where the build
+has sm_90a code, on a compute capability 9.0 GPU, at 32 <= pair_dim <= 128 with pair_dim % 16 == 0,
+hidden_dim <= 64, N >= 8 and a 16-byte aligned input; at pair_dim <= 64 a KC = 64 build of the same
+kernel (tiles walked with a fixed stride, no ping-pong, subtract-multiply terms). Elsewhere "auto"
+runs the mma kernel. `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma" or "fma".
+
+fp16 / bf16 ("wgmma16"): the same kernel's 16-bit build reads the input in its own type (TMA boxes of 64
+channels, 8-byte shared-memory loads, converted to fp32 in registers), computes the statistics and s in
+fp32, rounds s once to the input's type and runs both products as wgmma m64nHk16 in that type with fp32
+accumulation (no split: one wgmma per 16 k instead of three per 8); W1' and W2 are rounded to that type
+once per call, b1', b2, w3, layer 3 and the sigmoid stay fp32, and the output is written in the input's
+type. At pair_dim > 64 its statistics are two sweeps with the first mean corrected once by its exact
+residual (m = sum / C, then m += (sum - m C) / C: exact on a row of one value; the correction by sum d that
+the fp32 build adds moves s by ~2^-24 |mean| rstd, far below the rounding of s to 16 bits), and s is one
+FFMA of the two sides' terms, s = (xb - mb) rb / 2 + [(xa - ma) ra / 2]; as that is not symmetric in the
+two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. Its rows
+and terms fit 160 registers per thread, so that build runs three consumer warpgroups per SM (with no turns
+on the tensor cores: its products are 12 wgmma per tile, 10 at hidden_dim <= 32). The 16-bit build runs
+where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere, and for "mma" / "fma",
+the fp32 kernels run on a converted copy and the output is converted back.
+
+Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
+    "auto"  the wgmma kernel above where it runs (its 16-bit build for fp16 / bf16), else the mma kernel.
+    "mma"   sm_80+ on every shape: the same tiles copied by cp.async, both products on mma.sync
+            m16n8k8 TF32 in split TF32, 16 warps per block (8 of them queue the next tile's first rows
+            during GEMM1 where one block fits per SM and hidden_dim <= 32), weights staged once per
+            block as split fragments (8 warps and the weights read through L1 at hidden_dim > 128).
+            Kept for the shapes and GPUs the wgmma kernel does not cover.
+    "fma"   plain fp32 FMA products on the same tiles (4 pairs x hidden/16 outputs per thread): no
+            tensor cores, kept as an independent check of the other two in the tests and the harness.
+
+Precision (fp32 input): fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core
+kernels run both products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, a*b ~ hi*hi +
+hi*lo + lo*hi; CUTLASS's fp32-accurate tensor-core GEMM), promoting short partial sums into an fp32
+accumulator by ordinary adds (the tensor cores' own accumulation truncates): every k step (mma) or every 16
+k (wgmma). The wgmma kernel never rounds the mean (its terms use d = x - m and the correction), so at
+offset inputs it is more accurate than the fp32 reference: max error against an fp64 evaluation 0.05-0.08x
+the fp32 reference's own at crop, batch, long and awkward_129, at most about 1.1x in any single trial
+(harness on the H200, 2026-12-01, `python harness.py contact_map`, commit e986514; NOTES.md has the other
+kernels' figures). A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are
+max.NaN). On a row of one constant value the centred values are 0 (wgmma: within about 2^-24 of d r). Where
+|x - mean| exceeds ~1e19 sum d^2 overflows and such rows give NaN (the fp32 reference has NaN there too).
+
+Limits: pair_dim and hidden_dim up to 256 (larger raises a clear error); hidden_dim is zero-padded to
+16/32/64/128/256 inside the kernels. The mma and fma kernels stage the weights in shared memory when they
+fit beside the tile (227 KB per block on the H200), else read them through the L1 cache: correct but
+slower. Needs an sm_80+ GPU; built for whatever TORCH_CUDA_ARCH_LIST names (9.0 as sm_90a, for the
+wgmma kernel; no list: the visible GPUs', and no GPU: 9.0, the same flags an H100 / H200 picks).
+
+Half precision and training: float16 / bfloat16 input and parameters of one dtype go to the 16-bit
+build (above); mixed dtypes (under CUDA autocast) are converted to float32 first, and the output comes
+back in the autocast dtype, as the reference's (the fp32 kernels run there). The backward saves only the
+inputs. Where pair_dim and hidden_dim are multiples of 16 up to 128 / 64 (sm_80+; the whole test:
+fused_backward_runs) it is the fused kernel (contact_map_backward_kernel, contact_map_backward_fused):
+the pair read once, per tile the forward recomputed, the products in split TF32, fp64's ReLU masks
+(positions near a kink recomputed in fp64), d_pair written once in the input's dtype, the parameters'
+gradients summed per block and then in float64 (bw_sum_partials_kernel). Elsewhere it runs in PyTorch
+ops (contact_map_backward, float32 inside): the LayerNorm, s and the MLP recomputed for chunks of rows i
+(about 256 MB each) with the reference's own ops, so no (B, N, N, hidden) tensor is ever whole.
+ModelNew.last_backward names the one that ran ("fused" / "ops").
+Gradients for the input and every parameter; double backward raises.
+
+Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it against
+eager PyTorch and torch.compile). The first import compiles the CUDA source (about 3 minutes on a
+2-core machine); later imports load it from PyTorch's extension cache. Set CONTACT_MAP_VERBOSE=1 to see the
+compiler output, including `ptxas -v` register and spill counts.
+"""
+import hashlib
+import os
+import re
+import sys
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+from torch.utils.cpp_extension import load_inline
+
+# The variant table, read by ModelNew, by the CUDA enum `Variant` (generated from it below: the
+# forward's TORCH_CHECK reads Variant::kCount) and by the dispatch in forward(). _KERNELS names the
+# kernel that ran (the forward returns its index, CUDA enum `Kernel`), for `model.last_variant`.
+_VARIANT_IDS = {"auto": 0, "mma": 1, "fma": 2}  # first = default
+_KERNELS = ("wgmma", "mma", "fma", "wgmma16")
+
+CUDA_SRC = r"""
+#bundle-cuda src/contact_map/contact_map.cu
+"""
+
+
+def _enum_body(names):
+    """The enumerators of a CUDA enum class from Python names ("auto" -> kAuto = 0, ...), then kCount."""
+    return ", ".join(f"k{n.capitalize()} = {i}" for i, n in enumerate(names)) + f", kCount = {len(names)}"
+
+
+assert list(_VARIANT_IDS.values()) == list(range(len(_VARIANT_IDS)))
+CUDA_SRC = (CUDA_SRC
+            .replace("@VARIANT_ENUM@", _enum_body(_VARIANT_IDS)).replace("@KERNEL_ENUM@", _enum_body(_KERNELS)))
+
+def _gencode_flags():
+    """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
+    reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
+    this PyTorch supports, the last with PTX), but with sm_90a code for 9.0: the wgmma kernel's wgmma
+    and setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
+    does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
+    9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
+    Returns [] for lists it cannot parse (names such as "Hopper"): PyTorch then builds as usual,
+    without sm_90a ("auto" then runs the mma kernel). The same function as outer_product_mean.py's: each kernel
+    file stands alone (one file to drop in), so it is not shared."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if env and env != "native":
+        archs = [a for a in env.replace(" ", ";").split(";") if a]
+    elif not torch.cuda.is_available():
+        archs = ["9.0"]
+    else:
+        sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
+        newest = max((sm // 10, sm % 10) for sm in sms)
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        archs = sorted({"%d.%d" % min(newest, cap) for cap in caps})
+        if any(cap > newest for cap in caps):  # a GPU newer than this PyTorch's list: PTX for it
+            archs[-1] += "+PTX"
+    flags = []
+    for a in archs:
+        m = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", a)
+        if m is None:
+            return []
+        num, suffix = m.group(1) + m.group(2), m.group(3)
+        if num == "90":
+            suffix = "a"
+        flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
+        if m.group(4):
+            ptx = num if num == "90" else num + suffix
+            flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
+    return list(dict.fromkeys(flags))
+
+
+def _verbose():
+    return os.environ.get("CONTACT_MAP_VERBOSE", "") not in ("", "0")
+
+
+def _nvcc_flags():
+    """nvcc's flags: -O3, line info, _gencode_flags(), -DCM_SM90A with sm_90a code, -Xptxas -v with
+    CONTACT_MAP_VERBOSE set."""
+    gencode = _gencode_flags()
+    return (["-O3", "-lineinfo"] + gencode + (["-DCM_SM90A"] if any("code=sm_90a" in f for f in gencode) else [])
+            + (["-Xptxas", "-v"] if _verbose() else []))
+
+
+def _build_environment():
+    """What besides the source and the flags shapes the build: the build root (TORCH_EXTENSIONS_DIR as PyTorch
+    reads it; unset, its default root), the CUDA toolkit PyTorch found (its include and library paths) and
+    PyTorch itself (its version and headers). All of it goes into the extension's name, so that each
+    environment keeps its own build: under one name PyTorch's loader renames the extension (name_v1, ...) when
+    a process loads it from a second build directory, and ninja rebuilds one toolkit's build over another's in
+    silence (a failed link there deletes it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return "\n".join(["default" if root is None else os.path.abspath(root), str(torch.utils.cpp_extension.CUDA_HOME),
+                      torch.__version__, os.path.dirname(torch.__file__)])
+
+
+def _extension_name():
+    """contact_map_ and a hash of the CUDA source, _nvcc_flags() and _build_environment()."""
+    key = CUDA_SRC + " ".join(_nvcc_flags()) + "\n" + _build_environment()
+    return "contact_map_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _build():
+    """Compile CUDA_SRC with load_inline (cached by PyTorch under _extension_name())."""
+    name = _extension_name()
+    # built already? (PyTorch's private build-directory function; a rebuild in one process adds _v1, ... to the name)
+    build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
+    d = build_directory(name, False) if build_directory is not None else ""
+    cached = os.path.isdir(d) and any(f.startswith(name) and f.endswith(".so") for f in os.listdir(d))
+    if not cached:
+        print("building contact_map CUDA extension, about 3 minutes the first time on a 2-core machine ...",
+              file=sys.stderr, flush=True)
+    return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=_nvcc_flags(),
+                       verbose=_verbose())
+
+
+_ext = _build()
+
+
+# =============================================================================================
+# Backward: the fused CUDA kernel's wrapper, and PyTorch ops elsewhere (chunked recomputation, nothing saved
+# but the inputs). _rows_per_chunk is outer_product_mean.py's too: each kernel file stands alone.
+# =============================================================================================
+def _rows_per_chunk(row_bytes, n, chunk_bytes):
+    """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
+    return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
+
+
+def _layer_norm(x, w, b, eps):
+    """PyTorch's own LayerNorm of x (..., C) as the reference's forward runs it: (y, mean, rstd)."""
+    return torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, eps)
+
+
+def contact_map_rows(B, N, C, H, itemsize, chunk_bytes):
+    """(rows i per MLP chunk, rows i per LayerNorm chunk) for contact_map_backward.
+
+    An MLP chunk of r rows holds, per row i, B*N positions of: y rows and y columns, s, ds (4 C values)
+    and h1, r1, h2, r2, dh2, dr1 / dh1 (about 6 H values) plus the scalars, and the float64 copies of s
+    and dh1 for dW1 (C + H values of 8 bytes); a LayerNorm chunk holds about 5 C values per position (dy,
+    xhat, dxhat, dx, the temporary).
+    """
+    mlp = _rows_per_chunk(B * N * ((4 * C + 6 * H + 4) * itemsize + 8 * (C + H)), N, chunk_bytes)
+    ln = _rows_per_chunk(B * N * 5 * C * itemsize, N, chunk_bytes)
+    return mlp, ln
+
+
+def _t_mm64(a, b):
+    """a^T b in float64: a parameter's gradient sums over every position (millions at N = 1536); float64
+    keeps the digits that float32 sums of that length lose (a margin: the reference's own errors come from
+    its ReLU kinks, contact_map_backward)."""
+    return a.t().to(torch.float64) @ b.to(torch.float64)
+
+
+def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out, chunk_bytes=256 << 20):
+    """Gradients of out = sigmoid(MLP((y + y^T) / 2)), y = LayerNorm(pair), with respect to every input.
+
+    Shapes: pair (B, N, N, C), ln_w / ln_b (C,), w1 (H, C), b1 (H,), w2 (H, H), b2 (H,), w3 (1, H),
+    b3 (1,), grad_out g (B, N, N). Forward, per position p = (b, i, j):
+        s[b,i,j,c] = (y[b,i,j,c] + y[b,j,i,c]) / 2
+        h1 = s W1^T + b1,  h2 = relu(h1) W2^T + b2,  z = relu(h2) w3^T + b3,  out = sigmoid(z)
+    Backward:
+        dz  = g * out * (1 - out)                                 (B, r, N)
+        dh2 = (dz w3) * [h2 > 0],  dh1 = (dh2 W2) * [h1 > 0]       (B, r, N, H)
+        dW3 = sum_p dz relu(h2), dW2 = sum_p dh2^T relu(h1), dW1 = sum_p dh1^T s, db* = sum_p d*
+        ds  = dh1 W1                                              (B, r, N, C)
+        dy[b,i,j] = (ds[b,i,j] + ds[b,j,i]) / 2                   (B, N, N, C)
+        then PyTorch's LayerNorm backward (aten.native_layer_norm_backward) per position.
+    y, s, h1, h2 and out are recomputed with the reference's own ops (PyTorch's LayerNorm, mm then add),
+    so the ReLU masks [h > 0] are the fp32 reference's. A unit within rounding of 0 takes its kink on
+    either side in two evaluations, and one such position changes a weight's gradient by a whole term:
+    with the forward kernel's more accurate LayerNorm the masks differ from the reference's at other
+    positions than fp64's do, and the max gradient error came out 2-30x the reference's in single
+    trials (H200, 2026-12-01); on the CPU at crop with a +100 offset: s 20x closer to fp64, two flipped
+    masks each, mlp.0.weight 2.8e-2 against 8.3e-3.
+
+    Memory beyond the returned gradients: one chunk (about chunk_bytes, at least one row i:
+    B N (4 C + 6 H + 4) ct values and B N (C + H) float64 ones), plus the fp32 dy buffer (B, N, N, C)
+    for fp16 / bf16 pair. The parameters' gradients (sums over all positions) accumulate in float64.
+    Chunks of r rows i (r from chunk_bytes, at least 1): s[:, rows] needs y[:, rows] and y[:, :, rows],
+    both recomputed from pair; ds/2 goes into dy[:, rows] and, transposed, into dy[:, :, rows]. dy is
+    one (B, N, N, C) buffer in ct; when ct is pair's dtype it is d_pair itself, and the LayerNorm
+    backward (chunks of rows i again) overwrites it in place. Returns (d_pair, d_ln_w, d_ln_b, d_w1,
+    d_b1, d_w2, d_b2, d_w3, d_b3), each in its tensor's dtype.
+    """
+    B, N, _, C = pair.shape
+    H = w1.shape[0]
+    ct = torch.promote_types(pair.dtype, torch.float32)
+    lw, lb = ln_w.to(ct), ln_b.to(ct)
+    W1, B1, W2, B2, W3, B3 = (t.to(ct) for t in (w1, b1, w2, b2, w3, b3))
+    itemsize = torch.empty((), dtype=ct).element_size()
+    rows_mlp, rows_ln = contact_map_rows(B, N, C, H, itemsize, chunk_bytes)
+
+    dy = torch.zeros((B, N, N, C), dtype=ct, device=pair.device)  # d_pair itself when ct == pair.dtype
+    f64 = torch.float64
+    d_w1 = torch.zeros((H, C), dtype=f64, device=pair.device)
+    d_b1 = torch.zeros((H,), dtype=f64, device=pair.device)
+    d_w2 = torch.zeros((H, H), dtype=f64, device=pair.device)
+    d_b2 = torch.zeros((H,), dtype=f64, device=pair.device)
+    d_w3 = torch.zeros((1, H), dtype=f64, device=pair.device)
+    d_b3 = torch.zeros((1,), dtype=f64, device=pair.device)
+
+    for r0 in range(0, N, rows_mlp):
+        r1 = min(N, r0 + rows_mlp)
+        # s[b, i, j] for i in rows: (y[b, i, j] + y[b, j, i]) / 2            (B, r, N, C)
+        y_rows = _layer_norm(pair[:, r0:r1].to(ct), lw, lb, eps)[0]          # (B, r, N, C)
+        y_cols = _layer_norm(pair[:, :, r0:r1].to(ct), lw, lb, eps)[0].transpose(1, 2)
+        s = ((y_rows + y_cols) / 2.0).reshape(-1, C)                         # (M, C), M = B r N
+        del y_rows, y_cols
+        # MLP forward again                                                    (M, H), (M, 1)
+        h1 = s @ W1.t() + B1
+        a1 = h1.relu()
+        h2 = a1 @ W2.t() + B2
+        a2 = h2.relu()
+        o = (a2 @ W3.t() + B3).sigmoid()                                     # (M, 1)
+        # dz = g * out * (1 - out)                                            (M, 1)
+        dz = grad_out[:, r0:r1].to(ct).reshape(-1, 1) * (1 - o) * o
+        del o
+        d_w3 += _t_mm64(dz, a2)                                              # (1, H)
+        d_b3 += dz.sum(0, dtype=f64)
+        dh2 = (dz @ W3) * (h2 > 0)                                           # (M, H)
+        del dz, a2, h2
+        d_w2 += _t_mm64(dh2, a1)                                             # (H, H)
+        d_b2 += dh2.sum(0, dtype=f64)
+        dh1 = (dh2 @ W2) * (h1 > 0)                                          # (M, H)
+        del dh2, a1, h1
+        d_w1 += _t_mm64(dh1, s)                                              # (H, C)
+        d_b1 += dh1.sum(0, dtype=f64)
+        del s
+        ds = (dh1 @ W1).reshape(B, r1 - r0, N, C) / 2.0                      # ds / 2 (B, r, N, C)
+        del dh1
+        # dy[b, i, j] += ds[b, i, j] / 2 and dy[b, j, i] += ds[b, i, j] / 2
+        dy[:, r0:r1] += ds
+        dy[:, :, r0:r1] += ds.transpose(1, 2)
+        del ds
+
+    # LayerNorm backward, chunks of rows i                                      (B, r, N, C)
+    d_pair = dy if ct == pair.dtype else torch.empty_like(pair, memory_format=torch.contiguous_format)
+    d_ln_w = torch.zeros((C,), dtype=f64, device=pair.device)
+    d_ln_b = torch.zeros((C,), dtype=f64, device=pair.device)
+    for r0 in range(0, N, rows_ln):
+        r1 = min(N, r0 + rows_ln)
+        x = pair[:, r0:r1].to(ct).contiguous()
+        _, mean, rstd = _layer_norm(x, lw, lb, eps)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy[:, r0:r1].contiguous(), x, [C], mean, rstd, lw, lb,
+                                                                [True, True, True])
+        d_ln_w += dw.to(f64)
+        d_ln_b += db.to(f64)
+        del x, mean, rstd
+        d_pair[:, r0:r1] = dx  # may overwrite dy's own rows: they are read above
+        del dx
+
+    return (d_pair, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_w1.to(w1.dtype), d_b1.to(b1.dtype),
+            d_w2.to(w2.dtype), d_b2.to(b2.dtype), d_w3.to(w3.dtype), d_b3.to(b3.dtype))
+
+
+def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out):
+    """contact_map_backward's gradients from the fused CUDA kernel (pair read once; see the kernel's
+    comment): the same arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of
+    every parameter gradient per block; a second kernel sums the partials in float64 and writes each gradient
+    in its parameter's dtype: for a contiguous pair and float32 parameters and grad_out, two launches and no
+    other torch op (others are converted to float32 first, a strided pair copied). Only where
+    fused_backward_runs() is True (otherwise the extension raises)."""
+    return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out))
+
+
+_FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool
+
+
+def fused_backward_runs(pair, w1):
+    """Whether contact_map_backward_fused runs for this input: a CUDA tensor (B, N, N, C) of float32, float16 or
+    bfloat16, 16-byte aligned when contiguous, N < 46341, and (C, H) = w1.shape multiples of 16 up to 128 / 64 on
+    a device of compute capability 8.0+ with the shared memory for them."""
+    if not (pair.is_cuda and pair.dtype in _FLOAT_DTYPES and pair.dim() == 4 and pair.shape[1] < 46341):
+        return False
+    if pair.is_contiguous() and pair.data_ptr() % 16:
+        return False
+    key = (int(w1.shape[1]), int(w1.shape[0]), pair.get_device())
+    fits = _FUSED_FITS.get(key)
+    if fits is None:
+        fits = _FUSED_FITS[key] = bool(_ext.backward_supported(*key))
+    return fits
+
+
+# =============================================================================================
+# Module
+# =============================================================================================
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PARAM_NAMES = ("layer_norm.weight", "layer_norm.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias",
+                "mlp.4.weight", "mlp.4.bias")
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _output_dtype(pair, params):
+    """The dtype the reference returns for these tensors: under CUDA autocast the autocast dtype, else the
+    one dtype of pair_repr and every parameter (float32, float16 or bfloat16; others raise)."""
+    if pair.dtype not in _FLOAT_DTYPES:
+        raise RuntimeError(f"contact_map: pair_repr must be float32, float16 or bfloat16, got {_dtype_name(pair.dtype)}")
+    if pair.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    for name, p in zip(_PARAM_NAMES, params):
+        if p.dtype != pair.dtype:
+            raise RuntimeError(f"contact_map: parameter {name} must be {_dtype_name(pair.dtype)} like pair_repr, got "
+                               f"{_dtype_name(p.dtype)} (cast the module and its input to one of float32, float16, "
+                               "bfloat16)")
+    return pair.dtype
+
+
+def _f32(t):
+    """t in float32 (the kernels' dtype), t itself when it is float32 already."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _run_kernel(model, pair, params, eps, vid, out_dtype):
+    """The CUDA forward: input and parameters of one dtype go in as they are (fp16 / bf16: the 16-bit wgmma
+    build where it runs, else the extension converts to float32); mixed dtypes (CUDA autocast) in float32.
+    The output is returned in out_dtype. Records the kernel that ran in model.last_variant (None after an
+    empty input)."""
+    if pair.dtype != out_dtype or any(p.dtype != pair.dtype for p in params):
+        pair, params = _f32(pair), [_f32(p) for p in params]
+    out, kernel = _ext.forward(pair, params[0], params[1], eps, *params[2:], vid)
+    # a plain attribute: skips nn.Module.__setattr__ (~1 us)
+    object.__setattr__(model, "last_variant", _KERNELS[kernel] if kernel >= 0 else None)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+class _ContactMap(torch.autograd.Function):
+    """out = ContactMap(pair; params): the forward is the CUDA kernel, the backward the fused kernel
+    (contact_map_backward_fused) where it runs, else contact_map_backward (PyTorch ops); recorded in
+    model.last_backward ("fused" / "ops"). Double backward raises."""
+
+    @staticmethod
+    def forward(ctx, model, eps, vid, out_dtype, pair, *params):
+        ctx.eps, ctx.model = eps, model
+        ctx.save_for_backward(pair, *params)
+        return _run_kernel(model, pair, params, eps, vid, out_dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        pair, *params = ctx.saved_tensors
+        fused = fused_backward_runs(pair, params[2])
+        run = contact_map_backward_fused if fused else contact_map_backward
+        grads = run(pair, params[0], params[1], ctx.eps, *params[2:], grad_out)
+        object.__setattr__(ctx.model, "last_backward", "fused" if fused else "ops")
+        return (None, None, None, None) + tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[4:]))
+
+
+class ModelNew(nn.Module):
+    """Contact-map head: pair (B, N, N, pair_dim) on a CUDA device -> contact probabilities (B, N, N).
+
+    Same submodules, names and creation order as the reference `Model` (so `load_state_dict` and
+    seeding work identically). float32, float16 or bfloat16 (module and input in one dtype; fp16 / bf16
+    products in that precision where the 16-bit wgmma build runs, else computed in float32), returned in the
+    input's dtype (the autocast dtype under CUDA autocast). Differentiable
+    with respect to the input and every parameter. Raises RuntimeError for a CPU input, an input on
+    another device than the parameters, another dtype, a shape other than (B, N, N, pair_dim), or
+    pair_dim / hidden_dim above 256. `variant` selects "auto", "mma" or "fma"; after a call
+    `last_variant` names the kernel that ran ("wgmma", "wgmma16", "mma" or "fma"; None after an empty
+    input, where none runs), after a backward `last_backward` the backward that ran ("fused": the CUDA
+    kernel, pair_dim / hidden_dim multiples of 16 up to 128 / 64: fused_backward_runs(); else "ops": PyTorch
+    ops).
+    """
+
+    VARIANTS = tuple(_VARIANT_IDS)
+
+    def __init__(self, pair_dim, hidden_dim):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(pair_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(pair_dim, hidden_dim),
+            nn.ReLU(),
+            nn.Linear(hidden_dim, hidden_dim),
+            nn.ReLU(),
+            nn.Linear(hidden_dim, 1),
+        )
+        self.variant = next(iter(_VARIANT_IDS))
+        self.last_variant = None
+        self.last_backward = None
+
+    def _parameters_in_order(self):
+        """(layer_norm, (gamma, beta, W1, b1, W2, b2, w3, b3)), read at every call.
+
+        Through the modules' `_modules` / `_parameters` dicts: that is what `nn.Module.__getattr__` and
+        `nn.Sequential.__getitem__` look up, at several times the cost (the attribute path took ~8 us of a
+        call's host time on the CPU). A weight that is not a plain parameter (a parametrization) is not in
+        those dicts: then the attribute path."""
+        ln, mlp = self._modules.get("layer_norm"), self._modules.get("mlp")
+        if ln is not None and mlp is not None:
+            layers = [ln] + [mlp._modules.get(k) for k in ("0", "2", "4")]
+            if all(m is not None for m in layers):
+                params = tuple(m._parameters.get(k) for m in layers for k in ("weight", "bias"))
+                if all(p is not None for p in params):
+                    return ln, params
+        ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
+        return ln, (ln.weight, ln.bias, l1.weight, l1.bias, l2.weight, l2.bias, l3.weight, l3.bias)
+
+    def forward(self, pair_repr):
+        vid = _VARIANT_IDS.get(self.variant)
+        if vid is None:
+            raise ValueError(f"unknown variant {self.variant!r}; choose one of {self.VARIANTS}")
+        ln, params = self._parameters_in_order()
+        eps = float(ln.eps)
+        out_dtype = _output_dtype(pair_repr, params)
+        if torch.is_grad_enabled() and (pair_repr.requires_grad or any(p.requires_grad for p in params)):
+            return _ContactMap.apply(self, eps, vid, out_dtype, pair_repr, *params)
+        return _run_kernel(self, pair_repr, params, eps, vid, out_dtype)

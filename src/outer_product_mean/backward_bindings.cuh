@@ -1,0 +1,344 @@
+// outer_product_mean: the backward's bound functions, tensor maps and the device capabilities.
+#pragma once
+#include "forward_bindings.cuh"
+
+namespace opm {
+
+// The backward's a and b (LayerNorm, both projections, the mask: outer_wg's prep with rows out) and
+// inv_denom, as the forward computes them: msa (B, S, N, c_m) float32, float16 or bfloat16, mask (B, S, N) of a
+// dtype mask_kind_of takes, parameters float32 with hidden_dim 32, c_m <= kMaxMsaDim, CUDA, on a device
+// where outer_wg runs, B * S * N / 16 < 2^31 (S, N rounded up to 16). block_tiles: opm_prep_ow_kernel
+// even where opm_prep16_kernel would run (launch_prep_ow; the two give bit-equal rows). Returns (a, b
+// (B, S, N, 32) fp32, inv_denom (B, N)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
+                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
+                                                                 at::Tensor wb, at::Tensor bb, double eps,
+                                                                 bool block_tiles) {
+  for (const at::Tensor* t : {&msa, &mask, &ln_w, &ln_b, &wa, &ba, &wb, &bb})
+    TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_rows takes CUDA tensors");
+  TORCH_CHECK(msa.dim() == 4 && (msa.scalar_type() == at::kFloat || msa.scalar_type() == at::kHalf ||
+                                 msa.scalar_type() == at::kBFloat16),
+              "outer_product_mean: opm_backward_rows: msa (B, S, N, c_m) float32, float16 or bfloat16");
+  const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), cm = msa.size(3);
+  TORCH_CHECK(cm >= 1 && cm <= kMaxMsaDim, "outer_product_mean: opm_backward_rows: c_m in [1, ", num(kMaxMsaDim), "]");
+  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
+              "outer_product_mean: opm_backward_rows: mask (B, S, N)");
+  const int mask_kind = mask_kind_of(mask.scalar_type());
+  TORCH_CHECK(mask_kind >= 0, "outer_product_mean: opm_backward_rows: unsupported mask dtype ", dtype_str(mask));
+  for (const at::Tensor* t : {&ln_w, &ln_b, &wa, &ba, &wb, &bb})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_rows: float32 parameters");
+  TORCH_CHECK(ln_w.numel() == cm && ln_b.numel() == cm && wa.dim() == 2 && wa.size(0) == 32 && wa.size(1) == cm &&
+                  wb.sizes() == wa.sizes() && ba.numel() == 32 && bb.numel() == 32,
+              "outer_product_mean: opm_backward_rows: ln_w, ln_b (c_m), wa, wb (32, c_m), ba, bb (32)");
+  TORCH_CHECK(B * round_up(S, ow_sb(msa.scalar_type())) * round_up(N, 16) / 16 < (1ll << 31),
+              "outer_product_mean: opm_backward_rows: B * S * N / 16 < 2^31");
+  const c10::cuda::CUDAGuard guard(msa.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(msa.get_device());
+  TORCH_CHECK(d.ow_ok, "outer_product_mean: opm_backward_rows needs a compute capability 9.0 device and an sm_90a build");
+  const auto f32 = msa.options().dtype(at::kFloat);
+  at::Tensor a = at::empty({B, S, N, 32}, f32), b = at::empty({B, S, N, 32}, f32), inv_denom = at::empty({B, N}, f32);
+  if (B == 0 || N == 0) return {a, b, inv_denom};
+  at::Tensor x = msa.contiguous();
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();  // 16-byte loads and bulk copies
+  const at::Tensor m = mask.contiguous(), lw = ln_w.contiguous(), lb = ln_b.contiguous(), wa_c = wa.contiguous(),
+                   ba_c = ba.contiguous(), wb_c = wb.contiguous(), bb_c = bb.contiguous();
+  const OwDims od = ow_dims(S, N, 1, ow_sb(x.scalar_type()));
+  const at::Tensor Wf = launch_ow_params(lw, lb, wa_c, ba_c, wb_c, bb_c, at::Tensor(), at::Tensor(), nullptr, 0,
+                                         x.scalar_type() != at::kFloat, static_cast<int>(cm), 32, 0, 0, d, stream);
+  launch_prep_ow<false>(x, m, mask_kind, Wf, nullptr, nullptr, a.data_ptr<float>(), b.data_ptr<float>(), B, S, N,
+                        static_cast<int>(cm), static_cast<float>(eps), od, inv_denom, d, stream, block_tiles);
+  return {a, b, inv_denom};
+}
+
+// The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N), g
+// (B, N, N, c_z), c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). ops: "split" (split
+// TF32, g fp32), "float16" or "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded to
+// it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most kBwoChunkBytes; each chunk's block partials are added into dwo in order (a
+// fixed summation order for a given device).
+constexpr int64_t kBwoChunkBytes = 256ll << 20;
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
+              "outer_product_mean: opm_backward_wo takes CUDA tensors");
+  const bool half = ops == "float16" || ops == "bfloat16";
+  TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_wo: ops is split, float16 or bfloat16, got ", ops);
+  for (const at::Tensor* t : {&a, &b, &inv_denom})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_wo takes float32, got ", dtype_str(*t));
+  TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
+              "outer_product_mean: opm_backward_wo: g in ", half ? ops : "float32", ", got ", dtype_str(g));
+  TORCH_CHECK(a.dim() == 4 && a.size(3) == 32 && b.sizes() == a.sizes(), "outer_product_mean: opm_backward_wo: a, b (B, S, N, 32)");
+  const int64_t B = a.size(0), S = a.size(1), N = a.size(2);
+  TORCH_CHECK(g.dim() == 4 && g.size(0) == B && g.size(1) == N && g.size(2) == N && g.size(3) >= 1 && g.size(3) <= 128 &&
+                  (!half || g.size(3) % 8 == 0),
+              "outer_product_mean: opm_backward_wo: g (B, N, N, c_z <= 128), c_z % 8 == 0 for 16-bit g");
+  TORCH_CHECK(inv_denom.dim() == 2 && inv_denom.size(0) == B && inv_denom.size(1) == N,
+              "outer_product_mean: opm_backward_wo: inv_denom (B, N)");
+  const int cz = static_cast<int>(g.size(3));
+  const c10::cuda::CUDAGuard guard(a.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(a.get_device());
+  TORCH_CHECK(d.ow_ok && kBwoSmemBytes <= static_cast<size_t>(d.smem_optin),
+              "outer_product_mean: opm_backward_wo needs a compute capability 9.0 device and an sm_90a build");
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous();
+  at::Tensor gc = g.contiguous();
+  if (half && reinterpret_cast<uintptr_t>(gc.data_ptr()) % 8 != 0) gc = gc.clone();  // the prep's 8-byte loads of T
+  const auto f32 = a.options();
+  at::Tensor dwo = at::zeros({cz, 1024}, f32);
+  if (B == 0 || S == 0 || N == 0) return dwo;
+  // blocks of kOwSK s (fp32 planes) or kOwS16 (T planes); floats per a block, b block and (b, it, jt) of Gbw
+  const int64_t KB16 = cdiv(S, half ? kOwS16 : kOwSK), NIT = cdiv(N, 64), NBB = cdiv(N, 4);
+  const int64_t ablk = half ? kOwABlk16 / 2 : 2 * kOwAPlane, bblk = half ? kOwBBlk16 / 2 : 2 * kOwBPlane;
+  const int64_t gtile = half ? 4 * 4096 : 8 * kOwStage;
+  at::Tensor Abw = at::empty({B * kBwNSL * KB16 * 2 * NIT * ablk}, f32);
+  at::Tensor Bbw = at::empty({B * NBB * KB16 * bblk}, f32);
+  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, kBwoChunkBytes / (4 * gtile * B * NBB)));
+  at::Tensor Gbw = at::empty({B * NITc * NBB * gtile}, f32);
+  const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NBB, d.sms / kBwNSL)));
+  at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
+  const auto wo_kernel = !half ? opm_bw_wo_kernel<float>
+                         : ops == "float16" ? opm_bw_wo_kernel<__half> : opm_bw_wo_kernel<__nv_bfloat16>;
+  const auto wo_prep_kernel = !half ? opm_bw_wo_prep_kernel<float>
+                              : ops == "float16" ? opm_bw_wo_prep_kernel<__half> : opm_bw_wo_prep_kernel<__nv_bfloat16>;
+  set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
+  for (int64_t it0 = 0; it0 < NIT; it0 += NITc) {
+    const int64_t nitc = std::min<int64_t>(NITc, NIT - it0);
+    const bool ab = it0 == 0;
+    const int64_t items =
+        (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * (half ? 1024 : 8192);
+    // (g's elements are T where ops is float16 / bfloat16)
+    wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
+        ac.data_ptr<float>(), bc.data_ptr<float>(), static_cast<const float*>(gc.data_ptr()), ic.data_ptr<float>(),
+        Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0, nitc);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * NBB, groups)));
+    wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
+        Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT, NBB,
+        it0, nitc);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    opm_bw_wo_sum_kernel<<<static_cast<int>(cdiv(kBwNSL * 64 * 128, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
+                                                                                   dwo.data_ptr<float>(), g_wo, cz);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return dwo;
+}
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once.
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = nullptr;
+  if (fn == nullptr) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
+#endif
+    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
+                "outer_product_mean: the CUDA driver has no cuTensorMapEncodeTiled (the da / db kernel needs CUDA 12+)");
+    fn = reinterpret_cast<EncodeTiledFn>(p);
+  }
+  return fn;
+}
+
+// g (B, N, N, c_z) fp32, fp16 or bf16, contiguous, 16-byte aligned and 16-byte rows (c_z % 4 == 0 in fp32,
+// % 8 == 0 in 16 bits), as a 4-D tensor map (c_z, N j, N i, B)
+// with boxes of (c_z, box_j, box_i, 1), no swizzle, zeros out of range (opm_bw_ab_kernel's g slots).
+CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
+  CUtensorMap m;
+  const cuuint64_t B = g.size(0), N = g.size(1), cz = g.size(3), es = g.element_size();
+  const cuuint64_t dims[4] = {cz, N, N, B};
+  const cuuint64_t strides[3] = {es * cz, es * cz * N, es * cz * N * N};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(cz), box_j, box_i, 1}, elem[4] = {1, 1, 1, 1};
+  const auto type = g.scalar_type() == at::kHalf       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                    : g.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  const CUresult r = encode_tiled()(&m, type, 4, g.data_ptr(), dims, strides, box, elem,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "outer_product_mean: cuTensorMapEncodeTiled failed with CUresult ", static_cast<int>(r));
+  return m;
+}
+
+// The backward's da and db (before the mask) on wgmma, G recomputed per tile: a, b (B, S, N, 32) fp32
+// (masked), inv_denom (B, N), g (B, N, N, c_z) with c_z <= 128 and 16-byte rows (the tensor map's
+// strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
+// c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
+// to it, opm_bw_ab_kernel<form, T>). Returns (da, db).
+std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
+                                                   at::Tensor wo, const std::string& ops) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
+              "outer_product_mean: opm_backward_ab takes CUDA tensors");
+  const bool half = ops == "float16" || ops == "bfloat16";
+  TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
+  for (const at::Tensor* t : {&a, &b, &inv_denom, &wo})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
+  TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
+              "outer_product_mean: opm_backward_ab: g in ", half ? ops : "float32", ", got ", dtype_str(g));
+  TORCH_CHECK(a.dim() == 4 && a.size(3) == 32 && b.sizes() == a.sizes(), "outer_product_mean: opm_backward_ab: a, b (B, S, N, 32)");
+  const int64_t B = a.size(0), S = a.size(1), N = a.size(2);
+  TORCH_CHECK(g.dim() == 4 && g.size(0) == B && g.size(1) == N && g.size(2) == N && g.size(3) >= 4 && g.size(3) <= 128 &&
+                  g.size(3) % (half ? 8 : 4) == 0,
+              "outer_product_mean: opm_backward_ab: g (B, N, N, c_z), c_z a multiple of 4 (16-bit g: 8) up to 128");
+  TORCH_CHECK(inv_denom.dim() == 2 && inv_denom.size(0) == B && inv_denom.size(1) == N,
+              "outer_product_mean: opm_backward_ab: inv_denom (B, N)");
+  const int cz = static_cast<int>(g.size(3));
+  TORCH_CHECK(wo.dim() == 2 && wo.size(0) == cz && wo.size(1) == 1024, "outer_product_mean: opm_backward_ab: wo (c_z, 1024)");
+  const c10::cuda::CUDAGuard guard(a.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(a.get_device());
+  TORCH_CHECK(d.ow_ok && kAbSmemBytes <= static_cast<size_t>(d.smem_optin),
+              "outer_product_mean: opm_backward_ab needs a compute capability 9.0 device and an sm_90a build");
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
+  at::Tensor gc = g.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte aligned: the tensor map
+  at::Tensor da = at::empty_like(ac), db = at::empty_like(ac);
+  if (B == 0 || S == 0 || N == 0) return {da.zero_(), db.zero_()};
+  const int64_t NJT = cdiv(N, 4), SB = cdiv(S, 64), NOT = cdiv(N, 32), NSC = cdiv(SB, 8);
+  const int64_t vblk = half ? 4096 : 8192, wsl = half ? 4096 : kAbOperand;  // floats per Vt block, Wt slice
+  const auto f32 = a.options();
+  at::Tensor Vt = at::empty({2 * B * NJT * SB * vblk}, f32);
+  at::Tensor Wt = at::empty({2 * 16 * wsl}, f32);
+  const int64_t items = half ? 2 * (B * NJT * SB * 1024 + 16 * 64 * 16) : 2 * (B * NJT * SB * 2048 + 16 * 64 * 32);
+  const auto prep = ops == "float16" ? opm_bw_ab_prep_kernel<__half>
+                    : ops == "bfloat16" ? opm_bw_ab_prep_kernel<__nv_bfloat16> : opm_bw_ab_prep_kernel<float>;
+  prep<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
+      ac.data_ptr<float>(), bc.data_ptr<float>(), wc.data_ptr<float>(), Vt.data_ptr<float>(), Wt.data_ptr<float>(), B, S,
+      N, cz, NJT, SB);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t blocks = B * NOT * 16 * NSC;
+  TORCH_CHECK(blocks < (1ll << 31), "outer_product_mean: opm_backward_ab: too many blocks");
+  const float* vt = Vt.data_ptr<float>();
+  const float* wt = Wt.data_ptr<float>();
+  const auto da_kernel = !half ? opm_bw_ab_kernel<0, float>
+                         : ops == "float16" ? opm_bw_ab_kernel<0, __half> : opm_bw_ab_kernel<0, __nv_bfloat16>;
+  const auto db_kernel = !half ? opm_bw_ab_kernel<1, float>
+                         : ops == "float16" ? opm_bw_ab_kernel<1, __half> : opm_bw_ab_kernel<1, __nv_bfloat16>;
+  set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
+  da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+      vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), da.data_ptr<float>(), B, S, N, cz, NJT, SB, NOT, NSC);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
+  db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+      vt + B * NJT * SB * vblk, wt + 16 * wsl, make_g_map(gc, 32, 2), ic.data_ptr<float>(), db.data_ptr<float>(),
+      B, S, N, cz, NJT, SB, NOT, NSC);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {da, db};
+}
+
+// The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m) float32, float16 or bfloat16, da, db
+// (R, 32) fp32 (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w, ln_b (c_m), wa, wb (32, c_m)
+// fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
+// d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
+    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
+    at::Tensor wb, double eps) {
+  for (const at::Tensor* t : {&xin, &da, &db, &mask, &ln_w, &ln_b, &wa, &wb})
+    TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_ln takes CUDA tensors");
+  for (const at::Tensor* t : {&da, &db, &ln_w, &ln_b, &wa, &wb})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ln takes float32, got ", dtype_str(*t));
+  const auto xt = xin.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16,
+              "outer_product_mean: opm_backward_ln: x_in float32, float16 or bfloat16, got ", dtype_str(xin));
+  TORCH_CHECK(xin.dim() == 2 && (xin.size(1) == 128 || xin.size(1) == 256),
+              "outer_product_mean: opm_backward_ln: x_in (R, 128 or 256)");
+  const int64_t R = xin.size(0), cm = xin.size(1);
+  TORCH_CHECK(da.dim() == 2 && da.size(0) == R && da.size(1) == 32 && db.sizes() == da.sizes(),
+              "outer_product_mean: opm_backward_ln: da, db (R, 32)");
+  const int mask_kind = mask_kind_of(mask.scalar_type());
+  TORCH_CHECK(mask.numel() == R && mask_kind >= 0, "outer_product_mean: opm_backward_ln: mask (R) of float32, bool or an "
+              "integer dtype");
+  TORCH_CHECK(ln_w.numel() == cm && ln_b.numel() == cm && wa.dim() == 2 && wa.size(0) == 32 && wa.size(1) == cm &&
+                  wb.sizes() == wa.sizes(),
+              "outer_product_mean: opm_backward_ln: ln_w, ln_b (c_m), wa, wb (32, c_m)");
+  const c10::cuda::CUDAGuard guard(xin.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(xin.get_device());
+  TORCH_CHECK(d.ow_ok, "outer_product_mean: opm_backward_ln needs a compute capability 9.0 device and an sm_90a build");
+  auto aligned = [](at::Tensor t) {  // contiguous at a 16-byte aligned address (the bulk copies' sources)
+    t = t.contiguous();
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+  };
+  const at::Tensor xc = aligned(xin), dac = aligned(da), dbc = aligned(db), mc = mask.contiguous(),
+                   lwc = ln_w.contiguous(), lbc = ln_b.contiguous(), wac = wa.contiguous(), wbc = wb.contiguous();
+  const auto f32 = xin.options().dtype(at::kFloat);
+  at::Tensor dx = at::empty({R, cm}, xin.options());
+  at::Tensor sums = at::zeros({66 * cm + 64}, f32);  // dWa | dWb (64 x c_m), d_ln_w, d_ln_b, d_ba, d_bb
+  if (R > 0) {
+    const int64_t tiles = cdiv(R, kLnRows);
+    const int blocks = static_cast<int>(std::min<int64_t>(tiles, d.sms));
+    at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * (2 * cm + 64)}, f32);
+    auto run = [&](auto kernel, size_t smem, auto* type) {  // type: a null pointer of x_in's element type
+      using T = std::remove_pointer_t<decltype(type)>;
+      set_smem(kernel, smem, d, "the backward's LayerNorm kernel");
+      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()), dac.data_ptr<float>(),
+                                            dbc.data_ptr<float>(), mc.data_ptr(), mask_kind, lwc.data_ptr<float>(),
+                                            lbc.data_ptr<float>(), wac.data_ptr<float>(), wbc.data_ptr<float>(),
+                                            reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(),
+                                            part_ln.data_ptr<float>(), R, static_cast<float>(eps));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto run_cm = [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      if (cm == 256) run(opm_bw_ln_kernel<256, T>, ln_smem_bytes<256>(), type);
+      else run(opm_bw_ln_kernel<128, T>, ln_smem_bytes<128>(), type);
+    };
+    if (xt == at::kBFloat16) run_cm(static_cast<__nv_bfloat16*>(nullptr));
+    else if (xt == at::kHalf) run_cm(static_cast<__half*>(nullptr));
+    else run_cm(static_cast<float*>(nullptr));
+    opm_block_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
+        part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    opm_block_sum_kernel<<<static_cast<int>(cdiv(2 * cm + 64, kThreads)), kThreads, 0, stream>>>(
+        part_ln.data_ptr<float>(), sums.data_ptr<float>() + 64 * cm, blocks, 2 * cm + 64);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {dx, sums.narrow(0, 64 * cm, cm), sums.narrow(0, 65 * cm, cm), sums.narrow(0, 0, 32 * cm).view({32, cm}),
+          sums.narrow(0, 66 * cm, 32), sums.narrow(0, 32 * cm, 32 * cm).view({32, cm}), sums.narrow(0, 66 * cm + 32, 32)};
+}
+
+// out_proj's bias gradient: the sum of g (..., c_z) over every dimension but the last (g fp32, fp16 or
+// bf16, CUDA; the sums and the result fp32), c_z % 4 == 0 and c_z <= 1024; in a fixed order for a given device (block sums added in order in fp64).
+at::Tensor opm_backward_dbo(at::Tensor g) {
+  const auto gt = g.scalar_type();
+  TORCH_CHECK(g.is_cuda() && (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16) && g.dim() >= 1,
+              "outer_product_mean: opm_backward_dbo takes a float32, float16 or bfloat16 CUDA tensor");
+  const int64_t cz = g.size(-1);
+  TORCH_CHECK(cz % 4 == 0 && cz >= 4 && cz <= 1024, "outer_product_mean: opm_backward_dbo: c_z a multiple of 4 up to 1024");
+  const c10::cuda::CUDAGuard guard(g.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(g.get_device());
+  at::Tensor gc = g.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte loads (8-byte for T)
+  const auto f32 = gc.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({cz}, f32);
+  const int64_t rows = gc.numel() / cz;
+  if (rows == 0) return out;
+  const int blocks = static_cast<int>(std::min<int64_t>(4ll * d.sms, cdiv(rows, 64)));
+  const int64_t rpb = cdiv(rows, blocks);
+  at::Tensor part = at::empty({blocks * cz}, f32);
+  if (gt == at::kFloat)
+    opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(gc.data_ptr<float>(), rows, static_cast<int>(cz), rpb,
+                                                       part.data_ptr<float>());
+  else if (gt == at::kHalf)
+    opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const __half*>(gc.data_ptr()), rows,
+                                                       static_cast<int>(cz), rpb, part.data_ptr<float>());
+  else
+    opm_colsum_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(gc.data_ptr()), rows,
+                                                       static_cast<int>(cz), rpb, part.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  opm_block_sum_kernel<<<static_cast<int>(cdiv(cz, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
+                                                                                  out.data_ptr<float>(), blocks, cz);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+// (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg2 and outer_wg can run there.
+std::tuple<bool, bool, bool> device_caps(int64_t device) {
+  const DevInfo d = dev_info(static_cast<int>(device));
+  return {d.tc_ok, d.wg_ok, d.ow_ok};
+}
+
+}  // namespace opm

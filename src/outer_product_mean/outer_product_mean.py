@@ -1,0 +1,640 @@
+"""Fused outer product mean (AlphaFold-style MSA -> pair update), CUDA kernels, KernelBench format.
+
+The op (b batch, s MSA sequence, i/j residue, m msa channel, h/k hidden channel, z pair channel):
+
+    x[b,s,n,:]   = LayerNorm(msa[b,s,n,:])                                  (gamma, beta, eps of the module)
+    a[b,s,n,h]   = (sum_m Wa[h,m] x[b,s,n,m] + ba[h]) * mask[b,s,n]
+    b[b,s,n,k]   = (sum_m Wb[k,m] x[b,s,n,m] + bb[k]) * mask[b,s,n]
+    denom[b,i]   = max(sum_s mask[b,s,i], 1)
+    out[b,i,j,z] = bo[z] + (1 / denom[b,i]) * sum_{h,k} Wo[z, h*c+k] * sum_s a[b,s,i,h] b[b,s,j,k]
+
+Tensors: msa_repr (B, S, N, c_m), c_m = msa_dim, float32, float16 or bfloat16, the parameters in the
+same dtype; msa_mask (B, S, N), float32 / float16 / bfloat16 (any values), bool, uint8, int8, int16,
+int32 or int64; gamma, beta (c_m); Wa, Wb (c, c_m), ba, bb (c), c = hidden_dim; Wo (c_z, c*c), bo
+(c_z), c_z = pair_dim; out (B, N, N, c_z). The (B, N, N, c, c) outer product is never stored in
+global memory; c is zero-padded to CP = 16, 32, 64 or 128.
+
+Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
+  outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile on chip, then out = Wo . O:
+               2 B N^2 c^2 (S + c_z)
+  w_first      P[s,j,h,z] = sum_k Wo[z,h*c+k] b[s,j,k] (stage 1, in j-chunks), then
+               out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z] (stage 2): 2 B S N c^2 c_z + 2 B N^2 S c c_z
+
+Default, variant "auto": opm_forward estimates each candidate's time (FLOPs as executed over a
+per-kernel rate measured on the H200, kEff* in the CUDA source, plus 2 us per launch) and runs the
+cheapest. Candidates: outer_first; w_first where one j column of P fits 32 MB, its stage 2 being
+w_first_small when a 128 x 128 tile grid is under one wave, else w_first_tc2 on sm_80+ (w_first_tc
+where its 136 KB of shared memory per block do not fit), else the FMA w_first; on an H100 / H200
+with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 < 2^31 and
+B * N^2 / 64 < 2^31 per 128 of pair_dim).
+There outer_wg wins at most shapes (in float16 / bfloat16 at few sequences too), w_first_wg2 at few
+sequences, w_first_small at tiny ones.
+`model.last_variant` names the variant that ran. The paths:
+  outer_wg     opm_ow_params_kernel (LayerNorm affine folded into the projection weights, split-TF32
+               weight planes; row-scaled float16 planes for a 16-bit msa), opm_prep_ow_kernel (LayerNorm
+               + projections + mask on mma.sync, written as a / b's split-TF32 planes in wgmma tile
+               order, fp16 / bf16 planes for a 16-bit msa; inv_denom; a 16-bit msa with msa_dim % 16
+               == 0 up to 256 takes opm_prep16_kernel, the same work in warp tiles, bit-equal),
+               opm_outer_wg_kernel<T>
+               (persistent, warp-specialised: per 16 i x 4 j x 128 z tile, phase A O = a b^T and phase B
+               out += O Wo on wgmma, fed by one producer warpgroup's bulk copies).
+  w_first_wg2  opm_prep_kernel (FMA LayerNorm + projections: aT (B, S, CP, ceil4(N)), bq (B, S, N,
+               CP), inv_denom (B, N), packed Wo), opm_pack_a_kernel, per j-chunk (<= 512 MB of P's
+               planes) opm_wfirst_proj_wg_kernel and the persistent wgmma GEMM opm_wfirst_wg_kernel.
+  others       opm_prep_kernel, then opm_outer_kernel<CP> (outer_first: 128 x 128 tiles, on-chip Wo
+               epilogue) or opm_wfirst_proj_kernel<CP> + a stage-2 GEMM per j-chunk (<= 32 MB of P).
+Forced variants (set `model.variant`; ModelNew.VARIANTS: those that run on this GPU, ALL_VARIANTS:
+every name; forcing one that cannot run raises with the reason):
+  outer_first    FMA, any CUDA GPU: the plain check of the fast paths; "auto" at crop / long off Hopper.
+  w_first        FMA stage 2 (opm_wfirst_gemm_kernel), any GPU: "auto" below sm_80.
+  w_first_small  FMA stage 2 on 32 x 64 tiles, K split over warps (opm_wfirst_small_kernel): small N.
+  w_first_tc     split-TF32 mma.sync stage 2 (opm_wfirst_tc_kernel<1>), sm_80+: 100 KB-smem parts.
+  w_first_tc2    the same with 64-row K stages (opm_wfirst_tc_kernel<2>, 136 KB), sm_80+.
+  w_first_wg2    wgmma stage 2, compute capability 9.0 with the sm_90a build: few sequences (S ~ 32).
+  outer_wg       outer_first on wgmma, 9.0 with the sm_90a build, hidden_dim <= 32: most shapes there.
+
+Precision (fp32 input): the FMA paths accumulate in fp32; the tensor-core paths use split TF32 (x =
+hi + lo, a b ~ hi hi + hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma accumulators promoted
+into fp32 by ordinary adds every 64 k. Max error against fp64 over all the harness's trials over the
+fp32 reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x, w_first_tc / _tc2 up to 1.8x at deep
+(S = 2048; 2.2-2.5x in single trials), outer_first 0.5x there, the FMA w_first 5.3x (7.9x in one
+trial; not "auto"'s choice there). inv_denom sums float masks in fp64 and integer masks in int64.
+
+Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
+launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case), any pair_dim >= 1,
+outputs over 2^31 elements, non-contiguous inputs (copied first). One CUDA device; parameters on
+the device of the inputs.
+Half precision and training: with float16 / bfloat16 inputs and parameters outer_wg reads msa_repr,
+the mask and the parameters and writes its output in that dtype (no PyTorch casts): LayerNorm and
+the projections on mma.sync in float16 with fp32 accumulation (normalised rows and row-scaled weights
+each split into two float16 terms for float16, one term for bfloat16), a and b rounded to
+the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores with fp32
+accumulation, O / denom rounded to float16 (each pair's row scaled by a power of two: no overflow;
+2^-11, under bfloat16's 2^-8) and multiplied by Wo in float16 on the tensor cores (bfloat16 weights
+above 65504 would overflow there; below 2^-14 they lose bits, an absolute error under 2^-25). The
+other variants run the float32 kernels on converted copies. The output comes back in the input's
+dtype; under CUDA autocast in the autocast dtype, as the reference's, with the kernels chosen by the
+module's and the input's dtypes as above (a float32 module: the float32 kernels).
+The backward (outer_product_mean_backward) saves the inputs, and a, b and 1 / denom where outer_wg
+ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere); on Hopper
+with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute out_proj's weight gradient (O per tile
+on chip) and, for pair_dim % 4 == 0, da and db (G = (g / denom) Wo per tile on chip), in split TF32
+for a float32 msa and on the float16 / bfloat16 tensor cores for a 16-bit one with pair_dim % 8 == 0,
+and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build O and G for a
+chunk of rows i at a time (about 256 MB), never the whole (B, N, N, c*c); `model.last_backward` names the parts that ran in kernels. Gradients for
+msa_repr and every parameter, none for the mask (one that requires grad raises); double backward
+raises.
+Limits: float32 inside but in outer_wg and the backward kernels (float16 / bfloat16 cost one conversion
+each way elsewhere); msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128
+run with smaller residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32, B * S * N / 16 < 2^31 (S
+rounded up to 16, or to 32 in float16 / bfloat16, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim.
+
+Run:   python harness.py outer_product_mean
+Build: about 110 s cold on a 2-core machine (nvcc ~105 s of CPU; cached, rebuilt when this changes).
+       OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
+       Architectures: TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' (PyTorch's default), else
+       (no GPU) 9.0; 9.0 is built as sm_90a (wgmma exists only there; sm_90a code runs on 9.0
+       devices), "9.0+PTX" as sm_90a plus portable compute_90 PTX, passed as nvcc -gencode flags
+       (`_gencode_flags`; TORCH_CUDA_ARCH_LIST itself is left as it is). Lists with names such as
+       "Hopper" go to PyTorch unchanged, which leaves w_first_wg2 and outer_wg out.
+"""
+import hashlib
+import os
+import re
+import sys
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+from torch.utils.cpp_extension import load_inline
+
+# The variant table, the one place that names the variants: a variant's id is its index here. The
+# CUDA source receives it as `enum Variant` (kAuto = 0, kOuterFirst = 1, ...: "k" + the name in
+# CamelCase) and kNumVariants, which its range check and dispatch read; ModelNew passes the id and
+# maps the id that ran back to the name.
+_ALL_VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg2",
+                 "outer_wg")
+
+
+def _variant_enum(names):
+    """The C++ enum of the variant ids: k + the CamelCase name = its index, then kNumVariants."""
+    ids = ", ".join(f"k{''.join(w.capitalize() for w in n.split('_'))} = {i}" for i, n in enumerate(names))
+    return f"enum Variant : int64_t {{ {ids}, kNumVariants = {len(names)} }};"
+
+# =============================================================================================
+# CUDA source
+# =============================================================================================
+_CUDA_SRC = r"""
+#bundle-cuda src/outer_product_mean/outer_product_mean.cu
+"""
+
+_CPP_SRC = r"""
+#include <torch/extension.h>
+#include <tuple>
+std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
+    at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
+    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab);
+std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops);
+std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
+                                                   at::Tensor wo, const std::string& ops);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
+    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
+    at::Tensor wb, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
+                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
+                                                                 at::Tensor wb, at::Tensor bb, double eps,
+                                                                 bool block_tiles);
+at::Tensor opm_backward_dbo(at::Tensor g);
+"""
+
+
+_CUDA_SRC = _CUDA_SRC.replace("@VARIANT_ENUM@", _variant_enum(_ALL_VARIANTS))
+
+# =============================================================================================
+# Build (load_inline at import; name carries a hash of the source and flags: edit -> rebuild)
+# =============================================================================================
+def _gencode_flags():
+    """nvcc -gencode flags for this build. The architectures PyTorch would build for: TORCH_CUDA_ARCH_LIST
+    as PyTorch reads it or, none set (or "native"), the visible GPUs' compute capabilities capped at
+    the newest this PyTorch supports (with PTX only for a GPU above that cap). So a machine without a
+    GPU (9.0, below) and an H100 / H200 build the same flags, and a KernelBench precompile on a CPU
+    machine is found again by the GPU evaluation. Except that 9.0 gets sm_90a code: wgmma
+    (w_first_wg2, outer_wg) exists only there, and sm_90a code runs on compute capability 9.0 devices as
+    sm_90 code does; "9.0+PTX" keeps its portable compute_90 PTX beside it. With no GPU to detect
+    (a CI machine, a laptop) and no list, 9.0 (the H100/H200): PyTorch alone would fail there.
+    Flags naming an arch replace PyTorch's own (torch.utils.cpp_extension); TORCH_CUDA_ARCH_LIST
+    itself is not changed. Returns [] for lists with names such as "Hopper": PyTorch then builds
+    as usual, without sm_90a (no w_first_wg2, no outer_wg)."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if env and env != "native":
+        archs = [a for a in env.replace(" ", ";").split(";") if a]
+    elif not torch.cuda.is_available():
+        archs = ["9.0"]
+    else:
+        sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
+        newest = max((sm // 10, sm % 10) for sm in sms)
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        archs = sorted({"%d.%d" % min(newest, cap) for cap in caps})
+        if any(cap > newest for cap in caps):  # a GPU newer than this PyTorch's list: PTX for it
+            archs[-1] += "+PTX"
+    flags = []
+    for a in archs:
+        m = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", a)
+        if m is None:
+            return []
+        num, suffix = m.group(1) + m.group(2), m.group(3)
+        if num == "90":
+            suffix = "a"
+        flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
+        if m.group(4):
+            ptx = num if num == "90" else num + suffix
+            flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
+    return list(dict.fromkeys(flags))
+
+
+_GENCODE = _gencode_flags()
+_VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
+_CUDA_FLAGS = (["-O3"] + _GENCODE + (["-DOPM_SM90A"] if any("code=sm_90a" in f for f in _GENCODE) else [])
+               + (["-Xptxas", "-v"] if _VERBOSE else []))
+_CXX_FLAGS = ["-O3"]
+
+
+def _build_environment():
+    """What besides the source and the flags shapes the build: the build root (TORCH_EXTENSIONS_DIR as PyTorch
+    reads it; unset, its default root), the CUDA toolkit PyTorch found (its include and library paths) and
+    PyTorch itself (its version and headers). All of it goes into the extension's name, so that each
+    environment keeps its own build: under one name PyTorch's loader renames the extension (name_v1, ...) when
+    a process loads it from a second build directory, and ninja rebuilds one toolkit's build over another's in
+    silence (a failed link there deletes it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return "\n".join(["default" if root is None else os.path.abspath(root), str(torch.utils.cpp_extension.CUDA_HOME),
+                      torch.__version__, os.path.dirname(torch.__file__)])
+
+
+def _extension_name():
+    """outer_product_mean_ and a hash of the sources, the flags and _build_environment()."""
+    key = _CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS) + "\n" + _build_environment()
+    return "outer_product_mean_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+_EXT_NAME = _extension_name()
+
+
+def _is_cached(name):
+    """Whether load_inline will find `name` already built (its build directory as PyTorch names it)."""
+    build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
+    if build_directory is None:  # a PyTorch without that function: report a build
+        return False
+    d = build_directory(name, verbose=False)
+    return os.path.isdir(d) and any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
+
+
+def _build():
+    """load_inline of the CUDA source (a failed build raises with the compiler's output in its text)."""
+    if not _is_cached(_EXT_NAME):
+        print(f"building outer_product_mean CUDA extension ({_EXT_NAME}): about 110 s on 2 cores, once "
+              "(cached afterwards)",
+              file=sys.stderr, flush=True)
+    return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
+                       functions=["opm_forward", "opm_device_caps", "opm_backward_wo", "opm_backward_ab",
+                                  "opm_backward_ln", "opm_backward_rows", "opm_backward_dbo"],
+                       extra_cuda_cflags=_CUDA_FLAGS, extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
+
+
+_ext = _build()
+
+# The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
+_HOPPER_CAP = {"w_first_wg2": 1, "outer_wg": 2}
+
+
+def _device_caps_here():
+    """opm_device_caps of the current CUDA device; all False without CUDA."""
+    if not torch.cuda.is_available():
+        return (False, False, False)
+    return tuple(bool(x) for x in _ext.opm_device_caps(torch.cuda.current_device()))
+
+
+class _VariantsHere:
+    """ModelNew.VARIANTS: a tuple of the variant names that run on the current CUDA device, computed
+    at each access (class or instance)."""
+
+    def __get__(self, obj, owner=None):
+        caps = _device_caps_here()
+        return tuple(v for v in _ALL_VARIANTS if v not in _HOPPER_CAP or caps[_HOPPER_CAP[v]])
+
+
+# =============================================================================================
+# Backward (nothing saved but the inputs: the wgmma kernels above where they run, else PyTorch ops in
+# chunks). _rows_per_chunk is contact_map.py's too: each kernel file stands alone.
+# =============================================================================================
+def _rows_per_chunk(row_bytes, n, chunk_bytes):
+    """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
+    return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
+
+
+def outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes):
+    """(rows i per outer chunk, msa rows per LayerNorm chunk) for outer_product_mean_backward.
+
+    An outer chunk of r rows i holds, per row, B*N positions j of two (c, c) blocks (O or G and its
+    permuted copy) and g's c_z values (and their ct copy); a LayerNorm chunk of r of the B*S*N msa rows
+    (contiguous in memory) holds per row about 5 c_m + 4 c values (x in ct, the LayerNorm output, its
+    gradient, d_msa's, the temporaries; da, db).
+    """
+    outer = _rows_per_chunk(B * N * (2 * c * c + 2 * c_z) * itemsize, N, chunk_bytes)
+    ln = _rows_per_chunk((5 * c_m + 4 * c) * itemsize, B * S * N, chunk_bytes)
+    return outer, ln
+
+
+def _wo_kernel_runs(msa, c, c_z, ct):
+    """Whether out_proj's weight gradient goes to opm_bw_wo_kernel (_ext.opm_backward_wo): float32 inputs
+    and parameters (ct) on a CUDA device where outer_wg runs, hidden_dim 32, pair_dim up to 128."""
+    return (msa.is_cuda and ct == torch.float32 and c == 32 and 1 <= c_z <= 128
+            and bool(_ext.opm_device_caps(msa.device.index)[2]))
+
+
+def _ln_kernel_runs(msa, c, c_m):
+    """Whether the LayerNorm part of the backward goes to opm_bw_ln_kernel (_ext.opm_backward_ln): a
+    float32, float16 or bfloat16 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim 128 or
+    256."""
+    return (msa.is_cuda and msa.dtype in _FLOAT_DTYPES and c == 32 and c_m in (128, 256)
+            and bool(_ext.opm_device_caps(msa.device.index)[2]))
+
+
+def _rows_kernel_runs(msa, c, c_m):
+    """Whether the backward's a, b and 1 / denom come from outer_wg's prep kernel (_ext.opm_backward_rows):
+    a float32, float16 or bfloat16 msa on a CUDA device where outer_wg runs, hidden_dim 32, msa_dim <= 768
+    and B * S * N / 16 < 2^31 (S rounded up to 16, or 32 for 16-bit msa, N to 16), as for outer_wg."""
+    B, S, N = msa.shape[:3]
+    pad = lambda n, m: -(-n // m) * m
+    return (msa.is_cuda and msa.dtype in _FLOAT_DTYPES and c == 32 and 1 <= c_m <= 768
+            and B * pad(S, 16 if msa.dtype == torch.float32 else 32) * pad(N, 16) // 16 < 2**31 and bool(_ext.opm_device_caps(msa.device.index)[2]))
+
+
+def _ab_kernel_runs(msa, c, c_z, ct):
+    """Whether da and db go to opm_bw_ab_kernel (_ext.opm_backward_ab): as _wo_kernel_runs, with pair_dim
+    a multiple of 4 (16-byte strides of grad_out's tensor map)."""
+    return _wo_kernel_runs(msa, c, c_z, ct) and c_z % 4 == 0
+
+
+def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
+                                chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
+                                rows_kernel=None, ab=None, parts=None, split=False):
+    """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
+
+    Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
+    other than float32 go to the kernels as float32), ln_w / ln_b (c_m,), wa / wb (c, c_m),
+    ba / bb (c,), wo (c_z, c*c), bo (c_z,), grad_out g (B, N, N, c_z). Forward:
+        x = LayerNorm(msa),  a = (x Wa^T + ba) * m,  b = (x Wb^T + bb) * m                (B, S, N, c)
+        O[b,i,j,h,k] = sum_s a[b,s,i,h] b[b,s,j,k],  d[b,i] = max(sum_s m[b,s,i], 1)
+        out[b,i,j,z] = bo[z] + sum_{hk} Wo[z, h c + k] O[b,i,j,h,k] / d[b,i]
+    Backward:
+        dWo[z, hk]     = sum_{b,i,j} g[b,i,j,z] O[b,i,j,hk] / d[b,i],   dbo = sum_{b,i,j} g
+        G[b,i,j,hk]    = sum_z g[b,i,j,z] Wo[z, hk] / d[b,i]                             (B, r, N, c*c)
+        da[b,s,i,h]    = sum_{j,k} G[b,i,j,h,k] b[b,s,j,k]
+        db[b,s,j,k]    = sum_{i,h} G[b,i,j,h,k] a[b,s,i,h]
+        dpa = da * m, dpb = db * m:  dWa = sum dpa^T x, dba = sum dpa (b likewise)
+        dy  = dpa Wa + dpb Wb (the gradient of x), then the LayerNorm backward (module docstring).
+    a, b and 1 / d: ab = (a, b, 1 / d) as the forward computed them (float32, hidden_dim 32), else
+    recomputed: by outer_wg's prep kernel (opm_prep_ow_kernel writing rows, the forward's LayerNorm and
+    projections) where _rows_kernel_runs holds (rows_kernel None) or rows_kernel is True, elsewhere by
+    ATen's LayerNorm (torch.native_layer_norm) and addmm per contiguous chunk of the B*S*N msa rows.
+
+    out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma)
+    where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
+    (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
+    True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
+    both). These two kernels run split TF32 (about fp32's precision) for a float32 msa or where split is
+    True; for a float16 / bfloat16 msa they otherwise run on that type's tensor cores (a, b, Wo, g / d
+    and the intermediate O and G rounded to it, where the reference in that dtype rounds a, b, O and
+    its products; fp32 accumulation) and take grad_out in that type, where pair_dim % 8 == 0 (16-byte
+    rows of it; else split TF32 on an fp32 copy). With both, dbo is the column sums of grad_out
+    (opm_colsum_kernel), else the chunks' sums. The rest (the mask, dy, the LayerNorm backward, dWa,
+    dba, dWb, dbb, d_ln_w, d_ln_b) runs in one sweep over the msa rows (opm_bw_ln_kernel: the msa in its dtype, fp32 math,
+    its products split TF32 for a float32 msa and single TF32 for float16 / bfloat16 whatever split
+    says) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks of rows
+    with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's backward
+    calls it under no_grad). parts: a list to which the names of the parts computed by this file's
+    kernels are appended, in this order: "a, b" (given by the forward or by the prep kernel; with `ab`
+    given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
+    run (ModelNew.last_backward holds them as a tuple once the call returns).
+
+    Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
+    G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
+    chunk of msa rows when needed, never held whole. The denominator sums float masks in fp64 and bool /
+    integer masks in int64 (exact for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w,
+    d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its tensor's dtype.
+    """
+    B, S, N, c_m = msa.shape
+    c, c_z = wa.shape[0], wo.shape[0]
+    ct = torch.promote_types(msa.dtype, torch.float32)
+    dev = msa.device
+    lw, lb = ln_w.to(ct), ln_b.to(ct)
+    Wa, Ba, Wb, Bb, Wo = (t.to(ct) for t in (wa, ba, wb, bb, wo))
+    itemsize = torch.empty((), dtype=ct).element_size()
+    rows_outer, rows_ln = outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes)
+
+    wo_in_kernel = _wo_kernel_runs(msa, c, c_z, ct) if wo_kernel is None else wo_kernel
+    ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
+    ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
+    rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
+    # dWo, da and db's products: split TF32, or in the msa's 16-bit type (grad_out's rows 16-byte aligned
+    # in it for the kernels' loads and da, db's tensor map: pair_dim % 8 == 0)
+    half = msa.dtype in (torch.float16, torch.bfloat16)
+    ops = _dtype_name(msa.dtype) if half and not split and c_z % 8 == 0 else "split"
+    if parts is not None:
+        parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("da, db", ab_in_kernel),
+                                 ("LayerNorm", ln_in_kernel)) if k]
+    R = B * S * N
+    msa_rows = msa.reshape(R, c_m)
+    # the kernels take float32, bool and integer masks as they are
+    mask_k = mask.float() if mask.is_floating_point() and mask.dtype != torch.float32 else mask
+    if not (rows_in_kernel and ln_in_kernel):
+        m_rows = mask.to(ct).reshape(R, 1)
+    if not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
+        acc = torch.float64 if mask.is_floating_point() else torch.int64
+        denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                # d (B, N)
+
+    # a, b for all positions (B, S, N, c): outer_wg's prep kernel (LayerNorm + projections + mask, and
+    # 1 / denom), or LayerNorm recomputed per chunk of rows (ATen's fused LayerNorm: the reference's own
+    # kernels; each chunk a contiguous row range) and the projections by addmm
+    if ab is not None:
+        a, b, inv_d = ab
+    elif rows_in_kernel:
+        a, b, inv_d = _ext.opm_backward_rows(msa, mask_k, lw, lb, Wa, Ba, Wb, Bb, eps, False)
+    else:
+        a = torch.empty((B, S, N, c), dtype=ct, device=dev)
+        b = torch.empty((B, S, N, c), dtype=ct, device=dev)
+        a_rows, b_rows = a.view(R, c), b.view(R, c)
+        for r0 in range(0, R, rows_ln):
+            r1 = min(R, r0 + rows_ln)
+            x = torch.native_layer_norm(msa_rows[r0:r1].to(ct), (c_m,), lw, lb, eps)[0]   # (r, c_m)
+            torch.addmm(Ba, x, Wa.t(), out=a_rows[r0:r1]).mul_(m_rows[r0:r1])
+            torch.addmm(Bb, x, Wb.t(), out=b_rows[r0:r1]).mul_(m_rows[r0:r1])
+            del x
+        if wo_in_kernel or ab_in_kernel:
+            inv_d = denom.reciprocal()
+
+    # grad_out as the kernels take it: float32 for split TF32, else in the msa's type (no copy where it is)
+    g_k = grad_out.to(ct if ops == "split" else msa.dtype).contiguous() if wo_in_kernel or ab_in_kernel else None
+
+    # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
+    if wo_in_kernel or ab_in_kernel:
+        inv_d = inv_d.contiguous()
+    if wo_in_kernel:
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops)
+    else:
+        d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
+    if ab_in_kernel:
+        da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops)
+    else:
+        da = torch.empty((B, S, N, c), dtype=ct, device=dev)
+        db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
+    if wo_in_kernel and ab_in_kernel:
+        d_bo = _ext.opm_backward_dbo(g_k)  # (c_z % 4 == 0 where the da / db kernel runs)
+    else:  # chunks: O for dWo and / or G for da, db, whichever no kernel computes
+        d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
+        b_flat = b.reshape(B, S, N * c)                                                # (B, S, N c)
+        for r0 in range(0, N, rows_outer):
+            r1 = min(N, r0 + rows_outer)
+            r = r1 - r0
+            a_r = a[:, :, r0:r1].reshape(B, S, r * c)                                  # (B, S, r c)
+            g = grad_out[:, r0:r1].to(ct)                                              # (B, r, N, c_z)
+            d_bo += g.sum((0, 1, 2))
+            g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)              # g / d (B r N, c_z)
+            if not wo_in_kernel:
+                # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
+                o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
+                o = o.reshape(B * r * N, c * c)                                        # (B r N, c c)
+                d_wo.addmm_(g.t(), o)                                                  # (c_z, c c)
+                del o
+            if not ab_in_kernel:
+                # G[b,i,j,h,k] = sum_z (g / d) Wo, copied to (i, h, j, k) for the two products (B, r c, N c)
+                G = (g @ Wo).reshape(B, r, N, c, c).permute(0, 1, 3, 2, 4).reshape(B, r * c, N * c)
+                da[:, :, r0:r1] = (b_flat @ G.transpose(1, 2)).reshape(B, S, r, c)     # sum_{j,k} G b
+                db += (a_r @ G).reshape(B, S, N, c)                                    # sum_{i,h} G a
+                del G
+            del g, a_r
+        del b_flat
+    del a, b, g_k
+
+    # The mask, projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of
+    # rows (ATen's LayerNorm backward)
+    if ln_in_kernel:
+        d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb = _ext.opm_backward_ln(
+            msa_rows, da.view(R, c), db.view(R, c), mask_k.reshape(R), lw, lb, Wa.contiguous(), Wb.contiguous(), eps)
+        d_msa = d_msa.view(B, S, N, c_m)
+    else:
+        da *= m_rows.view(B, S, N, 1)                                                  # dpa (B, S, N, c)
+        db *= m_rows.view(B, S, N, 1)                                                  # dpb
+        d_ba = da.sum((0, 1, 2))
+        d_bb = db.sum((0, 1, 2))
+        d_wa = torch.zeros((c, c_m), dtype=ct, device=dev)
+        d_wb = torch.zeros((c, c_m), dtype=ct, device=dev)
+        d_ln_w = torch.zeros((c_m,), dtype=ct, device=dev)
+        d_ln_b = torch.zeros((c_m,), dtype=ct, device=dev)
+        d_msa = torch.empty((B, S, N, c_m), dtype=msa.dtype, device=dev)
+        da_rows, db_rows, d_msa_rows = da.view(R, c), db.view(R, c), d_msa.view(R, c_m)
+        for r0 in range(0, R, rows_ln):
+            r1 = min(R, r0 + rows_ln)
+            xin = msa_rows[r0:r1].to(ct)                                               # (r, c_m)
+            x, mean, rstd = torch.native_layer_norm(xin, (c_m,), lw, lb, eps)
+            dpa, dpb = da_rows[r0:r1], db_rows[r0:r1]                                  # (r, c)
+            d_wa.addmm_(dpa.t(), x)                                                    # (c, c_m)
+            d_wb.addmm_(dpb.t(), x)
+            del x
+            dy = (dpa @ Wa).addmm_(dpb, Wb)                                            # (r, c_m)
+            dx, dlw, dlb = torch.ops.aten.native_layer_norm_backward(dy, xin, (c_m,), mean, rstd, lw, lb,
+                                                                     (True, True, True))
+            d_ln_w += dlw
+            d_ln_b += dlb
+            d_msa_rows[r0:r1] = dx
+            del xin, mean, rstd, dy, dx, dlw, dlb
+
+    return (d_msa, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_wa.to(wa.dtype), d_ba.to(ba.dtype),
+            d_wb.to(wb.dtype), d_bb.to(bb.dtype), d_wo.to(wo.dtype), d_bo.to(bo.dtype))
+
+
+# =============================================================================================
+# Module
+# =============================================================================================
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PARAM_NAMES = ("layer_norm.weight", "layer_norm.bias", "proj_a.weight", "proj_a.bias", "proj_b.weight",
+                "proj_b.bias", "out_proj.weight", "out_proj.bias")
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _output_dtype(msa, params):
+    """The dtype the reference returns for these tensors: under CUDA autocast the autocast dtype, else
+    the one dtype of msa_repr and every parameter (float32, float16 or bfloat16; others raise)."""
+    if msa.dtype not in _FLOAT_DTYPES:
+        raise RuntimeError(f"outer_product_mean: msa_repr must be float32, float16 or bfloat16, got "
+                           f"{_dtype_name(msa.dtype)}")
+    if msa.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    for name, p in zip(_PARAM_NAMES, params):
+        if p.dtype != msa.dtype:
+            raise RuntimeError(f"outer_product_mean: parameter {name} must be {_dtype_name(msa.dtype)} like "
+                               f"msa_repr, got {_dtype_name(p.dtype)} (cast the module and its inputs to one of "
+                               "float32, float16, bfloat16)")
+    return msa.dtype
+
+
+def _f32(t):
+    """t in float32 (the kernels' dtype), t itself when it is float32 already."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
+    """The CUDA forward, returned in out_dtype. Where msa and every parameter are float16 / bfloat16 of one
+    dtype they go to the extension as they are: outer_wg reads them and runs both products on the
+    16-bit tensor cores (module docstring), the other variants convert them to float32 inside the
+    extension. Otherwise they are converted to float32 here. Masks of every dtype the kernels take go as
+    they are. Records the variant that ran in model.last_variant. keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom
+    as outer_wg's prep computed them where outer_wg ran with hidden_dim 32 (the backward then takes them
+    instead of recomputing), else (out, None)."""
+    half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
+    out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
+                                             *(params if half else (_f32(p) for p in params)), eps, code, keep_ab)
+    object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
+    out = out if out.dtype == out_dtype else out.to(out_dtype)
+    if not keep_ab:
+        return out
+    return out, (None if a is None else (a, b, inv_d))
+
+
+class _OuterProductMean(torch.autograd.Function):
+    """out = OuterProductMean(msa, mask; params): the forward is the CUDA kernels, the backward
+    outer_product_mean_backward (its Hopper kernels, else PyTorch ops), given a, b and 1 / denom from the
+    forward where outer_wg ran; the parts that ran in kernels go to model.last_backward. No gradient for
+    the mask; double backward raises."""
+
+    @staticmethod
+    def forward(ctx, model, code, eps, out_dtype, msa, mask, *params):
+        ctx.eps, ctx.model = eps, model
+        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=True)
+        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        msa, mask, *params = ctx.saved_tensors
+        params, ab = params[:8], params[8:]
+        parts = []
+        grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
+                                            ab=None if ab[0] is None else tuple(ab), parts=parts)
+        object.__setattr__(ctx.model, "last_backward", tuple(parts))
+        need = ctx.needs_input_grad[4:5] + ctx.needs_input_grad[6:]
+        grads = tuple(g if n else None for g, n in zip(grads, need))
+        return (None, None, None, None, grads[0], None) + grads[1:]
+
+
+class ModelNew(nn.Module):
+    """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init.
+
+    float32, float16 or bfloat16 (module and msa_repr in one dtype; any mask dtype the kernels take,
+    float16 / bfloat16 included), computed in float16 / bfloat16 by outer_wg on Hopper (module
+    docstring), else in float32, and returned in the input's dtype (the autocast dtype under CUDA
+    autocast). Differentiable with respect to msa_repr and every parameter; a mask that
+    requires grad raises. After a forward last_variant names the variant that ran; after a backward
+    last_backward is the tuple of its parts that ran in CUDA kernels (outer_product_mean_backward's
+    parts: "a, b", "dWo", "da, db", "LayerNorm"; () where PyTorch ops computed all).
+    """
+
+    ALL_VARIANTS = _ALL_VARIANTS  # every name `variant` accepts (VARIANTS: those that run here)
+
+    # The variants that run on the current GPU (what the harness checks by default): the Hopper ones
+    # only where they can run; evaluated at each access, so importing makes no CUDA call. Any name
+    # of _ALL_VARIANTS may be set; one that cannot run here raises with the reason.
+    VARIANTS = _VariantsHere()
+
+    def __init__(self, msa_dim, pair_dim, hidden_dim=32):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(msa_dim)
+        self.proj_a = nn.Linear(msa_dim, hidden_dim)
+        self.proj_b = nn.Linear(msa_dim, hidden_dim)
+        self.out_proj = nn.Linear(hidden_dim * hidden_dim, pair_dim)
+        self.variant = "auto"
+        self.last_variant = None
+        self.last_backward = None
+
+    def _variant_code(self):
+        if self.variant not in _ALL_VARIANTS:
+            raise ValueError(f"variant must be one of {_ALL_VARIANTS} (those that run on this GPU: "
+                             f"{self.VARIANTS}), got {self.variant!r}")
+        return _ALL_VARIANTS.index(self.variant)
+
+    def forward(self, msa_repr, msa_mask):
+        code = self._variant_code()
+        eps = float(self.layer_norm.eps)
+        params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,
+                  self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
+        out_dtype = _output_dtype(msa_repr, params)
+        if not torch.is_grad_enabled():
+            return _run_kernels(self, code, msa_repr, msa_mask, params, eps, out_dtype)
+        if msa_mask.requires_grad:
+            raise RuntimeError("outer_product_mean: no gradient for msa_mask (the mask is data here); "
+                               "use msa_mask.detach()")
+        if msa_repr.requires_grad or any(p.requires_grad for p in params):
+            return _OuterProductMean.apply(self, code, eps, out_dtype, msa_repr, msa_mask, *params)
+        return _run_kernels(self, code, msa_repr, msa_mask, params, eps, out_dtype)
+
+
+batch_size = 2
+msa_depth = 8
+seq_len = 32
+msa_dim = 64
+hidden_dim = 32
+pair_dim = 64
+
+
+def get_inputs():
+    return [torch.randn(batch_size, msa_depth, seq_len, msa_dim), torch.ones(batch_size, msa_depth, seq_len)]
+
+
+def get_init_inputs():
+    return [msa_dim, pair_dim, hidden_dim]
