@@ -124,85 +124,26 @@ assert list(_VARIANT_IDS.values()) == list(range(len(_VARIANT_IDS)))
 CUDA_SRC = (CUDA_SRC
             .replace("@VARIANT_ENUM@", _enum_body(_VARIANT_IDS)).replace("@KERNEL_ENUM@", _enum_body(_KERNELS)))
 
-def _gencode_flags():
-    """nvcc -gencode flags: the architectures PyTorch would build for (TORCH_CUDA_ARCH_LIST as PyTorch
-    reads it or, none set or "native", the visible GPUs' compute capabilities capped at the newest
-    this PyTorch supports, the last with PTX), but with sm_90a code for 9.0: the wgmma kernel's wgmma
-    and setmaxnreg exist only there, and sm_90a code runs on compute capability 9.0 devices as sm_90 code
-    does. With no GPU to detect and no list (a CI machine, a laptop; PyTorch alone would fail there):
-    9.0. Flags naming an arch replace PyTorch's own; TORCH_CUDA_ARCH_LIST itself is not changed.
-    Returns [] for lists it cannot parse (names such as "Hopper"): PyTorch then builds as usual,
-    without sm_90a ("auto" then runs the mma kernel). The same function as outer_product_mean.py's: each kernel
-    file stands alone (one file to drop in), so it is not shared."""
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    if env and env != "native":
-        archs = [a for a in env.replace(" ", ";").split(";") if a]
-    elif not torch.cuda.is_available():
-        archs = ["9.0"]
-    else:
-        sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
-        newest = max((sm // 10, sm % 10) for sm in sms)
-        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-        archs = sorted({"%d.%d" % min(newest, cap) for cap in caps})
-        if any(cap > newest for cap in caps):  # a GPU newer than this PyTorch's list: PTX for it
-            archs[-1] += "+PTX"
-    flags = []
-    for a in archs:
-        m = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", a)
-        if m is None:
-            return []
-        num, suffix = m.group(1) + m.group(2), m.group(3)
-        if num == "90":
-            suffix = "a"
-        flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
-        if m.group(4):
-            ptx = num if num == "90" else num + suffix
-            flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
-    return list(dict.fromkeys(flags))
+#bundle-python src/common/build.py
 
 
-def _verbose():
-    return os.environ.get("CONTACT_MAP_VERBOSE", "") not in ("", "0")
-
-
-def _nvcc_flags():
-    """nvcc's flags: -O3, line info, _gencode_flags(), -DCM_SM90A with sm_90a code, -Xptxas -v with
-    CONTACT_MAP_VERBOSE set."""
-    gencode = _gencode_flags()
-    return (["-O3", "-lineinfo"] + gencode + (["-DCM_SM90A"] if any("code=sm_90a" in f for f in gencode) else [])
-            + (["-Xptxas", "-v"] if _verbose() else []))
-
-
-def _build_environment():
-    """What besides the source and the flags shapes the build: the build root (TORCH_EXTENSIONS_DIR as PyTorch
-    reads it; unset, its default root), the CUDA toolkit PyTorch found (its include and library paths) and
-    PyTorch itself (its version and headers). All of it goes into the extension's name, so that each
-    environment keeps its own build: under one name PyTorch's loader renames the extension (name_v1, ...) when
-    a process loads it from a second build directory, and ninja rebuilds one toolkit's build over another's in
-    silence (a failed link there deletes it)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return "\n".join(["default" if root is None else os.path.abspath(root), str(torch.utils.cpp_extension.CUDA_HOME),
-                      torch.__version__, os.path.dirname(torch.__file__)])
+_VERBOSE = os.environ.get("CONTACT_MAP_VERBOSE", "") not in ("", "0")
+_CUDA_FLAGS = _nvcc_flags("-DCM_SM90A", _VERBOSE)
 
 
 def _extension_name():
-    """contact_map_ and a hash of the CUDA source, _nvcc_flags() and _build_environment()."""
-    key = CUDA_SRC + " ".join(_nvcc_flags()) + "\n" + _build_environment()
-    return "contact_map_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+    """contact_map_ and a hash of CUDA_SRC, _CUDA_FLAGS and _build_environment()."""
+    return _hashed_name("contact_map_", CUDA_SRC, _CUDA_FLAGS)
 
 
 def _build():
     """Compile CUDA_SRC with load_inline (cached by PyTorch under _extension_name())."""
     name = _extension_name()
-    # built already? (PyTorch's private build-directory function; a rebuild in one process adds _v1, ... to the name)
-    build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
-    d = build_directory(name, False) if build_directory is not None else ""
-    cached = os.path.isdir(d) and any(f.startswith(name) and f.endswith(".so") for f in os.listdir(d))
-    if not cached:
-        print("building contact_map CUDA extension, about 3 minutes the first time on a 2-core machine ...",
+    if not _is_cached(name):
+        print(f"building contact_map CUDA extension ({name}): about 3 minutes on 2 cores, once (cached afterwards)",
               file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=_nvcc_flags(),
-                       verbose=_verbose())
+    return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=_CUDA_FLAGS,
+                       verbose=_VERBOSE)
 
 
 _ext = _build()
@@ -210,13 +151,8 @@ _ext = _build()
 
 # =============================================================================================
 # Backward: the fused CUDA kernel's wrapper, and PyTorch ops elsewhere (chunked recomputation, nothing saved
-# but the inputs). _rows_per_chunk is outer_product_mean.py's too: each kernel file stands alone.
+# but the inputs).
 # =============================================================================================
-def _rows_per_chunk(row_bytes, n, chunk_bytes):
-    """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
-    return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
-
-
 def _layer_norm(x, w, b, eps):
     """PyTorch's own LayerNorm of x (..., C) as the reference's forward runs it: (y, mean, rstd)."""
     return torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, eps)

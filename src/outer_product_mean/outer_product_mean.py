@@ -151,92 +151,27 @@ at::Tensor opm_backward_dbo(at::Tensor g);
 
 _CUDA_SRC = _CUDA_SRC.replace("@VARIANT_ENUM@", _variant_enum(_ALL_VARIANTS))
 
-# =============================================================================================
-# Build (load_inline at import; name carries a hash of the source and flags: edit -> rebuild)
-# =============================================================================================
-def _gencode_flags():
-    """nvcc -gencode flags for this build. The architectures PyTorch would build for: TORCH_CUDA_ARCH_LIST
-    as PyTorch reads it or, none set (or "native"), the visible GPUs' compute capabilities capped at
-    the newest this PyTorch supports (with PTX only for a GPU above that cap). So a machine without a
-    GPU (9.0, below) and an H100 / H200 build the same flags, and a KernelBench precompile on a CPU
-    machine is found again by the GPU evaluation. Except that 9.0 gets sm_90a code: wgmma
-    (w_first_wg2, outer_wg) exists only there, and sm_90a code runs on compute capability 9.0 devices as
-    sm_90 code does; "9.0+PTX" keeps its portable compute_90 PTX beside it. With no GPU to detect
-    (a CI machine, a laptop) and no list, 9.0 (the H100/H200): PyTorch alone would fail there.
-    Flags naming an arch replace PyTorch's own (torch.utils.cpp_extension); TORCH_CUDA_ARCH_LIST
-    itself is not changed. Returns [] for lists with names such as "Hopper": PyTorch then builds
-    as usual, without sm_90a (no w_first_wg2, no outer_wg)."""
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    if env and env != "native":
-        archs = [a for a in env.replace(" ", ";").split(";") if a]
-    elif not torch.cuda.is_available():
-        archs = ["9.0"]
-    else:
-        sms = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
-        newest = max((sm // 10, sm % 10) for sm in sms)
-        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-        archs = sorted({"%d.%d" % min(newest, cap) for cap in caps})
-        if any(cap > newest for cap in caps):  # a GPU newer than this PyTorch's list: PTX for it
-            archs[-1] += "+PTX"
-    flags = []
-    for a in archs:
-        m = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", a)
-        if m is None:
-            return []
-        num, suffix = m.group(1) + m.group(2), m.group(3)
-        if num == "90":
-            suffix = "a"
-        flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
-        if m.group(4):
-            ptx = num if num == "90" else num + suffix
-            flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
-    return list(dict.fromkeys(flags))
+#bundle-python src/common/build.py
 
 
-_GENCODE = _gencode_flags()
 _VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
-_CUDA_FLAGS = (["-O3"] + _GENCODE + (["-DOPM_SM90A"] if any("code=sm_90a" in f for f in _GENCODE) else [])
-               + (["-Xptxas", "-v"] if _VERBOSE else []))
+_CUDA_FLAGS = _nvcc_flags("-DOPM_SM90A", _VERBOSE)
 _CXX_FLAGS = ["-O3"]
-
-
-def _build_environment():
-    """What besides the source and the flags shapes the build: the build root (TORCH_EXTENSIONS_DIR as PyTorch
-    reads it; unset, its default root), the CUDA toolkit PyTorch found (its include and library paths) and
-    PyTorch itself (its version and headers). All of it goes into the extension's name, so that each
-    environment keeps its own build: under one name PyTorch's loader renames the extension (name_v1, ...) when
-    a process loads it from a second build directory, and ninja rebuilds one toolkit's build over another's in
-    silence (a failed link there deletes it)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return "\n".join(["default" if root is None else os.path.abspath(root), str(torch.utils.cpp_extension.CUDA_HOME),
-                      torch.__version__, os.path.dirname(torch.__file__)])
 
 
 def _extension_name():
     """outer_product_mean_ and a hash of the sources, the flags and _build_environment()."""
-    key = _CUDA_SRC + _CPP_SRC + " ".join(_CUDA_FLAGS + _CXX_FLAGS) + "\n" + _build_environment()
-    return "outer_product_mean_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-_EXT_NAME = _extension_name()
-
-
-def _is_cached(name):
-    """Whether load_inline will find `name` already built (its build directory as PyTorch names it)."""
-    build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
-    if build_directory is None:  # a PyTorch without that function: report a build
-        return False
-    d = build_directory(name, verbose=False)
-    return os.path.isdir(d) and any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
+    return _hashed_name("outer_product_mean_", _CUDA_SRC + _CPP_SRC, _CUDA_FLAGS + _CXX_FLAGS)
 
 
 def _build():
     """load_inline of the CUDA source (a failed build raises with the compiler's output in its text)."""
-    if not _is_cached(_EXT_NAME):
-        print(f"building outer_product_mean CUDA extension ({_EXT_NAME}): about 110 s on 2 cores, once "
+    name = _extension_name()
+    if not _is_cached(name):
+        print(f"building outer_product_mean CUDA extension ({name}): about 110 s on 2 cores, once "
               "(cached afterwards)",
               file=sys.stderr, flush=True)
-    return load_inline(name=_EXT_NAME, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
+    return load_inline(name=name, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
                        functions=["opm_forward", "opm_device_caps", "opm_backward_wo", "opm_backward_ab",
                                   "opm_backward_ln", "opm_backward_rows", "opm_backward_dbo"],
                        extra_cuda_cflags=_CUDA_FLAGS, extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
@@ -266,13 +201,8 @@ class _VariantsHere:
 
 # =============================================================================================
 # Backward (nothing saved but the inputs: the wgmma kernels above where they run, else PyTorch ops in
-# chunks). _rows_per_chunk is contact_map.py's too: each kernel file stands alone.
+# chunks).
 # =============================================================================================
-def _rows_per_chunk(row_bytes, n, chunk_bytes):
-    """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
-    return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
-
-
 def outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes):
     """(rows i per outer chunk, msa rows per LayerNorm chunk) for outer_product_mean_backward.
 
