@@ -129,7 +129,7 @@ def _variant_enum(names):
 _CUDA_SRC = r"""
 #line 1 "src/outer_product_mean/outer_product_mean.cu"
 // outer_product_mean's CUDA extension: one translation unit, bundled into outer_product_mean.py's _CUDA_SRC
-// by tools/bundle.py. The included files hold its parts in order; the entry points are below.
+// by tools/bundle.py. The included files hold its parts in order; the binding table is below.
 #line 1 "src/outer_product_mean/common.cuh"
 // outer_product_mean: constants, the variant enum, shared device functions, the cp.async GEMM main loop, split TF32.
 #line 3 "src/outer_product_mean/common.cuh"
@@ -5428,60 +5428,22 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 }  // namespace opm
 #line 21 "src/outer_product_mean/outer_product_mean.cu"
 
-
-std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::device_caps(device); }
-
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
-  return opm::opm_backward_wo(a, b, inv_denom, g, ops);
-}
-
-std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops) {
-  return opm::opm_backward_ab(a, b, inv_denom, g, wo, ops);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
-    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
-    at::Tensor wb, double eps) {
-  return opm::opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
-                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
-                                                                 at::Tensor wb, at::Tensor bb, double eps,
-                                                                 bool block_tiles) {
-  return opm::opm_backward_rows(msa, mask, ln_w, ln_b, wa, ba, wb, bb, eps, block_tiles);
-}
-
-at::Tensor opm_backward_dbo(at::Tensor g) { return opm::opm_backward_dbo(g); }
-
-std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
-    at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
-    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab) {
-  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant, keep_ab);
+// The extension's entry points (Python names opm_*), each wrapped as load_inline's `functions=` wraps them:
+// torch::wrap_pybind_function turns a TORCH_CHECK failure into the Python exception PyTorch raises for it.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("opm_forward", torch::wrap_pybind_function(opm::opm_forward),
+        "forward: (out, the variant that ran, a, b, inv_denom where kept for the backward)");
+  m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
+        "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
+  m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
+  m.def("opm_backward_ab", torch::wrap_pybind_function(opm::opm_backward_ab),
+        "backward: (da, db) on wgmma, G recomputed per tile");
+  m.def("opm_backward_ln", torch::wrap_pybind_function(opm::opm_backward_ln), "backward: the LayerNorm part");
+  m.def("opm_backward_rows", torch::wrap_pybind_function(opm::opm_backward_rows),
+        "backward: (a, b, inv_denom) as the forward computes them");
+  m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
 }
 """
-
-_CPP_SRC = r"""
-#include <torch/extension.h>
-#include <tuple>
-std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
-    at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
-    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab);
-std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops);
-std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
-    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
-    at::Tensor wb, double eps);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
-                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
-                                                                 at::Tensor wb, at::Tensor bb, double eps,
-                                                                 bool block_tiles);
-at::Tensor opm_backward_dbo(at::Tensor g);
-"""
-
 
 _CUDA_SRC = _CUDA_SRC.replace("@VARIANT_ENUM@", _variant_enum(_ALL_VARIANTS))
 
@@ -5573,12 +5535,11 @@ def _rows_per_chunk(row_bytes, n, chunk_bytes):
 
 _VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
 _CUDA_FLAGS = _nvcc_flags("-DOPM_SM90A", _VERBOSE)
-_CXX_FLAGS = ["-O3"]
 
 
 def _extension_name():
-    """outer_product_mean_ and a hash of the sources, the flags and _build_environment()."""
-    return _hashed_name("outer_product_mean_", _CUDA_SRC + _CPP_SRC, _CUDA_FLAGS + _CXX_FLAGS)
+    """outer_product_mean_ and a hash of _CUDA_SRC, _CUDA_FLAGS and _build_environment()."""
+    return _hashed_name("outer_product_mean_", _CUDA_SRC, _CUDA_FLAGS)
 
 
 def _build():
@@ -5588,10 +5549,8 @@ def _build():
         print(f"building outer_product_mean CUDA extension ({name}): about 110 s on 2 cores, once "
               "(cached afterwards)",
               file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
-                       functions=["opm_forward", "opm_device_caps", "opm_backward_wo", "opm_backward_ab",
-                                  "opm_backward_ln", "opm_backward_rows", "opm_backward_dbo"],
-                       extra_cuda_cflags=_CUDA_FLAGS, extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
+    return load_inline(name=name, cpp_sources="", cuda_sources=_CUDA_SRC, extra_cuda_cflags=_CUDA_FLAGS,
+                       verbose=_VERBOSE)
 
 
 _ext = _build()

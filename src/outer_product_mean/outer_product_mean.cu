@@ -1,5 +1,5 @@
 // outer_product_mean's CUDA extension: one translation unit, bundled into outer_product_mean.py's _CUDA_SRC
-// by tools/bundle.py. The included files hold its parts in order; the entry points are below.
+// by tools/bundle.py. The included files hold its parts in order; the binding table is below.
 #include "common.cuh"
 #include "wgmma_common.cuh"
 #include "prep_kernel.cuh"
@@ -19,35 +19,18 @@
 #include "forward_bindings.cuh"
 #include "backward_bindings.cuh"
 
-
-std::tuple<bool, bool, bool> opm_device_caps(int64_t device) { return opm::device_caps(device); }
-
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
-  return opm::opm_backward_wo(a, b, inv_denom, g, ops);
-}
-
-std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops) {
-  return opm::opm_backward_ab(a, b, inv_denom, g, wo, ops);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
-    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
-    at::Tensor wb, double eps) {
-  return opm::opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
-                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
-                                                                 at::Tensor wb, at::Tensor bb, double eps,
-                                                                 bool block_tiles) {
-  return opm::opm_backward_rows(msa, mask, ln_w, ln_b, wa, ba, wb, bb, eps, block_tiles);
-}
-
-at::Tensor opm_backward_dbo(at::Tensor g) { return opm::opm_backward_dbo(g); }
-
-std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
-    at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
-    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab) {
-  return opm::opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant, keep_ab);
+// The extension's entry points (Python names opm_*), each wrapped as load_inline's `functions=` wraps them:
+// torch::wrap_pybind_function turns a TORCH_CHECK failure into the Python exception PyTorch raises for it.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("opm_forward", torch::wrap_pybind_function(opm::opm_forward),
+        "forward: (out, the variant that ran, a, b, inv_denom where kept for the backward)");
+  m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
+        "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
+  m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
+  m.def("opm_backward_ab", torch::wrap_pybind_function(opm::opm_backward_ab),
+        "backward: (da, db) on wgmma, G recomputed per tile");
+  m.def("opm_backward_ln", torch::wrap_pybind_function(opm::opm_backward_ln), "backward: the LayerNorm part");
+  m.def("opm_backward_rows", torch::wrap_pybind_function(opm::opm_backward_rows),
+        "backward: (a, b, inv_denom) as the forward computes them");
+  m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
 }

@@ -128,27 +128,6 @@ _CUDA_SRC = r"""
 #bundle-cuda src/outer_product_mean/outer_product_mean.cu
 """
 
-_CPP_SRC = r"""
-#include <torch/extension.h>
-#include <tuple>
-std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
-    at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
-    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab);
-std::tuple<bool, bool, bool> opm_device_caps(int64_t device);
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops);
-std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
-    at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
-    at::Tensor wb, double eps);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa, at::Tensor mask, at::Tensor ln_w,
-                                                                 at::Tensor ln_b, at::Tensor wa, at::Tensor ba,
-                                                                 at::Tensor wb, at::Tensor bb, double eps,
-                                                                 bool block_tiles);
-at::Tensor opm_backward_dbo(at::Tensor g);
-"""
-
-
 _CUDA_SRC = _CUDA_SRC.replace("@VARIANT_ENUM@", _variant_enum(_ALL_VARIANTS))
 
 #bundle-python src/common/build.py
@@ -156,12 +135,11 @@ _CUDA_SRC = _CUDA_SRC.replace("@VARIANT_ENUM@", _variant_enum(_ALL_VARIANTS))
 
 _VERBOSE = os.environ.get("OPM_VERBOSE", "0") not in ("", "0")
 _CUDA_FLAGS = _nvcc_flags("-DOPM_SM90A", _VERBOSE)
-_CXX_FLAGS = ["-O3"]
 
 
 def _extension_name():
-    """outer_product_mean_ and a hash of the sources, the flags and _build_environment()."""
-    return _hashed_name("outer_product_mean_", _CUDA_SRC + _CPP_SRC, _CUDA_FLAGS + _CXX_FLAGS)
+    """outer_product_mean_ and a hash of _CUDA_SRC, _CUDA_FLAGS and _build_environment()."""
+    return _hashed_name("outer_product_mean_", _CUDA_SRC, _CUDA_FLAGS)
 
 
 def _build():
@@ -171,10 +149,8 @@ def _build():
         print(f"building outer_product_mean CUDA extension ({name}): about 110 s on 2 cores, once "
               "(cached afterwards)",
               file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources=[_CPP_SRC], cuda_sources=[_CUDA_SRC],
-                       functions=["opm_forward", "opm_device_caps", "opm_backward_wo", "opm_backward_ab",
-                                  "opm_backward_ln", "opm_backward_rows", "opm_backward_dbo"],
-                       extra_cuda_cflags=_CUDA_FLAGS, extra_cflags=_CXX_FLAGS, verbose=_VERBOSE)
+    return load_inline(name=name, cpp_sources="", cuda_sources=_CUDA_SRC, extra_cuda_cflags=_CUDA_FLAGS,
+                       verbose=_VERBOSE)
 
 
 _ext = _build()
