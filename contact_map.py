@@ -1324,13 +1324,17 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 }  // namespace contact_map
 #line 1 "src/contact_map/wgmma_ptx.cuh"
-// contact_map: PTX wrappers of the wgmma kernel (mbarrier, named barriers, bulk and tensor copies, wgmma).
-#line 4 "src/contact_map/wgmma_ptx.cuh"
-
-namespace contact_map {
+// contact_map: PTX wrappers of the wgmma kernel (named barriers, matrix descriptors, wgmma); the mbarrier and
+// copy wrappers are src/common/sm90_ptx.cuh.
+#line 1 "src/common/sm90_ptx.cuh"
+// PTX wrappers of the Hopper instructions both kernel files use: shared-memory addresses, mbarriers, bulk
+// copies and TMA tensor copies. Compiled where nvcc targets sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); each file's
+// kernels that use them are traps elsewhere, never launched.
+#line 5 "src/common/sm90_ptx.cuh"
+#include <cuda.h>
+#include <cstdint>
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define CM_WG_DEVICE 1
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -1348,15 +1352,13 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // 
                  : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
   } while (!done);
 }
-// Named barriers of the two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
-__device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 // bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
-__device__ __forceinline__ void bulk_copy(float* smem, const float* gmem, unsigned bytes, uint64_t* bar) {
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
-// One box of a 4-D tensor map (coordinates innermost first) into shared memory, completing on bar.
+// One box of a 4-D tensor map (coordinates innermost first) into shared memory (128-byte aligned),
+// completing the box's bytes (zeros out of range included) on bar.
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                                             uint64_t* bar) {
   asm volatile(
@@ -1374,6 +1376,16 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, i
         "r"(smem_u32(bar)), "l"(policy)
       : "memory");
 }
+#endif
+#line 6 "src/contact_map/wgmma_ptx.cuh"
+
+namespace contact_map {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CM_WG_DEVICE 1
+// Named barriers of the two consumer warpgroups (256 threads: one warpgroup syncs, the other arrives).
+__device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 // Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4, LBO = 128 bytes (the
 // two 4-k core matrices), SBO = 256 bytes (8-row groups), no swizzle.
 __device__ __forceinline__ uint64_t plane_desc(const void* p) {
@@ -1391,14 +1403,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
                  "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 66 "src/contact_map/wgmma_ptx.cuh"
+#line 28 "src/contact_map/wgmma_ptx.cuh"
   } else {
     static_assert(N == 32, "wgmma_rs: N = 32 or 64");
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 69 "src/contact_map/wgmma_ptx.cuh"
+#line 31 "src/contact_map/wgmma_ptx.cuh"
   }
 }
 // wgmma_rs for 16-bit T: A (64 x 16 in T, registers as gemm1_channel16 describes) B^T (16 x N), B K-major.
@@ -1411,13 +1423,13 @@ __device__ __forceinline__ void wgmma_rs16(float (&d)[N / 2], const uint32_t (&a
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 78 "src/contact_map/wgmma_ptx.cuh"
+#line 40 "src/contact_map/wgmma_ptx.cuh"
     } else {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 80 "src/contact_map/wgmma_ptx.cuh"
+#line 42 "src/contact_map/wgmma_ptx.cuh"
     }
   } else {
     if constexpr (N == 64) {
@@ -1425,13 +1437,13 @@ __device__ __forceinline__ void wgmma_rs16(float (&d)[N / 2], const uint32_t (&a
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 84 "src/contact_map/wgmma_ptx.cuh"
+#line 46 "src/contact_map/wgmma_ptx.cuh"
     } else {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 86 "src/contact_map/wgmma_ptx.cuh"
+#line 48 "src/contact_map/wgmma_ptx.cuh"
     }
   }
 }
@@ -2225,7 +2237,35 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
 }  // namespace contact_map
 #line 1 "src/contact_map/launchers.cuh"
 // contact_map: the forward's launchers and the variant dispatch.
-#line 4 "src/contact_map/launchers.cuh"
+#line 1 "src/common/tensor_map.cuh"
+// Host side of the TMA tensor copies: the driver's cuTensorMapEncodeTiled, reached through the runtime.
+#line 3 "src/common/tensor_map.cuh"
+#include <c10/cuda/CUDAException.h>
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once. who: the
+// error message's prefix ("contact_map", "outer_product_mean").
+inline EncodeTiledFn encode_tiled(const char* who) {
+  static EncodeTiledFn fn = nullptr;
+  if (fn == nullptr) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
+#endif
+    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr, who,
+                ": the CUDA driver has no cuTensorMapEncodeTiled (the Hopper kernels' tensor maps need CUDA 12+)");
+    fn = reinterpret_cast<EncodeTiledFn>(p);
+  }
+  return fn;
+}
+#line 5 "src/contact_map/launchers.cuh"
 
 namespace contact_map {
 
@@ -2375,27 +2415,6 @@ constexpr bool kBuiltSm90a = true;  // the build has sm_90a code (the wgmma kern
 constexpr bool kBuiltSm90a = false;
 #endif
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once.
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = nullptr;
-  if (fn == nullptr) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-#else
-    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
-#endif
-    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
-                "contact_map: the CUDA driver has no cuTensorMapEncodeTiled (the wgmma kernel needs CUDA 12+)");
-    fn = reinterpret_cast<EncodeTiledFn>(p);
-  }
-  return fn;
-}
-
 // x (B, N, N, C) contiguous as a 4-D tensor map (C, N, N, B) with boxes of 128 bytes of channels (32 fp32,
 // 64 fp16 / bf16) x 8 x 8 positions, 128-byte swizzle, zero fill out of range. Tile map: dimension 1 is x's j (stride C),
 // dimension 2 its i (stride N C); mirror map: the two swapped, so that both land with row 8 il + jl.
@@ -2414,7 +2433,7 @@ CUtensorMap make_tile_map(const T* x, int B, int N, int C, bool mirror,
   const CUtensorMapDataType type = std::is_same<T, float>::value    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUresult r = encode_tiled()(&m, type, 4, const_cast<T*>(x), dims, strides, box,
+  const CUresult r = encode_tiled("contact_map")(&m, type, 4, const_cast<T*>(x), dims, strides, box,
                                     elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "contact_map: cuTensorMapEncodeTiled failed with CUresult " + num(static_cast<int>(r)));

@@ -374,7 +374,58 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
 }  // namespace opm
 #line 1 "src/outer_product_mean/wgmma_common.cuh"
 // outer_product_mean: the Hopper (sm_90a) routines the wgmma kernels share: tile-order operands, PTX wrappers, wgmma.
-#line 4 "src/outer_product_mean/wgmma_common.cuh"
+#line 1 "src/common/sm90_ptx.cuh"
+// PTX wrappers of the Hopper instructions both kernel files use: shared-memory addresses, mbarriers, bulk
+// copies and TMA tensor copies. Compiled where nvcc targets sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); each file's
+// kernels that use them are traps elsewhere, never launched.
+#line 5 "src/common/sm90_ptx.cuh"
+#include <cuda.h>
+#include <cstdint>
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // until the phase of this parity completes
+  unsigned done = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+// bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+// One box of a 4-D tensor map (coordinates innermost first) into shared memory (128-byte aligned),
+// completing the box's bytes (zeros out of range included) on bar.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+        "r"(smem_u32(bar))
+      : "memory");
+}
+// tma_load_4d with an L2 cache policy (createpolicy's 64-bit value) on the reads (PTX ISA: .L2::cache_hint).
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+        "r"(smem_u32(bar)), "l"(policy)
+      : "memory");
+}
+#endif
+#line 5 "src/outer_product_mean/wgmma_common.cuh"
 
 namespace opm {
 
@@ -451,29 +502,12 @@ __device__ __forceinline__ void store_split4(float* hi_dst, float* lo_dst, float
 // runs w_first_wg2 and outer_wg only when the extension was built with sm_90a, OPM_SM90A, on a 9.0 device).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define OPM_WG_DEVICE 1
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 // Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride byte
 // offsets, each >> 4 in 14 bits; swizzle mode 0 (none) in bits 62-63.
 // sbo: bytes between 8-row groups (1024 for 32-k blocks, 512 for outer_wg's 16-k blocks).
 __device__ __forceinline__ uint64_t wg_desc(const float* p, unsigned sbo = 1024) {
   return static_cast<uint64_t>((smem_u32(p) & 0x3ffff) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
          (static_cast<uint64_t>(sbo >> 4) << 32);
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // until the phase of this parity completes
-  unsigned done = 0;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-  } while (!done);
 }
 // The full / empty mbarriers of a ring of `stages` slots (thread 0; the caller then syncs the block):
 // full: one producer arrival (plus the copies' bytes), empty: one arrival per consumer warp (8).
@@ -484,21 +518,6 @@ __device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, 
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-// bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
-__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-// One box of a 4-D tensor map (coordinates innermost first) into shared memory (128-byte aligned),
-// completing the box's bytes (zeros out of range included) on bar.
-__device__ __forceinline__ void tma_load_4d(float* smem, const CUtensorMap* map, int c0, int c1, int c2, int c3,
-                                            uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
-      ::"r"(smem_u32(smem)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-        "r"(smem_u32(bar))
-      : "memory");
-}
 // d (64 x 128, fp32, this warpgroup's accumulator fragment) = A (64 x 8) B^T (8 x 128) + (acc ? d : 0),
 // TF32 operands K-major in shared memory. d[4 j + q]: row 16 (warp % 4) + lane / 4 + 8 (q / 2),
 // column 8 j + 2 (lane % 4) + q % 2.
@@ -508,7 +527,7 @@ __device__ __forceinline__ void wgmma_tf32_m64n128k8(float (&d)[64], uint64_t da
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
 }
-#line 133 "src/outer_product_mean/wgmma_common.cuh"
+#line 102 "src/outer_product_mean/wgmma_common.cuh"
 // The same for one k step of 16 with T (__nv_bfloat16 or __half) operands K-major in shared memory
 // (core matrices of 8 rows x 16 bytes); d's layout as m64n128k8's.
 template <typename T>
@@ -519,13 +538,13 @@ __device__ __forceinline__ void wgmma16_m64n128k16(float (&d)[64], uint64_t da, 
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
   } else {
-#line 139 "src/outer_product_mean/wgmma_common.cuh"
+#line 108 "src/outer_product_mean/wgmma_common.cuh"
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
   }
-#line 140 "src/outer_product_mean/wgmma_common.cuh"
+#line 109 "src/outer_product_mean/wgmma_common.cuh"
 }
 // Compiler fence on the accumulator registers (CUTLASS's warpgroup_fence_operand): the asynchronous
 // wgmma reads and writes them behind the compiler's back, so no access may move across the
@@ -545,7 +564,7 @@ __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uin
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 }
-#line 155 "src/outer_product_mean/wgmma_common.cuh"
+#line 124 "src/outer_product_mean/wgmma_common.cuh"
 // The same for one k step of 16 in fp16: A's fragment as fp16 pairs (mma m16n8k16's A layout per
 // warp: a[0] row g, k 2 t4 + {0, 1}; a[1] row g + 8; a[2] k + 8; a[3] both), B K-major.
 __device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
@@ -554,7 +573,7 @@ __device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uin
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 }
-#line 159 "src/outer_product_mean/wgmma_common.cuh"
+#line 128 "src/outer_product_mean/wgmma_common.cuh"
 // The same in T (__half or __nv_bfloat16).
 template <typename T>
 __device__ __forceinline__ void wgmma16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
@@ -564,7 +583,7 @@ __device__ __forceinline__ void wgmma16_m64n64k16_rs(float (&d)[32], const uint3
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
   } else {
-#line 164 "src/outer_product_mean/wgmma_common.cuh"
+#line 133 "src/outer_product_mean/wgmma_common.cuh"
     wgmma_f16_m64n64k16_rs(d, a, db, acc);
   }
 }
@@ -5084,7 +5103,35 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
 }  // namespace opm
 #line 1 "src/outer_product_mean/backward_bindings.cuh"
 // outer_product_mean: the backward's bound functions, tensor maps and the device capabilities.
-#line 4 "src/outer_product_mean/backward_bindings.cuh"
+#line 1 "src/common/tensor_map.cuh"
+// Host side of the TMA tensor copies: the driver's cuTensorMapEncodeTiled, reached through the runtime.
+#line 3 "src/common/tensor_map.cuh"
+#include <c10/cuda/CUDAException.h>
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once. who: the
+// error message's prefix ("contact_map", "outer_product_mean").
+inline EncodeTiledFn encode_tiled(const char* who) {
+  static EncodeTiledFn fn = nullptr;
+  if (fn == nullptr) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
+#endif
+    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr, who,
+                ": the CUDA driver has no cuTensorMapEncodeTiled (the Hopper kernels' tensor maps need CUDA 12+)");
+    fn = reinterpret_cast<EncodeTiledFn>(p);
+  }
+  return fn;
+}
+#line 5 "src/outer_product_mean/backward_bindings.cuh"
 
 namespace opm {
 
@@ -5206,27 +5253,6 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   return dwo;
 }
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once.
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = nullptr;
-  if (fn == nullptr) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-#else
-    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
-#endif
-    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
-                "outer_product_mean: the CUDA driver has no cuTensorMapEncodeTiled (the da / db kernel needs CUDA 12+)");
-    fn = reinterpret_cast<EncodeTiledFn>(p);
-  }
-  return fn;
-}
-
 // g (B, N, N, c_z) fp32, fp16 or bf16, contiguous, 16-byte aligned and 16-byte rows (c_z % 4 == 0 in fp32,
 // % 8 == 0 in 16 bits), as a 4-D tensor map (c_z, N j, N i, B)
 // with boxes of (c_z, box_j, box_i, 1), no swizzle, zeros out of range (opm_bw_ab_kernel's g slots).
@@ -5239,7 +5265,7 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
   const auto type = g.scalar_type() == at::kHalf       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                     : g.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  const CUresult r = encode_tiled()(&m, type, 4, g.data_ptr(), dims, strides, box, elem,
+  const CUresult r = encode_tiled("outer_product_mean")(&m, type, 4, g.data_ptr(), dims, strides, box, elem,
                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "outer_product_mean: cuTensorMapEncodeTiled failed with CUresult ", static_cast<int>(r));

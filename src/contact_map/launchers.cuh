@@ -1,6 +1,7 @@
 // contact_map: the forward's launchers and the variant dispatch.
 #pragma once
 #include "wgmma_kernel.cuh"
+#include "tensor_map.cuh"
 
 namespace contact_map {
 
@@ -150,27 +151,6 @@ constexpr bool kBuiltSm90a = true;  // the build has sm_90a code (the wgmma kern
 constexpr bool kBuiltSm90a = false;
 #endif
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once.
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = nullptr;
-  if (fn == nullptr) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-#else
-    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
-#endif
-    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
-                "contact_map: the CUDA driver has no cuTensorMapEncodeTiled (the wgmma kernel needs CUDA 12+)");
-    fn = reinterpret_cast<EncodeTiledFn>(p);
-  }
-  return fn;
-}
-
 // x (B, N, N, C) contiguous as a 4-D tensor map (C, N, N, B) with boxes of 128 bytes of channels (32 fp32,
 // 64 fp16 / bf16) x 8 x 8 positions, 128-byte swizzle, zero fill out of range. Tile map: dimension 1 is x's j (stride C),
 // dimension 2 its i (stride N C); mirror map: the two swapped, so that both land with row 8 il + jl.
@@ -189,7 +169,7 @@ CUtensorMap make_tile_map(const T* x, int B, int N, int C, bool mirror,
   const CUtensorMapDataType type = std::is_same<T, float>::value    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUresult r = encode_tiled()(&m, type, 4, const_cast<T*>(x), dims, strides, box,
+  const CUresult r = encode_tiled("contact_map")(&m, type, 4, const_cast<T*>(x), dims, strides, box,
                                     elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "contact_map: cuTensorMapEncodeTiled failed with CUresult " + num(static_cast<int>(r)));

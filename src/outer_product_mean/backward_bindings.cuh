@@ -1,6 +1,7 @@
 // outer_product_mean: the backward's bound functions, tensor maps and the device capabilities.
 #pragma once
 #include "forward_bindings.cuh"
+#include "tensor_map.cuh"
 
 namespace opm {
 
@@ -122,27 +123,6 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   return dwo;
 }
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda needed), looked up once.
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = nullptr;
-  if (fn == nullptr) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-#else
-    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
-#endif
-    TORCH_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
-                "outer_product_mean: the CUDA driver has no cuTensorMapEncodeTiled (the da / db kernel needs CUDA 12+)");
-    fn = reinterpret_cast<EncodeTiledFn>(p);
-  }
-  return fn;
-}
-
 // g (B, N, N, c_z) fp32, fp16 or bf16, contiguous, 16-byte aligned and 16-byte rows (c_z % 4 == 0 in fp32,
 // % 8 == 0 in 16 bits), as a 4-D tensor map (c_z, N j, N i, B)
 // with boxes of (c_z, box_j, box_i, 1), no swizzle, zeros out of range (opm_bw_ab_kernel's g slots).
@@ -155,7 +135,7 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
   const auto type = g.scalar_type() == at::kHalf       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                     : g.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  const CUresult r = encode_tiled()(&m, type, 4, g.data_ptr(), dims, strides, box, elem,
+  const CUresult r = encode_tiled("outer_product_mean")(&m, type, 4, g.data_ptr(), dims, strides, box, elem,
                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "outer_product_mean: cuTensorMapEncodeTiled failed with CUresult ", static_cast<int>(r));

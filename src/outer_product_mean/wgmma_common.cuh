@@ -1,6 +1,7 @@
 // outer_product_mean: the Hopper (sm_90a) routines the wgmma kernels share: tile-order operands, PTX wrappers, wgmma.
 #pragma once
 #include "common.cuh"
+#include "sm90_ptx.cuh"
 
 namespace opm {
 
@@ -77,29 +78,12 @@ __device__ __forceinline__ void store_split4(float* hi_dst, float* lo_dst, float
 // runs w_first_wg2 and outer_wg only when the extension was built with sm_90a, OPM_SM90A, on a 9.0 device).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define OPM_WG_DEVICE 1
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 // Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride byte
 // offsets, each >> 4 in 14 bits; swizzle mode 0 (none) in bits 62-63.
 // sbo: bytes between 8-row groups (1024 for 32-k blocks, 512 for outer_wg's 16-k blocks).
 __device__ __forceinline__ uint64_t wg_desc(const float* p, unsigned sbo = 1024) {
   return static_cast<uint64_t>((smem_u32(p) & 0x3ffff) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
          (static_cast<uint64_t>(sbo >> 4) << 32);
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // until the phase of this parity completes
-  unsigned done = 0;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-  } while (!done);
 }
 // The full / empty mbarriers of a ring of `stages` slots (thread 0; the caller then syncs the block):
 // full: one producer arrival (plus the copies' bytes), empty: one arrival per consumer warp (8).
@@ -109,21 +93,6 @@ __device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, 
     mbar_init(empty + st, 8);
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// bytes % 16 == 0, both addresses 16-byte aligned; completes `bytes` transactions on bar.
-__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-// One box of a 4-D tensor map (coordinates innermost first) into shared memory (128-byte aligned),
-// completing the box's bytes (zeros out of range included) on bar.
-__device__ __forceinline__ void tma_load_4d(float* smem, const CUtensorMap* map, int c0, int c1, int c2, int c3,
-                                            uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
-      ::"r"(smem_u32(smem)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-        "r"(smem_u32(bar))
-      : "memory");
 }
 // d (64 x 128, fp32, this warpgroup's accumulator fragment) = A (64 x 8) B^T (8 x 128) + (acc ? d : 0),
 // TF32 operands K-major in shared memory. d[4 j + q]: row 16 (warp % 4) + lane / 4 + 8 (q / 2),
