@@ -446,7 +446,16 @@ constexpr int kWgAPlane = kWgARows * kWgBK;      // floats of one plane of an A 
 constexpr int kWgBPlane = kWgBRows * kWgBK;      // floats of one plane of a B block (16 KB)
 constexpr int kWgStages = 3;
 constexpr int kWgStage = 2 * 2 * kWgAPlane + 2 * kWgBPlane;  // floats per stage: 2 A blocks + 1 B block (64 KB)
-constexpr int kWgThreads = 288;                  // 2 consumer warpgroups + 1 producer warp
+// Roles of every Hopper kernel here (w_first_wg2, outer_wg, the backward's dWo and da / db): warpgroups 0 and
+// 1 consume (wgmma), warpgroup kProducerWg produces, its first thread kProducerThread issuing the copies.
+constexpr int kConsumerWgs = 2, kProducerWg = kConsumerWgs;
+constexpr int kConsumerThreads = 128 * kConsumerWgs, kProducerThread = 128 * kProducerWg;
+// Named barriers (id 0 is __syncthreads'). kConsumers: the consumer warpgroups' threads only.
+enum class WgBarrier : int { kConsumers = 1 };
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(static_cast<int>(WgBarrier::kConsumers)), "n"(kConsumerThreads) : "memory");
+}
+constexpr int kWgThreads = kConsumerThreads + 32;  // the consumer warpgroups + 1 producer warp
 constexpr int kWgPromo = 8;                      // k steps (of 8) per promotion into fp32 (64 k)
 constexpr size_t kWgSmemBytes = 4ull * kWgStages * kWgStage + 16 * kWgStages;  // + full/empty mbarriers
 __host__ __device__ __forceinline__ int wg_tile_off(int r, int k) {
@@ -527,7 +536,7 @@ __device__ __forceinline__ void wgmma_tf32_m64n128k8(float (&d)[64], uint64_t da
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
 }
-#line 102 "src/outer_product_mean/wgmma_common.cuh"
+#line 111 "src/outer_product_mean/wgmma_common.cuh"
 // The same for one k step of 16 with T (__nv_bfloat16 or __half) operands K-major in shared memory
 // (core matrices of 8 rows x 16 bytes); d's layout as m64n128k8's.
 template <typename T>
@@ -538,13 +547,13 @@ __device__ __forceinline__ void wgmma16_m64n128k16(float (&d)[64], uint64_t da, 
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
   } else {
-#line 108 "src/outer_product_mean/wgmma_common.cuh"
+#line 117 "src/outer_product_mean/wgmma_common.cuh"
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
   }
-#line 109 "src/outer_product_mean/wgmma_common.cuh"
+#line 118 "src/outer_product_mean/wgmma_common.cuh"
 }
 // Compiler fence on the accumulator registers (CUTLASS's warpgroup_fence_operand): the asynchronous
 // wgmma reads and writes them behind the compiler's back, so no access may move across the
@@ -564,7 +573,7 @@ __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uin
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 }
-#line 124 "src/outer_product_mean/wgmma_common.cuh"
+#line 133 "src/outer_product_mean/wgmma_common.cuh"
 // The same for one k step of 16 in fp16: A's fragment as fp16 pairs (mma m16n8k16's A layout per
 // warp: a[0] row g, k 2 t4 + {0, 1}; a[1] row g + 8; a[2] k + 8; a[3] both), B K-major.
 __device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
@@ -573,7 +582,7 @@ __device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uin
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 }
-#line 128 "src/outer_product_mean/wgmma_common.cuh"
+#line 137 "src/outer_product_mean/wgmma_common.cuh"
 // The same in T (__half or __nv_bfloat16).
 template <typename T>
 __device__ __forceinline__ void wgmma16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
@@ -583,7 +592,7 @@ __device__ __forceinline__ void wgmma16_m64n64k16_rs(float (&d)[32], const uint3
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
   } else {
-#line 133 "src/outer_product_mean/wgmma_common.cuh"
+#line 142 "src/outer_product_mean/wgmma_common.cuh"
     wgmma_f16_m64n64k16_rs(d, a, db, acc);
   }
 }
@@ -1810,8 +1819,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
   const int kbs = static_cast<int>(KB);
   if (tid == 0) mbar_ring_init(full, empty, kWgStages);
   __syncthreads();
-  if (wg == 2) {  // producer warp
-    if (tid == 256) {
+  if (wg == kProducerWg) {  // producer warp
+    if (tid == kProducerThread) {
       const int64_t MB64 = 2 * MB128;
       uint32_t u = 0;  // stage uses so far (32 bits: a 64-bit u % kWgStages is ~40 dependent instructions)
       for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
@@ -1952,7 +1961,7 @@ constexpr int kOwStage = 2 * 2 * kOwAPlane + 2 * kOwBPlane;  // 32 KB: 2 A block
 static_assert(kOwStage == 2 * kOwWPlane, "a phase-B stage (one Wo block) fills a ring slot");
 constexpr int kOwStages = 5;
 constexpr int kOwLDO = kOwHC * 32 + 4;   // Os row stride: 4 mod 32 words, conflict-free fragment loads
-constexpr int kOwThreads = 384;          // 2 consumer warpgroups + 1 producer warpgroup (setmaxnreg)
+constexpr int kOwThreads = 128 * (kConsumerWgs + 1);  // consumer warpgroups + the producer warpgroup (setmaxnreg)
 constexpr int kOwConsumerRegs = 232, kOwProducerRegs = 40;
 // setmaxnreg moves registers within the block's allocation (384 threads x 168, the launch bound's
 // cap): more would leave setmaxnreg.inc waiting for registers that never come
@@ -2842,9 +2851,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   const int kbs = static_cast<int>(KBS);
   if (tid == 0) mbar_ring_init(full, empty, kStages);
   __syncthreads();
-  if (wg == 2) {  // producer warpgroup
+  if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
-    if (tid == 256) {
+    if (tid == kProducerThread) {
       uint32_t u = 0;  // ring slots used so far
       auto slot = [&](unsigned bytes) -> float* {  // the next slot, once free; its full barrier expects `bytes`
         const int st = static_cast<int>(u % kStages);
@@ -2997,7 +3006,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       if constexpr (kSplit) {
         // ---- O_q -> Os: acc[4 jj + 2 hr + e] is row 16 w4 + g + 8 hr = (il8 = 2 w4 + hr, hl = g),
         //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-B loads of Os are done
+        consumers_sync();  // every consumer's phase-B loads of Os are done
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
@@ -3006,7 +3015,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             *reinterpret_cast<float2*>(Os + p * kOwLDO + g * 32 + ((k + 8 * g) & 31)) =
                 make_float2(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1]);
           }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
+        consumers_sync();  // Os complete
         // ---- phase B: o[p, z] += sum_kk Os[p][kk] WoP_q[z][kk], one Wo block (32 kk) per hl ----
 #pragma unroll
         for (int e = 0; e < 32; ++e) d2[e] = 0.f;  // (overwritten: scale-d 0 first; zeroed here so that d2 is not live in phase A)
@@ -3071,7 +3080,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             if (lane == 0) Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float(static_cast<uint32_t>(254 - fs) << 23);
           }
         }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-B loads of Os16, Osc are done
+        consumers_sync();  // every consumer's phase-B loads of Os16, Osc are done
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
@@ -3080,7 +3089,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             Os16[p * kOwLDO16 + g * 16 + ow_os16_word(g, m)] =
                 pack2_16<__half>(acc[4 * jj + 2 * hr] * rowf[hr][jj / 4], acc[4 * jj + 2 * hr + 1] * rowf[hr][jj / 4]);
           }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os16, Osc complete
+        consumers_sync();  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
         // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
         //      Wo blocks (hl, hl + 1) per slot, one accumulator over the q's four slots; a slot's wgmmas
@@ -3381,9 +3390,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   constexpr int kSlots = kHalf ? 4 : 8, kPer64 = kHalf ? 2 : 4, kGSlot = kHalf ? 4096 : kOwStage;
   if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
   __syncthreads();
-  if (wg == 2) {  // producer warpgroup
+  if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
-    if (tid == 256) {
+    if (tid == kProducerThread) {
       uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
         const int st = static_cast<int>(u % kBwoStages);
@@ -3491,7 +3500,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
       }
       // ---- O -> Os_w: acc[4 jj + 2 hr + e] is row R = 16 w4 + g + 8 hr = (hh = R / 32, il = R % 32),
       //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-W loads of Os are done
+      consumers_sync();  // every consumer's phase-W loads of Os are done
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
@@ -3500,7 +3509,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
           const int p = (R & 31) * 4 + jj / 4, hk = (R >> 5) * 32 + 8 * (jj % 4) + 2 * t4;
           *reinterpret_cast<float2*>(Os_w + p * kBwLDO + hk) = make_float2(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1]);
         }
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
+      consumers_sync();  // Os complete
     }
     // ---- phase W: D[hk][z] += sum_p Os_w[p][hk] gd[p][z], 16 pairs per slot (16-bit: 32) ----
 #pragma unroll
@@ -3777,9 +3786,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (wg == 2) {  // producer warpgroup
+  if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
-    if (tid == 256) {
+    if (tid == kProducerThread) {
       constexpr unsigned kWtBytes = kHalf ? 2 * 8192 : 4 * kAbOperand;
       mbar_expect_tx(wbar, kWtBytes);
       bulk_copy(Ws, Wt + sl * (kWtBytes / 4), kWtBytes, wbar);
@@ -3889,7 +3898,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     // 16-bit T: G^T in two 16 KB buffers by J's parity; a warpgroup passed the barrier before J - 1's da
     // step only after its da step of J - 2 (the last reader of this buffer) had completed, so no barrier here
     [[maybe_unused]] float* GtJ = Gt + (J & 1) * 4096;
-    if constexpr (!kHalf) asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's da-step wgmma on Gt is done
+    if constexpr (!kHalf) consumers_sync();  // every consumer's da-step wgmma on Gt is done
     // (n, kap) = (2 ol + jj / 4, 32 (2 wg + ll) + 8 (jj % 4) + 2 t4), ol = 16 (w4 % 2) + gq + 8 hr: ab_off is
     // gt0's plus 2048 hr + 64 (jj % 4) + 4 (jj / 4) ((2 gq) % 8 + 1 < 8: no carry; kap steps by 8): one
     // address per thread and J (16 from ab_off each are hoisted out of the J loop by ptxas, and spill)
@@ -3916,7 +3925,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
         }
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before wgmma reads Gt
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    consumers_sync();
     // ---- da step ----
 #pragma unroll
     for (int mp = 0; mp < 4; ++mp)

@@ -176,9 +176,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (wg == 2) {  // producer warpgroup
+  if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
-    if (tid == 256) {
+    if (tid == kProducerThread) {
       constexpr unsigned kWtBytes = kHalf ? 2 * 8192 : 4 * kAbOperand;
       mbar_expect_tx(wbar, kWtBytes);
       bulk_copy(Ws, Wt + sl * (kWtBytes / 4), kWtBytes, wbar);
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     // 16-bit T: G^T in two 16 KB buffers by J's parity; a warpgroup passed the barrier before J - 1's da
     // step only after its da step of J - 2 (the last reader of this buffer) had completed, so no barrier here
     [[maybe_unused]] float* GtJ = Gt + (J & 1) * 4096;
-    if constexpr (!kHalf) asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's da-step wgmma on Gt is done
+    if constexpr (!kHalf) consumers_sync();  // every consumer's da-step wgmma on Gt is done
     // (n, kap) = (2 ol + jj / 4, 32 (2 wg + ll) + 8 (jj % 4) + 2 t4), ol = 16 (w4 % 2) + gq + 8 hr: ab_off is
     // gt0's plus 2048 hr + 64 (jj % 4) + 4 (jj / 4) ((2 gq) % 8 + 1 < 8: no carry; kap steps by 8): one
     // address per thread and J (16 from ab_off each are hoisted out of the J loop by ptxas, and spill)
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
         }
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stores before wgmma reads Gt
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    consumers_sync();
     // ---- da step ----
 #pragma unroll
     for (int mp = 0; mp < 4; ++mp)

@@ -211,9 +211,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   constexpr int kSlots = kHalf ? 4 : 8, kPer64 = kHalf ? 2 : 4, kGSlot = kHalf ? 4096 : kOwStage;
   if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
   __syncthreads();
-  if (wg == 2) {  // producer warpgroup
+  if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
-    if (tid == 256) {
+    if (tid == kProducerThread) {
       uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
         const int st = static_cast<int>(u % kBwoStages);
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
       }
       // ---- O -> Os_w: acc[4 jj + 2 hr + e] is row R = 16 w4 + g + 8 hr = (hh = R / 32, il = R % 32),
       //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-W loads of Os are done
+      consumers_sync();  // every consumer's phase-W loads of Os are done
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
           const int p = (R & 31) * 4 + jj / 4, hk = (R >> 5) * 32 + 8 * (jj % 4) + 2 * t4;
           *reinterpret_cast<float2*>(Os_w + p * kBwLDO + hk) = make_float2(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1]);
         }
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
+      consumers_sync();  // Os complete
     }
     // ---- phase W: D[hk][z] += sum_p Os_w[p][hk] gd[p][z], 16 pairs per slot (16-bit: 32) ----
 #pragma unroll

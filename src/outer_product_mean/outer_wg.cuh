@@ -47,7 +47,7 @@ constexpr int kOwStage = 2 * 2 * kOwAPlane + 2 * kOwBPlane;  // 32 KB: 2 A block
 static_assert(kOwStage == 2 * kOwWPlane, "a phase-B stage (one Wo block) fills a ring slot");
 constexpr int kOwStages = 5;
 constexpr int kOwLDO = kOwHC * 32 + 4;   // Os row stride: 4 mod 32 words, conflict-free fragment loads
-constexpr int kOwThreads = 384;          // 2 consumer warpgroups + 1 producer warpgroup (setmaxnreg)
+constexpr int kOwThreads = 128 * (kConsumerWgs + 1);  // consumer warpgroups + the producer warpgroup (setmaxnreg)
 constexpr int kOwConsumerRegs = 232, kOwProducerRegs = 40;
 // setmaxnreg moves registers within the block's allocation (384 threads x 168, the launch bound's
 // cap): more would leave setmaxnreg.inc waiting for registers that never come

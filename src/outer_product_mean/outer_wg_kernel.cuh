@@ -61,9 +61,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   const int kbs = static_cast<int>(KBS);
   if (tid == 0) mbar_ring_init(full, empty, kStages);
   __syncthreads();
-  if (wg == 2) {  // producer warpgroup
+  if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
-    if (tid == 256) {
+    if (tid == kProducerThread) {
       uint32_t u = 0;  // ring slots used so far
       auto slot = [&](unsigned bytes) -> float* {  // the next slot, once free; its full barrier expects `bytes`
         const int st = static_cast<int>(u % kStages);
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       if constexpr (kSplit) {
         // ---- O_q -> Os: acc[4 jj + 2 hr + e] is row 16 w4 + g + 8 hr = (il8 = 2 w4 + hr, hl = g),
         //      column 8 jj + 2 t4 + e = (jl = jj / 4, k = 8 (jj % 4) + 2 t4 + e) ----
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-B loads of Os are done
+        consumers_sync();  // every consumer's phase-B loads of Os are done
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             *reinterpret_cast<float2*>(Os + p * kOwLDO + g * 32 + ((k + 8 * g) & 31)) =
                 make_float2(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1]);
           }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os complete
+        consumers_sync();  // Os complete
         // ---- phase B: o[p, z] += sum_kk Os[p][kk] WoP_q[z][kk], one Wo block (32 kk) per hl ----
 #pragma unroll
         for (int e = 0; e < 32; ++e) d2[e] = 0.f;  // (overwritten: scale-d 0 first; zeroed here so that d2 is not live in phase A)
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             if (lane == 0) Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float(static_cast<uint32_t>(254 - fs) << 23);
           }
         }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's phase-B loads of Os16, Osc are done
+        consumers_sync();  // every consumer's phase-B loads of Os16, Osc are done
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             Os16[p * kOwLDO16 + g * 16 + ow_os16_word(g, m)] =
                 pack2_16<__half>(acc[4 * jj + 2 * hr] * rowf[hr][jj / 4], acc[4 * jj + 2 * hr + 1] * rowf[hr][jj / 4]);
           }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // Os16, Osc complete
+        consumers_sync();  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
         // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
         //      Wo blocks (hl, hl + 1) per slot, one accumulator over the q's four slots; a slot's wgmmas

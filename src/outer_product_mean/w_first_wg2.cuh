@@ -163,8 +163,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
   const int kbs = static_cast<int>(KB);
   if (tid == 0) mbar_ring_init(full, empty, kWgStages);
   __syncthreads();
-  if (wg == 2) {  // producer warp
-    if (tid == 256) {
+  if (wg == kProducerWg) {  // producer warp
+    if (tid == kProducerThread) {
       const int64_t MB64 = 2 * MB128;
       uint32_t u = 0;  // stage uses so far (32 bits: a 64-bit u % kWgStages is ~40 dependent instructions)
       for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {

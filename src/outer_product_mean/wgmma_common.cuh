@@ -22,7 +22,16 @@ constexpr int kWgAPlane = kWgARows * kWgBK;      // floats of one plane of an A 
 constexpr int kWgBPlane = kWgBRows * kWgBK;      // floats of one plane of a B block (16 KB)
 constexpr int kWgStages = 3;
 constexpr int kWgStage = 2 * 2 * kWgAPlane + 2 * kWgBPlane;  // floats per stage: 2 A blocks + 1 B block (64 KB)
-constexpr int kWgThreads = 288;                  // 2 consumer warpgroups + 1 producer warp
+// Roles of every Hopper kernel here (w_first_wg2, outer_wg, the backward's dWo and da / db): warpgroups 0 and
+// 1 consume (wgmma), warpgroup kProducerWg produces, its first thread kProducerThread issuing the copies.
+constexpr int kConsumerWgs = 2, kProducerWg = kConsumerWgs;
+constexpr int kConsumerThreads = 128 * kConsumerWgs, kProducerThread = 128 * kProducerWg;
+// Named barriers (id 0 is __syncthreads'). kConsumers: the consumer warpgroups' threads only.
+enum class WgBarrier : int { kConsumers = 1 };
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(static_cast<int>(WgBarrier::kConsumers)), "n"(kConsumerThreads) : "memory");
+}
+constexpr int kWgThreads = kConsumerThreads + 32;  // the consumer warpgroups + 1 producer warp
 constexpr int kWgPromo = 8;                      // k steps (of 8) per promotion into fp32 (64 k)
 constexpr size_t kWgSmemBytes = 4ull * kWgStages * kWgStage + 16 * kWgStages;  // + full/empty mbarriers
 __host__ __device__ __forceinline__ int wg_tile_off(int r, int k) {
