@@ -1940,7 +1940,8 @@ namespace opm {
 // Operands in tile order (written by opm_prep_ow_kernel and opm_ow_params_kernel), hi plane then lo
 // plane per block:
 //   Aow[b][q][kb][mb] blocks of 64 rows x 16 s: row r = (i % 8) * 8 + hl of residues i in
-//     [8 mb, 8 mb + 8), element (r, s % 16) at wg_tile_off16(r, s % 16); the two blocks of one
+//     [8 mb, 8 mb + 8), element (r, s % 16) at float (r / 8) 128 + (s % 16 / 4) 32 + (r % 8) 4 + s % 4
+//     (8-row groups 512 bytes apart); the two blocks of one
 //     tile (mb = 2 it, 2 it + 1) are adjacent: one 16 KB bulk copy.
 //   Bow[b][nb][kb] blocks of 128 rows x 16 s: row r = (j % 4) * 32 + k, j in [4 nb, 4 nb + 4).
 //   WoP[zc][q][hl] blocks of 128 z x 32 kl (wg_tile_off): Wo[zc*128 + z, (8q + hl) c + ((kl - 8 hl) & 31)].
@@ -1968,10 +1969,6 @@ constexpr int kOwConsumerRegs = 232, kOwProducerRegs = 40;
 static_assert(2 * 128 * kOwConsumerRegs + 128 * kOwProducerRegs <= kOwThreads * ((65536 / kOwThreads) & ~7),
               "outer_wg: register budget of the warpgroups");
 constexpr size_t kOwSmemBytes = 4ull * (kOwStages * kOwStage + 64 * kOwLDO) + 16 * kOwStages;
-// 16-k block (outer_wg's A and B blocks): 8-row groups 512 bytes apart
-__host__ __device__ __forceinline__ int wg_tile_off16(int r, int k) {
-  return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3);
-}
 // fp16 / bf16 input: A and B blocks of kOwS16 = 32 s in T, element (r, k) at ow_off16h(r, k): 8-row groups
 // 512 bytes apart, each 4 core matrices (8 rows x 8 k, 128 bytes) along k; one ring slot of kOwSlot16
 // floats (16 KB) holds a phase-A stage (2 A blocks + 1 B block, 4 + 4 + 8 KB) or a phase-B one (two Wo
@@ -2321,9 +2318,8 @@ __device__ __forceinline__ void po_mma16(float (&acc)[4], const uint32_t (&ah)[4
 // ---------------------------------------------------------------------------------------------
 constexpr int kPoThreads = 128;
 // Blocks per SM that ptxas is held to: 5 for 16-bit x (96 registers; 37 KB of shared memory per block
-// at c_m 256 allow 5 per SM, 4 above c_m 656; left free, ptxas takes up to 168 registers: 3 blocks; at 4 blocks, bfloat16 at crop
-// 93 against 87 us, float16 134 against 126, H200, 2026-12-02); none for float32 (0 emits no
-// .minnctapersm).
+// at c_m 256 allow 5 per SM, 4 above c_m 656; left free, ptxas takes up to 168 registers: 3 blocks; 4 blocks
+// measured slower, NOTES.md); none for float32 (0 emits no .minnctapersm).
 template <typename T>
 constexpr int po_min_blocks() { return std::is_same_v<T, float> ? 0 : 5; }
 template <int MT, typename T, bool kPlanes>
@@ -4678,8 +4674,8 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
   else
     run(opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
 }
-// opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1 (H200, 2026-12-01,
-// prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
+// opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1, the faster of 1, 2 and 4
+// at crop and deep (NOTES.md, outer product mean: what did not pay).
 static int po_mt(int cm) { return cm <= 256 ? 2 : 1; }
 static size_t po_smem_bytes(int cm, int MT) { return 4ull * po_tile_floats(cm, MT); }
 // opm_ow_params_kernel: returns Wf (float32 planes, or Wf16 for a 16-bit msa: w16), then bias' and
@@ -4764,7 +4760,7 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   const size_t smem = po_smem_bytes(cm, MT);
   const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), 2 * d.sms));  // inv_denom blocks
   // one block per tile (a persistent grid, each block loading its next tile's x and Wf during the
-  // current one, measured slower: bfloat16 at crop 122 against 93 us, H200, 2026-12-02)
+  // current one, measured slower: NOTES.md, outer product mean: what did not pay)
   const int gprep = grid_for(n_den + ntiles);  // (ntiles = 0 when S = 0: inv_denom still runs)
   if (gprep == 0) return;
   const float* biasf = Wf.data_ptr<float>() + ow_wf_floats(cm);
@@ -5611,8 +5607,8 @@ class _VariantsHere:
 
 
 # =============================================================================================
-# Backward (nothing saved but the inputs: the wgmma kernels above where they run, else PyTorch ops in
-# chunks).
+# Backward: the wgmma kernels where they run (from the inputs and the forward's a, b and inv_denom, which
+# outer_wg keeps), else PyTorch ops in chunks.
 # =============================================================================================
 def outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes):
     """(rows i per outer chunk, msa rows per LayerNorm chunk) for outer_product_mean_backward.

@@ -188,8 +188,8 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
   else
     run(opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
 }
-// opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1 (H200, 2026-12-01,
-// prep kernel alone: crop (c_m 256) 146 / 158 / 151 us at 2 / 4 / 1, deep (c_m 512) 506 / 513 us at 1 / 2).
+// opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1, the faster of 1, 2 and 4
+// at crop and deep (NOTES.md, outer product mean: what did not pay).
 static int po_mt(int cm) { return cm <= 256 ? 2 : 1; }
 static size_t po_smem_bytes(int cm, int MT) { return 4ull * po_tile_floats(cm, MT); }
 // opm_ow_params_kernel: returns Wf (float32 planes, or Wf16 for a 16-bit msa: w16), then bias' and
@@ -274,7 +274,7 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   const size_t smem = po_smem_bytes(cm, MT);
   const int n_den = static_cast<int>(std::min<int64_t>(cdiv(N, 32), 2 * d.sms));  // inv_denom blocks
   // one block per tile (a persistent grid, each block loading its next tile's x and Wf during the
-  // current one, measured slower: bfloat16 at crop 122 against 93 us, H200, 2026-12-02)
+  // current one, measured slower: NOTES.md, outer product mean: what did not pay)
   const int gprep = grid_for(n_den + ntiles);  // (ntiles = 0 when S = 0: inv_denom still runs)
   if (gprep == 0) return;
   const float* biasf = Wf.data_ptr<float>() + ow_wf_floats(cm);

@@ -176,8 +176,8 @@ class _VariantsHere:
 
 
 # =============================================================================================
-# Backward (nothing saved but the inputs: the wgmma kernels above where they run, else PyTorch ops in
-# chunks).
+# Backward: the wgmma kernels where they run (from the inputs and the forward's a, b and inv_denom, which
+# outer_wg keeps), else PyTorch ops in chunks.
 # =============================================================================================
 def outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes):
     """(rows i per outer chunk, msa rows per LayerNorm chunk) for outer_product_mean_backward.

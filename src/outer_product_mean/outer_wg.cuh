@@ -26,7 +26,8 @@ namespace opm {
 // Operands in tile order (written by opm_prep_ow_kernel and opm_ow_params_kernel), hi plane then lo
 // plane per block:
 //   Aow[b][q][kb][mb] blocks of 64 rows x 16 s: row r = (i % 8) * 8 + hl of residues i in
-//     [8 mb, 8 mb + 8), element (r, s % 16) at wg_tile_off16(r, s % 16); the two blocks of one
+//     [8 mb, 8 mb + 8), element (r, s % 16) at float (r / 8) 128 + (s % 16 / 4) 32 + (r % 8) 4 + s % 4
+//     (8-row groups 512 bytes apart); the two blocks of one
 //     tile (mb = 2 it, 2 it + 1) are adjacent: one 16 KB bulk copy.
 //   Bow[b][nb][kb] blocks of 128 rows x 16 s: row r = (j % 4) * 32 + k, j in [4 nb, 4 nb + 4).
 //   WoP[zc][q][hl] blocks of 128 z x 32 kl (wg_tile_off): Wo[zc*128 + z, (8q + hl) c + ((kl - 8 hl) & 31)].
@@ -54,10 +55,6 @@ constexpr int kOwConsumerRegs = 232, kOwProducerRegs = 40;
 static_assert(2 * 128 * kOwConsumerRegs + 128 * kOwProducerRegs <= kOwThreads * ((65536 / kOwThreads) & ~7),
               "outer_wg: register budget of the warpgroups");
 constexpr size_t kOwSmemBytes = 4ull * (kOwStages * kOwStage + 64 * kOwLDO) + 16 * kOwStages;
-// 16-k block (outer_wg's A and B blocks): 8-row groups 512 bytes apart
-__host__ __device__ __forceinline__ int wg_tile_off16(int r, int k) {
-  return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3);
-}
 // fp16 / bf16 input: A and B blocks of kOwS16 = 32 s in T, element (r, k) at ow_off16h(r, k): 8-row groups
 // 512 bytes apart, each 4 core matrices (8 rows x 8 k, 128 bytes) along k; one ring slot of kOwSlot16
 // floats (16 KB) holds a phase-A stage (2 A blocks + 1 B block, 4 + 4 + 8 KB) or a phase-B one (two Wo

@@ -276,9 +276,8 @@ __device__ __forceinline__ void po_mma16(float (&acc)[4], const uint32_t (&ah)[4
 // ---------------------------------------------------------------------------------------------
 constexpr int kPoThreads = 128;
 // Blocks per SM that ptxas is held to: 5 for 16-bit x (96 registers; 37 KB of shared memory per block
-// at c_m 256 allow 5 per SM, 4 above c_m 656; left free, ptxas takes up to 168 registers: 3 blocks; at 4 blocks, bfloat16 at crop
-// 93 against 87 us, float16 134 against 126, H200, 2026-12-02); none for float32 (0 emits no
-// .minnctapersm).
+// at c_m 256 allow 5 per SM, 4 above c_m 656; left free, ptxas takes up to 168 registers: 3 blocks; 4 blocks
+// measured slower, NOTES.md); none for float32 (0 emits no .minnctapersm).
 template <typename T>
 constexpr int po_min_blocks() { return std::is_same_v<T, float> ? 0 : 5; }
 template <int MT, typename T, bool kPlanes>
