@@ -3487,6 +3487,16 @@ def _is_cached(name):
     return os.path.isdir(d) and any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
 
 
+def _load(name, what, eta, cuda_source, cuda_flags, verbose):
+    """load_inline of cuda_source under `name` (PyTorch caches it; a failed build raises with the compiler's
+    output in its text), saying on stderr when it compiles: what CUDA extension, about eta on 2 cores."""
+    if not _is_cached(name):
+        print(f"building {what} CUDA extension ({name}): {eta} on 2 cores, once (cached afterwards)",
+              file=sys.stderr, flush=True)
+    return load_inline(name=name, cpp_sources="", cuda_sources=cuda_source, extra_cuda_cflags=cuda_flags,
+                       verbose=verbose)
+
+
 def _rows_per_chunk(row_bytes, n, chunk_bytes):
     """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
     return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
@@ -3501,17 +3511,7 @@ def _extension_name():
     return _hashed_name("contact_map_", CUDA_SRC, _CUDA_FLAGS)
 
 
-def _build():
-    """Compile CUDA_SRC with load_inline (cached by PyTorch under _extension_name())."""
-    name = _extension_name()
-    if not _is_cached(name):
-        print(f"building contact_map CUDA extension ({name}): about 3 minutes on 2 cores, once (cached afterwards)",
-              file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=_CUDA_FLAGS,
-                       verbose=_VERBOSE)
-
-
-_ext = _build()
+_ext = _load(_extension_name(), "contact_map", "about 3 minutes", CUDA_SRC, _CUDA_FLAGS, _VERBOSE)
 
 
 # =============================================================================================

@@ -5559,6 +5559,16 @@ def _is_cached(name):
     return os.path.isdir(d) and any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
 
 
+def _load(name, what, eta, cuda_source, cuda_flags, verbose):
+    """load_inline of cuda_source under `name` (PyTorch caches it; a failed build raises with the compiler's
+    output in its text), saying on stderr when it compiles: what CUDA extension, about eta on 2 cores."""
+    if not _is_cached(name):
+        print(f"building {what} CUDA extension ({name}): {eta} on 2 cores, once (cached afterwards)",
+              file=sys.stderr, flush=True)
+    return load_inline(name=name, cpp_sources="", cuda_sources=cuda_source, extra_cuda_cflags=cuda_flags,
+                       verbose=verbose)
+
+
 def _rows_per_chunk(row_bytes, n, chunk_bytes):
     """Rows of a chunk: as many as fit in chunk_bytes at row_bytes each, at least 1, at most n."""
     return max(1, min(n, int(chunk_bytes) // max(1, int(row_bytes))))
@@ -5573,18 +5583,7 @@ def _extension_name():
     return _hashed_name("outer_product_mean_", _CUDA_SRC, _CUDA_FLAGS)
 
 
-def _build():
-    """load_inline of the CUDA source (a failed build raises with the compiler's output in its text)."""
-    name = _extension_name()
-    if not _is_cached(name):
-        print(f"building outer_product_mean CUDA extension ({name}): about 110 s on 2 cores, once "
-              "(cached afterwards)",
-              file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources="", cuda_sources=_CUDA_SRC, extra_cuda_cflags=_CUDA_FLAGS,
-                       verbose=_VERBOSE)
-
-
-_ext = _build()
+_ext = _load(_extension_name(), "outer_product_mean", "about 110 s", _CUDA_SRC, _CUDA_FLAGS, _VERBOSE)
 
 # The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
 _HOPPER_CAP = {"w_first_wg2": 1, "outer_wg": 2}

@@ -136,17 +136,7 @@ def _extension_name():
     return _hashed_name("contact_map_", CUDA_SRC, _CUDA_FLAGS)
 
 
-def _build():
-    """Compile CUDA_SRC with load_inline (cached by PyTorch under _extension_name())."""
-    name = _extension_name()
-    if not _is_cached(name):
-        print(f"building contact_map CUDA extension ({name}): about 3 minutes on 2 cores, once (cached afterwards)",
-              file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources="", cuda_sources=CUDA_SRC, extra_cuda_cflags=_CUDA_FLAGS,
-                       verbose=_VERBOSE)
-
-
-_ext = _build()
+_ext = _load(_extension_name(), "contact_map", "about 3 minutes", CUDA_SRC, _CUDA_FLAGS, _VERBOSE)
 
 
 # =============================================================================================

@@ -142,18 +142,7 @@ def _extension_name():
     return _hashed_name("outer_product_mean_", _CUDA_SRC, _CUDA_FLAGS)
 
 
-def _build():
-    """load_inline of the CUDA source (a failed build raises with the compiler's output in its text)."""
-    name = _extension_name()
-    if not _is_cached(name):
-        print(f"building outer_product_mean CUDA extension ({name}): about 110 s on 2 cores, once "
-              "(cached afterwards)",
-              file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources="", cuda_sources=_CUDA_SRC, extra_cuda_cflags=_CUDA_FLAGS,
-                       verbose=_VERBOSE)
-
-
-_ext = _build()
+_ext = _load(_extension_name(), "outer_product_mean", "about 110 s", _CUDA_SRC, _CUDA_FLAGS, _VERBOSE)
 
 # The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
 _HOPPER_CAP = {"w_first_wg2": 1, "outer_wg": 2}
