@@ -22,83 +22,60 @@ Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections
   w_first      P[s,j,h,z] = sum_k Wo[z,h*c+k] b[s,j,k] (stage 1, in j-chunks), then
                out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z] (stage 2): 2 B S N c^2 c_z + 2 B N^2 S c c_z
 
-Default, variant "auto": opm_forward estimates each candidate's time (FLOPs as executed over a
-per-kernel rate measured on the H200, kEff* in the CUDA source, plus 2 us per launch) and runs the
-cheapest. Candidates: outer_first; w_first where one j column of P fits 32 MB, its stage 2 being
-w_first_small when a 128 x 128 tile grid is under one wave, else w_first_tc2 on sm_80+ (w_first_tc
-where its 136 KB of shared memory per block do not fit), else the FMA w_first; on an H100 / H200
-with the sm_90a build also w_first_wg2 and outer_wg (hidden_dim <= 32, B * S * N / 16 < 2^31 and
-B * N^2 / 64 < 2^31 per 128 of pair_dim).
-There outer_wg wins at most shapes (in float16 / bfloat16 at few sequences too), w_first_wg2 at few
-sequences, w_first_small at tiny ones.
-`model.last_variant` names the variant that ran. The paths:
-  outer_wg     opm_ow_params_kernel (LayerNorm affine folded into the projection weights, split-TF32
-               weight planes; row-scaled float16 planes for a 16-bit msa), opm_prep_ow_kernel (LayerNorm
-               + projections + mask on mma.sync, written as a / b's split-TF32 planes in wgmma tile
-               order, fp16 / bf16 planes for a 16-bit msa; inv_denom; a 16-bit msa with msa_dim % 16
-               == 0 up to 256 takes opm_prep16_kernel, the same work in warp tiles, bit-equal),
-               opm_outer_wg_kernel<T>
-               (persistent, warp-specialised: per 16 i x 4 j x 128 z tile, phase A O = a b^T and phase B
-               out += O Wo on wgmma, fed by one producer warpgroup's bulk copies).
-  w_first_wg2  opm_prep_kernel (FMA LayerNorm + projections: aT (B, S, CP, ceil4(N)), bq (B, S, N,
-               CP), inv_denom (B, N), packed Wo), opm_pack_a_kernel, per j-chunk (<= 512 MB of P's
-               planes) opm_wfirst_proj_wg_kernel and the persistent wgmma GEMM opm_wfirst_wg_kernel.
-  others       opm_prep_kernel, then opm_outer_kernel<CP> (outer_first: 128 x 128 tiles, on-chip Wo
-               epilogue) or opm_wfirst_proj_kernel<CP> + a stage-2 GEMM per j-chunk (<= 32 MB of P).
-Forced variants (set `model.variant`; ModelNew.VARIANTS: those that run on this GPU, ALL_VARIANTS:
-every name; forcing one that cannot run raises with the reason):
-  outer_first    FMA, any CUDA GPU: the plain check of the fast paths; "auto" at crop / long off Hopper.
-  w_first        FMA stage 2 (opm_wfirst_gemm_kernel), any GPU: "auto" below sm_80.
+Variants (`model.variant`; ModelNew.VARIANTS: those that run on this GPU, ALL_VARIANTS: every name; forcing
+one that cannot run raises with the reason; `model.last_variant` names the one that ran):
+  "auto"         the default: runs the candidate of least estimated time (FLOPs as executed over per-kernel
+                 rates measured on the H200, kEff* in the CUDA source, plus 2 us per launch). On an H100 / H200
+                 outer_wg wins at most shapes (in 16 bits at few sequences too), w_first_wg2 at few sequences
+                 (S ~ 32), w_first_small at tiny ones. A w_first is a candidate where one j column of P fits
+                 32 MB: w_first_small under one wave of 128 x 128 tiles, else w_first_tc2 on sm_80+ (w_first_tc
+                 where 136 KB do not fit), else the FMA w_first.
+  outer_wg       9.0 with the sm_90a build, hidden_dim <= 32: opm_ow_params_kernel (LayerNorm affine folded into
+                 the projection weights), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, a and b
+                 in wgmma tile order; opm_prep16_kernel, bit-equal in warp tiles, for a 16-bit msa with msa_dim
+                 % 16 == 0 up to 256), opm_outer_wg_kernel<T> (persistent, warp-specialised: per 16 i x 4 j x 128
+                 z tile, phase A O = a b^T and phase B out += O Wo on wgmma, fed by a producer warpgroup).
+  w_first_wg2    9.0 with the sm_90a build: opm_prep_kernel, opm_pack_a_kernel, per j-chunk (<= 512 MB of P's
+                 planes) opm_wfirst_proj_wg_kernel and the wgmma GEMM opm_wfirst_wg_kernel.
+  outer_first    FMA, any CUDA GPU (opm_prep_kernel, opm_outer_kernel<CP>): the plain check of the fast paths.
+  w_first        FMA stage 2 (opm_wfirst_gemm_kernel), any GPU, P in j-chunks of <= 32 MB.
   w_first_small  FMA stage 2 on 32 x 64 tiles, K split over warps (opm_wfirst_small_kernel): small N.
-  w_first_tc     split-TF32 mma.sync stage 2 (opm_wfirst_tc_kernel<1>), sm_80+: 100 KB-smem parts.
-  w_first_tc2    the same with 64-row K stages (opm_wfirst_tc_kernel<2>, 136 KB), sm_80+.
-  w_first_wg2    wgmma stage 2, compute capability 9.0 with the sm_90a build: few sequences (S ~ 32).
-  outer_wg       outer_first on wgmma, 9.0 with the sm_90a build, hidden_dim <= 32: most shapes there.
+  w_first_tc     split-TF32 mma.sync stage 2, sm_80+ (opm_wfirst_tc_kernel<1>; _tc2: <2>, 64-row K stages, 136 KB).
 
-Precision (fp32 input): the FMA paths accumulate in fp32; the tensor-core paths use split TF32 (x =
-hi + lo, a b ~ hi hi + hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma accumulators promoted
-into fp32 by ordinary adds every 64 k. Max error against fp64 over all the harness's trials over the
-fp32 reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x, w_first_tc / _tc2 up to 1.8x at deep
-(S = 2048; 2.2-2.5x in single trials), outer_first 0.5x there, the FMA w_first 5.3x (7.9x in one
-trial; not "auto"'s choice there). inv_denom sums float masks in fp64 and integer masks in int64.
+Precision (fp32): FMA paths accumulate in fp32; tensor-core paths use split TF32 (x = hi + lo, a b ~ hi hi +
+hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted into fp32 by ordinary adds every 64 k; masks
+summed in fp64 (float) or int64. Max error against fp64 over the fp32 reference's own: outer_wg 0.58-1.09x,
+w_first_wg2 0.75-1.0x; at deep (S = 2048) w_first_tc / _tc2 up to 2.5x and the FMA w_first up to 7.9x in single
+trials, at S <= 3 outer_wg a few times the reference's tiny error: on the H200 "auto" takes none of them there.
 
-Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no
-launch), 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case), any pair_dim >= 1,
-outputs over 2^31 elements, non-contiguous inputs (copied first). One CUDA device; parameters on
-the device of the inputs.
-Half precision and training: with float16 / bfloat16 inputs and parameters outer_wg reads msa_repr,
-the mask and the parameters and writes its output in that dtype (no PyTorch casts): LayerNorm and
-the projections on mma.sync in float16 with fp32 accumulation (normalised rows and row-scaled weights
-each split into two float16 terms for float16, one term for bfloat16), a and b rounded to
-the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores with fp32
-accumulation, O / denom rounded to float16 (each pair's row scaled by a power of two: no overflow;
-2^-11, under bfloat16's 2^-8) and multiplied by Wo in float16 on the tensor cores (bfloat16 weights
-above 65504 would overflow there; below 2^-14 they lose bits, an absolute error under 2^-25). The
-other variants run the float32 kernels on converted copies. The output comes back in the input's
-dtype; under CUDA autocast in the autocast dtype, as the reference's, with the kernels chosen by the
-module's and the input's dtypes as above (a float32 module: the float32 kernels).
-The backward (outer_product_mean_backward) saves the inputs, and a, b and 1 / denom where outer_wg
-ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere); on Hopper
-with hidden_dim 32 and pair_dim <= 128, wgmma kernels compute out_proj's weight gradient (O per tile
-on chip) and, for pair_dim % 4 == 0, da and db (G = (g / denom) Wo per tile on chip), in split TF32
-for a float32 msa and on the float16 / bfloat16 tensor cores for a 16-bit one with pair_dim % 8 == 0,
-and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build O and G for a
-chunk of rows i at a time (about 256 MB), never the whole (B, N, N, c*c); `model.last_backward` names the parts that ran in kernels. Gradients for
-msa_repr and every parameter, none for the mask (one that requires grad raises); double backward
-raises.
-Limits: float32 inside but in outer_wg and the backward kernels (float16 / bfloat16 cost one conversion
-each way elsewhere); msa_dim <= 768 (64 rows of msa in shared memory); hidden_dim <= 128 (64 and 128
-run with smaller residue tiles, slower per FLOP); outer_wg needs hidden_dim <= 32, B * S * N / 16 < 2^31 (S
-rounded up to 16, or to 32 in float16 / bfloat16, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim.
+Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no launch),
+1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case; 64 and 128 run with smaller residue tiles,
+slower per FLOP), any pair_dim >= 1, outputs over 2^31 elements, non-contiguous inputs (copied first); larger
+sizes raise a clear error. One CUDA device. Limits: outer_wg needs hidden_dim <= 32, B * S * N / 16 < 2^31 (S
+rounded up to 16, 32 in 16 bits, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim; w_first_wg2 takes up
+to 512 MB plus about twice a's size of working memory (no smaller fallback). Tuned on the H200 only.
 
-Run:   python harness.py outer_product_mean
-Build: about 110 s cold on a 2-core machine (nvcc ~105 s of CPU; cached, rebuilt when this changes).
-       OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
-       Architectures: TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' (PyTorch's default), else
-       (no GPU) 9.0; 9.0 is built as sm_90a (wgmma exists only there; sm_90a code runs on 9.0
-       devices), "9.0+PTX" as sm_90a plus portable compute_90 PTX, passed as nvcc -gencode flags
-       (`_gencode_flags`; TORCH_CUDA_ARCH_LIST itself is left as it is). Lists with names such as
-       "Hopper" go to PyTorch unchanged, which leaves w_first_wg2 and outer_wg out.
+Half precision: with float16 / bfloat16 inputs and parameters outer_wg reads msa_repr, mask and parameters
+and writes its output in that dtype (no PyTorch casts): LayerNorm and projections on mma.sync in float16 with
+fp32 accumulation (normalised rows, row-scaled weights; two float16 terms each for float16, one for bfloat16),
+a and b rounded to the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores, O / denom
+rounded to float16 (rows scaled by powers of two: no overflow) times Wo in float16 (bfloat16 weights above 65504
+would overflow, below 2^-14 lose bits). Max error against fp64: 0.54-0.93x the reference's in that dtype over the
+harness's trials. Other variants run the float32 kernels on converted copies; under CUDA autocast the output has
+the autocast dtype (a float32 module: float32 kernels).
+Training: the backward (outer_product_mean_backward) saves the inputs, and a, b and 1 / denom where outer_wg ran
+with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper with hidden_dim 32
+and pair_dim <= 128, wgmma kernels compute out_proj's weight gradient and, for pair_dim % 4 == 0, da and db (O and
+G = (g / denom) Wo per tile on chip; split TF32 for a float32 msa, 16-bit for a 16-bit one with pair_dim % 8 == 0),
+and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build O and G for chunks of rows i
+(about 256 MB). `model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter,
+none for the mask; double backward raises.
+
+Run: `python harness.py outer_product_mean` (add `--dtype all --backward` for fp16 / bf16 and the gradients).
+Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST, else the visible GPUs', else (no GPU) 9.0; 9.0 as sm_90a (wgmma
+exists only there), "9.0+PTX" adds compute_90 PTX; names such as "Hopper" go to PyTorch unchanged, leaving
+w_first_wg2 and outer_wg out. The first import compiles for 2-3 minutes on 2 cores, later ones load PyTorch's
+cache; OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
 """
 import hashlib
 import os

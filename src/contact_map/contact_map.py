@@ -12,87 +12,68 @@ Tensors: pair (B, N, N, C = pair_dim) float32, float16 or bfloat16 on a CUDA dev
 (B, N, N) in pair's dtype on the same device. Parameters: the reference's (H = hidden_dim), in pair's dtype
 on its device, read at every call (a later `load_state_dict` or in-place update takes effect).
 
-How the default ("auto") runs on an H100 / H200 in fp32: s is symmetric, so each unordered pair {i, j} is computed
-once and written to out[b,i,j] and out[b,j,i] (exactly symmetric). The positions are cut into tiles of 8 x 8
-pairs (b, I, J) with I <= J. A small kernel first folds the LayerNorm affine into the first layer
-(W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs W1', W2 as split-TF32 planes. The main kernel,
-its programmatic dependent, runs one persistent block per SM of three warpgroups. A producer thread hands
-out tiles (each block's first two fixed, later ones from an atomic ticket counter) and copies each tile
-x[b, 8I.., 8J.., :] and its mirror x[b, 8J.., 8I.., :] with the TMA engine into a ring of shared-memory
-slots (L2 evict_first: every input byte is read once). Two consumer warpgroups take tiles in turn: each
-thread reads its rows into registers, computes the LayerNorm statistics by the corrected two-sweep
-algorithm (Chan, Golub & LeVeque 1983: a first mean m, then with d = x - m, mean = m + sum d / C and
-var = (sum d^2 - (sum d)^2 / C) / C; stable at any offset, exact on rows of one value), forms
-s = (x_a - mean_a) rstd_a / 2 + (x_b - mean_b) rstd_b / 2 as one FFMA per side and splits it into wgmma
-A fragments. GEMM1 (m64nHk8 wgmma, A from registers, B from shared memory), relu, GEMM2 on GEMM1's
-accumulator re-split in registers, then layer 3 and the sigmoid. The two consumer warpgroups' products
-take turns (named barriers), so one warpgroup's statistics overlap the other's products. Each input
-element is read from device memory once and nothing but the output is written. It runs where the build
-has sm_90a code, on a compute capability 9.0 GPU, at 32 <= pair_dim <= 128 with pair_dim % 16 == 0,
-hidden_dim <= 64, N >= 8 and a 16-byte aligned input; at pair_dim <= 64 a KC = 64 build of the same
-kernel (tiles walked with a fixed stride, no ping-pong, subtract-multiply terms). Elsewhere "auto"
-runs the mma kernel. `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma" or "fma".
+Every kernel walks tiles of 8 x 8 positions (b, I, J) with I <= J, reads the tile x[b, 8I.., 8J.., :] and its
+mirror x[b, 8J.., 8I.., :] from device memory once and writes out[b,i,j] and out[b,j,i] (exactly symmetric).
+Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", set by `model.variant`; `model.last_variant` names the
+kernel that ran: "wgmma", "wgmma16", "mma" or "fma"):
+  "auto"  the default: wgmma where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
+  wgmma   Hopper: needs the sm_90a build, a compute capability 9.0 GPU, 32 <= pair_dim <= 128 with
+          pair_dim % 16 == 0, hidden_dim <= 64, N >= 8 and a 16-byte aligned input. A small kernel folds the
+          LayerNorm affine into the first layer (W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs
+          W1', W2 as split-TF32 planes; the main kernel, its programmatic dependent, runs one persistent block
+          per SM. A producer thread hands out tiles (one fixed per consumer, then tickets from an atomic
+          counter) and copies each tile and its mirror with the TMA engine into a ring of shared-memory slots
+          (L2 evict_first). Consumer warpgroups read their rows into registers, take the LayerNorm statistics
+          by the corrected two-sweep algorithm (Chan, Golub & LeVeque 1983: a first mean m, then with
+          d = x - m, mean = m + sum d / C, var = (sum d^2 - (sum d)^2 / C) / C; exact on rows of one value),
+          form s with one FFMA per side, then GEMM1 (wgmma m64nHk8, A from registers), relu, GEMM2 on GEMM1's
+          accumulator re-split in registers, layer 3 and the sigmoid. In fp32 two consumer warpgroups take
+          turns on the tensor cores. At pair_dim <= 64 a simpler KC = 64 build runs (a fixed stride of
+          tiles, no cache hint, no turns).
+  wgmma16 fp16 / bf16 where wgmma runs and pair_dim >= 64: the input read in its own type, statistics and s
+          in fp32, s rounded once to that type, both products as wgmma m64nHk16 in that type with fp32
+          accumulation, W1' and W2 rounded to it once per call, b1', b2, w3, layer 3 and the sigmoid in fp32,
+          the output stored in the input's type. At pair_dim > 64 the first mean is corrected once by its
+          exact residual (the fp32 build's sum of d would move s far below its 16-bit rounding); s is then
+          not bit-symmetric, so both outputs are written from the i <= j position; three consumer warpgroups
+          share an SM. Other fp16 / bf16 calls run the fp32 kernels on a converted copy.
+  "mma"   sm_80+, every shape: the same tiles by cp.async, both products on mma.sync m16n8k8 in split TF32,
+          16 warps per block (8 of them queue the next tile's first rows during GEMM1 where one block fits
+          per SM and hidden_dim <= 32), weights staged once per block as split fragments (8 warps and the
+          weights read through L1 at hidden_dim > 128). For the shapes and GPUs wgmma does not cover.
+  "fma"   plain fp32 FMA products on the same tiles: no tensor cores, an independent check of the others.
 
-fp16 / bf16 ("wgmma16"): the same kernel's 16-bit build reads the input in its own type (TMA boxes of 64
-channels, 8-byte shared-memory loads, converted to fp32 in registers), computes the statistics and s in
-fp32, rounds s once to the input's type and runs both products as wgmma m64nHk16 in that type with fp32
-accumulation (no split: one wgmma per 16 k instead of three per 8); W1' and W2 are rounded to that type
-once per call, b1', b2, w3, layer 3 and the sigmoid stay fp32, and the output is written in the input's
-type. At pair_dim > 64 its statistics are two sweeps with the first mean corrected once by its exact
-residual (m = sum / C, then m += (sum - m C) / C: exact on a row of one value; the correction by sum d that
-the fp32 build adds moves s by ~2^-24 |mean| rstd, far below the rounding of s to 16 bits), and s is one
-FFMA of the two sides' terms, s = (xb - mb) rb / 2 + [(xa - ma) ra / 2]; as that is not symmetric in the
-two sides bit for bit, out[b,i,j] and out[b,j,i] are both written from the position with i <= j. Its rows
-and terms fit 160 registers per thread, so that build runs three consumer warpgroups per SM (with no turns
-on the tensor cores: its products are 12 wgmma per tile, 10 at hidden_dim <= 32). The 16-bit build runs
-where the fp32 build does and pair_dim >= 64 (a box row is 128 bytes); elsewhere, and for "mma" / "fma",
-the fp32 kernels run on a converted copy and the output is converted back.
-
-Variants (`ModelNew.VARIANTS`, selected by `model.variant`, default "auto"):
-    "auto"  the wgmma kernel above where it runs (its 16-bit build for fp16 / bf16), else the mma kernel.
-    "mma"   sm_80+ on every shape: the same tiles copied by cp.async, both products on mma.sync
-            m16n8k8 TF32 in split TF32, 16 warps per block (8 of them queue the next tile's first rows
-            during GEMM1 where one block fits per SM and hidden_dim <= 32), weights staged once per
-            block as split fragments (8 warps and the weights read through L1 at hidden_dim > 128).
-            Kept for the shapes and GPUs the wgmma kernel does not cover.
-    "fma"   plain fp32 FMA products on the same tiles (4 pairs x hidden/16 outputs per thread): no
-            tensor cores, kept as an independent check of the other two in the tests and the harness.
-
-Precision (fp32 input): fp32 inputs, outputs, LayerNorm and accumulation (no fast-math). The tensor-core
-kernels run both products in split TF32 ("3xTF32": each fp32 operand x = hi + lo, both TF32, a*b ~ hi*hi +
-hi*lo + lo*hi; CUTLASS's fp32-accurate tensor-core GEMM), promoting short partial sums into an fp32
-accumulator by ordinary adds (the tensor cores' own accumulation truncates): every k step (mma) or every 16
-k (wgmma). The wgmma kernel never rounds the mean (its terms use d = x - m and the correction), so at
-offset inputs it is more accurate than the fp32 reference: max error against an fp64 evaluation 0.05-0.08x
-the fp32 reference's own at crop, batch, long and awkward_129, at most about 1.1x in any single trial
-(harness on the H200, 2026-12-01, `python harness.py contact_map`, commit e986514; NOTES.md has the other
-kernels' figures). A NaN in the input gives NaN at the same outputs as the reference (the ReLUs are
-max.NaN). On a row of one constant value the centred values are 0 (wgmma: within about 2^-24 of d r). Where
-|x - mean| exceeds ~1e19 sum d^2 overflows and such rows give NaN (the fp32 reference has NaN there too).
+Precision: fp32 LayerNorm and accumulation, no fast-math. Split TF32 (x = hi + lo, both TF32, a*b ~ hi*hi +
+hi*lo + lo*hi; CUTLASS's fp32-accurate tensor-core GEMM) with short partial sums promoted into an fp32
+accumulator by ordinary adds (the tensor cores' own accumulation truncates): every k step (mma), every 16 k
+(wgmma). wgmma never rounds the mean, so at offset inputs it is more accurate than the fp32 reference: at the
+harness's shapes its max error against fp64 is 0.05-0.08x the fp32 reference's own, at most about 1.1x in a
+single trial (NOTES.md has every kernel's figures). wgmma16's error is about the reference's own in that
+dtype, set by the output's rounding. A NaN in the input gives NaN at the same outputs as the reference (the
+ReLUs are max.NaN); a row of one constant value centres to 0 (wgmma: within about 2^-24 of d r).
 
 Limits: pair_dim and hidden_dim up to 256 (larger raises a clear error); hidden_dim is zero-padded to
-16/32/64/128/256 inside the kernels. The mma and fma kernels stage the weights in shared memory when they
-fit beside the tile (227 KB per block on the H200), else read them through the L1 cache: correct but
-slower. Needs an sm_80+ GPU; built for whatever TORCH_CUDA_ARCH_LIST names (9.0 as sm_90a, for the
-wgmma kernel; no list: the visible GPUs', and no GPU: 9.0, the same flags an H100 / H200 picks).
+16/32/64/128/256. The mma and fma kernels read the weights through L1 where they do not fit beside the tile
+in shared memory (correct, slower). Needs an sm_80+ GPU; tuned on the H200 only. Where |x - mean| exceeds
+~1e19 sum d^2 overflows and the row gives NaN (the fp32 reference too). Tiny shapes (N <= 17) can reach a
+few times the fp32 reference's (tiny) error.
 
-Half precision and training: float16 / bfloat16 input and parameters of one dtype go to the 16-bit
-build (above); mixed dtypes (under CUDA autocast) are converted to float32 first, and the output comes
-back in the autocast dtype, as the reference's (the fp32 kernels run there). The backward saves only the
-inputs. Where pair_dim and hidden_dim are multiples of 16 up to 128 / 64 (sm_80+; the whole test:
-fused_backward_runs) it is the fused kernel (contact_map_backward_kernel, contact_map_backward_fused):
-the pair read once, per tile the forward recomputed, the products in split TF32, fp64's ReLU masks
-(positions near a kink recomputed in fp64), d_pair written once in the input's dtype, the parameters'
-gradients summed per block and then in float64 (bw_sum_partials_kernel). Elsewhere it runs in PyTorch
-ops (contact_map_backward, float32 inside): the LayerNorm, s and the MLP recomputed for chunks of rows i
-(about 256 MB each) with the reference's own ops, so no (B, N, N, hidden) tensor is ever whole.
-ModelNew.last_backward names the one that ran ("fused" / "ops").
-Gradients for the input and every parameter; double backward raises.
+Half precision and training: float16 / bfloat16 input and parameters of one dtype go to wgmma16 (above);
+mixed dtypes under CUDA autocast run the fp32 kernels and return the autocast dtype, as the reference does.
+The backward saves only the inputs. Where pair_dim and hidden_dim are multiples of 16 up to 128 / 64 (sm_80+;
+fused_backward_runs) it is one fused kernel (contact_map_backward_kernel): per tile the forward recomputed,
+the products in split TF32, fp64's ReLU masks (positions near a kink recomputed in fp64), d_pair written once
+in the input's dtype, the parameters' gradients summed per block and then in float64 (bw_sum_partials_kernel).
+Elsewhere PyTorch ops (contact_map_backward, float32 inside) recompute the LayerNorm, s and the MLP with the
+reference's own ops for chunks of rows i of about 256 MB, never a whole (B, N, N, hidden) tensor.
+`model.last_backward` names the one that ran ("fused" / "ops"). Gradients for the input and every parameter;
+double backward raises.
 
-Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it against
-eager PyTorch and torch.compile). The first import compiles the CUDA source (about 3 minutes on a
-2-core machine); later imports load it from PyTorch's extension cache. Set CONTACT_MAP_VERBOSE=1 to see the
-compiler output, including `ptxas -v` register and spill counts.
+Run: `python harness.py contact_map` (checks against the reference in fp32 and fp64, then times it against eager
+PyTorch and torch.compile; `--dtype all --backward` adds fp16 / bf16 and the gradients). Build: -O3 -lineinfo
+for TORCH_CUDA_ARCH_LIST (9.0 as sm_90a, for wgmma), else the visible GPUs', else 9.0 (the flags an H100 / H200
+picks); the first import compiles the CUDA source (about 3 minutes on 2 cores), later imports load PyTorch's
+extension cache. CONTACT_MAP_VERBOSE=1 shows the compiler output with `ptxas -v` register and spill counts.
 """
 import hashlib
 import os
