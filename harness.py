@@ -41,8 +41,8 @@ shapes in turn: 6 trials see 6 of the 8 kinds, shapes in turn see all):
     reported as expected; ModelNew's full output is compared on `--rows` sampled rows i against
     `reference.forward_rows` in fp32 and fp64.
 
-Timing (CUDA only; all under torch.inference_mode, TF32 off, in the same run for ModelNew, the eager
-reference and torch.compile(reference)): warm-up; the L2 flushed before every sample by writing a
+Timing (CUDA only; TF32 off; ModelNew, the eager reference and torch.compile(reference) in the same
+run), first under torch.inference_mode: warm-up; the L2 flushed before every sample by writing a
 preallocated buffer of max(2 * L2, 256 MiB); CUDA events around each call; >= `--samples` (100)
 samples, 20 when one call takes over 10 ms, 10 over 1 s; `--input-sets` (3) input sets rotated;
 median and p10-p90. Also the GPU-only time from replaying one forward captured in a CUDA graph
@@ -50,6 +50,17 @@ median and p10-p90. Also the GPU-only time from replaying one forward captured i
 output included), the roofline floor max(FLOPs / `--peak-tflops`, bytes / `--peak-tbs`) with ModelNew's
 time as a multiple of it, achieved TFLOP/s and TB/s, speedups over eager and over torch.compile.
 torch.compile runs by default only for shapes not named awkward* and not reference_may_oom.
+Then KernelBench's number ("KB"), ModelNew and the eager reference timed as KernelBench's
+eval_kernel_against_ref times them: outside inference_mode, grad mode on, parameters requiring grad (so a
+kernel file's autograd.Function path runs), one input set drawn like get_inputs() (normal, masks all
+ones), every tensor cast with .to(dtype) (masks too); its time_execution_with_cuda_event (KernelBench
+commit 423217d): 3 warm-up calls each synchronised, torch.cuda.empty_cache(), then per trial:
+synchronize, its L2 clear (a 256 MiB int64 tensor allocated and filled), start event, the call, end
+event, synchronize; the first trial discarded; as many trials as per-call samples above, at most 100
+(the count its scripts use; so 100 for calls under 10 ms by default). Reported: the mean (its runtime), the speedup eager mean /
+ModelNew mean, and the host time per call: time.perf_counter around the call, nothing synchronised in
+between, the device idle before each, median. torch.compile(reference) is not timed this way (KernelBench's
+baseline measure_ref_program_time times eager and compiled references under no_grad).
 
 Precision (`--dtype fp32|fp16|bf16|all`, default fp32; all: the three in turn, failing if any fails):
   * the reference Model and ModelNew are cast with .to(device, dtype), and in fp16/bf16 every input
@@ -99,12 +110,14 @@ grad_checked}}, trials [{trial, seed, distribution, mask, variants {name: compar
 grad_variants {name: compare() dict} (trial 0), backward {name: {ok, failures, last_variant, grads
 {name: G}}}}], backward {ok, failures, skipped, variants {name: {ok, failures, grads {name: {held
 {label: count}, max_abs_err_fp64, ref_max_abs_err_fp64, max_abs_diff_ref}}}}} (None without
---backward)}, timing {flops, min_bytes, floor_s, compile_note, failures, new {variant: T}, eager: T,
-compile: T + compile_s, train {compile_note, failures, new {variant: T}, eager: T, compile: T +
+--backward)}, timing {flops, min_bytes, floor_s, compile_note, kb_note, failures, new {variant: T},
+eager: T, compile: T + compile_s, train {compile_note, failures, new {variant: T}, eager: T, compile: T +
 compile_s} (--backward)}}], notes, exit_code, verdict}, where T = {per_call, graph: {n, median_ms,
-p10_ms, p90_ms, mean_ms, min_ms} or None, graph_error, peak_bytes, error, oom, and for ModelNew
-last_variant, floor_multiple, tflops, tbs, graph_floor_multiple, graph_tflops, graph_tbs,
-speedup_vs_eager, speedup_vs_compile}, G = compare_grad()'s dict {ok, failures, held,
+p10_ms, p90_ms, mean_ms, min_ms} or None, graph_error, peak_bytes, error, oom, for ModelNew and the
+eager forward also kb: {the same keys, std_ms, max_ms} or None, host: {the same keys as graph} or None,
+kb_error, kb_oom, and for ModelNew last_variant, kb_last_variant (after the grad-mode calls),
+floor_multiple, tflops, tbs, graph_floor_multiple, graph_tflops, graph_tbs, speedup_vs_eager,
+speedup_vs_compile, kb_speedup_vs_eager}, G = compare_grad()'s dict {ok, failures, held,
 max_abs_err_fp64, ref_max_abs_err_fp64, max_abs_diff_ref}. Times in ms, memory in bytes,
 non-finite errors as Infinity.
 
@@ -127,7 +140,9 @@ such as reference_may_oom optional, 0 or 1), dimensions >= 1.
 
 Limits: the fit check is an estimate from the reference's `peak_bytes` (fp32 sizes in every dtype);
 timing numbers on the CPU (`--cpu-timing`, for testing the harness) mean nothing; the floor uses
-nominal H200 ceilings, fp32 ones in every dtype; --backward's timing has no CUDA-graph figure.
+nominal H200 ceilings, fp32 ones in every dtype; --backward's timing has no CUDA-graph figure; the
+KernelBench-style timing runs the models in eval() mode (KernelBench leaves them in training mode; the
+references have no dropout or batch norm) and gives no CUDA-graph figure.
 """
 import argparse
 import contextlib
@@ -1138,6 +1153,111 @@ class Timer:
         del out
         return int(peak)
 
+    def kb_times(self, fn, args, n):
+        """kb_time_cuda_event with n trials: on CUDA with KernelBench's events, synchronize, 256 MiB L2
+        clear and empty_cache, under torch.cuda.device; on the CPU with WallEvent and this Timer's flush."""
+        if not self.cuda:
+            return kb_time_cuda_event(fn, args, n, event=WallEvent, sync=self.sync, clear_l2=self.flush,
+                                      empty_cache=lambda: None)
+        with torch.cuda.device(self.device):
+            return kb_time_cuda_event(fn, args, n, event=lambda: torch.cuda.Event(enable_timing=True),
+                                      sync=self.sync, clear_l2=lambda: kb_clear_l2_cache(self.device),
+                                      empty_cache=torch.cuda.empty_cache)
+
+    def host_times(self, fn, args, n):
+        return host_times(fn, args, n, self.sync)
+
+
+# KernelBench's timing, reproduced from ScalingIntelligence/KernelBench at commit 423217d (2026-03-05):
+# src/kernelbench/timing.py time_execution_with_cuda_event (the default timing_method "cuda_event") and
+# clear_l2_cache; src/kernelbench/eval.py eval_kernel_against_ref, which times ModelNew and, for its speedup
+# check, the reference Model with that function outside torch.no_grad (grad mode on, parameters requiring
+# grad), on one input set from get_inputs() cast with .to(dtype=precision).to(device). Its defaults: 3
+# warm-up calls, the first trial discarded; its scripts (run_and_check.py, eval_from_generations.py) pass
+# num_perf_trials=100; the runtime is the mean of the trials and the speedup the reference's mean over
+# ModelNew's.
+KB_WARMUP = 3
+KB_DISCARD_FIRST = 1
+KB_TRIALS = 100
+KB_L2_CLEAR_SHAPE = (32, 1024, 1024)  # int64: 256 MiB, whatever the GPU's L2 size
+
+
+def kb_clear_l2_cache(device):
+    """KernelBench's clear_l2_cache: allocate a 256 MiB int64 tensor, fill it with 42, drop it."""
+    dummy = torch.empty(KB_L2_CLEAR_SHAPE, dtype=torch.int64, device=device)
+    dummy.fill_(42)
+    del dummy
+
+
+def kb_time_cuda_event(fn, args, num_trials, *, event, sync, clear_l2, empty_cache, num_warmup=KB_WARMUP,
+                       discard_first=KB_DISCARD_FIRST):
+    """KernelBench's time_execution_with_cuda_event loop: times (ms) of num_trials calls fn(*args).
+
+    num_warmup calls, each followed by sync(); empty_cache(); then num_trials + discard_first trials,
+    each: sync(), two fresh events from event(), clear_l2(), start.record(), fn(*args) (its output kept
+    until the next trial's call returns, as KernelBench's `_ = kernel_fn(*args)`), end.record(), sync(),
+    start.elapsed_time(end); the first discard_first trials are dropped. On CUDA: event is
+    torch.cuda.Event(enable_timing=True), sync torch.cuda.synchronize, clear_l2 kb_clear_l2_cache,
+    empty_cache torch.cuda.empty_cache (Timer.kb_times); tests pass stand-ins.
+    """
+    for _ in range(num_warmup):
+        fn(*args)
+        sync()
+    empty_cache()
+    elapsed = []
+    out = None
+    for trial in range(num_trials + discard_first):
+        sync()
+        start, end = event(), event()
+        clear_l2()
+        start.record()
+        out = fn(*args)
+        end.record()
+        sync()
+        ms = start.elapsed_time(end)
+        if trial >= discard_first:
+            elapsed.append(ms)
+    del out
+    return elapsed
+
+
+def host_times(fn, args, n, sync):
+    """Host time (ms) of n calls fn(*args): time.perf_counter just before the call and just after it
+    returns, nothing synchronised in between (launch, Python and autograd overhead; on CUDA not the
+    kernels' run time unless the call waits for them). sync() before each call starts it on an idle
+    device; the previous output is released before the clock starts."""
+    ms = []
+    out = None
+    for _ in range(n):
+        out = None
+        sync()
+        t0 = time.perf_counter()
+        out = fn(*args)
+        ms.append((time.perf_counter() - t0) * 1e3)
+    del out
+    sync()
+    return ms
+
+
+class WallEvent:
+    """A CPU stand-in for torch.cuda.Event(enable_timing=True): record() reads time.perf_counter();
+    elapsed_time(end) is in ms. Used by --cpu-timing (numbers mean nothing there)."""
+
+    def __init__(self):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def kb_stats(ms):
+    """stats() plus the std and max KernelBench reports beside its mean (mean_ms is its runtime)."""
+    a = np.asarray(ms, dtype=np.float64)
+    return dict(stats(ms), std_ms=float(a.std()), max_ms=float(a.max()))
+
 
 def time_candidate(timer, label, fn, input_sets, want_graph=True, no_graph="needs CUDA"):
     """Per-call stats, CUDA-graph stats and peak memory of one callable; errors reported, not raised.
@@ -1171,11 +1291,12 @@ def time_candidate(timer, label, fn, input_sets, want_graph=True, no_graph="need
 def time_shape(refmod, solmod, name, dims, shape_index, args, device, timer, time_variants, do_compile,
                ref_oom):
     """Timing of ModelNew (each of time_variants), eager reference and torch.compile(reference) in the
-    checked dtype, the forward under inference_mode; with args.backward also a training step
+    checked dtype, the forward under inference_mode; then ModelNew and the eager reference timed as
+    KernelBench times them, in grad mode (_time_kb); with args.backward also a training step
     (res["train"]: time_training). Call outside inference_mode. Raises SolutionError when ModelNew
     cannot be built or loaded."""
     res = dict(new={}, eager=None, compile=None, compile_note=None, flops=None, min_bytes=None,
-               floor_s=None, failures=[])
+               floor_s=None, kb_note=KB_NOTE, failures=[])
     ref, new = build_pair(refmod, solmod, dims, device, args.torch_dtype)
     redraw_parameters(ref, new, args.seed + 99)
     sets = [make_inputs(refmod, dims, "normal", "random01", args.seed * 7919 + 31 * k + shape_index, device,
@@ -1183,6 +1304,9 @@ def time_shape(refmod, solmod, name, dims, shape_index, args, device, timer, tim
     time_variants = _timed_variants(new, time_variants)
     with torch.inference_mode():
         _time_forward(res, ref, new, sets, name, args, timer, time_variants, do_compile, ref_oom)
+    kb_set = kb_inputs(refmod, dims, args.seed * 7919 + 17 + shape_index, device, args.torch_dtype)
+    _time_kb(res, ref, new, kb_set, timer, time_variants, ref_oom)
+    del kb_set
     _roofline(res, refmod, dims, args)
     if args.backward:
         res["train"] = time_training(refmod, ref, new, sets, name, dims, args, timer, time_variants,
@@ -1233,6 +1357,76 @@ def _time_forward(res, ref, new, sets, name, args, timer, time_variants, do_comp
         res["compile"] = _time_compiled(ref, lambda m: m, sets, name, timer, "torch.compile(reference)")
     else:
         res["compile_note"] = _compile_note(args, ref_oom)
+
+
+KB_NOTE = ("KernelBench-style: grad mode on, parameters requiring grad, one input set drawn like get_inputs() "
+           "(normal, all-ones mask), time_execution_with_cuda_event of KernelBench 423217d (3 warm-up calls, "
+           "first trial discarded, 256 MiB L2 clear per trial, runtime = mean); host = perf_counter around the "
+           "call, median; torch.compile(reference) not timed this way (KernelBench's baseline times it under "
+           "no_grad, and a grad-mode graph would be a second compile)")
+
+
+def kb_inputs(refmod, dims, seed, device, dtype):
+    """One input set as KernelBench's get_inputs() draws it (standard normal activations, all-ones
+    masks), every tensor then cast with .to(dtype=dtype).to(device) as its _process_input_tensor does
+    (masks included, in every dtype); no tensor requires grad."""
+    return [x.to(dtype=dtype).to(device=device) for x in make_inputs(refmod, dims, "normal", "ones", seed, device)]
+
+
+def kb_candidate(timer, label, fn, args, r, trials_from=None):
+    """KernelBench-style time (kb: kb_stats of Timer.kb_times) and host time per call (host: stats of
+    Timer.host_times) of fn(*args) into the T dict r, run in grad mode whatever the caller's mode;
+    kb_error says why they are missing. The trial count is timer.n_samples() of the per-call median of
+    `trials_from` (a T dict) when there is one, at most KB_TRIALS: --samples (100, KernelBench's
+    scripts' count) for calls under 10 ms."""
+    r.update(kb=None, host=None, kb_error=None, kb_oom=False)
+    per_call = (trials_from or {}).get("per_call")
+    n = min(KB_TRIALS, timer.n_samples(per_call["median_ms"] * 1e-3) if per_call else timer.samples)
+    log(f"    timing {label} KernelBench-style (grad mode) ...")
+    try:
+        with torch.enable_grad():
+            r["kb"] = kb_stats(timer.kb_times(fn, args, n))
+            r["host"] = stats(timer.host_times(fn, args, n))
+    except Exception as e:
+        r["kb_error"] = _short_exc(e)
+        r["kb_oom"] = _is_oom(e)
+        log(f"    {label} KernelBench-style: {'out of memory' if r['kb_oom'] else 'error'}: {r['kb_error'][:200]}")
+    _free(timer.device)  # after the except block, so a traceback no longer pins its tensors
+    return r
+
+
+def _time_kb(res, ref, new, kb_set, timer, time_variants, ref_oom):
+    """KernelBench-style forward timing (kb_candidate) of ModelNew per timed variant and of the eager
+    reference, outside inference_mode with autograd on; kb_speedup_vs_eager per ModelNew entry. A
+    ModelNew error here is a failure; new.variant is restored afterwards."""
+    assert not torch.is_inference_mode_enabled(), "KernelBench-style timing runs outside inference_mode"
+    default_variant = getattr(new, "variant", None)
+    for v in time_variants:
+        key = v or "-"
+        r = res["new"].get(key)
+        if r is None:
+            continue
+        if r.get("error"):
+            r.update(kb=None, host=None, kb_error="not timed: the per-call timing failed", kb_oom=False)
+            continue
+        if v is not None:
+            new.variant = v
+        kb_candidate(timer, f"ModelNew [{key}]", lambda *a: new(*a), kb_set, r, trials_from=r)
+        r["kb_last_variant"] = getattr(new, "last_variant", None)
+        if r["kb_error"]:
+            res["failures"].append(f"ModelNew [{key}] failed while timing KernelBench-style (grad mode): "
+                                   f"{r['kb_error']}")
+    if default_variant is not None:
+        new.variant = default_variant
+    eager = res["eager"]
+    if ref_oom or eager.get("error"):
+        eager.update(kb=None, host=None, kb_oom=bool(ref_oom),
+                     kb_error="reference OOM" if ref_oom else "not timed: the per-call timing failed")
+    else:
+        kb_candidate(timer, "eager reference", ref, kb_set, eager, trials_from=eager)
+    for r in res["new"].values():
+        b, k = (eager or {}).get("kb"), r.get("kb")
+        r["kb_speedup_vs_eager"] = b["mean_ms"] / k["mean_ms"] if b and k else None
 
 
 def _compile_note(args, ref_oom):
@@ -1465,6 +1659,18 @@ def _ms(r, key="per_call"):
     return "OOM" if r.get("oom") else "n/a"
 
 
+def _kb_ms(r):
+    """KernelBench's runtime (mean of its trials, ms) of a T dict, for the table."""
+    if r and r.get("kb"):
+        return f"{r['kb']['mean_ms']:.4g}"
+    return "OOM" if (r or {}).get("kb_oom") else "n/a"
+
+
+def _host_us(r):
+    """The median host time per call of a T dict in microseconds, for the table."""
+    return f"{r['host']['median_ms'] * 1e3:.1f}" if r and r.get("host") else "n/a"
+
+
 def _x(v):
     return "-" if v is None else f"{v:.2f}x"
 
@@ -1498,11 +1704,11 @@ def table_rows(report):
     show = _show_dtype(report)
     rows = [["shape"] + (["dtype"] if show else []) + [
         "variant", "result", "err64 new/ref", "new ms", "graph ms", "eager ms", "compile ms",
-        "vs eager", "vs compile", "x floor", "peak MB new/ref"]]
+        "vs eager", "vs compile", "KB ms new/ref", "KB x", "host us new/ref", "x floor", "peak MB new/ref"]]
     for s in report["shapes"]:
         lead = [s["name"]] + ([s.get("dtype", "fp32")] if show else [])
         if s.get("skip_reason"):
-            rows.append(lead + ["-", "skipped"] + [""] * 9)
+            rows.append(lead + ["-", "skipped"] + [""] * 12)
             continue
         c = s.get("correctness") or {}
         tm = s.get("timing") or {}
@@ -1516,18 +1722,21 @@ def table_rows(report):
             v = (c.get("variants") or {}).get(key, {})
             r = news.get(key)
             lasts = list(v.get("last_variants") or [])
-            if r and r.get("last_variant") and r["last_variant"] not in lasts:
-                lasts.append(r["last_variant"])
+            for ran in ((r or {}).get("last_variant"), (r or {}).get("kb_last_variant")):
+                if ran and ran not in lasts:
+                    lasts.append(ran)
             ok = s.get("ok") if len(keys) == 1 else (v.get("ok", False) and not shape_fail
                                                       and not (r or {}).get("error"))
             row = lead + [_variant_label(key, lasts), "PASS" if ok else "FAIL",
                           f"{_e(v.get('max_abs_err_fp64'))}/{ref_err}"]
             if r is None:
-                rows.append(row + ["-"] * 8)
+                rows.append(row + ["-"] * 11)
                 continue
             comp_ms = _ms(comp) if comp else ("skip" if tm.get("compile_note") else "n/a")
             rows.append(row + [_ms(r), _ms(r, "graph"), _ms(eager), comp_ms,
                                _x(r.get("speedup_vs_eager")), _x(r.get("speedup_vs_compile")),
+                               f"{_kb_ms(r)}/{_kb_ms(eager)}", _x(r.get("kb_speedup_vs_eager")),
+                               f"{_host_us(r)}/{_host_us(eager)}",
                                "-" if r.get("floor_multiple") is None else f"{r['floor_multiple']:.1f}",
                                f"{_mb(r.get('peak_bytes'))}/{_mb((eager or {}).get('peak_bytes'))}"])
     return rows
@@ -1607,6 +1816,10 @@ def print_summary(report):
     log("err64 = max abs error vs the reference in float64 (ModelNew / "
         + ("the reference in the row's dtype" if _show_dtype(report) else "fp32 reference")
         + "); times are medians; x floor = ModelNew time / roofline floor; peak = one forward, inputs excluded")
+    if any((s.get("timing") or {}).get("kb_note") for s in report["shapes"]):
+        log("KB = the forward timed as KernelBench times it (grad mode on, parameters requiring grad, its cuda_event "
+            "method): mean ms, KB x = eager mean / ModelNew mean; host us = median wall time of the call returning "
+            "(grad mode, not synchronised)")
     train = train_table_rows(report)
     if train:
         log("\n" + format_table(train))

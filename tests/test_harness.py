@@ -1,7 +1,7 @@
 """The harness on the CPU: known-wrong pure-PyTorch files are rejected with exit code 3, the good ones
 pass, build failures give 2, no CUDA gives 4, and the shared code paths (timing with perf_counter,
-table, JSON, variants, rows sampling, weak oracle, --dtype, --backward) run. Small shapes only (CI:
-2 cores, no GPU)."""
+KernelBench's timing loop with stand-in events, table, JSON, variants, rows sampling, weak oracle,
+--dtype, --backward) run. Small shapes only (CI: 2 cores, no GPU)."""
 import json
 import os
 import subprocess
@@ -194,6 +194,18 @@ def test_cpu_timing_dry_run_and_json(run_harness, tmp_path):
     lines = out.splitlines()
     hdr = next(i for i, ln in enumerate(lines) if ln.startswith("shape "))
     assert "vs compile" in lines[hdr] and lines[hdr + 2].startswith("awkward_33")
+    # the KernelBench-style forward: every timed variant and the eager reference, in the JSON and the table
+    assert "KernelBench" in tm["kb_note"] and "grad mode" in tm["kb_note"]
+    for r in list(tm["new"].values()) + [tm["eager"]]:
+        assert r["kb_error"] is None and r["kb"]["n"] == 3 and r["host"]["n"] == 3
+        assert r["kb"]["min_ms"] <= r["kb"]["mean_ms"] <= r["kb"]["max_ms"] and r["kb"]["std_ms"] >= 0
+        assert r["host"]["median_ms"] > 0
+    for k, r in tm["new"].items():
+        assert r["kb_last_variant"] == k
+        assert r["kb_speedup_vs_eager"] == pytest.approx(tm["eager"]["kb"]["mean_ms"] / r["kb"]["mean_ms"])
+    cols = [c for c in lines[hdr].split("  ") if c.strip()]
+    for col in ("KB ms new/ref", "KB x", "host us new/ref"):
+        assert col in [c.strip() for c in cols], lines[hdr]
 
 
 def test_rows_sampling_path_for_reference_may_oom(run_harness, tmp_path):
@@ -557,3 +569,143 @@ def test_backward_cpu_timing_and_reference_may_oom(run_harness, tmp_path):
     assert code == harness.EXIT_OK, out[-3000:]
     bw = json.loads(js.read_text())["shapes"][0]["correctness"]["backward"]
     assert bw["skipped"] and "reference_may_oom" in bw["skipped"] and "--backward: custom0 flagged" in out
+
+
+# --- KernelBench-style timing -----------------------------------------------------------------
+class _FakeClock:
+    """A clock, events and callables that log what KernelBench's loop does, in order."""
+
+    def __init__(self, durations):
+        self.t, self.trace, self.durations, self.prev = 0.0, [], list(durations), None
+        self.prev_alive = []
+
+    def event(self):
+        clock = self
+
+        class Event:
+            def record(self):
+                clock.trace.append("record")
+                self.t = clock.t
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+
+        self.trace.append("event")
+        return Event()
+
+    def fn(self, *args):
+        import weakref
+        self.trace.append("call")
+        self.prev_alive.append(self.prev is not None and self.prev() is not None)
+        self.t += self.durations.pop(0)
+        out = torch.zeros(1)
+        self.prev = weakref.ref(out)
+        return out
+
+    def sync(self):
+        self.trace.append("sync")
+
+    def clear_l2(self):
+        self.trace.append("clear")
+        self.t += 1000.0  # outside the timed window
+
+    def empty_cache(self):
+        self.trace.append("empty_cache")
+
+
+def test_kb_timing_loop_is_kernelbench_cuda_event():
+    """kb_time_cuda_event follows KernelBench's time_execution_with_cuda_event step by step: warm-up calls
+    each synchronised, empty_cache, then per trial sync, two events, L2 clear, record, call, record, sync;
+    the first trial dropped; the previous output alive while the next call runs (`_ = kernel_fn(*args)`)."""
+    n = 5
+    warm, drop = harness.KB_WARMUP, harness.KB_DISCARD_FIRST
+    durations = [0.5] * warm + [float(i + 1) for i in range(n + drop)]
+    c = _FakeClock(durations)
+    ms = harness.kb_time_cuda_event(c.fn, [torch.ones(2)], n, event=c.event, sync=c.sync, clear_l2=c.clear_l2,
+                                    empty_cache=c.empty_cache)
+    assert ms == durations[warm + drop:]  # each trial's own call, the L2 clear excluded, the first dropped
+    trial = ["sync", "event", "event", "clear", "record", "call", "record", "sync"]
+    assert c.trace == ["call", "sync"] * warm + ["empty_cache"] + trial * (n + drop)
+    assert c.prev_alive == [False] * (warm + 1) + [True] * (n + drop - 1)
+    assert (warm, drop, harness.KB_TRIALS) == (3, 1, 100)  # KernelBench 423217d: defaults and its scripts' trials
+    # on the CPU the Timer drives the same loop with perf_counter events
+    timer = harness.Timer(torch.device("cpu"), samples=4)
+    calls = []
+    assert len(timer.kb_times(lambda *a: calls.append(torch.is_grad_enabled()), [], 4)) == 4
+    assert len(calls) == warm + 4 + drop
+
+
+def test_host_times_do_not_synchronise_inside_the_call(monkeypatch):
+    """host_times: perf_counter just around the call, sync before each call (never between the clock reads)."""
+    clock, trace = [0.0], []
+
+    def perf_counter():
+        trace.append("clock")
+        return clock[0]
+
+    def fn(x):
+        trace.append("call")
+        clock[0] += x
+        return torch.zeros(1)
+
+    monkeypatch.setattr(harness.time, "perf_counter", perf_counter)
+    ms = harness.host_times(fn, [0.25], 3, lambda: trace.append("sync"))
+    assert ms == [250.0] * 3
+    assert trace == ["sync", "clock", "call", "clock"] * 3 + ["sync"]
+
+
+def test_kb_timing_runs_the_grad_mode_forward(run_harness, tmp_path):
+    """The KernelBench-style timing calls ModelNew and the eager reference outside inference_mode with autograd
+    on and parameters requiring grad, on inputs that do not require grad: warm-up + trials + the dropped trial +
+    the host-time calls, beside the inference-mode timing; its numbers are in the JSON and the table."""
+    log_new, log_ref = tmp_path / "new.log", tmp_path / "ref.log"
+    probe = ("open(%r, 'a').write('%%d %%d %%d %%d\\n' %% (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), "
+             "all(p.requires_grad for p in self.parameters()), x.requires_grad)); ")
+    ref, sol = _write_pair(tmp_path, probe % str(log_ref) + "return self.lin(x).squeeze(-1)",
+                           forward_new=probe % str(log_new) + "return self.lin(x).squeeze(-1)")
+
+    def states(path):
+        lines = path.read_text().split("\n") if path.exists() else []
+        return [tuple(int(v) for v in ln.split()) for ln in lines if ln]
+
+    code, out = run_harness(sol, "--ref", ref, *CPU)
+    assert code == harness.EXIT_OK, out[-3000:]
+    before = {"new": states(log_new), "ref": states(log_ref)}
+    for p in (log_new, log_ref):
+        p.unlink(missing_ok=True)
+    js = tmp_path / "kb.json"
+    code, out = run_harness(sol, "--ref", ref, "--device", "cpu", "--cpu-timing", "--no-compile", "--samples", "3",
+                            "--input-sets", "2", "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    tm = json.loads(js.read_text())["shapes"][0]["timing"]
+    for who, path, r in (("new", log_new, tm["new"]["-"]), ("ref", log_ref, tm["eager"])):
+        after = states(path)
+        grad = [s for s in after if s[0]]
+        n_kb = harness.KB_WARMUP + r["kb"]["n"] + harness.KB_DISCARD_FIRST + r["host"]["n"]
+        assert len(grad) - sum(1 for s in before[who] if s[0]) == n_kb, (who, after)
+        assert all(s == (1, 0, 1, 0) for s in grad), (who, grad)  # no inference mode, params need grad
+        # and the inference-mode timing is still there
+        assert sum(1 for s in after if s[1]) > sum(1 for s in before[who] if s[1]), who
+    row = next(ln for ln in out.splitlines() if ln.startswith("tiny "))
+    assert f"{tm['new']['-']['kb']['mean_ms']:.4g}/{tm['eager']['kb']['mean_ms']:.4g}" in row, row
+    assert f"{tm['new']['-']['host']['median_ms'] * 1e3:.1f}/{tm['eager']['host']['median_ms'] * 1e3:.1f}" in row
+
+
+def test_kb_timing_error_is_the_solutions_failure(run_harness, tmp_path):
+    """A ModelNew that raises only after a few grad-mode calls (past the correctness check's) fails the run
+    in the KernelBench-style timing: exit 3, said so, no harness error."""
+    ref, sol = _write_pair(tmp_path, "return self.lin(x).squeeze(-1)",
+                           forward_new="return self.lin(x).squeeze(-1)",
+                           extra_new="torch.is_grad_enabled() and self._count()")
+    sol.write_text(sol.read_text() + textwrap.dedent('''
+        def _count(self):
+            self._grad_calls = getattr(self, "_grad_calls", 0) + 1
+            if self._grad_calls > 2:
+                raise RuntimeError("grad path broken after two calls")
+        ModelNew._count = _count
+    '''))
+    assert run_harness(sol, "--ref", ref, *CPU)[0] == harness.EXIT_OK
+    code, out = run_harness(sol, "--ref", ref, "--device", "cpu", "--cpu-timing", "--no-compile", "--samples", "2")
+    assert code == harness.EXIT_WRONG, out[-3000:]
+    assert "failed while timing KernelBench-style (grad mode): RuntimeError: grad path broken" in out, out[-3000:]
+    assert "harness error" not in out and "Traceback" not in out
