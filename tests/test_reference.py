@@ -13,6 +13,8 @@ import harness
 
 CM = harness.load_module("reference/contact_map.py")
 OPM = harness.load_module("reference/outer_product_mean.py")
+OPM_OF = harness.load_module("reference/outer_product_mean_openfold.py")
+OPM_BZ = harness.load_module("reference/outer_product_mean_boltz.py")
 
 
 def randomise(model, seed):
@@ -21,7 +23,7 @@ def randomise(model, seed):
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 1.0 / math.sqrt(p[0].numel()) if p.dim() > 1 else 0.5
-            base = 1.0 if name.endswith("layer_norm.weight") else 0.0
+            base = 1.0 if name.endswith("norm.weight") else 0.0
             p.copy_(base + scale * torch.randn(p.shape, generator=g))
     return model
 
@@ -227,7 +229,166 @@ def test_outer_product_mean_kernelbench_functions():
     assert m(msa, mask).shape == (OPM.batch_size, OPM.seq_len, OPM.seq_len, OPM.pair_dim)
 
 
-@pytest.mark.parametrize("mod", [CM, OPM], ids=["contact_map", "outer_product_mean"])
+# --- outer product mean, released normalisations (OpenFold family, Boltz) -------------------------
+# Parameter names per family: (LayerNorm, projection a, projection b, output Linear).
+OF_NAMES = ("layer_norm", "linear_1", "linear_2", "linear_out")
+BZ_NAMES = ("norm", "proj_a", "proj_b", "proj_o")
+
+
+def opm_pair64(p, names, ln_eps, msa, mask, normalise):
+    """float64 outer product mean with a pair-count normaliser, from the parameters `p` under `names`.
+
+    num[b,i,j,z]   = sum_{h,k} W[z,(h,k)] sum_s a[b,s,i,h] b[b,s,j,k]   (a, b projected and masked)
+    count[b,i,j]   = sum_s m[b,s,i] m[b,s,j]
+    normalise="openfold": (num + bias) / (count + eps)  with eps = p["eps"]
+    normalise="boltz":    num / max(count, 1) + bias
+    """
+    ln, pa, pb, po = names
+    m = mask.double()
+    x = layer_norm64(msa.double(), p[ln + ".weight"], p[ln + ".bias"], ln_eps)
+    a = (torch.einsum("bsnc,hc->bsnh", x, p[pa + ".weight"]) + p.get(pa + ".bias", 0.0)) * m[..., None]
+    bb = (torch.einsum("bsnc,hc->bsnh", x, p[pb + ".weight"]) + p.get(pb + ".bias", 0.0)) * m[..., None]
+    c = a.shape[-1]
+    num = torch.einsum("bsih,zhk,bsjk->bijz", a, p[po + ".weight"].reshape(-1, c, c), bb)
+    count = torch.einsum("bsi,bsj->bij", m, m)[..., None]
+    if normalise == "openfold":
+        return (num + p[po + ".bias"]) / (count + p["eps"])
+    return num / torch.clamp(count, min=1.0) + p[po + ".bias"]
+
+
+def opm_pair_entry_loops(p, names, ln_eps, msa, mask, normalise, b, i, j, z):
+    """One output entry of opm_pair64 with Python loops (float64)."""
+    ln, pa, pb, po = names
+    S, c_m = msa.shape[1], msa.shape[-1]
+    c = p[pa + ".weight"].shape[0]
+
+    def proj(which, s, n):
+        v = [float(t) for t in msa[b, s, n]]
+        mu = sum(v) / c_m
+        var = sum((t - mu) ** 2 for t in v) / c_m
+        x = [(t - mu) / math.sqrt(var + ln_eps) * float(p[ln + ".weight"][k]) + float(p[ln + ".bias"][k])
+             for k, t in enumerate(v)]
+        W = p[which + ".weight"]
+        bias = [float(t) for t in p[which + ".bias"]] if which + ".bias" in p else [0.0] * c
+        return [(sum(float(W[h, k]) * x[k] for k in range(c_m)) + bias[h]) * float(mask[b, s, n]) for h in range(c)]
+
+    A = [proj(pa, s, i) for s in range(S)]
+    Bm = [proj(pb, s, j) for s in range(S)]
+    num = sum(float(p[po + ".weight"][z, h * c + k]) * sum(A[s][h] * Bm[s][k] for s in range(S))
+              for h in range(c) for k in range(c))
+    count = sum(float(mask[b, s, i]) * float(mask[b, s, j]) for s in range(S))
+    bias = float(p[po + ".bias"][z])
+    if normalise == "openfold":
+        return (num + bias) / (count + p["eps"])
+    return num / max(count, 1.0) + bias
+
+
+FAMILIES = {  # id: (reference module, parameter names, normaliser, extra constructor arguments)
+    "openfold": (OPM_OF, OF_NAMES, "openfold", {}),
+    "openfold_bias_eps": (OPM_OF, OF_NAMES, "openfold", dict(eps=0.25, proj_bias=True)),
+    "boltz": (OPM_BZ, BZ_NAMES, "boltz", {}),
+}
+
+
+def family_model(fam, dims, seed):
+    mod, names, normalise, kw = FAMILIES[fam]
+    model = randomise(mod.Model(*mod.init_inputs_for(dims), **kw), seed).eval()
+    p = params64(model)
+    p["eps"] = getattr(model, "eps", None)
+    return model, p, names, normalise, getattr(model, names[0]).eps
+
+
+@pytest.mark.parametrize("kind", ["ones", "zeros01", "fractional", "bool", "dead"])
+@pytest.mark.parametrize("dims", OPM_DIMS, ids=["tiny", "awkward_33", "awkward_17"])
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_family_references_match_fp64_formula(fam, dims, kind):
+    model, p, names, normalise, ln_eps = family_model(fam, dims, 31)
+    shapes = OPM_OF.input_shapes_for(dims)
+    msa = torch.randn(shapes[0], generator=torch.Generator().manual_seed(32)) * 2 - 1
+    mask = make_mask(kind, shapes[1], 33)
+    want = opm_pair64(p, names, ln_eps, msa, mask, normalise)
+    with torch.no_grad():
+        got32 = model(msa, mask)
+        got64 = model.double()(msa.double(), mask.double() if mask.is_floating_point() else mask)
+    assert got32.shape == (dims["B"], dims["N"], dims["N"], dims["pair_dim"]) and got32.dtype == torch.float32
+    torch.testing.assert_close(got64, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got32.double(), want, atol=2e-5, rtol=2e-5)
+    if dims is OPM_DIMS[0]:
+        for (b, i, j, z) in [(0, 0, 0, 0), (1, 1, 4, 2), (1, 5, 1, 4)]:
+            loops = opm_pair_entry_loops(p, names, ln_eps, msa.double(), mask, normalise, b, i, j, z)
+            assert abs(loops - float(want[b, i, j, z])) < 1e-10 * max(1.0, abs(loops))
+    if kind == "dead":  # position 1 masked in every sequence: pair count 0 along row 1 and column 1
+        bias = p[names[3] + ".bias"]
+        edge = bias / p["eps"] if normalise == "openfold" else bias  # (0 + bias) / eps, or 0 / 1 + bias
+        for out in (got64[:, 1], got64[:, :, 1]):
+            torch.testing.assert_close(out, edge.expand_as(out), atol=1e-9, rtol=1e-12)
+
+
+def test_family_normalisations_differ_where_documented():
+    """Same weights in both families (names mapped): with all-ones masks the two agree once the place
+    of the bias is accounted for; pair counts below 1 (fractional masks) are where clamp(count, 1) and
+    count + 1e-3 part."""
+    dims = OPM_DIMS[0]
+    bz = randomise(OPM_BZ.Model(*OPM_BZ.init_inputs_for(dims)), 34).double().eval()
+    of = OPM_OF.Model(*OPM_OF.init_inputs_for(dims)).double().eval()
+    rename = dict(zip(BZ_NAMES, OF_NAMES))
+    of.load_state_dict({rename[k.split(".")[0]] + "." + k.split(".")[1]: v for k, v in bz.state_dict().items()},
+                       strict=True)
+    shapes = OPM_OF.input_shapes_for(dims)
+    S = shapes[0][1]
+    msa = torch.randn(shapes[0], dtype=torch.float64, generator=torch.Generator().manual_seed(35))
+    bias = bz.proj_o.bias
+    with torch.no_grad():
+        ones = torch.ones(shapes[1], dtype=torch.float64)
+        # Boltz: W.o / S + bias; OpenFold: (W.o + bias) / (S + eps)
+        torch.testing.assert_close(of(msa, ones), (S * (bz(msa, ones) - bias) + bias) / (S + 1e-3),
+                                   atol=1e-12, rtol=1e-12)
+        frac = make_mask("fractional", shapes[1], 36).double()
+        count = torch.einsum("bsi,bsj->bij", frac, frac)
+        assert bool((count < 1).any()) and bool((count >= 1).any())
+        of_num = of(msa, frac) * (count + 1e-3)[..., None] - bias   # W.o, from each family's output
+        bz_num = (bz(msa, frac) - bias) * torch.clamp(count, min=1)[..., None]
+        torch.testing.assert_close(of_num, bz_num, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["fractional", "bool", "dead"])
+@pytest.mark.parametrize("mod", [OPM_OF, OPM_BZ], ids=["openfold", "boltz"])
+def test_family_forward_rows_matches_forward(mod, kind):
+    dims = dict(B=2, S=4, N=9, msa_dim=8, hidden_dim=4, pair_dim=6)
+    model = randomise(mod.Model(*mod.init_inputs_for(dims)), 37).eval()
+    shapes = mod.input_shapes_for(dims)
+    msa = torch.randn(shapes[0], generator=torch.Generator().manual_seed(38))
+    mask = make_mask(kind, shapes[1], 39)
+    rows = torch.tensor([0, 1, 5, 8])
+    with torch.no_grad():
+        full = model(msa, mask)
+        part = mod.forward_rows(model, msa, mask, rows)
+    assert part.shape == (2, 4, 9, 6)
+    torch.testing.assert_close(part, full[:, rows], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mod, names", [(OPM_OF, OF_NAMES), (OPM_BZ, BZ_NAMES)], ids=["openfold", "boltz"])
+def test_family_kernelbench_functions(mod, names):
+    msa, mask = mod.get_inputs()
+    assert tuple(msa.shape) == (mod.batch_size, mod.msa_depth, mod.seq_len, mod.msa_dim)
+    assert tuple(mask.shape) == (mod.batch_size, mod.msa_depth, mod.seq_len) and bool((mask == 1).all())
+    assert mod.get_init_inputs() == [mod.msa_dim, mod.pair_dim, mod.hidden_dim]
+    assert mod.SHAPES == OPM.SHAPES  # the same named shapes as reference/outer_product_mean.py
+    m = mod.Model(*mod.get_init_inputs())
+    assert tuple(n for n, _ in m.named_children()) == names
+    # no bias on the projections by default (OpenFold3 / AlphaFold 3, Boltz); the output Linear has one
+    assert sorted(m.state_dict()) == sorted([names[0] + ".weight", names[0] + ".bias", names[1] + ".weight",
+                                             names[2] + ".weight", names[3] + ".weight", names[3] + ".bias"])
+    assert m(msa, mask).shape == (mod.batch_size, mod.seq_len, mod.seq_len, mod.pair_dim)
+    if mod is OPM_OF:
+        assert m.eps == 1e-3
+        with torch.no_grad():
+            torch.testing.assert_close(m(msa), m(msa, mask), atol=0, rtol=0)  # no mask = all ones
+
+
+@pytest.mark.parametrize("mod", [CM, OPM, OPM_OF, OPM_BZ],
+                         ids=["contact_map", "outer_product_mean", "outer_product_mean_openfold",
+                              "outer_product_mean_boltz"])
 def test_shape_tables_are_consistent(mod):
     for name, dims in mod.SHAPES.items():
         shapes = mod.input_shapes_for(dims)
