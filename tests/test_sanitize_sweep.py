@@ -3,8 +3,8 @@ tool's output format, with kernel names as --demangle no prints them), the verdi
 and its case table against the kernel files' variant tables (read with ast: importing a kernel file builds it)."""
 import ast
 import importlib.util
+import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -231,6 +231,74 @@ def test_print_limit_marks_the_run_truncated():
     assert not sw.judge_run(sw.ERROR_EXIT, MEMCHECK_LOG, "", 0).truncated  # 0: no limit
 
 
+# a file's run of three cases: the second fails with a Python error, the others end
+GROUP_OUTPUT = ("case cm_a: ok in 12.0 s\n"
+                "Traceback (most recent call last):\n  ...\nRuntimeError: cm_b call 2: cm_forward ...: "
+                "last_variant: expected 'fma', 'mma' ran\n\n"
+                "case cm_b: FAILED in 3.5 s: RuntimeError: cm_b call 2: cm_forward ...: last_variant: expected "
+                "'fma', 'mma' ran\n"
+                "case cm_c: ok in 8.1 s\n")
+
+
+def test_case_status_lines():
+    assert sw.case_status(GROUP_OUTPUT) == {
+        "cm_a": None, "cm_c": None,
+        "cm_b": "RuntimeError: cm_b call 2: cm_forward ...: last_variant: expected 'fma', 'mma' ran"}
+    assert sw.case_status("") == {}
+
+
+def test_a_failing_case_in_a_files_run_is_named_and_the_others_stand():
+    for rc in (1, sw.ERROR_EXIT):  # with reports, compute-sanitizer's error exit code hides the worker's 1
+        r = sw.judge_run(rc, CLEAN_LOG if rc == 1 else MEMCHECK_LOG, GROUP_OUTPUT, 1000,
+                         cases=["cm_a", "cm_b", "cm_c"])
+        assert r.failure is None
+        assert list(r.case_failures) == ["cm_b"] and "expected 'fma', 'mma' ran" in r.case_failures["cm_b"]
+    r = sw.judge_run(0, CLEAN_LOG, "case cm_a: ok in 1.0 s\ncase cm_b: ok in 1.0 s\n", 1000, cases=["cm_a", "cm_b"])
+    assert r.failure is None and r.case_failures == {}
+
+
+def test_a_worker_that_dies_in_a_files_run():
+    # a crash in cm_b: cm_b and cm_c have no status line, each is named
+    out = "case cm_a: ok in 12.0 s\nFatal Python error: Segmentation fault\n"
+    r = sw.judge_run(-11, CLEAN_LOG, out, 1000, cases=["cm_a", "cm_b", "cm_c"])
+    assert r.failure is None and sorted(r.case_failures) == ["cm_b", "cm_c"]
+    assert r.case_failures["cm_b"].startswith("did not finish (worker exit -11): ")
+    # every case ended but the worker still failed: the run fails
+    r = sw.judge_run(1, CLEAN_LOG, "case cm_a: ok in 1.0 s\nboom at exit\n", 1000, cases=["cm_a"])
+    assert r.failure == "worker exit 1: case cm_a: ok in 1.0 s | boom at exit" and r.case_failures == {}
+    # a timed-out run proves nothing; it says how far it got, and its failed cases are still named
+    r = sw.judge_run(-9, "", GROUP_OUTPUT.split("case cm_c")[0], 1000, seconds=600, timed_out=True,
+                     cases=["cm_a", "cm_b", "cm_c"])
+    assert r.failure == "timed out after 600 s (2 of 3 cases finished)" and list(r.case_failures) == ["cm_b"]
+    r = sw.judge_run(-9, "", "", 1000, seconds=600, timed_out=True, cases=["cm_a"])
+    assert r.failure == "timed out after 600 s" and r.case_failures == {}
+
+
+def test_the_worker_goes_on_after_a_failing_case(monkeypatch, capsys):
+    """worker_main with stand-ins for torch and run_case: a status line per case, on after a failure, exit 1."""
+    monkeypatch.setitem(sys.modules, "torch", type(sys)("torch"))
+    monkeypatch.setattr(sw, "_check_device", lambda torch: None)
+    ran = []
+
+    def run_case(torch, case, quick):
+        ran.append(case.name)
+        if case.name == "cm_fma_float32":
+            raise RuntimeError("cm_fma_float32 call 3: cm_forward ...: CUDA error: an illegal memory access\nmore")
+
+    monkeypatch.setattr(sw, "run_case", run_case)
+    names = ["cm_mma_float32", "cm_fma_float32", "cm_mma_fma_half"]
+    assert sw.worker_main(names, quick=True) == 1
+    out = capsys.readouterr().out
+    assert ran == names
+    assert "Traceback (most recent call last)" in out
+    status = sw.case_status(out)
+    assert status == {"cm_mma_float32": None, "cm_mma_fma_half": None,
+                      "cm_fma_float32": "RuntimeError: cm_fma_float32 call 3: cm_forward ...: CUDA error: an "
+                                        "illegal memory access"}
+    monkeypatch.setattr(sw, "run_case", lambda torch, case, quick: None)
+    assert sw.worker_main(names, quick=True) == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # kernel names, libraries, source lines
 # ------------------------------------------------------------------------------------------------
@@ -245,16 +313,78 @@ def test_strip_params(name, want):
     assert sw.strip_params(name) == want
 
 
-@pytest.mark.skipif(shutil.which("c++filt") is None, reason="needs c++filt")
+@pytest.mark.skipif(sw.find_demangler() is None, reason="needs c++filt or cu++filt")
 def test_profiler_names_match_the_libraries_kernels():
     """The profiler's kernel names (libstdc++'s demangler, with "void " and parameters) give the same key as c++filt
-    of the library's mangled names; two builds of one kernel give two keys."""
-    d_mma, d_prod, d_wg = sw.demangle([MMA, MMA_PROD, OUTER_WG])
+    (or cu++filt) of the library's mangled names; two builds of one kernel give two keys."""
+    d_mma, d_prod, d_wg = sw.demangle([MMA, MMA_PROD, OUTER_WG], sw.find_demangler())
     profiler = ("void contact_map::contact_map_mma_kernel<16, (contact_map::WFormat)0, 512, 2, false>(float const*, "
                 "float*, float const*, float const*, float const*, float const*, float const*, float const*, float "
                 "const*, float const*, float, int, int, int, int, int, bool)")
     assert sw.kernel_key(profiler) == sw.kernel_key(d_mma) != sw.kernel_key(d_prod)
     assert sw.strip_params(d_wg) == "opm::opm_outer_wg_kernel<__half>"
+
+
+def _fake_demangler(path, one_at_a_time=False):
+    """An executable at path that demangles the test's names given as arguments, one line each (one_at_a_time:
+    only its first argument), like c++filt and cu++filt; without arguments it fails."""
+    table = {MMA: "void contact_map::mma<16>(float const*)", PREP: "void opm::prep<32>(float const*, int)"}
+    with open(path, "w") as f:
+        f.write(f"#!{sys.executable}\nimport sys\ntable = {table!r}\nargs = sys.argv[1:]\n"
+                "if not args:\n    sys.exit('usage: cu++filt [options] <symbol(s)>')\n"
+                f"for a in args[:{1 if one_at_a_time else None}]:\n    print(table.get(a, a))\n")
+    os.chmod(path, 0o755)
+    return str(path)
+
+
+def test_demangler_c_plus_plus_filt_first(monkeypatch, tmp_path):
+    cxxfilt = _fake_demangler(tmp_path / "c++filt")
+    monkeypatch.setattr(sw.shutil, "which", lambda name: cxxfilt if name == "c++filt" else None)
+    os.makedirs(tmp_path / "cuda" / "bin")
+    _fake_demangler(tmp_path / "cuda" / "bin" / "cu++filt")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    assert sw.find_demangler() == cxxfilt
+
+
+def test_demangler_falls_back_to_cuda_cu_plus_plus_filt(monkeypatch, tmp_path):
+    """No c++filt on PATH: cu++filt beside compute-sanitizer, else in CUDA_HOME/bin, else on PATH."""
+    monkeypatch.setattr(sw.shutil, "which", lambda name: None)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    for d in ("sanitizer/bin", "cuda/bin", "path"):
+        os.makedirs(tmp_path / d)
+    sanitizer = str(tmp_path / "sanitizer" / "bin" / "compute-sanitizer")
+    candidates = sw.demangler_candidates(sanitizer)
+    assert candidates[0] == os.path.join(os.path.dirname(sanitizer), "cu++filt")
+    assert candidates.index(str(tmp_path / "cuda" / "bin" / "cu++filt")) > 0
+    beside = _fake_demangler(tmp_path / "sanitizer" / "bin" / "cu++filt")
+    in_home = _fake_demangler(tmp_path / "cuda" / "bin" / "cu++filt")
+    assert sw.find_demangler(sanitizer) == beside
+    assert sw.find_demangler() == in_home
+    os.remove(in_home)
+    on_path = _fake_demangler(tmp_path / "path" / "cu++filt")
+    monkeypatch.setattr(sw.shutil, "which", lambda name: on_path if name == "cu++filt" else None)
+    assert sw.demangler_candidates()[-1] == on_path and sw.find_demangler() in (on_path, "/usr/local/cuda/bin/cu++filt")
+    # the names as arguments, one line each; a name it does not know stays as it is
+    assert sw.demangle([MMA, PREP, "plain"], beside) == [
+        "void contact_map::mma<16>(float const*)", "void opm::prep<32>(float const*, int)", "plain"]
+    # a demangler printing fewer lines than names: one name at a time
+    one = _fake_demangler(tmp_path / "one", one_at_a_time=True)
+    assert sw.demangle([MMA, PREP], one) == ["void contact_map::mma<16>(float const*)",
+                                             "void opm::prep<32>(float const*, int)"]
+    many = [MMA] * 70 + [PREP]  # more names than one call takes
+    assert sw.demangle(many, beside)[69:] == ["void contact_map::mma<16>(float const*)",
+                                             "void opm::prep<32>(float const*, int)"]
+
+
+def test_no_demangler(monkeypatch, tmp_path):
+    monkeypatch.setattr(sw, "demangler_candidates", lambda sanitizer=None: [str(tmp_path / "c++filt"),
+                                                                            str(tmp_path / "cu++filt")])
+    assert sw.find_demangler("/x/compute-sanitizer") is None
+    assert sw.demangle([MMA, PREP], None) == [MMA, PREP]  # the names stay mangled
+    broken = tmp_path / "cu++filt"
+    broken.write_text("#!/bin/sh\nexit 3\n")
+    broken.chmod(0o755)
+    assert sw.find_demangler() == str(broken) and sw.demangle([MMA], str(broken)) == [MMA]
 
 
 CUOBJDUMP_SYMBOLS = """
@@ -332,7 +462,7 @@ def test_summarise_one_line_per_tool_and_kernel():
     assert line("memcheck", "contact_map::mma<32, prod>")[1].endswith("contact_map::mma<32, prod>  (1 cases)")
     state, text = line("memcheck", "opm::prep<32>")
     assert state == "REPORT" and "invalid __global__ read at cuda.cu:812 (outer_product_mean.py)" in text
-    assert text.endswith("[opm_b; 1 reports in 1 cases]")
+    assert text.endswith("[case opm_b; 1 reports in 1 runs]")
     state, text = line("memcheck", "contact_map::mma<16>")  # a report is never hidden behind another case's clean
     assert state == "REPORT" and "invalid __shared__ write at cuda.cu:1101 (contact_map.py)" in text
     assert line("memcheck", "opm::outer_wg<__half>")[0] == "clean"
@@ -357,6 +487,55 @@ def test_summarise_all_clean_passes_and_census_failures_fail():
     _, failed, _ = sw.summarise(sw.TOOLS, ["cm_a"], {"cm_a": "contact_map"}, {"cm_a": {MMA}}, results, {MMA: "mma"},
                                 kernel_file, census_errors={"cm_a": "RuntimeError: no CUDA device"})
     assert failed
+
+
+def test_summarise_a_files_run():
+    """A run of several cases: a kernel is clean from the union of the census kernels of its cases; a case that
+    failed in it is named, and only the kernels it launched are not checked; a report names the run."""
+    kernel_file = {MMA: "contact_map", MMA_PROD: "contact_map", PREP: "outer_product_mean"}
+    names = {MMA: "mma<16>", MMA_PROD: "mma<32, prod>", PREP: "prep<32>"}
+    case_files = {"cm_a": "contact_map", "cm_b": "contact_map", "cm_c": "contact_map", "opm_x": "outer_product_mean"}
+    case_kernels = {"cm_a": {MMA}, "cm_b": {MMA, MMA_PROD}, "cm_c": {MMA}, "opm_x": {PREP}}
+    runs = {"contact_map": ["cm_a", "cm_b", "cm_c"], "outer_product_mean": ["opm_x"]}
+    failing = ("case cm_a: ok in 1.0 s\ncase cm_b: FAILED in 1.0 s: RuntimeError: boom\ncase cm_c: ok in 1.0 s\n")
+    results = {("memcheck", "contact_map"): sw.judge_run(1, CLEAN_LOG, failing, 1000, cases=runs["contact_map"]),
+               ("memcheck", "outer_product_mean"): sw.judge_run(sw.ERROR_EXIT, MEMCHECK_LOG, "case opm_x: ok in 1 s",
+                                                                1000, cases=["opm_x"]),
+               ("synccheck", "contact_map"): sw.judge_run(0, CLEAN_LOG, "".join(
+                   f"case {c}: ok in 1.0 s\n" for c in runs["contact_map"]), 1000, cases=runs["contact_map"]),
+               ("synccheck", "outer_product_mean"): sw.judge_run(-9, "", "", 1000, seconds=300, timed_out=True,
+                                                                 cases=["opm_x"])}
+    lines, failed, counts = sw.summarise(["memcheck", "synccheck"], list(case_files), case_files, case_kernels,
+                                         results, names, kernel_file, runs=runs)
+    text = "\n".join(lines)
+    assert sw.verdict_line("memcheck", "FAILED", "contact_map", "case cm_b", "RuntimeError: boom") in lines
+    assert "NOT CHECKED  contact_map         mma<32, prod>  case cm_b failed" in text
+    # the mma kernel's one report comes from the outer product mean's run (MEMCHECK_LOG names it)
+    assert "REPORT       contact_map         mma<16>  invalid __shared__ write at cuda.cu:1101  " \
+           "[run outer_product_mean; 1 reports in 1 runs]" in text
+    assert sw.verdict_line("synccheck", "clean", "contact_map", "mma<16>", "(3 cases)") in lines
+    assert sw.verdict_line("synccheck", "clean", "contact_map", "mma<32, prod>", "(1 cases)") in lines
+    # a file's run of one case is still named as the run (its logs are TOOL-FILE.*)
+    assert sw.verdict_line("synccheck", "FAILED", "outer_product_mean", "run outer_product_mean",
+                           "timed out after 300 s") in lines
+    assert "synccheck  NOT CHECKED  outer_product_mean  prep<32>  run outer_product_mean failed" in text
+    assert failed and counts == {"clean": 2, "report": 2, "not checked": 2}
+    # a file's run that hit the print limit, or failed as a whole, is named as the run
+    all_ok = "".join(f"case {c}: ok in 1.0 s\n" for c in runs["contact_map"])
+    results[("synccheck", "contact_map")] = sw.judge_run(sw.ERROR_EXIT, SYNCCHECK_LOG, all_ok, 1,
+                                                         cases=runs["contact_map"])
+    lines, _, _ = sw.summarise(["synccheck"], list(case_files), case_files, case_kernels, results, names,
+                               kernel_file, runs=runs)
+    assert "synccheck  NOT CHECKED  contact_map         mma<16>  run contact_map hit the print limit" in lines
+    results[("synccheck", "contact_map")] = sw.judge_run(0, "========= COMPUTE-SANITIZER\n", all_ok, 1000,
+                                                         cases=runs["contact_map"])
+    lines, _, _ = sw.summarise(["synccheck"], list(case_files), case_files, case_kernels, results, names,
+                               kernel_file, runs=runs)
+    assert "synccheck  NOT CHECKED  contact_map         mma<16>  run contact_map failed" in lines
+    assert [l for l in lines if "FAILED" in l and "contact_map" in l] == [sw.verdict_line(
+        "synccheck", "FAILED", "contact_map", "run contact_map",
+        "compute-sanitizer did not finish (no summary line; exit 0): " + all_ok.strip().replace("\n", " | ")
+        + " (3 of 3 cases finished)")]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -423,6 +602,120 @@ def test_sanitizer_command_per_tool():
     assert off.count("--check-tensor-ops") == 1 and off[off.index("--check-tensor-ops") + 1] == "no"
     eq = sw.sanitizer_command("cs", "memcheck", "m.log", worker, None, extra=["--padding=64"])
     assert "--padding" not in eq and "--padding=64" in eq
+
+
+def test_default_runs_are_one_per_tool_and_kernel_file():
+    args = sw.parse_args([])
+    assert args.jobs == 8 and not args.per_case and len(args.selected) == len(sw.CASES)
+    runs = sw.plan_runs(args.selected, args.per_case)
+    assert runs == {f: [c.name for c in sw.CASES if c.file == f] for f in sw.FILES}
+    cmds = [sw.run_command("cs", t, run, cases, "/logs", False, None, 1000) for t in args.tools
+            for run, cases in runs.items()]
+    assert len(cmds) == len(sw.TOOLS) * len(sw.FILES) == 8
+    logs = [log for log, _, _ in cmds]
+    assert len(set(logs)) == 8 and "/logs/racecheck-outer_product_mean.log" in logs
+    assert len({out for _, out, _ in cmds}) == 8 and "/logs/racecheck-outer_product_mean.out" in [o for _, o, _ in cmds]
+    for log, _, cmd in cmds:
+        file = "contact_map" if log.endswith("-contact_map.log") else "outer_product_mean"
+        assert cmd[cmd.index("--worker") + 1:] == [c.name for c in sw.CASES if c.file == file]
+    # the cases the census failed are left out, --quick is passed on
+    runs = sw.plan_runs(args.selected, skip={"cm_mma_float32"})
+    assert "cm_mma_float32" not in runs["contact_map"] and len(runs["contact_map"]) == len(sw.CM_CASES) - 1
+    _, _, cmd = sw.run_command("cs", "memcheck", "outer_product_mean", runs["outer_product_mean"], "/l", True, None,
+                               1000)
+    assert cmd[-1] == "--quick"
+
+
+def test_per_case_runs_are_one_per_tool_and_case():
+    args = sw.parse_args(["--per-case"])
+    runs = sw.plan_runs(args.selected, args.per_case)
+    assert runs == {c.name: [c.name] for c in sw.CASES}
+    assert len(runs) * len(args.tools) == len(sw.CASES) * len(sw.TOOLS)
+    log, out, cmd = sw.run_command("cs", "initcheck", "opm_masks", runs["opm_masks"], "/l", False, None, 1000)
+    assert (log, out) == ("/l/initcheck-opm_masks.log", "/l/initcheck-opm_masks.out")
+    assert cmd[-2:] == ["--worker", "opm_masks"]
+    # kernel file names and case names never clash: a file's logs and a case's are different files
+    assert not set(sw.FILES) & set(sw.CASES_BY_NAME)
+
+
+def _fake_sweep(monkeypatch, tmp_path, demangler=True, fail=("memcheck", "cm_fma_float32")):
+    """main() with stand-ins for its processes: the census writes each case's kernels (the mma kernel for the
+    contact map's cases, the prep kernel for the outer product mean's), every sanitized run is clean and prints
+    the status lines of its cases, the case fail names fails under its tool. Returns (exit code, the sanitized
+    commands)."""
+    sanitizer = tmp_path / "compute-sanitizer"
+    sanitizer.write_text("#!/bin/sh\nexit 0\n")
+    sanitizer.chmod(0o755)
+    fake = _fake_demangler(tmp_path / "cu++filt") if demangler else None
+    monkeypatch.setattr(sw, "find_demangler", lambda s=None: fake)
+    monkeypatch.setattr(sw, "library_kernels", lambda so: {MMA} if "contact_map" in so else {PREP})
+    kernels = {"contact_map": ["void contact_map::mma<16>(float const*)"],
+               "outer_product_mean": ["void opm::prep<32>(float const*, int)"]}
+    commands = []
+
+    def run(cmd, out_path, timeout):
+        cases = cmd[cmd.index("--worker") + 1:]
+        if "--census" in cmd:
+            file = sw.CASES_BY_NAME[cases[0]].file
+            census = {"cases": {c: {"kernels": kernels[file], "error": None} for c in cases},
+                      "files": {file: {"library": f"/x/{file}.so", "cuda_source": "/x/cuda.cu", "lineinfo": True}},
+                      "device": {"name": "H100", "sms": 132, "torch": "2"}}
+            with open(cmd[cmd.index("--census") + 1], "w") as f:
+                json.dump(census, f)
+            return 0, 1.0, False
+        commands.append(cmd)
+        tool = cmd[cmd.index("--tool") + 1]
+        with open(cmd[cmd.index("--log-file") + 1], "w") as f:
+            f.write(CLEAN_LOG)
+        with open(out_path, "w") as f:
+            for c in cases:
+                f.write(f"case {c}: FAILED in 1.0 s: RuntimeError: boom\n" if (tool, c) == fail else
+                        f"case {c}: ok in 1.0 s\n")
+        return (1 if any((tool, c) == fail for c in cases) else 0), 2.0, False
+
+    monkeypatch.setattr(sw, "_run", run)
+    rc = sw.main(["--sanitizer", str(sanitizer), "--log-dir", str(tmp_path / "logs")])
+    return rc, commands
+
+
+def test_main_runs_one_process_per_tool_and_file(monkeypatch, tmp_path, capsys):
+    rc, commands = _fake_sweep(monkeypatch, tmp_path)
+    out = capsys.readouterr().out
+    assert rc == 1 and len(commands) == 8
+    assert f"{len(sw.CASES)} cases in 2 runs per tool (one per kernel file) x 4 tools = 8 sanitized runs, 8 at a " \
+           "time" in out
+    for file in sw.FILES:
+        names = [c.name for c in sw.CASES if c.file == file]
+        assert sum(cmd[cmd.index("--worker") + 1:] == names for cmd in commands) == 4
+    n_cm, n_opm = (sum(c.file == f for c in sw.CASES) for f in sw.FILES)
+    assert sw.verdict_line("memcheck", "FAILED", "contact_map", "case cm_fma_float32", "RuntimeError: boom") in out
+    assert sw.verdict_line("memcheck", "NOT CHECKED", "contact_map", "contact_map::mma<16>",
+                           "case cm_mma_float32 failed") not in out
+    assert sw.verdict_line("memcheck", "NOT CHECKED", "contact_map", "contact_map::mma<16>",
+                           "case cm_fma_float32 failed") in out
+    assert sw.verdict_line("memcheck", "clean", "outer_product_mean", "opm::prep<32>", f"({n_opm} cases)") in out
+    assert sw.verdict_line("racecheck", "clean", "contact_map", "contact_map::mma<16>", f"({n_cm} cases)") in out
+    assert f"memcheck  contact_map               2.0 s  no reports, 1 of {n_cm} cases failed" in out
+    assert out.rstrip().endswith("-> FAIL") and "7 clean, 0 with reports, 1 not checked" in out
+    with open(tmp_path / "logs" / "summary.txt") as f:
+        assert f.read().splitlines()[-1].startswith("summary: 2 kernels launched x 4 tools")
+
+
+def test_main_all_clean_passes_and_per_case_runs(monkeypatch, tmp_path, capsys):
+    rc, commands = _fake_sweep(monkeypatch, tmp_path, fail=())
+    assert rc == 0 and capsys.readouterr().out.rstrip().endswith("-> PASS")
+    monkeypatch.setattr(sys, "argv", ["sanitize_sweep.py"])
+    monkeypatch.setattr(sw, "parse_args", lambda argv, parse=sw.parse_args: parse(argv + ["--per-case"]))
+    rc, commands = _fake_sweep(monkeypatch, tmp_path, fail=())
+    assert rc == 0 and len(commands) == len(sw.CASES) * len(sw.TOOLS)
+    assert os.path.exists(tmp_path / "logs" / "racecheck-opm_masks.log")
+
+
+def test_main_without_a_demangler_says_so_once(monkeypatch, tmp_path, capsys):
+    rc, _ = _fake_sweep(monkeypatch, tmp_path, demangler=False, fail=())
+    out = capsys.readouterr().out
+    assert rc == 1 and out.count("no c++filt on PATH and no cu++filt") == 1
+    assert "no kernel the cases launched was matched to the libraries' kernels (demangler: none found)" in out
 
 
 def test_worker_environment_disables_the_caching_allocator():
@@ -558,8 +851,22 @@ def test_dry_run_imports_no_kernel_file_and_no_torch():
         assert case.name in out
     for tool in sw.TOOLS:
         assert f"--tool {tool}" in out
-    assert out.count("--worker") == len(sw.CASES) * len(sw.TOOLS) + 2  # + the two census commands
+    # one sanitized run per (tool, kernel file), with all the file's cases, + the two census commands
+    assert out.count("--worker") == len(sw.FILES) * len(sw.TOOLS) + 2
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in out
+    for tool in sw.TOOLS:
+        for file in sw.FILES:
+            names = " ".join(c.name for c in sw.CASES if c.file == file)
+            assert f"--log-file LOG_DIR/{tool}-{file}.log" in out
+            assert f"tools/sanitize_sweep.py --worker {names}\n" in out
+
+
+def test_dry_run_per_case(capsys):
+    assert sw.main(["--dry-run", "--per-case", "--tools", "memcheck,initcheck"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--worker") == len(sw.CASES) * 2 + 2
+    assert f"--log-file LOG_DIR/initcheck-{sw.CASES[0].name}.log" in out
+    assert f"--worker {sw.CASES[0].name}\n" in out
 
 
 def test_options_select_tools_files_and_quick():

@@ -2,15 +2,24 @@
 
     python tools/sanitize_sweep.py --log-dir $OUT/sanitize             # memcheck, racecheck, synccheck, initcheck
     python tools/sanitize_sweep.py --quick --tools memcheck,racecheck --files outer_product_mean
+    python tools/sanitize_sweep.py --per-case --tools memcheck --cases cm_fma   # one process per case
     python tools/sanitize_sweep.py --dry-run                            # the cases and the commands; no GPU, no torch
 
 Needs an H100 / H200 (compute capability 9.0: the wgmma kernels run only there), compute-sanitizer (--sanitizer,
-else PATH, else CUDA_HOME/bin), c++filt, and cuobjdump for the coverage list. The kernel files are imported as the
-tests import them, so their extensions are built on the first import (minutes) and loaded from PyTorch's cache
-afterwards. Meant to finish in about 6 minutes on one H100 with 16 CPU cores (--jobs 12, extensions built): one
-sanitized process per (case, tool), most of whose time is the sanitizer's start and PyTorch's import (--dry-run
-counts them); --quick drops the calls that walk many tiles per block. Each run's time is printed; the logs stay in
---log-dir (per run TOOL-CASE.log, the sanitizer's report, and TOOL-CASE.out, the worker's output; summary.txt).
+else PATH, else CUDA_HOME/bin), a demangler (c++filt on PATH, else CUDA's cu++filt: the sanitizer's directory,
+CUDA_HOME/bin, PATH) and cuobjdump for the coverage list. The kernel files are imported as the tests import them,
+so their extensions are built on the first import (minutes) and loaded from PyTorch's cache afterwards.
+
+Runtime. Measured 2026-12-06 on an H100 with 16 CPU cores (compute-sanitizer 2025.3.1, torch 2.11, extensions
+built) with one sanitized process per (tool, case): each took 80-190 s, most of it the sanitizer's start, PyTorch's
+import and instrumenting, and the 76 of them, 12 at a time, did not finish within 10 minutes. Hence the default:
+one sanitized process per (tool, kernel file) running all that file's selected cases, 4 tools x 2 files = 8
+processes, all at once (--jobs 8). Their time has not been measured; the sweep is expected to take about as long
+as its longest single (tool, file) run, after the census. --per-case gives the one process per (tool, case) runs
+(to localise a failure: in a file's run, a fault that loses the CUDA context makes its later cases fail too);
+--quick drops the calls that walk many tiles per block; --timeout bounds each run. Each run's time is printed; the
+logs stay in --log-dir (per run TOOL-RUN.log, the sanitizer's report, and TOOL-RUN.out, the worker's output, where
+RUN is the kernel file, e.g. racecheck-outer_product_mean.log, or with --per-case the case; summary.txt).
 
 How it works:
   1. Cases. CASES below: each names one kernel file and a list of calls at small, awkward shapes (N from 1 to 45,
@@ -25,12 +34,15 @@ How it works:
      every output to the host (under initcheck that copy reports any output byte no kernel wrote).
   2. Census. For each file one process without the sanitizer runs the cases under torch.profiler: the kernels
      each case launches, the extension library and its CUDA source, whether it was built with -lineinfo.
-  3. Sanitized runs. One process per (tool, case), --jobs at a time on the one GPU: compute-sanitizer --tool TOOL
-     python tools/sanitize_sweep.py --worker CASE, with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor its own
+  3. Sanitized runs. One process per (tool, kernel file), --jobs at a time on the one GPU: compute-sanitizer --tool
+     TOOL python tools/sanitize_sweep.py --worker CASE [CASE ...] with the file's cases (those the census ran
+     without error; --per-case: one case per process), with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor its own
      cudaMalloc: the caching allocator would hide out-of-bounds accesses into a neighbouring block and
-     uninitialized reads of reused memory). Options (dropped where the installed compute-sanitizer's --help
-     does not list them): --error-exitcode, --print-limit, --demangle no (mangled names match the library's
-     symbols exactly), --show-backtrace device, --target-processes application-only (not the build's ninja),
+     uninitialized reads of reused memory). The worker runs its cases one after another, prints a status line per
+     case ("case NAME: ok in S s" or "case NAME: FAILED in S s: ERROR"), goes on after a failing case and exits 1
+     if any failed. Options (dropped where the installed compute-sanitizer's --help does not list them):
+     --error-exitcode, --print-limit, --demangle no (mangled names match the library's symbols exactly),
+     --show-backtrace device, --target-processes application-only (not the build's ninja),
      --check-device-heap no (keeps CUDA's lazy module loading: PyTorch's unused kernels are never instrumented),
      a base --port per parallel run; memcheck --padding 4096 (an overrun into the next allocation is caught too),
      --report-api-errors no (every CUDA call in the two files raises through C10_CUDA_CHECK, so a failing call
@@ -38,16 +50,19 @@ How it works:
      racecheck --racecheck-report analysis and --check-tensor-ops yes. initcheck checks global memory (its
      default): its release notes list tensormap (TMA) instructions it does not support, and the wgmma kernels'
      shared-memory tiles arrive through them.
-  4. Report. One line per (tool, kernel): "clean" and the number of cases, or the first report (its type, the
+  4. Report. One line per (tool, kernel): "clean" and the number of cases that launched it (the census's kernels
+     of the cases of each run: a file's run counts the union of its cases'), or the first report (its type, the
      kernel and the source location as compute-sanitizer prints it, with the kernel file's line where the line
-     of the built cuda.cu is found there), or "NOT CHECKED" where a run that launched the kernel failed or hit the
-     print limit; reports in kernels of neither file (PyTorch's) get lines too. Then the kernels of the built
+     of the built cuda.cu is found there, and the run it came from), or "NOT CHECKED" where a case that launched
+     the kernel failed, or its run failed or hit the print limit; each failed case and failed run gets a FAILED
+     line by name; reports in kernels of neither file (PyTorch's) get lines too. Then the kernels of the built
      libraries (cuobjdump -symbols, ENTRY functions) that no case launched, and a summary line. Exit status 1
      when any report, failed run or failed case exists.
 
-Limits: "clean" means that no report came from the launches the census saw for that case; under the sanitizer a
-launcher's occupancy query could in principle pick another build (the mma kernel's one- or two-block build), and
-reports from whatever ran are always shown under the kernel's own name. racecheck sees shared memory only.
+Limits: "clean" means that no report came from the launches the census saw for the cases of that run; under the
+sanitizer a launcher's occupancy query could in principle pick another build (the mma kernel's one- or two-block
+build), and reports from whatever ran are always shown under the kernel's own name. A file's run attributes a
+report to its kernel, not to a case (--per-case does). racecheck sees shared memory only.
 """
 import argparse
 import concurrent.futures
@@ -478,15 +493,41 @@ def _check_device(torch):
         raise RuntimeError(f"the cases need a compute capability 9.0 GPU (wgmma kernels); this one is {cap}")
 
 
+def _one_line(e):
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0].strip()}" if lines else type(e).__name__
+
+
 def worker_main(names, quick):
-    """Run cases in this process (compute-sanitizer watches it); exit 1 with the traceback on any error."""
+    """Run cases in this process (compute-sanitizer watches it), one after another: a status line per case
+    (STATUS_LINE: ok, or FAILED with the error, after its traceback), on to the next case after a failing one; exit 1
+    if any case failed."""
     import torch
     _check_device(torch)
+    failed = 0
     for name in names:
         t0 = time.time()
-        run_case(torch, CASES_BY_NAME[name], quick)
+        try:
+            run_case(torch, CASES_BY_NAME[name], quick)
+        except Exception as e:
+            failed += 1
+            print(traceback.format_exc(), flush=True)
+            print(f"case {name}: FAILED in {time.time() - t0:.1f} s: {_one_line(e)}", flush=True)
+            continue
         print(f"case {name}: ok in {time.time() - t0:.1f} s", flush=True)
-    return 0
+    return 1 if failed else 0
+
+
+# the worker's status line of a case
+STATUS_LINE = re.compile(r"^case (?P<case>\S+): (?P<state>ok|FAILED) in (?P<seconds>[\d.]+) s(?:: (?P<error>.*))?$",
+                         re.M)
+
+
+def case_status(worker_output):
+    """{case: None (ok) or its error} from the worker's status lines."""
+    return {m["case"]: None if m["state"] == "ok" else (m["error"] or "failed").strip()
+            for m in STATUS_LINE.finditer(worker_output or "")}
 
 
 def census_main(names, out_path, quick):
@@ -628,15 +669,20 @@ def parse_sanitizer_log(text):
 
 
 class RunResult:
-    """A (tool, case) run: its reports, failure (why it proves nothing, or None), truncated (print limit reached:
-    kernels without a report of their own are not proven clean), seconds."""
+    """A sanitized run (a tool and one or more cases): its reports, failure (why the whole run proves nothing, or
+    None), case_failures ({case: why}: the cases whose status line says FAILED and, in a run that did not fail as a
+    whole, those without a status line), truncated (print limit reached: kernels without a report of their own are
+    not proven clean), seconds."""
 
-    def __init__(self, reports=(), failure=None, truncated=False, seconds=0.0):
+    def __init__(self, reports=(), failure=None, truncated=False, seconds=0.0, case_failures=None):
         self.reports, self.failure, self.truncated, self.seconds = list(reports), failure, truncated, seconds
+        self.case_failures = dict(case_failures or {})
 
 
-def judge_run(rc, log_text, worker_output, print_limit, seconds=0.0, timed_out=False):
-    """A RunResult from compute-sanitizer's exit code rc, its log text and the worker's output."""
+def judge_run(rc, log_text, worker_output, print_limit, seconds=0.0, timed_out=False, cases=None):
+    """A RunResult from compute-sanitizer's exit code rc, its log text and the worker's output. cases: the cases
+    the worker ran, each judged by its status line (none: the worker stopped before the case ended); a worker exit
+    that failed cases explain is no failure of the run. Without cases a failing worker fails the run."""
     reports, summary = parse_sanitizer_log(log_text or "")
     failure = None
     tail = " | ".join(l for l in (worker_output or "").strip().splitlines()[-3:])
@@ -650,13 +696,26 @@ def judge_run(rc, log_text, worker_output, print_limit, seconds=0.0, timed_out=F
         failure = f"compute-sanitizer did not finish (no summary line; exit {rc}): {' | '.join(said[:2]) or tail}"
     elif rc not in (0, ERROR_EXIT):
         failure = f"worker exit {rc}: {tail}"
+    case_failures = {}
+    if cases is not None:
+        status = case_status(worker_output)
+        if failure is None or failure.startswith("worker exit"):
+            case_failures = {c: status[c] if c in status else f"did not finish (worker exit {rc}): {tail}"
+                             for c in cases if status.get(c, "") is not None}
+            if case_failures:  # the failed cases say why the worker failed: the others' results stand
+                failure = None
+        else:  # the run proves nothing: its own failed cases are named all the same
+            case_failures = {c: e for c, e in status.items() if c in cases and e is not None}
+            if len(cases) > 1:
+                done = sum(c in status for c in cases)
+                failure += f" ({done} of {len(cases)} cases finished)"
     counted = summary.get("errors", 0) or summary.get("race_errors", 0) + summary.get("race_warnings", 0)
     if (counted or rc == ERROR_EXIT) and not reports:
         r = Report(f"{counted} errors counted in the summary but no report parsed (exit {rc})")
         r.kind = "unparsed errors"
         reports.append(r)
     truncated = print_limit > 0 and len(reports) >= print_limit
-    return RunResult(reports, failure, truncated, seconds)
+    return RunResult(reports, failure, truncated, seconds, case_failures)
 
 
 # =============================================================================================
@@ -677,18 +736,59 @@ def strip_params(name):
 
 
 def kernel_key(demangled):
-    """The key that matches a profiler kernel name (libstdc++'s demangler) with c++filt's: no return type, no
-    parameters, no spaces."""
+    """The key that matches a profiler kernel name (libstdc++'s demangler) with c++filt's or cu++filt's: no return
+    type, no parameters, no spaces."""
     return re.sub(r"\s+", "", strip_params(demangled))
 
 
-def demangle(names):
-    """c++filt of each name (the name itself where c++filt is missing)."""
+def demangler_candidates(sanitizer=None):
+    """Where a demangler is looked for, in order: c++filt on PATH (binutils), else CUDA's cu++filt (the same
+    Itanium demangling) beside compute-sanitizer (its directory and the toolkit's bin above a
+    compute-sanitizer/ directory), in CUDA_HOME/bin, in /usr/local/cuda/bin, on PATH."""
+    found = [shutil.which("c++filt")]
+    dirs = []
+    if sanitizer:
+        for d in (os.path.dirname(os.path.abspath(sanitizer)), os.path.dirname(os.path.realpath(sanitizer))):
+            dirs += [d, os.path.join(os.path.dirname(d), "bin")]
+    dirs += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin"), "/usr/local/cuda/bin"]
+    found += [os.path.join(d, "cu++filt") for d in dirs] + [shutil.which("cu++filt")]
+    return list(dict.fromkeys(c for c in found if c))
+
+
+def find_demangler(sanitizer=None):
+    """The first demangler of demangler_candidates that exists and can be run, or None."""
+    for c in demangler_candidates(sanitizer):
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def _demangler_output(tool, names):
+    try:
+        out = subprocess.run([tool] + names, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.splitlines() if out.returncode == 0 else None
+
+
+def demangle(names, tool=None):
+    """Each name demangled by tool (find_demangler's path; the name itself where tool is None or fails), the names
+    given as arguments (c++filt and cu++filt both print one line per argument), 64 at a time, one at a time where
+    a batch's output has another number of lines."""
     names = list(names)
-    if not names or shutil.which("c++filt") is None:
+    if not names or not tool:
         return names
-    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
-    return out if len(out) == len(names) else names
+    out = []
+    for i in range(0, len(names), 64):
+        batch = names[i:i + 64]
+        got = _demangler_output(tool, batch)
+        if got is None or len(got) != len(batch):
+            got = []
+            for n in batch:
+                one = _demangler_output(tool, [n])
+                got.append(one[0].strip() if one and len(one) == 1 and one[0].strip() else n)
+        out += got
+    return out
 
 
 def parse_symbols(text):
@@ -758,52 +858,73 @@ def verdict_line(tool, label, file, name, detail=""):
     return f"{tool:<9}  {label:<11}  {file:<18}  {name}" + (f"  {detail}" if detail else "")
 
 
-def summarise(tools, cases, case_files, case_kernels, results, names, kernel_file, census_errors=None, where=None):
+def run_label(run, cases):
+    """How a run is named in the verdict: "case NAME" for a run of one case of that name, else "run NAME"."""
+    return f"case {run}" if list(cases) == [run] else f"run {run}"
+
+
+def summarise(tools, cases, case_files, case_kernels, results, names, kernel_file, census_errors=None, where=None,
+              runs=None):
     """The verdict's lines, whether it fails, and the counts of clean / reported / not-checked (tool, kernel) pairs.
 
     tools, cases: the order of the lines; case_files: {case: kernel file}; case_kernels: {case: set of the
-    libraries' kernels (mangled names) that the census saw it launch}; results: {(tool, case): RunResult};
-    names: {kernel: display name}; kernel_file: {kernel: file} for every kernel of the libraries; census_errors:
-    {case: why it fails without the sanitizer}; where(location, file): the location with the kernel file's line."""
+    libraries' kernels (mangled names) that the census saw it launch}; runs: {run: its cases} (default: a run per
+    case, named as the case); results: {(tool, run): RunResult}; names: {kernel: display name}; kernel_file:
+    {kernel: file} for every kernel of the libraries; census_errors: {case: why it fails without the sanitizer};
+    where(location, file): the location with the kernel file's line. A kernel is clean for a tool when no report
+    names it and every case that launched it ran to its end in a run that finished below the print limit."""
     lines, failed = [], False
     counts = {"clean": 0, "report": 0, "not checked": 0}
     census_errors = census_errors or {}
     where = where or (lambda loc, file: loc)
+    runs = runs if runs is not None else {c: [c] for c in cases}
+    order = {c: i for i, c in enumerate(cases)}
     for case in cases:
         if case in census_errors:
             failed = True
             lines.append(verdict_line("all", "FAILED", case_files[case], f"case {case}",
                                       f"fails without the sanitizer: {census_errors[case]}"))
     for tool in tools:
-        runs = [(c, results[(tool, c)]) for c in cases if (tool, c) in results]
-        reported, launched = {}, {}
-        for case, run in runs:
-            for k in case_kernels.get(case, ()):
-                launched.setdefault(k, []).append(case)
-            for r in run.reports:
+        reported, launched, unchecked = {}, {}, {}
+        for run, run_cases in sorted(runs.items(), key=lambda rc: min(order.get(c, 0) for c in rc[1])):
+            result = results.get((tool, run))
+            if result is None:
+                continue
+            label = run_label(run, run_cases)
+            file = case_files[run_cases[0]]
+            for r in result.reports:
                 # a kernel of neither library (PyTorch's), or none named: keyed by what the report printed
                 k = r.kernel if r.kernel in kernel_file else "?" + (r.kernel or "(no kernel named)")
-                reported.setdefault(k, []).append((case, r))
-            if run.failure:
+                reported.setdefault(k, []).append((run, file, r))
+            if result.failure:
                 failed = True
-                lines.append(verdict_line(tool, "FAILED", case_files[case], f"case {case}", run.failure))
-        order = sorted(set(launched) | set(reported), key=lambda k: (kernel_file.get(k, "~"), names.get(k, k)))
-        for k in order:
+                lines.append(verdict_line(tool, "FAILED", file, label, result.failure))
+            for case in run_cases:
+                if case in result.case_failures:
+                    failed = True
+                    lines.append(verdict_line(tool, "FAILED", case_files[case], f"case {case}",
+                                              result.case_failures[case]))
+                for k in case_kernels.get(case, ()):
+                    launched.setdefault(k, []).append(case)
+                    why = (f"case {case} failed" if case in result.case_failures else
+                           f"{label} failed" if result.failure else
+                           f"{label} hit the print limit" if result.truncated else None)
+                    if why:
+                        unchecked.setdefault(k, why)
+        order_k = sorted(set(launched) | set(reported), key=lambda k: (kernel_file.get(k, "~"), names.get(k, k)))
+        for k in order_k:
             name = names.get(k, k[1:] if k.startswith("?") else k)
             if k in reported:
-                case, r = reported[k][0]
-                file = kernel_file.get(k, case_files[case])
-                n_cases = len({c for c, _ in reported[k]})
+                run, file, r = reported[k][0]
+                file = kernel_file.get(k, file)
+                n_runs = len({x for x, _, _ in reported[k]})
                 detail = (f"{describe_report(r, lambda loc: where(loc, file))}  "
-                          f"[{case}; {len(reported[k])} reports in {n_cases} cases]")
+                          f"[{run_label(run, runs[run])}; {len(reported[k])} reports in {n_runs} runs]")
                 lines.append(verdict_line(tool, "REPORT", kernel_file.get(k, "other"), name, detail))
                 counts["report"] += 1
                 failed = True
-                continue
-            bad = [c for c in launched[k] if results[(tool, c)].failure or results[(tool, c)].truncated]
-            if bad:
-                why = "failed" if results[(tool, bad[0])].failure else "hit the print limit"
-                lines.append(verdict_line(tool, "NOT CHECKED", kernel_file[k], name, f"case {bad[0]} {why}"))
+            elif k in unchecked:
+                lines.append(verdict_line(tool, "NOT CHECKED", kernel_file[k], name, unchecked[k]))
                 counts["not checked"] += 1
                 failed = True
             else:
@@ -901,6 +1022,33 @@ def _case_weight(case, quick):
     return len(case.selected_calls(quick)) + 4 * sum(bool(c.get("walk")) for c in case.selected_calls(quick))
 
 
+def plan_runs(cases, per_case=False, skip=()):
+    """{run name: its case names}: by default one run per kernel file with all its cases (named as the file), with
+    per_case one run per case (named as the case); the cases named in skip left out."""
+    runs = {}
+    for case in cases:
+        if case.name not in skip:
+            runs.setdefault(case.name if per_case else case.file, []).append(case.name)
+    return runs
+
+
+def plan_line(n_cases, runs, per_case, n_tools, jobs):
+    """The plan in one line: cases, runs per tool, runs at a time."""
+    n = len(runs) * n_tools
+    return (f"{n_cases} cases in {len(runs)} runs per tool (one per {'case' if per_case else 'kernel file'}) x "
+            f"{n_tools} tools = {n} sanitized runs, {min(jobs, n)} at a time")
+
+
+def run_command(sanitizer, tool, run, run_cases, log_dir, quick, supported, print_limit, port=49152, workers=2,
+                extra=()):
+    """(log file, worker output file, command) of the sanitized run of run_cases as run, logs TOOL-RUN.*."""
+    log = os.path.join(log_dir, f"{tool}-{run}.log")
+    out = os.path.join(log_dir, f"{tool}-{run}.out")
+    cmd = sanitizer_command(sanitizer, tool, log, ["--worker"] + list(run_cases) + (["--quick"] if quick else []),
+                            supported, print_limit, port=port, workers=workers, extra=extra)
+    return log, out, cmd
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated tools (default: all four)")
@@ -908,9 +1056,10 @@ def parse_args(argv):
     p.add_argument("--cases", default="", help="only cases whose name contains one of these comma-separated words")
     p.add_argument("--quick", action="store_true", help="leave out the calls that walk many tiles per block")
     p.add_argument("--log-dir", help="where the logs go (default: a new temporary directory)")
-    p.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 4) * 3 // 4)),
-                   help="sanitized runs at a time (default: 3/4 of the CPU cores, at most 12)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
+    p.add_argument("--per-case", action="store_true",
+                   help="one sanitized process per (tool, case) instead of one per (tool, kernel file)")
+    p.add_argument("--jobs", type=int, default=8, help="sanitized runs at a time (default 8)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run, the census's too (default 900)")
     p.add_argument("--print-limit", type=int, default=1000, help="compute-sanitizer's --print-limit (default 1000)")
     p.add_argument("--sanitizer", help="path of compute-sanitizer (default: PATH, then CUDA_HOME/bin)")
     p.add_argument("--sanitizer-args", default="", help="more compute-sanitizer options, as one shell-quoted string")
@@ -937,8 +1086,9 @@ def parse_args(argv):
 def dry_run(args, sanitizer, supported):
     quick = ["--quick"] if args.quick else []
     log_dir = args.log_dir or "LOG_DIR"
-    print(f"{len(args.selected)} cases x {len(args.tools)} tools = {len(args.selected) * len(args.tools)} sanitized "
-          f"runs, {args.jobs} at a time; walk: B = the smallest batch with that many tiles per SM\n")
+    runs = plan_runs(args.selected, args.per_case)
+    print(f"{plan_line(len(args.selected), runs, args.per_case, len(args.tools), args.jobs)}; walk: B = the "
+          f"smallest batch with that many tiles per SM\n")
     for case in args.selected:
         calls = case.selected_calls(args.quick)
         print(f"{case.name}  ({FILES[case.file]}: {case.what}; {len(calls)} calls)")
@@ -957,10 +1107,9 @@ def dry_run(args, sanitizer, supported):
         print("    (compute-sanitizer not found here: every option shown; at run time those its --help does not list"
               " are dropped)")
     for tool in args.tools:
-        for case in args.selected:
-            cmd = sanitizer_command(sanitizer or "compute-sanitizer", tool, f"{log_dir}/{tool}-{case.name}.log",
-                                    ["--worker", case.name] + quick, supported, args.print_limit,
-                                    extra=shlex.split(args.sanitizer_args))
+        for run, run_cases in runs.items():
+            _, _, cmd = run_command(sanitizer or "compute-sanitizer", tool, run, run_cases, log_dir, args.quick,
+                                    supported, args.print_limit, extra=shlex.split(args.sanitizer_args))
             print("    " + shlex.join(cmd))
     return 0
 
@@ -1012,10 +1161,21 @@ def main(argv=None):
             for key in census:
                 census[key].update(part.get(key, {}))
     dev = census["device"]
+    census_errors = {}
+    for case in args.selected:
+        entry = census["cases"].get(case.name, {"kernels": [], "error": "not run"})
+        if entry.get("error"):
+            census_errors[case.name] = entry["error"].strip().splitlines()[-1]
+    runs = plan_runs(args.selected, args.per_case, skip=census_errors)
     print(f"sanitize_sweep: {dev.get('name')} ({dev.get('sms')} SMs), torch {dev.get('torch')}, {version}; "
-          f"{len(args.selected)} cases x {len(args.tools)} tools, {args.jobs} at a time; logs in {log_dir}")
+          f"{plan_line(len(args.selected) - len(census_errors), runs, args.per_case, len(args.tools), args.jobs)}; "
+          f"logs in {log_dir}")
     if dropped:
         print(f"  options this compute-sanitizer does not list, left out: {' '.join(dropped)}")
+    demangler = find_demangler(sanitizer)
+    if demangler is None:
+        print("  no c++filt on PATH and no cu++filt (beside compute-sanitizer, CUDA_HOME/bin, PATH): kernel names "
+              "stay mangled and are not matched to the census's")
     for file, info in census["files"].items():
         if info.get("lineinfo") is False:
             print(f"  {FILES[file]} was built without -lineinfo: reports name SASS offsets, not source lines")
@@ -1028,44 +1188,44 @@ def main(argv=None):
             print("  no cuobjdump: the kernels no case launched are not listed")
             ks = set()
         ks = sorted(ks)
-        for k, d in zip(ks, demangle(ks)):
+        for k, d in zip(ks, demangle(ks, demangler)):
             kernel_file[k], names[k] = file, strip_params(d)
             key_to_kernel[kernel_key(d)] = k
-    census_errors, case_kernels = {}, {}
+    case_kernels = {}
     for case in args.selected:
-        entry = census["cases"].get(case.name, {"kernels": [], "error": "not run"})
-        if entry.get("error"):
-            census_errors[case.name] = entry["error"].strip().splitlines()[-1]
+        entry = census["cases"].get(case.name, {"kernels": []})
         case_kernels[case.name] = {key_to_kernel[kernel_key(n)] for n in entry["kernels"]
                                    if kernel_key(n) in key_to_kernel}
 
     # 2. the sanitized runs, longest first, each on a free slot (its own base port)
-    jobs = sorted(((t, c) for t in args.tools for c in args.selected if c.name not in census_errors),
-                  key=lambda tc: -(_case_weight(tc[1], args.quick) * (3 if tc[0] == "racecheck" else 2)))
+    weight = {run: sum(_case_weight(CASES_BY_NAME[c], args.quick) for c in cs) for run, cs in runs.items()}
+    jobs = sorted(((t, run) for t in args.tools for run in runs),
+                  key=lambda tr: -(weight[tr[1]] * (3 if tr[0] == "racecheck" else 2)))
     slots = list(range(args.jobs))
     workers = max(2, (os.cpu_count() or 4) // args.jobs)  # racecheck's host threads per run
     extra = shlex.split(args.sanitizer_args)
     results = {}
 
-    def run_one(tool, case):
+    def run_one(tool, run):
         slot = slots.pop()
         try:
-            log = os.path.join(log_dir, f"{tool}-{case.name}.log")
-            out = os.path.join(log_dir, f"{tool}-{case.name}.out")
-            cmd = sanitizer_command(sanitizer, tool, log, ["--worker", case.name] + quick, supported,
-                                    args.print_limit, port=49152 + 20 * slot, workers=workers, extra=extra)
+            log, out, cmd = run_command(sanitizer, tool, run, runs[run], log_dir, args.quick, supported,
+                                        args.print_limit, port=49152 + 20 * slot, workers=workers, extra=extra)
             rc, seconds, timed_out = _run(cmd, out, args.timeout)
-            return judge_run(rc, _read(log), _read(out), args.print_limit, seconds, timed_out)
+            return judge_run(rc, _read(log), _read(out), args.print_limit, seconds, timed_out, cases=runs[run])
         finally:
             slots.append(slot)
 
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(run_one, t, c): (t, c) for t, c in jobs}
+        futures = {pool.submit(run_one, t, run): (t, run) for t, run in jobs}
         for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-            tool, case = futures[fut]
-            r = results[(tool, case.name)] = fut.result()
-            state = "FAILED" if r.failure else f"{len(r.reports)} reports" if r.reports else "clean"
-            print(f"  [{i:3d}/{len(jobs)}] {tool:<9} {case.name:<22} {state:<11} {r.seconds:6.1f} s", flush=True)
+            tool, run = futures[fut]
+            r = results[(tool, run)] = fut.result()
+            state = ("FAILED" if r.failure else f"{len(r.reports)} reports" if r.reports else
+                     "no reports" if r.case_failures else "clean")
+            if r.case_failures:
+                state += f", {len(r.case_failures)} of {len(runs[run])} cases failed"
+            print(f"  [{i:3d}/{len(jobs)}] {tool:<9} {run:<22} {r.seconds:6.1f} s  {state}", flush=True)
 
     # 3. the verdict
     sources = {file: (_read(info["cuda_source"]).splitlines(), _read(os.path.join(ROOT, FILES[file])).splitlines())
@@ -1079,14 +1239,15 @@ def main(argv=None):
     # reports in kernels of neither library: their names demangled too
     foreign = sorted({r.kernel for run in results.values() for r in run.reports
                       if r.kernel and r.kernel not in kernel_file})
-    names.update({"?" + k: strip_params(d) for k, d in zip(foreign, demangle(foreign))})
+    names.update({"?" + k: strip_params(d) for k, d in zip(foreign, demangle(foreign, demangler))})
     lines, failed, counts = summarise(args.tools, [c.name for c in args.selected],
                                       {c.name: c.file for c in args.selected}, case_kernels, results, names,
-                                      kernel_file, census_errors, where)
+                                      kernel_file, census_errors, where, runs=runs)
     launched = set().union(*case_kernels.values()) if case_kernels else set()
-    if not launched:  # nothing to call clean: the names did not match (no c++filt?) or no case ran
+    if not launched:  # nothing to call clean: the names did not match (no demangler?) or no case ran
         failed = True
-        lines.append("no kernel the cases launched was matched to the libraries' kernels (c++filt on PATH?)")
+        lines.append("no kernel the cases launched was matched to the libraries' kernels (demangler: "
+                     f"{demangler or 'none found'})")
     never = sorted((k for k in kernel_file if k not in launched), key=lambda k: (kernel_file[k], names[k]))
     lines += [verdict_line("-", "never run", kernel_file[k], names[k]) for k in never]
     lines.append(f"summary: {len(launched)} kernels launched x {len(args.tools)} tools: {counts['clean']} clean, "
