@@ -98,7 +98,7 @@ CUDA_SRC = r"""
 // contact_map's CUDA extension: one translation unit, bundled into contact_map.py's CUDA_SRC by
 // tools/bundle.py. The included files hold its parts in order; the binding table is below.
 #line 1 "src/contact_map/common.cuh"
-// contact_map: variant tables, constants, error-message helpers, cp.async, the LayerNorm statistics, the tile index, split TF32.
+// contact_map: variant tables, constants, error-message pieces, cp.async, the LayerNorm statistics, the tile index, split TF32.
 #line 3 "src/contact_map/common.cuh"
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>

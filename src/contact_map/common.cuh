@@ -1,4 +1,4 @@
-// contact_map: variant tables, constants, error-message helpers, cp.async, the LayerNorm statistics, the tile index, split TF32.
+// contact_map: variant tables, constants, error-message pieces, cp.async, the LayerNorm statistics, the tile index, split TF32.
 #pragma once
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
