@@ -60,9 +60,9 @@ def test_includes_expand_once_in_place_with_line_directives(tmp_path, monkeypatc
     (tmp_path / "src" / "common" / "shared.cuh").write_text("#pragma once\nint shared;\n")
     (tmp_path / "src" / "op" / "part.cuh").write_text('#pragma once\n#include "shared.cuh"\nint part;\n')
     (tmp_path / "src" / "op" / "op.cu").write_text(
-        '#include <cmath>\n#include "part.cuh"\n#include "shared.cuh"\n@TWO@\nint tail;\n')
+        '#include <cmath>\n#include "part.cuh"  // its part\n#include "shared.cuh"\n@TWO@\nint tail;\n')
     monkeypatch.setattr(bundle, "ROOT", str(tmp_path))
-    cuda = bundle.CudaBundle({"@TWO@": "int a;\nint b;"})
+    cuda = bundle.CudaBundle({"@TWO@": "int a;\nint b;\n"})
     cuda.add("src/op/op.cu")
     assert cuda.text().split("\n") == [
         '#line 1 "src/op/op.cu"', "#include <cmath>",
@@ -90,6 +90,31 @@ def test_check_reports_a_stale_file(tmp_path, capsys):
     stale.write_text(bundle.generate(target).replace("ModelNew", "ModelOld", 1))
     assert bundle.main(["--check", target], shipped_dir=str(tmp_path)) == 1
     assert "ModelOld" in stale.read_text()
-    assert "differ from what src/ generates" in capsys.readouterr().err
+    assert "not what src/ generates: contact_map.py" in capsys.readouterr().err
     stale.write_text(bundle.generate(target))
     assert bundle.main(["--check", target], shipped_dir=str(tmp_path)) == 0
+
+
+def test_placeholder_must_stand_alone(tmp_path, monkeypatch):
+    """Text after a placeholder on its line would get the line number of the expansion's end: refused."""
+    (tmp_path / "src" / "common").mkdir(parents=True)
+    (tmp_path / "src" / "op").mkdir()
+    (tmp_path / "src" / "op" / "op.cu").write_text("int a;\n@TWO@}\n")
+    monkeypatch.setattr(bundle, "ROOT", str(tmp_path))
+    with pytest.raises(SystemExit, match=r"src/op/op.cu:2: placeholder @TWO@ must stand alone"):
+        bundle.CudaBundle({"@TWO@": "int b;"}).add("src/op/op.cu")
+
+
+def test_unread_local_include_fails_the_bundle(tmp_path, monkeypatch):
+    """A local include the bundler does not expand (here: a block comment after it) would fail the build in
+    load_inline's directory minutes later: generate() refuses it."""
+    (tmp_path / "src" / "common").mkdir(parents=True)
+    (tmp_path / "src" / "op").mkdir()
+    (tmp_path / "src" / "op" / "part.cuh").write_text("int part;\n")
+    (tmp_path / "src" / "op" / "op.cu").write_text('#include "part.cuh" /* its part */\n')
+    (tmp_path / "src" / "op" / "op.py").write_text('SRC = r"""\n#bundle-cuda src/op/op.cu\n"""\n')
+    (tmp_path / "src" / "op" / "generate.py").write_text("def expansions():\n    return {}\n")
+    monkeypatch.setattr(bundle, "ROOT", str(tmp_path))
+    monkeypatch.setitem(bundle.TARGETS, "op.py", ("src/op/op.py", "src/op/generate.py"))
+    with pytest.raises(SystemExit, match=r'could not read: #include "part.cuh" /\* its part \*/'):
+        bundle.generate("op.py")

@@ -15,8 +15,8 @@ expansion make nvcc's errors, `-lineinfo` and so compute-sanitizer and ncu name 
 (src/contact_map/wgmma_kernel.cuh:120), not lines of the generated `cuda.cu`.
 
 Placeholders `@NAME@` in the CUDA (the wgmma wrappers' inline PTX, whose n/2 accumulator operands are
-spelled out) are replaced here, at bundle time, by the text that src/<op>/generate.py's `expansions()`
-returns; a `#line` after each multi-line expansion keeps the numbering. Placeholders that the template's
+spelled out), each alone on its line, are replaced here, at bundle time, by the text that
+src/<op>/generate.py's `expansions()` returns; a `#line` after each expansion keeps the numbering. Placeholders that the template's
 own Python replaces at import (the variant enums, one line each) are left alone.
 
 Standard library only; it neither imports nor builds the kernel files.
@@ -37,7 +37,8 @@ TARGETS = {
 }
 COMMON = "src/common"
 
-_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(//.*)?$')
+_ANY_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"', re.M)
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
 _PLACEHOLDER = re.compile(r"@[A-Z][A-Z0-9_]*@")
 _DIRECTIVE = re.compile(r"^#bundle-(python|cuda) (\S+)\s*$")
@@ -98,11 +99,13 @@ class CudaBundle:
                 self.out.append(f'#line {n} "{rel}"')
                 resync = False
             names = [p for p in _PLACEHOLDER.findall(line) if p in self.expansions]
-            for p in names:
-                line = line.replace(p, self.expansions[p])
-            self.out.append(line)
-            if "\n" in line:
+            if names:  # alone on its line, so that the #line after its expansion names the next line
+                if line.strip() != names[0]:
+                    raise SystemExit(f"bundle: {rel}:{n}: placeholder {names[0]} must stand alone on its line")
+                self.out.append(self.expansions[names[0]].rstrip("\n"))
                 resync = True
+                continue
+            self.out.append(line)
 
     def text(self):
         return "\n".join(self.out) + "\n"
@@ -127,6 +130,10 @@ def generate(target):
             cuda = CudaBundle(expansions)
             cuda.add(rel)
             text = cuda.text()
+            left = _ANY_LOCAL_INCLUDE.search(text)
+            if left:
+                line = text[left.start():text.find("\n", left.start())]
+                raise SystemExit(f"bundle: {rel}: a local include the bundler could not read: {line}")
             if '"""' in text:
                 raise SystemExit(f"bundle: {rel} holds a triple quote, which would end the Python string")
             sources += [f for f in cuda.files if f != rel]
@@ -161,9 +168,11 @@ def main(argv=None, shipped_dir=None):
                 f.write(text)
             print(f"wrote {target}")
     if stale:
-        print(f"bundle --check: {', '.join(stale)} differ from what src/ generates; run `python tools/bundle.py`",
+        print(f"bundle --check: not what src/ generates: {', '.join(stale)}; run `python tools/bundle.py`",
               file=sys.stderr)
         return 1
+    if args.check:
+        print(f"bundle --check: {', '.join(args.targets)}: as src/ generates")
     return 0
 
 

@@ -107,14 +107,17 @@ __device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, 
 // TF32 operands K-major in shared memory. d[4 j + q]: row 16 (warp % 4) + lane / 4 + 8 (q / 2),
 // column 8 j + 2 (lane % 4) + q % 2.
 __device__ __forceinline__ void wgmma_tf32_m64n128k8(float (&d)[64], uint64_t da, uint64_t db, int acc) {
-@WGMMA_M64N128K8@}
+@WGMMA_M64N128K8@
+}
 // The same for one k step of 16 with T (__nv_bfloat16 or __half) operands K-major in shared memory
 // (core matrices of 8 rows x 16 bytes); d's layout as m64n128k8's.
 template <typename T>
 __device__ __forceinline__ void wgmma16_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int acc) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-@WGMMA_BF16_M64N128K16@  } else {
-@WGMMA_F16_M64N128K16@  }
+@WGMMA_BF16_M64N128K16@
+  } else {
+@WGMMA_F16_M64N128K16@
+  }
 }
 // Compiler fence on the accumulator registers (CUTLASS's warpgroup_fence_operand): the asynchronous
 // wgmma reads and writes them behind the compiler's back, so no access may move across the
@@ -129,16 +132,19 @@ __device__ __forceinline__ void wg_fence_acc(float (&d)[NACC]) {
 // a[1] row + 8; a[2] column + 4; a[3] both. d[4 j + q]: row 16 (warp % 4) + lane / 4 + 8 (q / 2),
 // column 8 j + 2 (lane % 4) + q % 2 (as m64n128k8's).
 __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
-@WGMMA_M64N64K8_RS@}
+@WGMMA_M64N64K8_RS@
+}
 // The same for one k step of 16 in fp16: A's fragment as fp16 pairs (mma m16n8k16's A layout per
 // warp: a[0] row g, k 2 t4 + {0, 1}; a[1] row g + 8; a[2] k + 8; a[3] both), B K-major.
 __device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
-@WGMMA_F16_M64N64K16_RS@}
+@WGMMA_F16_M64N64K16_RS@
+}
 // The same in T (__half or __nv_bfloat16).
 template <typename T>
 __device__ __forceinline__ void wgmma16_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-@WGMMA_BF16_M64N64K16_RS@  } else {
+@WGMMA_BF16_M64N64K16_RS@
+  } else {
     wgmma_f16_m64n64k16_rs(d, a, db, acc);
   }
 }
