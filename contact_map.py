@@ -97,6 +97,7 @@ CUDA_SRC = r"""
 #line 1 "src/contact_map/contact_map.cu"
 // contact_map's CUDA extension: one translation unit, bundled into contact_map.py's CUDA_SRC by
 // tools/bundle.py. The included files hold its parts in order; the binding table is below.
+// Each part includes the part before it in this order (not only what it uses), so that it parses alone.
 #line 1 "src/contact_map/common.cuh"
 // contact_map: variant tables, constants, error-message pieces, cp.async, the LayerNorm statistics, the tile index, split TF32.
 #line 3 "src/contact_map/common.cuh"
@@ -3365,7 +3366,7 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
 }
 
 }  // namespace contact_map
-#line 15 "src/contact_map/contact_map.cu"
+#line 16 "src/contact_map/contact_map.cu"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &contact_map::forward,

@@ -107,6 +107,7 @@ _CUDA_SRC = r"""
 #line 1 "src/outer_product_mean/outer_product_mean.cu"
 // outer_product_mean's CUDA extension: one translation unit, bundled into outer_product_mean.py's _CUDA_SRC
 // by tools/bundle.py. The included files hold its parts in order; the binding table is below.
+// Each part includes the part before it in this order (not only what it uses), so that it parses alone.
 #line 1 "src/outer_product_mean/common.cuh"
 // outer_product_mean: constants, the variant enum, shared device functions, the cp.async GEMM main loop, split TF32.
 #line 3 "src/outer_product_mean/common.cuh"
@@ -3053,7 +3054,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             if (lane == 0) Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float(static_cast<uint32_t>(254 - fs) << 23);
           }
         }
-        consumers_sync();  // every consumer's phase-B loads of Os16, Osc are done
+        consumers_sync();  // every consumer's phase-B loads of Os16 are done (Osc's store above precedes it: NOTES.md,
+                           // Sanitizer record)
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
@@ -5438,7 +5440,7 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 }
 
 }  // namespace opm
-#line 21 "src/outer_product_mean/outer_product_mean.cu"
+#line 22 "src/outer_product_mean/outer_product_mean.cu"
 
 // The extension's entry points (Python names opm_*), each wrapped as load_inline's `functions=` wraps them:
 // torch::wrap_pybind_function turns a TORCH_CHECK failure into the Python exception PyTorch raises for it.

@@ -1,5 +1,6 @@
 // contact_map's CUDA extension: one translation unit, bundled into contact_map.py's CUDA_SRC by
 // tools/bundle.py. The included files hold its parts in order; the binding table is below.
+// Each part includes the part before it in this order (not only what it uses), so that it parses alone.
 #include "common.cuh"
 #include "fma_kernel.cuh"
 #include "mma_kernel.cuh"

@@ -1,5 +1,6 @@
 // outer_product_mean's CUDA extension: one translation unit, bundled into outer_product_mean.py's _CUDA_SRC
 // by tools/bundle.py. The included files hold its parts in order; the binding table is below.
+// Each part includes the part before it in this order (not only what it uses), so that it parses alone.
 #include "common.cuh"
 #include "wgmma_common.cuh"
 #include "prep_kernel.cuh"

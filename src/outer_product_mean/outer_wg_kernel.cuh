@@ -290,7 +290,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             if (lane == 0) Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float(static_cast<uint32_t>(254 - fs) << 23);
           }
         }
-        consumers_sync();  // every consumer's phase-B loads of Os16, Osc are done
+        consumers_sync();  // every consumer's phase-B loads of Os16 are done (Osc's store above precedes it: NOTES.md,
+                           // Sanitizer record)
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
