@@ -19,7 +19,7 @@ STL count local-memory loads and stores (spills or a stack array: a kernel that 
 to a renamed one where it can be. It prints one line per kernel and exits 1 if any kept kernel's
 digest differs or a kernel vanished without a renamed twin; --sass-dir writes each kernel's
 normalised SASS as a text file, to diff when a digest differs. Needs nvcc and cuobjdump (CUDA_HOME,
-PATH or the copy in Triton's package), no GPU. A cold build of contact_map.py for two architectures takes about 3 minutes on
+PATH or the copy in Triton's package), no GPU. A cold build for two architectures takes 3-5 minutes per file on
 2 cores.
 """
 import argparse

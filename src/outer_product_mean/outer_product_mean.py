@@ -72,7 +72,7 @@ none for the mask; double backward raises.
 Run: `python harness.py outer_product_mean` (add `--dtype all --backward` for fp16 / bf16 and the gradients).
 Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST, else the visible GPUs', else (no GPU) 9.0; 9.0 as sm_90a (wgmma
 exists only there), "9.0+PTX" adds compute_90 PTX; names such as "Hopper" go to PyTorch unchanged, leaving
-w_first_wg2 and outer_wg out. The first import compiles for 2-3 minutes on 2 cores, later ones load PyTorch's
+w_first_wg2 and outer_wg out. The first import compiles for about 100 s on 2 cores, later ones load PyTorch's
 cache; OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
 """
 import hashlib
@@ -119,7 +119,7 @@ def _extension_name():
     return _hashed_name("outer_product_mean_", _CUDA_SRC, _CUDA_FLAGS)
 
 
-_ext = _load(_extension_name(), "outer_product_mean", "about 110 s", _CUDA_SRC, _CUDA_FLAGS, _VERBOSE)
+_ext = _load(_extension_name(), "outer_product_mean", "about 100 s", _CUDA_SRC, _CUDA_FLAGS, _VERBOSE)
 
 # The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
 _HOPPER_CAP = {"w_first_wg2": 1, "outer_wg": 2}
