@@ -2065,16 +2065,12 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
     const T* mi = ring + s1 * L.slot_elems;
     if constexpr (kWide) {  // the tile's coordinates from its producer
       mbar_wait(full + s0, ph0);
-#if defined(HANDOVER_FIXES)
       // lane 0, the thread that releases the slot, alone reads the coordinates; the warp gets them by shuffles
       int4 ti = make_int4(0, 0, 0, 0);
       if (lane == 0) ti = tinfo[s0];
       ti.x = __shfl_sync(0xffffffffu, ti.x, 0);
       ti.y = __shfl_sync(0xffffffffu, ti.y, 0);
       ti.z = __shfl_sync(0xffffffffu, ti.z, 0);
-#else
-      const int4 ti = tinfo[s0];
-#endif
       b = ti.x;
       I = ti.y;
       J = ti.z;
@@ -3443,12 +3439,9 @@ def _nvcc_flags(sm90a_define, verbose):
     """nvcc's flags: -O3; -lineinfo (source lines for compute-sanitizer and ncu, naming src/ through the
     bundle's #line directives; no instruction changes); _gencode_flags(); sm90a_define (-DCM_SM90A,
     -DOPM_SM90A: the host side's word that the build has sm_90a code) exactly when it does; -Xptxas -v
-    (registers, stack, spills) when verbose; -DHANDOVER_FIXES with HANDOVER_FIXES=1 in the environment: the
-    shared-memory hand-overs that racecheck flags, written so that it sees their order (NOTES.md, Sanitizer
-    record; not the default until a GPU run has checked them)."""
+    (registers, stack, spills) when verbose."""
     gencode = _gencode_flags()
     return (["-O3", "-lineinfo"] + gencode + ([sm90a_define] if any("code=sm_90a" in f for f in gencode) else [])
-            + (["-DHANDOVER_FIXES"] if os.environ.get("HANDOVER_FIXES", "") not in ("", "0") else [])
             + (["-Xptxas", "-v"] if verbose else []))
 
 

@@ -3035,9 +3035,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         uint32_t* Os16 = reinterpret_cast<uint32_t*>(Os);
         float* Osc = Os + 64 * kOwLDO16;
         float rowf[2][kOwTJ];  // inv_denom times the row's scale
-#if defined(HANDOVER_FIXES)
         uint32_t fsp[2] = {0u, 0u};  // fs of (hr, jl) in byte jl of fsp[hr] (warp-uniform), for Osc after the barrier
-#endif
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr;
@@ -3054,14 +3052,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             // subnormal rows: 2^126; inf / NaN stay so)
             const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff), fs = min(253, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
-#if defined(HANDOVER_FIXES)
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
-#else
-            if (lane == 0) Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float(static_cast<uint32_t>(254 - fs) << 23);
-#endif
           }
         }
-#if defined(HANDOVER_FIXES)
         consumers_sync();  // every consumer's phase-B loads of Os16 and Osc are done
         if (lane == 0) {
 #pragma unroll
@@ -3070,10 +3063,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             for (int jl = 0; jl < kOwTJ; ++jl)
               Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float((254u - ((fsp[hr] >> (8 * jl)) & 0xffu)) << 23);
         }
-#else
-        consumers_sync();  // every consumer's phase-B loads of Os16 are done (Osc's store above precedes it: NOTES.md,
-                           // Sanitizer record)
-#endif
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
@@ -3821,9 +3810,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     return ring + st * 8192;
   };
   auto release = [&](uint32_t us) {
-#if defined(HANDOVER_FIXES)
     __syncwarp();  // every lane's reads of the slot are ordered before lane 0's arrive
-#endif
     if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kAbStages));
   };
   const int ll = w4 / 2;                // this thread's G rows: r = 16 w4 + gq + 8 hr = 32 ll + ol
@@ -5528,12 +5515,9 @@ def _nvcc_flags(sm90a_define, verbose):
     """nvcc's flags: -O3; -lineinfo (source lines for compute-sanitizer and ncu, naming src/ through the
     bundle's #line directives; no instruction changes); _gencode_flags(); sm90a_define (-DCM_SM90A,
     -DOPM_SM90A: the host side's word that the build has sm_90a code) exactly when it does; -Xptxas -v
-    (registers, stack, spills) when verbose; -DHANDOVER_FIXES with HANDOVER_FIXES=1 in the environment: the
-    shared-memory hand-overs that racecheck flags, written so that it sees their order (NOTES.md, Sanitizer
-    record; not the default until a GPU run has checked them)."""
+    (registers, stack, spills) when verbose."""
     gencode = _gencode_flags()
     return (["-O3", "-lineinfo"] + gencode + ([sm90a_define] if any("code=sm_90a" in f for f in gencode) else [])
-            + (["-DHANDOVER_FIXES"] if os.environ.get("HANDOVER_FIXES", "") not in ("", "0") else [])
             + (["-Xptxas", "-v"] if verbose else []))
 
 

@@ -195,18 +195,3 @@ def test_precompile_on_cpu_matches_hopper_default(kernel_module, path, monkeypat
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90", "sm_100", "sm_120"])
     assert mod._gencode_flags() == cpu_flags == ["-gencode=arch=compute_90a,code=sm_90a"]
-
-
-@pytest.mark.parametrize("path", KERNEL_FILES)
-def test_handover_fixes_build_is_opt_in(kernel_module, path, monkeypatch):
-    """HANDOVER_FIXES=1 adds -DHANDOVER_FIXES (the racecheck-visible hand-overs, not yet the default) to nvcc's
-    flags; unset or 0 builds the default."""
-    mod = kernel_module(path, "kb_handover_" + path[:-3])
-    monkeypatch.delenv("HANDOVER_FIXES", raising=False)
-    default = mod._nvcc_flags("-DX_SM90A", False)
-    assert "-DHANDOVER_FIXES" not in default
-    monkeypatch.setenv("HANDOVER_FIXES", "0")
-    assert mod._nvcc_flags("-DX_SM90A", False) == default
-    monkeypatch.setenv("HANDOVER_FIXES", "1")
-    fixed = mod._nvcc_flags("-DX_SM90A", False)
-    assert fixed == default + ["-DHANDOVER_FIXES"]

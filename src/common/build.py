@@ -44,12 +44,9 @@ def _nvcc_flags(sm90a_define, verbose):
     """nvcc's flags: -O3; -lineinfo (source lines for compute-sanitizer and ncu, naming src/ through the
     bundle's #line directives; no instruction changes); _gencode_flags(); sm90a_define (-DCM_SM90A,
     -DOPM_SM90A: the host side's word that the build has sm_90a code) exactly when it does; -Xptxas -v
-    (registers, stack, spills) when verbose; -DHANDOVER_FIXES with HANDOVER_FIXES=1 in the environment: the
-    shared-memory hand-overs that racecheck flags, written so that it sees their order (NOTES.md, Sanitizer
-    record; not the default until a GPU run has checked them)."""
+    (registers, stack, spills) when verbose."""
     gencode = _gencode_flags()
     return (["-O3", "-lineinfo"] + gencode + ([sm90a_define] if any("code=sm_90a" in f for f in gencode) else [])
-            + (["-DHANDOVER_FIXES"] if os.environ.get("HANDOVER_FIXES", "") not in ("", "0") else [])
             + (["-Xptxas", "-v"] if verbose else []))
 
 

@@ -131,16 +131,12 @@ contact_map_wgmma_kernel(const __grid_constant__ CUtensorMap tm_tile,    // x as
     const T* mi = ring + s1 * L.slot_elems;
     if constexpr (kWide) {  // the tile's coordinates from its producer
       mbar_wait(full + s0, ph0);
-#if defined(HANDOVER_FIXES)
       // lane 0, the thread that releases the slot, alone reads the coordinates; the warp gets them by shuffles
       int4 ti = make_int4(0, 0, 0, 0);
       if (lane == 0) ti = tinfo[s0];
       ti.x = __shfl_sync(0xffffffffu, ti.x, 0);
       ti.y = __shfl_sync(0xffffffffu, ti.y, 0);
       ti.z = __shfl_sync(0xffffffffu, ti.z, 0);
-#else
-      const int4 ti = tinfo[s0];
-#endif
       b = ti.x;
       I = ti.y;
       J = ti.z;

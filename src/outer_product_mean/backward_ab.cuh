@@ -218,9 +218,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     return ring + st * 8192;
   };
   auto release = [&](uint32_t us) {
-#if defined(HANDOVER_FIXES)
     __syncwarp();  // every lane's reads of the slot are ordered before lane 0's arrive
-#endif
     if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kAbStages));
   };
   const int ll = w4 / 2;                // this thread's G rows: r = 16 w4 + gq + 8 hr = 32 ll + ol

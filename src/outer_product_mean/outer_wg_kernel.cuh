@@ -271,9 +271,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         uint32_t* Os16 = reinterpret_cast<uint32_t*>(Os);
         float* Osc = Os + 64 * kOwLDO16;
         float rowf[2][kOwTJ];  // inv_denom times the row's scale
-#if defined(HANDOVER_FIXES)
         uint32_t fsp[2] = {0u, 0u};  // fs of (hr, jl) in byte jl of fsp[hr] (warp-uniform), for Osc after the barrier
-#endif
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr;
@@ -290,14 +288,9 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             // subnormal rows: 2^126; inf / NaN stay so)
             const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff), fs = min(253, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
-#if defined(HANDOVER_FIXES)
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
-#else
-            if (lane == 0) Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float(static_cast<uint32_t>(254 - fs) << 23);
-#endif
           }
         }
-#if defined(HANDOVER_FIXES)
         consumers_sync();  // every consumer's phase-B loads of Os16 and Osc are done
         if (lane == 0) {
 #pragma unroll
@@ -306,10 +299,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             for (int jl = 0; jl < kOwTJ; ++jl)
               Osc[(8 * wg + 2 * w4 + hr) * kOwTJ + jl] = __uint_as_float((254u - ((fsp[hr] >> (8 * jl)) & 0xffu)) << 23);
         }
-#else
-        consumers_sync();  // every consumer's phase-B loads of Os16 are done (Osc's store above precedes it: NOTES.md,
-                           // Sanitizer record)
-#endif
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
