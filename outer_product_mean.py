@@ -497,11 +497,12 @@ __device__ __forceinline__ uint64_t wg_desc(const float* p, unsigned sbo = 1024)
          (static_cast<uint64_t>(sbo >> 4) << 32);
 }
 // The full / empty mbarriers of a ring of `stages` slots (thread 0; the caller then syncs the block):
-// full: one producer arrival (plus the copies' bytes), empty: one arrival per consumer warp (8).
-__device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, int stages) {
+// full: one producer arrival (plus the copies' bytes), empty: empty_count arrivals (one per consumer warp, 8,
+// unless the kernel says otherwise).
+__device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, int stages, unsigned empty_count = 8) {
   for (int st = 0; st < stages; ++st) {
     mbar_init(full + st, 1);
-    mbar_init(empty + st, 8);
+    mbar_init(empty + st, empty_count);
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -513,7 +514,7 @@ __device__ __forceinline__ void wgmma_tf32_m64n128k8(float (&d)[64], uint64_t da
                "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
-#line 111 "src/outer_product_mean/wgmma_common.cuh"
+#line 112 "src/outer_product_mean/wgmma_common.cuh"
 }
 // The same for one k step of 16 with T (__nv_bfloat16 or __half) operands K-major in shared memory
 // (core matrices of 8 rows x 16 bytes); d's layout as m64n128k8's.
@@ -524,13 +525,13 @@ __device__ __forceinline__ void wgmma16_m64n128k16(float (&d)[64], uint64_t da, 
                "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
-#line 118 "src/outer_product_mean/wgmma_common.cuh"
+#line 119 "src/outer_product_mean/wgmma_common.cuh"
   } else {
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "l"(da), "l"(db), "r"(acc));
-#line 120 "src/outer_product_mean/wgmma_common.cuh"
+#line 121 "src/outer_product_mean/wgmma_common.cuh"
   }
 }
 // Compiler fence on the accumulator registers (CUTLASS's warpgroup_fence_operand): the asynchronous
@@ -550,7 +551,7 @@ __device__ __forceinline__ void wgmma_tf32_m64n64k8_rs(float (&d)[32], const uin
                "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 136 "src/outer_product_mean/wgmma_common.cuh"
+#line 137 "src/outer_product_mean/wgmma_common.cuh"
 }
 // The same for one k step of 16 in fp16: A's fragment as fp16 pairs (mma m16n8k16's A layout per
 // warp: a[0] row g, k 2 t4 + {0, 1}; a[1] row g + 8; a[2] k + 8; a[3] both), B K-major.
@@ -559,7 +560,7 @@ __device__ __forceinline__ void wgmma_f16_m64n64k16_rs(float (&d)[32], const uin
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 141 "src/outer_product_mean/wgmma_common.cuh"
+#line 142 "src/outer_product_mean/wgmma_common.cuh"
 }
 // The same in T (__half or __nv_bfloat16).
 template <typename T>
@@ -569,7 +570,7 @@ __device__ __forceinline__ void wgmma16_m64n64k16_rs(float (&d)[32], const uint3
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#line 147 "src/outer_product_mean/wgmma_common.cuh"
+#line 148 "src/outer_product_mean/wgmma_common.cuh"
   } else {
     wgmma_f16_m64n64k16_rs(d, a, db, acc);
   }
@@ -3733,7 +3734,8 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // half the bytes of the split build's g and Vt and a quarter of its Wt and Gt (one plane), and Gt has two
 // buffers (by J's parity: no barrier before its stores).
 // The slots go in one order (per J: g of warpgroup 0, g of warpgroup 1, the Vt blocks); a warpgroup
-// waits for every slot and arrives on its empty barrier, reading only its own (so neither runs ahead).
+// waits for every slot and each of its threads arrives on the slot's empty barrier, reading only its own (so
+// neither runs ahead).
 // g slots: one box of the tensor map tm_g (g as (c_z, N j, N i, B)), da: (c_z, 2 j, 32 i) at (0, l0, o0,
 // b), rows (ol, ll) at elements 2 c_z ol + c_z ll; db: (c_z, 32 j, 2 i) at (0, o0, l0, b), 32 c_z ll +
 // c_z ol. Rows past N are zeros (the map's fill; their scale is 0 too), and the G step's last
@@ -3763,7 +3765,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   for (int e = tid; e < kAbStages * 2048; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
   if (tid == 0) {
-    mbar_ring_init(full, empty, kAbStages);
+    mbar_ring_init(full, empty, kAbStages, 2 * 128);  // every consumer thread frees a slot (release below)
     mbar_init(wbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -3809,10 +3811,11 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     ++u;
     return ring + st * 8192;
   };
-  auto release = [&](uint32_t us) {
-    __syncwarp();  // every lane's reads of the slot are ordered before lane 0's arrive
-    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kAbStages));
-  };
+  // Every lane reads a slot and every lane arrives on its empty barrier (count 256), each after its own reads, as
+  // CUTLASS's consumer_release does: compute-sanitizer's racecheck orders a thread's reads before the producer's
+  // next copy into the slot only through that thread's own arrive (a __syncwarp before lane 0's arrive alone
+  // left 5e5 hazards reported per kernel).
+  auto release = [&](uint32_t us) { mbar_arrive(empty + static_cast<int>(us % kAbStages)); };
   const int ll = w4 / 2;                // this thread's G rows: r = 16 w4 + gq + 8 hr = 32 ll + ol
   const int rs1 = kForm == 0 ? 2 * cz : cz, rs2 = kForm == 0 ? cz : 32 * cz;
   float total[4][32];

@@ -95,11 +95,12 @@ __device__ __forceinline__ uint64_t wg_desc(const float* p, unsigned sbo = 1024)
          (static_cast<uint64_t>(sbo >> 4) << 32);
 }
 // The full / empty mbarriers of a ring of `stages` slots (thread 0; the caller then syncs the block):
-// full: one producer arrival (plus the copies' bytes), empty: one arrival per consumer warp (8).
-__device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, int stages) {
+// full: one producer arrival (plus the copies' bytes), empty: empty_count arrivals (one per consumer warp, 8,
+// unless the kernel says otherwise).
+__device__ __forceinline__ void mbar_ring_init(uint64_t* full, uint64_t* empty, int stages, unsigned empty_count = 8) {
   for (int st = 0; st < stages; ++st) {
     mbar_init(full + st, 1);
-    mbar_init(empty + st, 8);
+    mbar_init(empty + st, empty_count);
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
