@@ -194,8 +194,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   if (out.numel() == 0) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
 
   // contiguous and 16-byte aligned (the prep kernels' 16-byte loads and bulk copies): a contiguous view
-  // at an odd storage offset is copied; bfloat16 msa becomes float32 except for outer_wg
-  at::Tensor x = half_io ? msa.contiguous() : msa.contiguous().to(at::kFloat);
+  // at an odd storage offset is copied; a 16-bit msa becomes float32 except where the variant reads it
+  // (half_io); a float32 one is taken as it is
+  at::Tensor x = half_io || !half_input ? msa.contiguous() : msa.contiguous().to(at::kFloat);
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
   const at::Tensor m = mask.contiguous();
   // 16-bit parameters go to outer_wg's params kernel and fused_small as they are, as float32 to the others
