@@ -14,7 +14,8 @@ namespace opm {
 //     as the reference's output is) -> y = x W^T + bias, rounded to T, times the mask, rounded to T
 //     (fp32: no rounding) -> a_rows, b_rows (B, S, N, 32) fp32, channels >= c zero. Thread (r, o) =
 //     (tid / 64, tid % 64): o < 32 a-channel o, else b-channel o - 32.
-//   grid barrier (cooperative_groups: the driver's per-launch workspace, an atomic counter).
+//   grid barrier (cooperative_groups: an atomic counter in the driver's per-launch workspace), split: the
+//     first task's Wo chunk, bias and mask sums (no phase-1 data) between the block's arrival and its wait.
 //   phase 2, grid-stride over tasks (b, 32 rows i, kFsJT = 4 residues j, kFsZT = 8 pair channels z)
 //     and for each task over chunks of kFsSC = 8 sequences:
 //       stage 1  P[(h, s)][(jj, zz)] = sum_k Wo[z0 + zz, h c + k] b[s, j0 + jj, k]   (K = 32)
@@ -243,37 +244,48 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
     }
   }
 
-  cooperative_groups::this_grid().sync();  // a_rows, b_rows complete (release / acquire at gpu scope)
+  // grid barrier, split: the first task's prologue (Wo, bias, the denominators' sums: no phase-1 data) runs
+  // between this block's arrival and its wait for the others
+  const cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  auto token = grid.barrier_arrive();
 
   // ---- phase 2: tasks (b, i block, j block, z block) ----
   const int64_t nsc = cdiv(S, kFsSC);
   const int g = tid / 64, cg = tid % 8, ig = (tid % 64) / 8;  // stage 2: K group, column and row groups
+  auto prologue = [&](int64_t t) {  // Wo's chunk into wos, bo's into s_bo, the denominators' partial sums
+    const int zc = static_cast<int>(t % nzc);
+    const int64_t ic = (t / njz) % nic, b = t / (njz * nic), i0 = ic * kFsNI;
+    const int z0 = zc * kFsZT;
+    if (t == blockIdx.x && vec_wo) fs_wo_finish<T>(wos, wo_pf, tid);
+    else fs_wo_stage<T>(wo, c, cz, z0, wos, tid, vec_wo);
+    if (tid < kFsZT) s_bo[tid] = z0 + tid < cz ? ldg_f(bo, z0 + tid) : 0.f;
+    // thread (sl, il) sums s = sl, sl + 8, ... of row i0 + il (inv_denom_cols' order)
+    const int sl = tid / 32, il = tid % 32;
+    const int64_t i = i0 + il;
+    double af = 0.0;
+    long long ai = 0;
+    if (i < N) {
+      const int64_t base = b * S * N + i;
+      if (mask_kind == kF32) {
+        for (int64_t s = sl; s < S; s += kFsThreads / 32) af += static_cast<const float*>(mask)[base + s * N];
+      } else if (mask_is_float(mask_kind)) {
+        for (int64_t s = sl; s < S; s += kFsThreads / 32) af += mask_value(mask, base + s * N, mask_kind);
+      } else {
+        for (int64_t s = sl; s < S; s += kFsThreads / 32) ai += mask_int(mask, base + s * N, mask_kind);
+      }
+    }
+    red_f[tid] = af;
+    red_i[tid] = ai;
+  };
+  if (blockIdx.x < ntasks) prologue(blockIdx.x);
+  grid.barrier_wait(std::move(token));  // a_rows, b_rows complete (release / acquire at gpu scope)
+
   for (int64_t t = blockIdx.x; t < ntasks; t += gridDim.x) {
     const int zc = static_cast<int>(t % nzc);
     const int64_t jc = (t / nzc) % njc, ic = (t / njz) % nic, b = t / (njz * nic);
     const int z0 = zc * kFsZT;
     const int64_t j0 = jc * kFsJT, i0 = ic * kFsNI;
-    if (t == blockIdx.x && vec_wo) fs_wo_finish<T>(wos, wo_pf, tid);
-    else fs_wo_stage<T>(wo, c, cz, z0, wos, tid, vec_wo);
-    if (tid < kFsZT) s_bo[tid] = z0 + tid < cz ? ldg_f(bo, z0 + tid) : 0.f;
-    {  // the denominators' partial sums: thread (sl, il) sums s = sl, sl + 8, ... of row i0 + il
-      const int sl = tid / 32, il = tid % 32;
-      const int64_t i = i0 + il;
-      double af = 0.0;
-      long long ai = 0;
-      if (i < N) {
-        const int64_t base = b * S * N + i;
-        if (mask_kind == kF32) {
-          for (int64_t s = sl; s < S; s += kFsThreads / 32) af += static_cast<const float*>(mask)[base + s * N];
-        } else if (mask_is_float(mask_kind)) {
-          for (int64_t s = sl; s < S; s += kFsThreads / 32) af += mask_value(mask, base + s * N, mask_kind);
-        } else {
-          for (int64_t s = sl; s < S; s += kFsThreads / 32) ai += mask_int(mask, base + s * N, mask_kind);
-        }
-      }
-      red_f[tid] = af;
-      red_i[tid] = ai;
-    }
+    if (t != blockIdx.x) prologue(t);
     float acc[4][4];
 #pragma unroll
     for (int u = 0; u < 4; ++u)
