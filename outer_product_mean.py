@@ -4655,6 +4655,7 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
   if (blockIdx.x < ntasks && vec_wo) fs_wo_issue<T>(wo, cz, static_cast<int>(blockIdx.x % nzc) * kFsZT, wos, wo_pf, tid);
   {
     const int64_t wbytes = static_cast<int64_t>(c) * cm * sizeof(T);
+#pragma unroll 1
     for (int64_t off = static_cast<int64_t>(tid) * 128; off < wbytes; off += kFsThreads * 128) {
       asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wa) + off));
       asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wb) + off));
@@ -4709,9 +4710,9 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
         if (live) {
           const float* xr = xs + r * LDX;
           float acc = 0.f;
-          if (flags & kFsVecW) {  // four partial sums (independent chains), added at the end
-            float4 a4 = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
+          if (flags & kFsVecW) {  // four partial sums (independent chains), added at the end; unrolled so that
+            float4 a4 = make_float4(0.f, 0.f, 0.f, 0.f);  // c_m = 64's 16 weight loads are in flight together
+#pragma unroll 16
             for (int k = 0; k < cm; k += 4) {
               const float4 w4 = fs_ld4(wr + k), x4 = *reinterpret_cast<const float4*>(xr + k);
               a4.x = fmaf(x4.x, w4.x, a4.x);
