@@ -7,8 +7,8 @@ GPU tests (marker `gpu`, skipped without CUDA): both contraction orders against 
 atol = rtol = 1e-4 on the named shapes (except "huge"), awkward sizes, hidden_dim 8/16/24/64/128,
 pair_dim not a multiple of 4, float/bool/integer masks, fully masked positions, non-contiguous
 inputs, empty sizes, a > 2^31-element output, state_dict loading, a grad-enabled forward with its
-backward, and outer_wg's 16-bit instances on float16 / bfloat16 inputs against fp64 and the reference
-in that dtype.
+backward, outer_wg's 16-bit instances on float16 / bfloat16 inputs against fp64 and the reference
+in that dtype, and fused_small (one kernel; outputs poisoned with NaN first; grad mode and backward).
 """
 
 import ast
@@ -150,9 +150,10 @@ def _caps(opm):
 
 def _runs_here(opm, variant, c=None):
     """Whether `variant` runs on this GPU: in ModelNew.VARIANTS (the Hopper ones, w_first_wg2 and
-    outer_wg, only on an H100 / H200 with the sm_90a build) and, given hidden_dim c, not outer_wg
-    for c > 32."""
-    return variant in opm.ModelNew.VARIANTS and not (variant == "outer_wg" and c is not None and c > 32)
+    outer_wg, only on an H100 / H200 with the sm_90a build) and, given hidden_dim c, not outer_wg or
+    fused_small for c > 32."""
+    return variant in opm.ModelNew.VARIANTS and not (variant in ("outer_wg", "fused_small") and c is not None
+                                                     and c > 32)
 
 
 def _skip_unless_runs(opm, variant, c=None):
@@ -319,6 +320,16 @@ def test_limits(opm):
             opm._ext.opm_forward(torch.randn(1, 2, 3, 8), mask, *params, 1e-5, code, False)
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):  # the last valid code gets past it
         opm._ext.opm_forward(torch.randn(1, 2, 3, 8), mask, *params, 1e-5, n - 1, False)
+    # fused_small's hidden_dim limit is a shape check: it fires before the device check
+    big = opm.ModelNew(8, 5, 33)
+    big.variant = "fused_small"
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"variant fused_small needs hidden_dim <= 32 \(this "
+                                                           r"model: 33\); use outer_first or w_first_small"):
+        big(torch.randn(1, 2, 3, 8), mask)
+    big = opm.ModelNew(8, 5, 32)
+    big.variant = "fused_small"
+    with torch.no_grad(), pytest.raises(RuntimeError, match="must be a CUDA tensor"):
+        big(torch.randn(1, 2, 3, 8), mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +349,7 @@ def test_named_shapes_both_orders(opm, ref, name):
     torch.testing.assert_close(outs["w_first_small"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc"], outs["w_first"], **TOL)
     torch.testing.assert_close(outs["w_first_tc2"], outs["w_first"], **TOL)
-    for v in ("w_first_wg2", "outer_wg"):
+    for v in ("w_first_wg2", "outer_wg", "fused_small"):
         if v in outs:
             torch.testing.assert_close(outs[v], outs["w_first"], **TOL)
     if "outer_wg" in outs:  # the tensor-core prep and wgmma against the FMA prep, same contraction order
@@ -1003,3 +1014,225 @@ def test_prep_warp_tiles_equal_block_tiles(opm, ref, B, S, N, cm, dist, mask_kin
         opm._ext.opm_forward(msa, mask, *[p.to(dtype) for p in params], eps, ALL_VARIANTS.index("outer_wg"), False)
         torch.cuda.synchronize()
     assert any(f"opm_prep16_kernel<{ctype}" in e.name for e in prof.events()), [e.name for e in prof.events()]
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_small: the whole forward in one cooperative launch
+# ---------------------------------------------------------------------------------------------
+def _poisoned(call, nbytes):
+    """call() right after a block of nbytes from PyTorch's caching allocator was filled with 0xff bytes (NaN
+    in float32, float16 and bfloat16) and freed: returns (out, whether out is that block). The forward's
+    first allocation is its output, and the allocator hands the same free block to the same request, so
+    an element the kernel does not write reads NaN."""
+    blk = torch.full((max(nbytes, 1),), 255, dtype=torch.uint8, device="cuda")
+    ptr = blk.data_ptr()
+    del blk
+    out = call()
+    return out, out.data_ptr() == ptr
+
+
+def _fs_inputs(opm, ref, B, S, N, cm, c, cz, mask_kind, seed, dtype=torch.float32, dist="normal"):
+    """A module pair in dtype, msa (dist) and a mask of mask_kind ("same": 0/1 in dtype) with fully masked
+    positions, on the GPU, all drawn from seed."""
+    gen = torch.Generator().manual_seed(seed)
+    m_ref, new = _pair(opm, ref, cm, cz, c, seed)
+    m_ref, new = m_ref.to(dtype), new.to(dtype)
+    msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
+    mask = _mask_full_positions(_mask(B, S, N, "binary" if mask_kind == "same" else mask_kind, gen), gen)
+    mask = (mask.to(dtype) if mask_kind == "same" else mask).cuda()
+    new.variant = "fused_small"
+    return m_ref, new, msa, mask
+
+
+@gpu
+@pytest.mark.parametrize("B,S,N,cm,c,cz,mask_kind", [
+    (2, 8, 32, 64, 32, 64, "ones"),        # KernelBench's seed shape
+    (2, 8, 32, 64, 32, 64, "fraction"),
+    (1, 1, 1, 8, 32, 8, "binary"),         # S = N = 1
+    (2, 1, 17, 64, 32, 64, "bool"),        # S = 1, N % 4 != 0
+    (1, 5, 1, 33, 16, 7, "int64"),         # odd msa_dim (one-element loads), hidden 16 (Wo element-wise)
+    (1, 7, 37, 37, 32, 13, "uint8"),       # pair_dim odd: one-element stores
+    (2, 9, 45, 40, 8, 30, "int8"),         # hidden 8, N past an i block
+    (1, 20, 33, 62, 31, 9, "int16"),       # msa_dim % 4 != 0, hidden 31 (odd), S past two s chunks
+    (1, 13, 40, 68, 24, 65, "int32"),      # msa_dim % 8 != 0 (4-element loads), pair_dim 65
+    (2, 0, 7, 16, 32, 12, "binary"),       # S = 0: the bias everywhere
+    (1, 3, 10, 768, 32, 8, "fraction"),    # msa_dim 768
+    (2, 21, 70, 40, 32, 200, "binary"),    # 2700 tasks: blocks walk tasks (Wo staged after the first)
+    (1, 37, 131, 3, 32, 128, "bool"),      # 5 s chunks, 5 i blocks
+    (3, 17, 64, 1, 16, 1, "binary"),       # msa_dim 1, pair_dim 1
+])
+def test_fused_small_against_fp64(opm, ref, B, S, N, cm, c, cz, mask_kind):
+    """fused_small against an fp64 evaluation of the reference at atol = rtol = 1e-4, three trials of fresh
+    random inputs (fully masked positions in each), the output block poisoned with NaN before each call;
+    the inputs unchanged and a repeat call bit-equal (deterministic)."""
+    for trial in range(3):
+        m_ref, new, msa, mask = _fs_inputs(opm, ref, B, S, N, cm, c, cz, mask_kind, seed=1000 * trial + N + cm,
+                                           dist=("normal", "heavy", "offset")[trial])
+        expect = _ref64(m_ref, msa, mask)
+        msa0, mask0 = msa.clone(), mask.clone()
+        with torch.no_grad():
+            out, poisoned = _poisoned(lambda: new(msa, mask), B * N * N * cz * 4)
+            again = new(msa, mask)
+        assert poisoned, "the output did not land in the poisoned block"
+        assert new.last_variant == "fused_small"
+        _check(out, expect, f"fused_small trial {trial} B={B} S={S} N={N} cm={cm} c={c} cz={cz} mask={mask_kind}")
+        assert torch.equal(out, again), "a repeat call differs"
+        assert torch.equal(msa, msa0) and torch.equal(mask, mask0), "inputs changed by the call"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,S,N,cm,c,cz,mask_kind", [(2, 8, 32, 64, 32, 64, "same"), (1, 5, 19, 20, 32, 24, "bool"),
+                                                    (1, 7, 17, 13, 16, 7, "int64"), (2, 1, 33, 62, 31, 9, "same"),
+                                                    (1, 40, 45, 64, 32, 200, "int8"), (1, 3, 33, 40, 32, 128, "same")])
+def test_fused_small_half_against_fp64_and_the_reference(opm, ref, B, S, N, cm, c, cz, mask_kind, dtype):
+    """float16 / bfloat16 module, msa and mask (or a bool / integer mask) on fused_small: the output in
+    that dtype, poisoned before the call, finite; its max error against fp64 at most the reference's own in
+    that dtype or 1.5 ulps of the largest output (fp32 inside, a and b rounded where the reference rounds
+    them, one rounding at the end), and at most as many elements as the reference's outside 1e-2
+    (KernelBench's tolerances) of fp64. Three trials of fresh inputs."""
+    for trial in range(3):
+        m_ref, new, msa, mask = _fs_inputs(opm, ref, B, S, N, cm, c, cz, mask_kind, seed=77 * trial + S + N,
+                                           dtype=dtype, dist=("normal", "uniform", "offset")[trial])
+        want64 = _ref64(m_ref, msa, mask)
+        with torch.no_grad():
+            want = m_ref(msa, mask)
+            got, poisoned = _poisoned(lambda: new(msa, mask), B * N * N * cz * 2)
+        assert poisoned and new.last_variant == "fused_small"
+        assert got.dtype == dtype and got.shape == want.shape and torch.isfinite(got).all()
+        err, e_ref = (got.double() - want64).abs().max().item(), (want.double() - want64).abs().max().item()
+        top = want64.abs().max().item()
+        assert err <= max(e_ref, 3 * _HALF_ULP[dtype] * top), f"err {err:.2e} vs the reference's {e_ref:.2e} (top {top:.2e})"
+        miss = lambda t: int(((t.double() - want64).abs() > 1e-2 + 1e-2 * want64.abs()).sum())
+        assert miss(got) <= miss(want), (miss(got), miss(want))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_small_at_kernelbench_inputs(opm, ref, dtype):
+    """KernelBench's own check at its seed shape: the module as constructed (its init), get_inputs' msa and
+    mask cast to dtype, five trials, allclose to the reference run in that dtype at KernelBench's
+    tolerances (fp32 1e-4; fp16 / bf16 1e-2)."""
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for trial in range(5):
+        torch.manual_seed(trial)
+        m_ref = ref.Model(*ref.get_init_inputs())
+        new = opm.ModelNew(*ref.get_init_inputs())
+        new.load_state_dict(m_ref.state_dict())
+        m_ref, new = m_ref.to(dtype).cuda(), new.to(dtype).cuda()
+        new.variant = "fused_small"
+        msa, mask = (t.to(dtype).cuda() for t in ref.get_inputs())
+        want = m_ref(msa, mask)  # grad mode, as KernelBench calls it
+        got = new(msa, mask)
+        assert new.last_variant == "fused_small" and got.dtype == dtype
+        torch.testing.assert_close(got.detach(), want.detach(), atol=tol, rtol=tol)
+
+
+@gpu
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dtype, ctype", [(torch.float32, "float"), (torch.bfloat16, "__nv_bfloat16"),
+                                          (torch.float16, "__half")])
+def test_fused_small_is_one_kernel_in_its_dtype(opm, ref, dtype, ctype, grad):
+    """fused_small at the seed shape, with grad mode off or on (parameters requiring grad, as KernelBench
+    times it): the forward launches exactly one CUDA kernel, opm_fused_small_kernel<T> of the inputs' type,
+    and makes no PyTorch copy or conversion of any tensor."""
+    B, S, N, cm, c, cz = 2, 8, 32, 64, 32, 64
+    _, new, msa, mask = _fs_inputs(opm, ref, B, S, N, cm, c, cz, "same", seed=5, dtype=dtype)
+    ctx = torch.enable_grad if grad else torch.no_grad
+    with ctx():
+        new(msa, mask)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof, ctx():
+        out = new(msa, mask)
+        torch.cuda.synchronize()
+    assert out.dtype == dtype and out.requires_grad == grad
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and f"opm_fused_small_kernel<{ctype}>" in kernels[0], kernels
+    copies = [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::_to_copy", "aten::clone",
+                                                           "aten::contiguous", "aten::fill_", "aten::zero_")]
+    assert not copies, copies
+
+
+@gpu
+@pytest.mark.parametrize("c", [32, 16])
+def test_fused_small_grad_mode_forward_then_backward(opm, ref, c):
+    """Grad mode (msa and parameters requiring grad) on fused_small: the forward is the no-grad kernel call
+    bit for bit; at hidden_dim 32 it keeps its a, b rows for the backward ("a, b" in last_backward), at 16
+    the backward recomputes them (on any GPU); every gradient within 1e-4 of the fp32 reference's autograd, and equal
+    within 1e-5 relative to the gradients after an outer_first forward (which keeps nothing)."""
+    B, S, N, cm, cz = 2, 8, 32, 64, 64
+    m_ref, new, msa, mask = _fs_inputs(opm, ref, B, S, N, cm, c, cz, "binary", seed=c)
+    gen = torch.Generator().manual_seed(c + 1)
+    g = torch.randn(B, N, N, cz, generator=gen).cuda()
+    grads = {}
+    for v in ("fused_small", "outer_first"):
+        new.zero_grad(set_to_none=True)
+        new.variant = v
+        x_new = msa.clone().requires_grad_()
+        out = new(x_new, mask)
+        assert out.requires_grad and new.last_variant == v
+        if v == "fused_small":
+            with torch.no_grad():
+                torch.testing.assert_close(out, new(msa, mask), atol=0, rtol=0)
+        (out * g).sum().backward()
+        if v == "fused_small":  # kept a, b: the backward takes them as the rows kernel's
+            assert ("a, b" in new.last_backward) == (c == 32), new.last_backward
+        grads[v] = [x_new.grad] + [p.grad for p in new.parameters()]
+        assert all(t is not None and torch.isfinite(t).all() for t in grads[v]), v
+    x_ref = msa.clone().requires_grad_()
+    (m_ref(x_ref, mask) * g).sum().backward()
+    want = [x_ref.grad] + [p.grad for p in m_ref.parameters()]
+    names = ["msa"] + [n for n, _ in new.named_parameters()]
+    for name, f, o, w in zip(names, grads["fused_small"], grads["outer_first"], want):
+        torch.testing.assert_close(f, w, atol=1e-4, rtol=1e-4, msg=name)
+        assert (f - o).abs().max() <= 1e-5 * max(o.abs().max().item(), 1e-30), name
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_small_half_grad_mode_keeps_a_b(opm, ref, dtype):
+    """A 16-bit module and msa in grad mode on fused_small (hidden_dim 32): the forward returns its dtype and
+    keeps its a, b rows; the backward's gradients (in the parameters' dtype, finite) within 2% of their
+    largest value of those after an outer_first forward (a, b recomputed by the backward in fp32)."""
+    B, S, N, cm, c, cz = 2, 8, 32, 64, 32, 64
+    _, new, msa, mask = _fs_inputs(opm, ref, B, S, N, cm, c, cz, "same", seed=9, dtype=dtype)
+    g = torch.randn(B, N, N, cz, generator=torch.Generator().manual_seed(10)).to(dtype).cuda()
+    grads = {}
+    for v in ("fused_small", "outer_first"):
+        new.zero_grad(set_to_none=True)
+        new.variant = v
+        x = msa.clone().requires_grad_()
+        out = new(x, mask)
+        assert new.last_variant == v and out.dtype == dtype
+        out.backward(g)
+        if v == "fused_small":
+            assert "a, b" in new.last_backward, new.last_backward
+        grads[v] = [x.grad] + [p.grad for p in new.parameters()]
+    names = ["msa"] + [n for n, _ in new.named_parameters()]
+    for name, f, o in zip(names, grads["fused_small"], grads["outer_first"]):
+        assert f.dtype == dtype and torch.isfinite(f).all(), name
+        assert (f.double() - o.double()).abs().max() <= 2e-2 * o.double().abs().max(), name
+
+
+@gpu
+def test_fused_small_keeps_a_b_and_inv_denom(opm, ref):
+    """opm_forward with keep_ab on fused_small at hidden_dim 32 returns its a, b rows and 1 / denom: within
+    1e-5 of fp64 (relative to the largest) and the exact clamped reciprocal; at hidden_dim 16 None."""
+    B, S, N, cm = 2, 11, 37, 40
+    for c in (32, 16):
+        _, new, msa, mask = _fs_inputs(opm, ref, B, S, N, cm, c, 24, "int32", seed=3 + c)
+        params = [p.detach() for p in new.parameters()]
+        eps = new.layer_norm.eps
+        out, ran, a, b, inv_d = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("fused_small"), True)
+        assert ALL_VARIANTS[ran] == "fused_small"
+        if c != 32:
+            assert a is None and b is None and inv_d is None
+            continue
+        p64 = [p.double() for p in params]
+        x = F.layer_norm(msa.double(), (cm,), p64[0], p64[1], eps)
+        m = mask.double()[..., None]
+        for got, w, bias in ((a, p64[2], p64[3]), (b, p64[4], p64[5])):
+            want = (x @ w.t() + bias) * m
+            assert got.shape == (B, S, N, 32) and (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        assert (inv_d.double() - 1 / mask.double().sum(1).clamp(min=1)).abs().max() <= 1e-7

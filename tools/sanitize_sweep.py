@@ -186,7 +186,8 @@ for _dt in DTYPES:
            cm_call("cm_backward", _dt, None, 17, 128, 64, walk=3, slow=True)]))
 
 # The outer product mean's forced variants (its _ALL_VARIANTS less "auto"; the tests check this list against it).
-OPM_ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg2", "outer_wg")
+OPM_ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg2", "outer_wg",
+              "fused_small")
 
 
 def _opm_outer_wg_case(dtype):
@@ -211,10 +212,26 @@ def _opm_outer_wg_case(dtype):
     return Case(f"opm_outer_wg_{dtype}", "outer_product_mean", f"outer_wg's prep and fused kernels, {dtype}", calls)
 
 
+def _opm_fused_small_case(dtype):
+    """fused_small (one cooperative launch): the seed shape, S = N = 1, S = 0, odd msa_dim (one-element loads),
+    hidden 16 / 31 (Wo element by element), odd pair_dim (one-element stores), msa_dim 768, everything masked,
+    and more tasks than resident blocks (2700: blocks walk tasks, Wo staged after the first)."""
+    mdt = dtype if dtype != F32 else "int8"
+    calls = [opm_call("opm_forward", dtype, 2, 8, 32, 64, 32, 64, variant="fused_small"),
+             opm_call("opm_forward", dtype, 1, 1, 1, 8, 32, 8, variant="fused_small"),
+             opm_call("opm_forward", dtype, 2, 0, 7, 16, 32, 12, variant="fused_small"),
+             opm_call("opm_forward", dtype, 1, 5, 19, 33, 16, 7, variant="fused_small", mask_dtype=mdt),
+             opm_call("opm_forward", dtype, 1, 20, 33, 62, 31, 9, variant="fused_small"),
+             opm_call("opm_forward", dtype, 1, 3, 10, 768, 32, 8, variant="fused_small", mask_dtype="bool"),
+             opm_call("opm_forward", dtype, 1, 3, 17, 16, 32, 12, variant="fused_small", mask="zeros"),
+             opm_call("opm_forward", dtype, 2, 21, 70, 40, 32, 200, variant="fused_small", slow=True)]
+    return Case(f"opm_fused_small_{dtype}", "outer_product_mean", f"fused_small's kernel, {dtype}", calls)
+
+
 def _opm_backward_case(dtype):
     """outer_product_mean_backward's kernels at hidden_dim 32: a, b (outer_wg's prep, rows out), dWo, da / db,
     the LayerNorm pass, dbo; pair_dim not a multiple of 4 / 8, S over 512 (two s chunks), the prep's tile kinds
-    (block_tiles), training steps through ModelNew (a, b kept from the forward, or recomputed)."""
+    (block_tiles), training steps through ModelNew (a, b kept from outer_wg or fused_small, or recomputed)."""
     if dtype == F32:
         calls = [opm_call("opm_backward", dtype, 1, 5, 19, 64, 32, 64, expect=opm_parts(64, 64)),
                  opm_call("opm_backward", dtype, 1, 7, 37, 256, 32, 128, mask_dtype="bool", expect=opm_parts(256, 128)),
@@ -233,6 +250,7 @@ def _opm_backward_case(dtype):
                  opm_call("opm_rows", dtype, 1, 9, 20, 300, 32, 1, block_tiles=False),
                  opm_call("opm_rows", dtype, 1, 4, 9, 256, 32, 1, block_tiles=False)]
     calls += [opm_call("opm_train", dtype, 1, 8, 32, 64, 32, 64, variant="outer_wg", expect=opm_parts(64, 64)),
+              opm_call("opm_train", dtype, 2, 8, 32, 64, 32, 64, variant="fused_small", expect=opm_parts(64, 64)),
               opm_call("opm_train", dtype, 1, 5, 19, 128, 32, 64, variant="outer_first", expect=opm_parts(128, 64)),
               # 10000 msa rows: several 32-row tiles per block of the LayerNorm pass
               opm_call("opm_backward", dtype, 2, 50, 100, 256, 32, 64, expect=opm_parts(256, 64), slow=True)]
@@ -264,7 +282,12 @@ OPM_CASES = [
           for op, dt, v, cm, e in (("opm_forward", F32, "outer_first", 64, None),
                                    ("opm_forward", F32, "outer_wg", 64, None),
                                    ("opm_forward", F16, "outer_wg", 64, None),
+                                   ("opm_forward", F32, "fused_small", 64, None),
+                                   ("opm_forward", BF16, "fused_small", 64, None),
                                    ("opm_backward", F32, None, 128, opm_parts(128, 64)))]),
+    _opm_fused_small_case(F32),
+    _opm_fused_small_case(F16),
+    _opm_fused_small_case(BF16),
     _opm_backward_case(F32),
     _opm_backward_case(F16),
     _opm_backward_case(BF16),

@@ -39,11 +39,11 @@ static int mask_kind_of(at::ScalarType st) {
 
 // variant: a Variant id (kAuto or the variant to force). msa: float32, or bfloat16 / float16 with the
 // parameters float32 or all of msa's dtype: outer_wg then reads msa (and the parameters) as they are,
-// runs both products on the 16-bit tensor cores and writes out in msa's dtype; the other variants run
-// on float32 copies and return float32. Returns (out, the id of the variant that ran, a, b,
-// inv_denom): with keep_ab, where outer_wg ran with hidden_dim 32, a and b (B, S, N, 32) fp32 as its
-// prep computed them (the backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else
-// undefined tensors (None).
+// runs both products on the 16-bit tensor cores and writes out in msa's dtype (fused_small too where the
+// parameters have msa's dtype, computing in fp32); the other variants run on float32 copies and return
+// float32. Returns (out, the id of the variant that ran, a, b, inv_denom): with keep_ab, where outer_wg
+// or fused_small ran with hidden_dim 32, a and b (B, S, N, 32) fp32 as its prep computed them (the
+// backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else undefined tensors (None).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab) {
@@ -87,6 +87,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                 dtype_str(*p));
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));
+  TORCH_CHECK(variant != kFusedSmall || c <= kFsCP, "outer_product_mean: variant fused_small needs hidden_dim <= ",
+              num(kFsCP), " (this model: ", num(c), "); use outer_first or w_first_small");
 
   // ---- device checks ----
   TORCH_CHECK(msa.is_cuda(), "outer_product_mean: msa_repr must be a CUDA tensor, got a tensor on ", dev_str(msa),
@@ -186,17 +188,19 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   if (used == kOuterWg) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 
   auto f32 = msa.options().dtype(at::kFloat);
-  const bool half_io = used == kOuterWg && half_input;  // bfloat16 / float16 in and out
+  // bfloat16 / float16 in and out: outer_wg, and fused_small where the parameters have msa's dtype too
+  const bool half_io = half_input && (used == kOuterWg || (used == kFusedSmall && p16));
   at::Tensor out = at::empty({B, N, N, cz}, half_io ? msa.options() : f32);
   if (out.numel() == 0) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
 
   // contiguous and 16-byte aligned (the prep kernels' 16-byte loads and bulk copies): a contiguous view
-  // at an odd storage offset is copied; bfloat16 msa becomes float32 except for outer_wg
-  at::Tensor x = half_io ? msa.contiguous() : msa.contiguous().to(at::kFloat);
+  // at an odd storage offset is copied; a 16-bit msa becomes float32 except where the variant reads it
+  // (half_io); a float32 one is taken as it is
+  at::Tensor x = half_io || !half_input ? msa.contiguous() : msa.contiguous().to(at::kFloat);
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
   const at::Tensor m = mask.contiguous();
-  // 16-bit parameters go to outer_wg's params kernel as they are, as float32 to the other variants
-  const bool pf = !p16 || used == kOuterWg;
+  // 16-bit parameters go to outer_wg's params kernel and fused_small as they are, as float32 to the others
+  const bool pf = !p16 || used == kOuterWg || used == kFusedSmall;
   auto prm = [&](const at::Tensor& t) { return pf ? t.contiguous() : t.contiguous().to(at::kFloat); };
   const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
   const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
@@ -213,6 +217,15 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
                     d, stream);
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
+    return {out, used, a, b, inv_denom};
+  }
+  if (used == kFusedSmall) {  // one kernel; its a and b rows (channels padded to 32) are the kept a, b at c = 32
+    at::Tensor a = at::empty({B, S, N, kFsCP}, f32), b = at::empty({B, S, N, kFsCP}, f32);
+    const bool keep = keep_ab && c == kFsCP;
+    launch_fused_small(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, a, b,
+                       keep ? inv_denom.data_ptr<float>() : nullptr, out, B, S, N, static_cast<int>(cm),
+                       static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps), d, stream);
+    if (!keep) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
     return {out, used, a, b, inv_denom};
   }
   // aT's rows are Npad = round_up(N, 4) long for 16-byte copies. The kernels copy a row's last group of 4 by

@@ -1,6 +1,6 @@
 // outer_product_mean: the forward's launchers.
 #pragma once
-#include "backward_ln.cuh"
+#include "fused_small.cuh"
 
 namespace opm {
 
@@ -364,6 +364,69 @@ static void launch_wfirst(const at::Tensor& aT, const at::Tensor& bq, const at::
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+}
+
+// fused_small: opm_fused_small_kernel<T> in one cooperative launch (every block resident: the grid is at
+// most the blocks that fit at once, and the tasks beyond it are walked). x, the parameters and out are all
+// float32 or all of one 16-bit dtype (the kernel's T); a_rows, b_rows (B, S, N, 32) fp32 (the backward's a,
+// b where hidden_dim is 32); inv_denom (B, N) written where not null.
+struct FsLaunch {
+  int per_sm = 0;  // resident blocks per SM (0: not queried yet)
+  bool coop = false;
+};
+template <typename T>
+static FsLaunch fs_launch_info(int dev, const DevInfo& d) {
+  static FsLaunch cache[64];
+  if (dev >= 0 && dev < 64 && cache[dev].per_sm > 0) return cache[dev];
+  FsLaunch f;
+  int coop = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+  f.coop = coop != 0;
+  set_smem(opm_fused_small_kernel<T>, kFsSmemBytes, d, "the fused_small kernel");
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&f.per_sm, opm_fused_small_kernel<T>, kFsThreads,
+                                                               kFsSmemBytes));
+  TORCH_CHECK(f.per_sm >= 1, "outer_product_mean: the fused_small kernel (", std::to_string(kFsSmemBytes),
+              " bytes of shared memory, ", std::to_string(kFsThreads), " threads) fits no block on an SM of this GPU");
+  if (dev >= 0 && dev < 64) cache[dev] = f;
+  return f;
+}
+static void launch_fused_small(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
+                               const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
+                               const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& a_rows,
+                               at::Tensor& b_rows, float* inv_denom, at::Tensor& out, int64_t B, int64_t S, int64_t N,
+                               int cm, int c, int cz, float eps, const DevInfo& d, cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type() && wo.scalar_type() == x.scalar_type(),
+                        "outer_product_mean: fused_small reads and writes one dtype");
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "outer_product_mean: x 16-byte aligned");
+  const int64_t nic = cdiv(N, kFsNI), njc = cdiv(N, kFsJT);
+  const int nzc = static_cast<int>(cdiv(cz, kFsZT));
+  const int64_t ntasks = B * nic * njc * nzc;
+  const size_t el = x.element_size();
+  auto aligned = [&](const at::Tensor& t, size_t bytes) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0; };
+  const int flags = (cm % 4 == 0 ? kFsVecX : 0) | (cm % 4 == 0 && aligned(wa, 4 * el) && aligned(wb, 4 * el) ? kFsVecW : 0) |
+                    (c == kFsCP && aligned(wo, 16) ? kFsVecWo : 0);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const FsLaunch f = fs_launch_info<T>(x.get_device(), d);
+    TORCH_CHECK(f.coop, "outer_product_mean: variant fused_small needs a GPU with cooperative launches");
+    const int grid = static_cast<int>(std::min<int64_t>(ntasks, static_cast<int64_t>(f.per_sm) * d.sms));
+    auto tp = [](const at::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); };
+    const T *xp = tp(x), *lwp = tp(ln_w), *lbp = tp(ln_b), *wap = tp(wa), *bap = tp(ba), *wbp = tp(wb), *bbp = tp(bb),
+            *wop = tp(wo), *bop = tp(bo);
+    const void* mp = mask.data_ptr();
+    float *ap = a_rows.data_ptr<float>(), *bp = b_rows.data_ptr<float>();
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    int mk = mask_kind, cmv = cm, cv = c, czv = cz, nzcv = nzc, fl = flags;
+    float epsv = eps;
+    int64_t Bv = B, Sv = S, Nv = N, nicv = nic, njcv = njc;
+    void* args[] = {&xp, &mp, &mk, &lwp, &lbp, &wap, &bap, &wbp, &bbp, &wop, &bop, &ap, &bp, &inv_denom, &op,
+                    &Bv, &Sv, &Nv, &cmv, &cv, &czv, &epsv, &nicv, &njcv, &nzcv, &fl};
+    C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(opm_fused_small_kernel<T>), dim3(grid),
+                                               dim3(kFsThreads), args, kFsSmemBytes, stream));
+  };
+  if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16());
+  else if (x.scalar_type() == at::kHalf) run(__half());
+  else run(float());
 }
 
 }  // namespace opm

@@ -16,6 +16,7 @@
 #include "backward_wo.cuh"
 #include "backward_ab.cuh"
 #include "backward_ln.cuh"
+#include "fused_small.cuh"
 #include "launchers.cuh"
 #include "forward_bindings.cuh"
 #include "backward_bindings.cuh"

@@ -39,19 +39,20 @@ one that cannot run raises with the reason; `model.last_variant` names the one t
   w_first        FMA stage 2 (opm_wfirst_gemm_kernel), any GPU, P in j-chunks of <= 32 MB.
   w_first_small  FMA stage 2 on 32 x 64 tiles, K split over warps (opm_wfirst_small_kernel): small N.
   w_first_tc     split-TF32 mma.sync stage 2, sm_80+ (opm_wfirst_tc_kernel<1>; _tc2: <2>, 64-row K stages, 136 KB).
+  fused_small    not auto's yet: the forward in one cooperative launch, fp32 FMA (opm_fused_small_kernel<T>).
 
 Precision (fp32): FMA paths accumulate in fp32; tensor-core paths use split TF32 (x = hi + lo, a b ~ hi hi +
-hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted into fp32 by ordinary adds every 64 k; masks
-summed in fp64 (float) or int64. Max error against fp64 over the fp32 reference's own: outer_wg 0.58-1.09x,
-w_first_wg2 0.75-1.0x; at deep (S = 2048) w_first_tc / _tc2 up to 2.5x and the FMA w_first up to 7.9x in single
-trials, at S <= 3 outer_wg a few times the reference's tiny error: on the H200 "auto" takes none of them there.
+hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted into fp32 every 64 k; masks summed in fp64
+(float) or int64. Max error against fp64 over the fp32 reference's own: outer_wg 0.58-1.09x, w_first_wg2
+0.75-1.0x; at deep (S = 2048) w_first_tc / _tc2 up to 2.5x, the FMA w_first 7.9x in single trials, at S <= 3
+outer_wg a few times the reference's tiny error: on the H200 "auto" takes none of them there.
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no launch),
 1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case; 64 and 128 run with smaller residue tiles,
 slower per FLOP), any pair_dim >= 1, outputs over 2^31 elements, non-contiguous inputs (copied first); larger
-sizes raise a clear error. One CUDA device. Limits: outer_wg needs hidden_dim <= 32, B * S * N / 16 < 2^31 (S
-rounded up to 16, 32 in 16 bits, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim; w_first_wg2 takes up
-to 512 MB plus about twice a's size of working memory (no smaller fallback). Tuned on the H200 only.
+sizes raise a clear error. One CUDA device. Limits: outer_wg and fused_small need hidden_dim <= 32, outer_wg
+B * S * N / 16 < 2^31 (S rounded up to 16, 32 in 16 bits, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim;
+w_first_wg2 takes up to 512 MB plus twice a's size of working memory (no smaller fallback). Tuned on the H200.
 
 Half precision: with float16 / bfloat16 inputs and parameters outer_wg reads msa_repr, mask and parameters
 and writes its output in that dtype (no PyTorch casts): LayerNorm and projections on mma.sync in float16 with
@@ -59,21 +60,20 @@ fp32 accumulation (normalised rows, row-scaled weights; two float16 terms each f
 a and b rounded to the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores, O / denom
 rounded to float16 (rows scaled by powers of two: no overflow) times Wo in float16 (bfloat16 weights above 65504
 would overflow, below 2^-14 lose bits). Max error against fp64: 0.54-0.93x the reference's in that dtype over the
-harness's trials. Other variants run the float32 kernels on converted copies; under CUDA autocast the output has
-the autocast dtype (a float32 module: float32 kernels).
-Training: the backward (outer_product_mean_backward) saves the inputs, and a, b and 1 / denom where outer_wg ran
-with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper with hidden_dim 32
+harness's trials. fused_small reads and writes that dtype too (fp32 inside; a, b rounded as the reference's);
+other variants run the float32 kernels on converted copies; under CUDA autocast the output has the autocast dtype.
+Training: the backward saves the inputs, and a, b and 1 / denom where outer_wg or fused_small ran with hidden_dim
+32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper with hidden_dim 32
 and pair_dim <= 128, wgmma kernels compute out_proj's weight gradient and, for pair_dim % 4 == 0, da and db (O and
 G = (g / denom) Wo per tile on chip; split TF32 for a float32 msa, 16-bit for a 16-bit one with pair_dim % 8 == 0),
 and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build O and G for chunks of rows i
 (about 256 MB). `model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter,
 none for the mask; double backward raises.
 
-Run: `python harness.py outer_product_mean` (add `--dtype all --backward` for fp16 / bf16 and the gradients).
-Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST, else the visible GPUs', else (no GPU) 9.0; 9.0 as sm_90a (wgmma
-exists only there), "9.0+PTX" adds compute_90 PTX; names such as "Hopper" go to PyTorch unchanged, leaving
-w_first_wg2 and outer_wg out. The first import compiles for about 100 s on 2 cores, later ones load PyTorch's
-cache; OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
+Run: `python harness.py outer_product_mean` (`--dtype all --backward`: fp16 / bf16, gradients). Build: -O3
+-lineinfo for TORCH_CUDA_ARCH_LIST, else the visible GPUs', else 9.0; 9.0 as sm_90a, "9.0+PTX" adds compute_90
+PTX; names such as "Hopper" go to PyTorch unchanged (no w_first_wg2, outer_wg). The first import compiles for
+~100 s on 2 cores; OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
 """
 import hashlib
 import os
@@ -90,7 +90,7 @@ from torch.utils.cpp_extension import load_inline
 # CamelCase) and kNumVariants, which its range check and dispatch read; ModelNew passes the id and
 # maps the id that ran back to the name.
 _ALL_VARIANTS = ("auto", "outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg2",
-                 "outer_wg")
+                 "outer_wg", "fused_small")
 
 
 def _variant_enum(names):
@@ -403,11 +403,12 @@ def _f32(t):
 def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
     """The CUDA forward, returned in out_dtype. Where msa and every parameter are float16 / bfloat16 of one
     dtype they go to the extension as they are: outer_wg reads them and runs both products on the
-    16-bit tensor cores (module docstring), the other variants convert them to float32 inside the
-    extension. Otherwise they are converted to float32 here. Masks of every dtype the kernels take go as
-    they are. Records the variant that ran in model.last_variant. keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom
-    as outer_wg's prep computed them where outer_wg ran with hidden_dim 32 (the backward then takes them
-    instead of recomputing), else (out, None)."""
+    16-bit tensor cores (module docstring), fused_small reads them in fp32 FMA, the other variants
+    convert them to float32 inside the extension. Otherwise they are converted to float32 here. Masks of
+    every dtype the kernels take go as they are. Records the variant that ran in model.last_variant.
+    keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom as outer_wg's prep or
+    fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then
+    takes them instead of recomputing; no extra launch), else (out, None)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab)
