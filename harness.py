@@ -96,7 +96,9 @@ has, for a clearer message when --variant names one that does not run here (e.g.
 
 Reference module contract: Model, SHAPES {name: dict}, init_inputs_for(shape), input_shapes_for(shape),
 flops(shape), min_bytes(shape); optional INPUT_ROLES ("x" | "mask" per input), peak_bytes(shape),
-forward_rows(model, *inputs, rows) for shapes with reference_may_oom.
+forward_rows(model, *inputs, rows) for shapes with reference_may_oom, FAMILY (str): where the solution
+file maps it in FAMILIES {family: class}, that class is judged in ModelNew's place (one kernel file,
+several references: `python harness.py outer_product_mean --ref reference/outer_product_mean_boltz.py`).
 
 JSON (--json PATH): {harness_version, command, date, host, python, torch, torch_cuda, solution,
 reference, device {type, name, capability, total_bytes, l2_bytes, sms}, settings {trials, seed, atol,
@@ -1976,6 +1978,7 @@ def run(args, report):
     refmod = load_module(ref_path)
     check_shape_options(args, refmod)  # before the (slow) build
     solmod, exts = build_solution(sol_path, report)
+    solmod = judged_solution(refmod, solmod, report)
     variants = select_variants(solmod.ModelNew, args)  # before the device check: usage errors anywhere
     device, timing = select_device(args, have_cuda, exts, sol_path, report)
     report["settings"] = run_settings(args, variants, timing)
@@ -2069,6 +2072,20 @@ def build_solution(sol_path, report):
     if not isinstance(getattr(solmod, "ModelNew", None), type):
         raise _Stop(EXIT_BUILD, f"BUILD FAILED: {sol_path} defines no class ModelNew")
     return solmod, exts
+
+
+def judged_solution(refmod, solmod, report):
+    """The solution as the checks see it: solmod itself, or, where the reference declares FAMILY (a str)
+    and solmod's FAMILIES maps it to a class, a namespace whose ModelNew is that class (noted in the
+    report). A FAMILY the file does not map leaves ModelNew judged."""
+    fam, fams = getattr(refmod, "FAMILY", None), getattr(solmod, "FAMILIES", None)
+    if not (isinstance(fam, str) and isinstance(fams, dict) and isinstance(fams.get(fam), type)):
+        return solmod
+    cls = fams[fam]
+    note = f"the reference's FAMILY {fam!r}: judging the solution's FAMILIES[{fam!r}] = {cls.__name__} as ModelNew"
+    log(note)
+    report["notes"].append(note)
+    return types.SimpleNamespace(ModelNew=cls, module=solmod)
 
 
 def select_variants(NewModel, args):

@@ -4916,6 +4916,128 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
 
 // ---------------------------------------------------------------------------------------------
 }  // namespace opm
+#line 1 "src/outer_product_mean/pair_norm.cuh"
+// outer_product_mean: the pair-count normalisations (AlphaFold / OpenFold, Boltz): the per-pair scales and
+// the epilogue that applies them to an output the kernels normalised by rows.
+#line 5 "src/outer_product_mean/pair_norm.cuh"
+
+namespace opm {
+
+// ---------------------------------------------------------------------------------------------
+// Normalisations. Every mode is out[b,i,j,z] = s1[b,i,j] acc[b,i,j,z] + s2[b,i,j] bo[z] with acc the
+// unnormalised sum_{h,k} Wo[z, h c + k] sum_s a[b,s,i,h] b[b,s,j,k]:
+//   kNormRows (0, KernelBench): s1 = 1 / max(sum_s m[b,s,i], 1), s2 = 1 (inv_denom, per row)
+//   kNormOpenFold (1): n = sum_s m[b,s,i] m[b,s,j]; s1 = s2 = 1 / (n + eps) (the bias divided too)
+//   kNormBoltz (2): s1 = 1 / max(n, 1), s2 = 1
+// The pair modes' (s1, s2) per pair: opm_pair_scale_kernel, a float2 (B, N, N) array.
+// ---------------------------------------------------------------------------------------------
+enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
+constexpr int kPsT = 32;  // opm_pair_scale_kernel: pairs per block 32 i x 32 j, s per chunk 32
+template <typename T>  // fp32 -> T (float: itself)
+__device__ __forceinline__ T from_float_any(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return from_float<T>(v);
+}
+
+// scale[b, i, j] = (s1 / inv_denom[b, i], s2) where inv_denom is not null (the epilogue after kernels
+// that applied the row scale), else (s1, s2) (outer_wg's fused pair epilogue). The pair count is summed
+// exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
+// integer masks in int64 (Acc long long). Block (256 threads): the 32 x 32 pairs of tile t = (b, it,
+// jt), thread (ty = tid / 32, tx = tid % 32) pairs (i0 + ty + 8 r, j0 + tx), r < 4; per chunk of 32 s
+// the mask's columns i0.. and j0.. in shared memory (as Acc). Grid-stride over the tiles.
+template <typename Acc>
+__global__ void __launch_bounds__(kThreads) opm_pair_scale_kernel(const void* __restrict__ mask, int mask_kind,
+                                                                  int64_t B, int64_t S, int64_t N, int norm, double eps,
+                                                                  const float* __restrict__ inv_denom,
+                                                                  float2* __restrict__ scale) {
+  __shared__ Acc mi[kPsT][kPsT + 1], mj[kPsT][kPsT + 1];
+  const int tid = threadIdx.x, tx = tid % 32, ty = tid / 32;
+  const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t jt = t % nt, it = t / nt % nt, b = t / nt / nt;
+    const int64_t i0 = it * kPsT, j0 = jt * kPsT;
+    Acc acc[4] = {0, 0, 0, 0};
+    for (int64_t s0 = 0; s0 < S; s0 += kPsT) {
+      __syncthreads();  // the previous chunk's reads are done
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // row sl = ty + 8 r of the chunk, column tx: coalesced along i (j)
+        const int sl = ty + 8 * r;
+        const int64_t s = s0 + sl, i = i0 + tx, j = j0 + tx;
+        const bool sin = s < S;
+        if constexpr (std::is_same_v<Acc, double>) {
+          mi[sl][tx] = sin && i < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + i, mask_kind)) : 0.0;
+          mj[sl][tx] = sin && j < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + j, mask_kind)) : 0.0;
+        } else {
+          mi[sl][tx] = sin && i < N ? mask_int(mask, (b * S + s) * N + i, mask_kind) : 0;
+          mj[sl][tx] = sin && j < N ? mask_int(mask, (b * S + s) * N + j, mask_kind) : 0;
+        }
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int sl = 0; sl < kPsT; ++sl) {
+        const Acc vj = mj[sl][tx];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[r] += mi[sl][ty + 8 * r] * vj;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t i = i0 + ty + 8 * r, j = j0 + tx;
+      if (i >= N || j >= N) continue;
+      const double n = static_cast<double>(acc[r]);
+      // NaN counts stay NaN (fmax would drop them)
+      const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
+      const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
+      const float f1 = inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[b * N + i])) : static_cast<float>(s1);
+      scale[(b * N + i) * N + j] = make_float2(f1, s2);
+    }
+  }
+}
+
+// out[b,i,j,z] = out[b,i,j,z] * scale[b,i,j].x + scale[b,i,j].y * bo[z], in place, for out of T (float,
+// __half or __nv_bfloat16), in fp32 with one rounding to T. kVec: 16-byte vectors of 16 / sizeof(T)
+// elements (pair_dim a multiple of that, a 16-byte aligned out), else one element per thread.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) opm_pair_epilogue_kernel(T* __restrict__ out,
+                                                                     const float2* __restrict__ scale,
+                                                                     const float* __restrict__ bo, int64_t pairs,
+                                                                     int cz) {
+  constexpr int kVE = kVec ? 16 / static_cast<int>(sizeof(T)) : 1;  // elements per thread
+  const int vpp = cz / kVE;                                         // vectors per pair
+  const int64_t total = pairs * vpp;
+  const bool small = total < (1ll << 32);
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < total;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t p = small ? static_cast<int64_t>(static_cast<uint32_t>(v) / static_cast<uint32_t>(vpp)) : v / vpp;
+    const int z0 = static_cast<int>(v - p * vpp) * kVE;
+    const float2 f = __ldg(scale + p);
+    T* o = out + p * cz + z0;
+    if constexpr (!kVec) {
+      *o = from_float_any<T>(fmaf(to_float(*o), f.x, f.y * __ldg(bo + z0)));
+    } else if constexpr (std::is_same_v<T, float>) {
+      float4 x = *reinterpret_cast<const float4*>(o);
+      const float4 bb = __ldg(reinterpret_cast<const float4*>(bo + z0));
+      x.x = fmaf(x.x, f.x, f.y * bb.x);
+      x.y = fmaf(x.y, f.x, f.y * bb.y);
+      x.z = fmaf(x.z, f.x, f.y * bb.z);
+      x.w = fmaf(x.w, f.x, f.y * bb.w);
+      *reinterpret_cast<float4*>(o) = x;
+    } else {
+      uint4 x = *reinterpret_cast<const uint4*>(o);
+      uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 v2 = to_float2<T>(w[e]);
+        w[e] = pack2_16<T>(fmaf(v2.x, f.x, f.y * __ldg(bo + z0 + 2 * e)),
+                           fmaf(v2.y, f.x, f.y * __ldg(bo + z0 + 2 * e + 1)));
+      }
+      *reinterpret_cast<uint4*>(o) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+}  // namespace opm
 #line 1 "src/outer_product_mean/launchers.cuh"
 // outer_product_mean: the forward's launchers.
 #line 4 "src/outer_product_mean/launchers.cuh"
@@ -5237,6 +5359,47 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream);
 }
 
+// The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
+// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied.
+static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
+                                    double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
+  at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
+  const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
+  const int g = grid_for(std::min<int64_t>(tiles, 16ll * d.sms));
+  if (g == 0) return scale;
+  const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
+  float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
+  if (mask_is_float(mask_kind))
+    opm_pair_scale_kernel<double><<<g, kThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
+  else
+    opm_pair_scale_kernel<long long><<<g, kThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return scale;
+}
+// out = out * s1 + s2 * bo in place (opm_pair_epilogue_kernel), out float32, float16 or bfloat16 (B, N, N, cz)
+// contiguous, bo float32 (cz) contiguous; 16-byte vectors where pair_dim and the addresses allow.
+static void launch_pair_epilogue(at::Tensor& out, const at::Tensor& scale, const at::Tensor& bo, const DevInfo& d,
+                                 cudaStream_t stream) {
+  const int64_t pairs = out.numel() / std::max<int64_t>(out.size(3), 1);
+  const int cz = static_cast<int>(out.size(3));
+  const int ve = 16 / static_cast<int>(out.element_size());
+  const bool vec = cz % ve == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(bo.data_ptr()) % 16 == 0;
+  const int64_t work = pairs * (vec ? cz / ve : cz);
+  const int g = grid_for(std::min<int64_t>(cdiv(work, kThreads), 32ll * d.sms));
+  if (g == 0) return;
+  const float2* sp = reinterpret_cast<const float2*>(scale.data_ptr<float>());
+  auto run = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    if (vec) opm_pair_epilogue_kernel<T, true><<<g, kThreads, 0, stream>>>(o, sp, bo.data_ptr<float>(), pairs, cz);
+    else opm_pair_epilogue_kernel<T, false><<<g, kThreads, 0, stream>>>(o, sp, bo.data_ptr<float>(), pairs, cz);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (out.scalar_type() == at::kBFloat16) run(reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+  else if (out.scalar_type() == at::kHalf) run(reinterpret_cast<__half*>(out.data_ptr()));
+  else run(out.data_ptr<float>());
+}
+
 // small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the
 // 128 x 128 opm_wfirst_gemm_kernel; tc (1 or 2): by opm_wfirst_tc_kernel<tc> (split TF32).
 template <int CP>
@@ -5394,9 +5557,14 @@ static int mask_kind_of(at::ScalarType st) {
 // float32. Returns (out, the id of the variant that ran, a, b, inv_denom): with keep_ab, where outer_wg
 // or fused_small ran with hidden_dim 32, a and b (B, S, N, 32) fp32 as its prep computed them (the
 // backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else undefined tensors (None).
+// norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
+// see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
+// opm_pair_epilogue_kernel rescale its output in place (pair_fused: reserved for a fused pair epilogue; no
+// variant has one yet).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
-    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab) {
+    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
+    double norm_eps, bool pair_fused) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -5435,6 +5603,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     TORCH_CHECK(p->scalar_type() == (p16 ? msa.scalar_type() : at::kFloat), "outer_product_mean: parameters must be ",
                 p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
+  TORCH_CHECK(norm >= kNormRows && norm <= kNormBoltz, "outer_product_mean: norm code must be 0-2, got ", num(norm));
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));
   TORCH_CHECK(variant != kFusedSmall || c <= kFsCP, "outer_product_mean: variant fused_small needs hidden_dim <= ",
@@ -5554,8 +5723,20 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   auto prm = [&](const at::Tensor& t) { return pf ? t.contiguous() : t.contiguous().to(at::kFloat); };
   const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
   const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
-  const at::Tensor wo_c = prm(wo), bo_c = prm(bo);
+  const at::Tensor wo_c = prm(wo);
+  // pair modes: the kernels add no bias (the epilogue adds s2 bo)
+  const bool pair = norm != kNormRows;
+  const at::Tensor bo_c = pair ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
+  // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
+  auto finish = [&]() {
+    if (!pair) return;
+    const at::Tensor scale = launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps, inv_denom, d,
+                                               stream);
+    at::Tensor bo_f = bo.to(at::kFloat).contiguous();
+    if (reinterpret_cast<uintptr_t>(bo_f.data_ptr()) % 16 != 0) bo_f = bo_f.clone();
+    launch_pair_epilogue(out, scale, bo_f, d, stream);
+  };
   if (used == kOuterWg) {  // outer_wg: its own prep (no aT, bq)
     at::Tensor a, b;
     if (keep_ab && c == 32) {
@@ -5566,15 +5747,18 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
                     d, stream);
+    finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};
   }
   if (used == kFusedSmall) {  // one kernel; its a and b rows (channels padded to 32) are the kept a, b at c = 32
     at::Tensor a = at::empty({B, S, N, kFsCP}, f32), b = at::empty({B, S, N, kFsCP}, f32);
     const bool keep = keep_ab && c == kFsCP;
+    // (inv_denom also for the pair modes' epilogue, which divides out the row scale the kernel applied)
     launch_fused_small(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, a, b,
-                       keep ? inv_denom.data_ptr<float>() : nullptr, out, B, S, N, static_cast<int>(cm),
+                       keep || pair ? inv_denom.data_ptr<float>() : nullptr, out, B, S, N, static_cast<int>(cm),
                        static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps), d, stream);
+    finish();
     if (!keep) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
     return {out, used, a, b, inv_denom};
   }
@@ -5614,6 +5798,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                                         used == kWFirstTc ? 1 : used == kWFirstTc2 ? 2 : 0, d, stream));
   }
 #undef OPM_DISPATCH
+  finish();
   return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
@@ -5969,13 +6154,18 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 }
 
 }  // namespace opm
-#line 23 "src/outer_product_mean/outer_product_mean.cu"
+#line 24 "src/outer_product_mean/outer_product_mean.cu"
 
 // The extension's entry points (Python names opm_*), each wrapped as load_inline's `functions=` wraps them:
 // torch::wrap_pybind_function turns a TORCH_CHECK failure into the Python exception PyTorch raises for it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("opm_forward", torch::wrap_pybind_function(opm::opm_forward),
-        "forward: (out, the variant that ran, a, b, inv_denom where kept for the backward)");
+        "forward: (out, the variant that ran, a, b, inv_denom where kept for the backward); norm 0 rows, 1 OpenFold "
+        "(norm_eps), 2 Boltz",
+        py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
+        py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
+        py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6165,10 +6355,63 @@ def _ab_kernel_runs(msa, c, c_z, ct):
     return _wo_kernel_runs(msa, c, c_z, ct) and c_z % 4 == 0
 
 
+# The normalisations (the CUDA source's enum Norm): the row count (KernelBench), the pair count + eps
+# (AlphaFold / OpenFold, the bias divided too), the pair count clamped to 1 (Boltz).
+NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
+
+
+# The pair modes' epilogue where outer_wg runs: "fused" (its kernel scales each pair itself, where the
+# build has that instance), "unfused" (the row-mode kernel with a zero bias, then opm_pair_epilogue_kernel
+# over the output, as every other variant): OPM_PAIR_EPILOGUE at import, then this module attribute, or
+# `with pair_epilogue("unfused"):` for a block.
+PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
+
+
+class pair_epilogue:
+    """`with pair_epilogue("unfused"):` (or "fused") sets PAIR_EPILOGUE for the block, then restores it."""
+
+    def __init__(self, mode):
+        if mode not in ("fused", "unfused"):
+            raise ValueError(f"pair_epilogue: 'fused' or 'unfused', got {mode!r}")
+        self.mode, self.saved = mode, None
+
+    def __enter__(self):
+        global PAIR_EPILOGUE
+        self.saved, PAIR_EPILOGUE = PAIR_EPILOGUE, self.mode
+        return self
+
+    def __exit__(self, *exc):
+        global PAIR_EPILOGUE
+        PAIR_EPILOGUE = self.saved
+        return False
+
+
+def _pair_fused():
+    if PAIR_EPILOGUE not in ("fused", "unfused"):
+        raise ValueError(f"outer_product_mean: PAIR_EPILOGUE must be 'fused' or 'unfused', got {PAIR_EPILOGUE!r}")
+    return PAIR_EPILOGUE == "fused"
+
+
+def pair_scales(mask, norm, eps=1e-3):
+    """(s1, s2) (B, N, N) float64 of a pair mode: n = sum_s m[b,s,i] m[b,s,j] in fp64 (exact for
+    0/1 and integer masks); NORM_OPENFOLD s1 = s2 = 1 / (n + eps), NORM_BOLTZ s1 = 1 / max(n, 1), s2 = 1."""
+    m = mask.to(torch.float64)
+    n = m.transpose(1, 2) @ m                                                      # (B, N, N)
+    if norm == NORM_OPENFOLD:
+        s1 = 1.0 / (n + eps)
+        return s1, s1
+    return 1.0 / n.clamp(min=1), torch.ones_like(n)
+
+
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
-                                rows_kernel=None, ab=None, parts=None, split=False):
+                                rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
+
+    norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
+    out = s1 (O Wo^T) + s2 bo with pair_scales' s1, s2 (B, N, N): then dWo = sum (s1 g)^T O,
+    G = (s1 g) Wo, dbo = sum s2 g (the divided bias's gradient for OpenFold), in the chunks below (the
+    dWo and da, db kernels serve the row mode only; a, b and the LayerNorm part run as for it).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
     other than float32 go to the kernels as float32), ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -6224,6 +6467,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
 
     wo_in_kernel = _wo_kernel_runs(msa, c, c_z, ct) if wo_kernel is None else wo_kernel
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
+    pair = norm != NORM_ROWS
+    if pair:  # the dWo and da, db kernels take the row scale only
+        wo_in_kernel = ab_in_kernel = False
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
     # dWo, da and db's products: split TF32, or in the msa's 16-bit type (grad_out's rows 16-byte aligned
@@ -6239,7 +6485,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     mask_k = mask.float() if mask.is_floating_point() and mask.dtype != torch.float32 else mask
     if not (rows_in_kernel and ln_in_kernel):
         m_rows = mask.to(ct).reshape(R, 1)
-    if not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
+    if pair:
+        s1, s2 = (t.to(ct) for t in pair_scales(mask, norm, norm_eps))                 # (B, N, N)
+    elif not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
         acc = torch.float64 if mask.is_floating_point() else torch.int64
         denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                # d (B, N)
 
@@ -6288,8 +6536,14 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             r = r1 - r0
             a_r = a[:, :, r0:r1].reshape(B, S, r * c)                                  # (B, S, r c)
             g = grad_out[:, r0:r1].to(ct)                                              # (B, r, N, c_z)
-            d_bo += g.sum((0, 1, 2))
-            g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)              # g / d (B r N, c_z)
+            if pair:  # s1 g; dbo = sum s2 g (s2 = s1 for OpenFold, 1 for Boltz)
+                gs = g * s1[:, r0:r1, :, None]
+                d_bo += (gs if norm == NORM_OPENFOLD else g).sum((0, 1, 2))
+                g = gs.reshape(B * r * N, c_z)
+                del gs
+            else:
+                d_bo += g.sum((0, 1, 2))
+                g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)          # g / d (B r N, c_z)
             if not wo_in_kernel:
                 # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
                 o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
@@ -6355,7 +6609,7 @@ def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
-def _output_dtype(msa, params):
+def _output_dtype(msa, params, names=_PARAM_NAMES):
     """The dtype the reference returns for these tensors: under CUDA autocast the autocast dtype, else
     the one dtype of msa_repr and every parameter (float32, float16 or bfloat16; others raise)."""
     if msa.dtype not in _FLOAT_DTYPES:
@@ -6363,7 +6617,7 @@ def _output_dtype(msa, params):
                            f"{_dtype_name(msa.dtype)}")
     if msa.is_cuda and torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
-    for name, p in zip(_PARAM_NAMES, params):
+    for name, p in zip(names, params):
         if p.dtype != msa.dtype:
             raise RuntimeError(f"outer_product_mean: parameter {name} must be {_dtype_name(msa.dtype)} like "
                                f"msa_repr, got {_dtype_name(p.dtype)} (cast the module and its inputs to one of "
@@ -6376,7 +6630,7 @@ def _f32(t):
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
+def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, norm=(NORM_ROWS, 0.0)):
     """The CUDA forward, returned in out_dtype. Where msa and every parameter are float16 / bfloat16 of one
     dtype they go to the extension as they are: outer_wg reads them and runs both products on the
     16-bit tensor cores (module docstring), fused_small reads them in fp32 FMA, the other variants
@@ -6384,10 +6638,13 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
     every dtype the kernels take go as they are. Records the variant that ran in model.last_variant.
     keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom as outer_wg's prep or
     fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then
-    takes them instead of recomputing; no extra launch), else (out, None)."""
+    takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
+    pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), _pair_fused())
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
-                                             *(params if half else (_f32(p) for p in params)), eps, code, keep_ab)
+                                             *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
+                                             *extra)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not keep_ab:
@@ -6399,12 +6656,12 @@ class _OuterProductMean(torch.autograd.Function):
     """out = OuterProductMean(msa, mask; params): the forward is the CUDA kernels, the backward
     outer_product_mean_backward (its Hopper kernels, else PyTorch ops), given a, b and 1 / denom from the
     forward where outer_wg ran; the parts that ran in kernels go to model.last_backward. No gradient for
-    the mask; double backward raises."""
+    the mask; double backward raises. norm: (mode, eps) as _run_kernels takes it."""
 
     @staticmethod
-    def forward(ctx, model, code, eps, out_dtype, msa, mask, *params):
-        ctx.eps, ctx.model = eps, model
-        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=True)
+    def forward(ctx, model, code, eps, out_dtype, norm, msa, mask, *params):
+        ctx.eps, ctx.model, ctx.norm = eps, model, norm
+        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=True, norm=norm)
         ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
         return out
 
@@ -6415,14 +6672,52 @@ class _OuterProductMean(torch.autograd.Function):
         params, ab = params[:8], params[8:]
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
-                                            ab=None if ab[0] is None else tuple(ab), parts=parts)
+                                            ab=None if ab[0] is None else tuple(ab), parts=parts,
+                                            norm=ctx.norm[0], norm_eps=ctx.norm[1])
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
-        need = ctx.needs_input_grad[4:5] + ctx.needs_input_grad[6:]
+        need = ctx.needs_input_grad[5:6] + ctx.needs_input_grad[7:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
-        return (None, None, None, None, grads[0], None) + grads[1:]
+        return (None, None, None, None, None, grads[0], None) + grads[1:]
 
 
-class ModelNew(nn.Module):
+def _opm(model, msa, mask, params, names, ln_eps, norm=(NORM_ROWS, 0.0)):
+    """The forward of ModelNew and the family modules: params in ModelNew's order (absent projection
+    biases as zeros that need no gradient), names for the dtype errors."""
+    code = model._variant_code()
+    out_dtype = _output_dtype(msa, params, names)
+    if not torch.is_grad_enabled():
+        return _run_kernels(model, code, msa, mask, params, ln_eps, out_dtype, norm=norm)
+    if mask.requires_grad:
+        raise RuntimeError("outer_product_mean: no gradient for msa_mask (the mask is data here); "
+                           "use msa_mask.detach()")
+    if msa.requires_grad or any(p.requires_grad for p in params):
+        return _OuterProductMean.apply(model, code, ln_eps, out_dtype, norm, msa, mask, *params)
+    return _run_kernels(model, code, msa, mask, params, ln_eps, out_dtype, norm=norm)
+
+
+class _Variants:
+    """The variant selection ModelNew and the family modules share (see ModelNew)."""
+
+    ALL_VARIANTS = _ALL_VARIANTS  # every name `variant` accepts (VARIANTS: those that run here)
+
+    # The variants that run on the current GPU (what the harness checks by default): the Hopper ones
+    # only where they can run; evaluated at each access, so importing makes no CUDA call. Any name
+    # of _ALL_VARIANTS may be set; one that cannot run here raises with the reason.
+    VARIANTS = _VariantsHere()
+
+    def _variant_code(self):
+        if self.variant not in _ALL_VARIANTS:
+            raise ValueError(f"variant must be one of {_ALL_VARIANTS} (those that run on this GPU: "
+                             f"{self.VARIANTS}), got {self.variant!r}")
+        return _ALL_VARIANTS.index(self.variant)
+
+    def _init_variants(self):
+        self.variant = "auto"
+        self.last_variant = None
+        self.last_backward = None
+
+
+class ModelNew(_Variants, nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init.
 
     float32, float16 or bfloat16 (module and msa_repr in one dtype; any mask dtype the kernels take,
@@ -6434,43 +6729,129 @@ class ModelNew(nn.Module):
     parts: "a, b", "dWo", "da, db", "LayerNorm"; () where PyTorch ops computed all).
     """
 
-    ALL_VARIANTS = _ALL_VARIANTS  # every name `variant` accepts (VARIANTS: those that run here)
-
-    # The variants that run on the current GPU (what the harness checks by default): the Hopper ones
-    # only where they can run; evaluated at each access, so importing makes no CUDA call. Any name
-    # of _ALL_VARIANTS may be set; one that cannot run here raises with the reason.
-    VARIANTS = _VariantsHere()
-
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
         super().__init__()
         self.layer_norm = nn.LayerNorm(msa_dim)
         self.proj_a = nn.Linear(msa_dim, hidden_dim)
         self.proj_b = nn.Linear(msa_dim, hidden_dim)
         self.out_proj = nn.Linear(hidden_dim * hidden_dim, pair_dim)
-        self.variant = "auto"
-        self.last_variant = None
-        self.last_backward = None
-
-    def _variant_code(self):
-        if self.variant not in _ALL_VARIANTS:
-            raise ValueError(f"variant must be one of {_ALL_VARIANTS} (those that run on this GPU: "
-                             f"{self.VARIANTS}), got {self.variant!r}")
-        return _ALL_VARIANTS.index(self.variant)
+        self._init_variants()
 
     def forward(self, msa_repr, msa_mask):
-        code = self._variant_code()
-        eps = float(self.layer_norm.eps)
         params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,
                   self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
-        out_dtype = _output_dtype(msa_repr, params)
-        if not torch.is_grad_enabled():
-            return _run_kernels(self, code, msa_repr, msa_mask, params, eps, out_dtype)
-        if msa_mask.requires_grad:
-            raise RuntimeError("outer_product_mean: no gradient for msa_mask (the mask is data here); "
-                               "use msa_mask.detach()")
-        if msa_repr.requires_grad or any(p.requires_grad for p in params):
-            return _OuterProductMean.apply(self, code, eps, out_dtype, msa_repr, msa_mask, *params)
-        return _run_kernels(self, code, msa_repr, msa_mask, params, eps, out_dtype)
+        return _opm(self, msa_repr, msa_mask, params, _PARAM_NAMES, float(self.layer_norm.eps))
+
+
+def _proj_bias(linear):
+    """A projection's bias, or zeros of its dtype and device (no gradient) where it has none."""
+    if linear.bias is not None:
+        return linear.bias
+    return torch.zeros(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device)
+
+
+def _flat(m, mask):
+    """(*, S, N, c_m) and (*, S, N) -> (B, S, N, c_m), (B, S, N) with B the leading dims' product."""
+    if m.dim() < 3:
+        raise RuntimeError(f"outer_product_mean: m must be (*, S, N, c_m), got shape {tuple(m.shape)}")
+    S, N, c_m = m.shape[-3:]
+    return m.reshape(-1, S, N, c_m), mask.reshape(-1, S, N)
+
+
+class OpenFoldOuterProductMean(_Variants, nn.Module):
+    """The AlphaFold 2 / 3, OpenFold, OpenFold3 and Protenix outer product mean on the kernels (the
+    module docstring's op with out = (acc + bo) / (sum_s m_si m_sj + eps), reference/
+    outer_product_mean_openfold.py): OpenFold3's parameter names (layer_norm, linear_1, linear_2,
+    linear_out) and forward(m, mask=None, chunk_size=None, inplace_safe=False), m (*, S, N, c_m),
+    mask None = all ones; chunk_size and inplace_safe are accepted and change nothing. proj_bias: linear_1 /
+    linear_2 with a bias (AlphaFold 2 / OpenFold), without (AlphaFold 3 / OpenFold3, the default).
+    Dtypes, autocast, gradients, variant, last_variant, last_backward as ModelNew. from_openfold()
+    converts a released module."""
+
+    FAMILY = "openfold"
+
+    def __init__(self, msa_dim, pair_dim, hidden_dim=32, eps=1e-3, proj_bias=False):
+        super().__init__()
+        self.c_m, self.c_z, self.c_hidden, self.eps = msa_dim, pair_dim, hidden_dim, eps
+        self.layer_norm = nn.LayerNorm(msa_dim)
+        self.linear_1 = nn.Linear(msa_dim, hidden_dim, bias=proj_bias)
+        self.linear_2 = nn.Linear(msa_dim, hidden_dim, bias=proj_bias)
+        self.linear_out = nn.Linear(hidden_dim * hidden_dim, pair_dim)
+        self._init_variants()
+
+    def forward(self, m, mask=None, chunk_size=None, inplace_safe=False):
+        if mask is None:
+            mask = torch.ones(m.shape[:-1], dtype=torch.bool, device=m.device)
+        x, k = _flat(m, mask)
+        params = (self.layer_norm.weight, self.layer_norm.bias, self.linear_1.weight, _proj_bias(self.linear_1),
+                  self.linear_2.weight, _proj_bias(self.linear_2), self.linear_out.weight, self.linear_out.bias)
+        out = _opm(self, x, k, params, _OPENFOLD_NAMES, float(self.layer_norm.eps), (NORM_OPENFOLD, float(self.eps)))
+        return out.reshape(m.shape[:-3] + out.shape[1:])
+
+
+class BoltzOuterProductMean(_Variants, nn.Module):
+    """The Boltz-1 / Boltz-2 outer product mean on the kernels (out = acc / max(sum_s m_si m_sj, 1) + bo,
+    reference/outer_product_mean_boltz.py): Boltz's parameter names (norm, proj_a, proj_b without bias,
+    proj_o) and forward(m, mask, chunk_size=None), m (B, S, N, c_m); chunk_size is accepted and changes
+    nothing. The constructor takes the reference's (msa_dim, pair_dim, hidden_dim) order (Boltz's own
+    is (c_in, c_hidden, c_out)). Dtypes, autocast, gradients, variant, last_variant, last_backward as
+    ModelNew. from_boltz() converts a released module."""
+
+    FAMILY = "boltz"
+
+    def __init__(self, msa_dim, pair_dim, hidden_dim=32):
+        super().__init__()
+        self.c_hidden = hidden_dim
+        self.norm = nn.LayerNorm(msa_dim)
+        self.proj_a = nn.Linear(msa_dim, hidden_dim, bias=False)
+        self.proj_b = nn.Linear(msa_dim, hidden_dim, bias=False)
+        self.proj_o = nn.Linear(hidden_dim * hidden_dim, pair_dim)
+        self._init_variants()
+
+    def forward(self, m, mask, chunk_size=None):
+        params = (self.norm.weight, self.norm.bias, self.proj_a.weight, _proj_bias(self.proj_a),
+                  self.proj_b.weight, _proj_bias(self.proj_b), self.proj_o.weight, self.proj_o.bias)
+        return _opm(self, m, mask, params, _BOLTZ_NAMES, float(self.norm.eps), (NORM_BOLTZ, 1.0))
+
+
+_OPENFOLD_NAMES = ("layer_norm.weight", "layer_norm.bias", "linear_1.weight", "linear_1.bias", "linear_2.weight",
+                   "linear_2.bias", "linear_out.weight", "linear_out.bias")
+_BOLTZ_NAMES = ("norm.weight", "norm.bias", "proj_a.weight", "proj_a.bias", "proj_b.weight", "proj_b.bias",
+                "proj_o.weight", "proj_o.bias")
+# The family modules by the FAMILY a reference module declares (harness.py judges the one of its reference).
+FAMILIES = {"openfold": OpenFoldOuterProductMean, "boltz": BoltzOuterProductMean}
+
+
+def _converted(new, real):
+    """new with real's parameters (strict state_dict load), dtype, device and training mode."""
+    w = real.state_dict()
+    first = next(iter(w.values()))
+    new = new.to(device=first.device, dtype=first.dtype)
+    new.load_state_dict(w, strict=True)
+    return new.train(real.training)
+
+
+def from_openfold(module):
+    """An OpenFoldOuterProductMean with the weights, eps, LayerNorm eps, projection biases, dtype, device
+    and training mode of a released OuterProductMean of OpenFold3, OpenFold or Protenix (attributes
+    layer_norm, linear_1, linear_2, linear_out, eps; a LayerNorm with weight and bias)."""
+    ln = module.layer_norm
+    if getattr(ln, "weight", None) is None or getattr(ln, "bias", None) is None:
+        raise ValueError("from_openfold: the module's layer_norm needs a weight and a bias")
+    c_m, c = ln.weight.shape[0], module.linear_1.weight.shape[0]
+    new = OpenFoldOuterProductMean(c_m, module.linear_out.weight.shape[0], c, eps=float(module.eps),
+                                   proj_bias=module.linear_1.bias is not None)
+    new.layer_norm.eps = float(ln.eps)
+    return _converted(new, module)
+
+
+def from_boltz(module):
+    """A BoltzOuterProductMean with the weights, LayerNorm eps, dtype, device and training mode of a
+    released Boltz OuterProductMean (norm, proj_a, proj_b, proj_o)."""
+    c_m, c = module.norm.weight.shape[0], module.proj_a.weight.shape[0]
+    new = BoltzOuterProductMean(c_m, module.proj_o.weight.shape[0], c)
+    new.norm.eps = float(module.norm.eps)
+    return _converted(new, module)
 
 
 batch_size = 2

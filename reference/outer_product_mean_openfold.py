@@ -159,6 +159,9 @@ def min_bytes(shape):
 # ---------------------------------------------------------------------------------------------
 # Hints the harness reads (optional in any reference module; defaults in harness.py).
 # ---------------------------------------------------------------------------------------------
+FAMILY = "openfold"
+"""The normalisation family: a solution file's FAMILIES["openfold"], where it has one, is judged in ModelNew's place."""
+
 INPUT_ROLES = ("x", "mask")
 """What each forward input is, in call order: "x" = activations (drawn from several distributions),
 "mask" = a (B, S, N) mask (all ones, random 0/1, fractional, bool, positions masked in every sequence)."""

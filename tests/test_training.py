@@ -423,15 +423,17 @@ def test_outer_product_mean_memory():
 # ---------------------------------------------------------------------------------------------
 class _FakeOpmExtension:
     """Stands in for outer_product_mean's CUDA extension: opm_forward in float32 PyTorch ops (with keep_ab
-    and hidden_dim 32, a, b and 1 / denom too, as outer_wg returns them), and a record of the dtypes it
-    was handed (msa and the parameters float32, or all of one dtype, float16 or bfloat16; the mask of
+    and hidden_dim 32, a, b and 1 / denom too, as outer_wg returns them; norm 1 / 2: the OpenFold / Boltz
+    pair normalisations, recorded in norms), and a record of the dtypes it was handed (msa and the parameters float32, or all of one dtype, float16 or bfloat16; the mask of
     any dtype the kernels take)."""
 
     def __init__(self, real):
-        self.real, self.dtypes, self.msa_dtypes, self.mask_dtypes = real, [], [], []
+        self.real, self.dtypes, self.msa_dtypes, self.mask_dtypes, self.norms = real, [], [], [], []
 
-    def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code, keep_ab):
+    def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code, keep_ab, norm=0, norm_eps=1e-3,
+                    pair_fused=False):
         self.dtypes.append({t.dtype for t in (lw, lb, wa, ba, wb, bb, wo, bo)})
+        self.norms.append((norm, norm_eps, pair_fused))
         self.msa_dtypes.append(msa.dtype)
         self.mask_dtypes.append(mask.dtype)
         msa = msa.float()
@@ -443,8 +445,14 @@ class _FakeOpmExtension:
         o = (a.permute(0, 2, 3, 1).reshape(B, N * c, S) @ b.permute(0, 1, 2, 3).reshape(B, S, N * c))
         o = o.reshape(B, N, c, N, c).permute(0, 1, 3, 2, 4).reshape(B, N, N, c * c)
         denom = mask.float().sum(1).clamp(min=1)
-        o = o / denom[:, :, None, None]
         inv_d = 1 / denom
+        if norm:  # the pair modes: s1 (o Wo^T) + s2 bo, n the pair count
+            n = torch.einsum("bsi,bsj->bij", mask.float(), mask.float())
+            s1 = 1 / (n + norm_eps) if norm == 1 else 1 / n.clamp(min=1)
+            s2 = s1 if norm == 1 else torch.ones_like(n)
+            out = s1[..., None] * (o @ wo.t()) + s2[..., None] * bo
+            return (out, 1, a, b, inv_d) if keep_ab and c == 32 else (out, 1, None, None, None)
+        o = o / denom[:, :, None, None]
         if keep_ab and c == 32:
             return o @ wo.t() + bo, 1, a, b, inv_d
         return o @ wo.t() + bo, 1, None, None, None

@@ -44,9 +44,14 @@ static int mask_kind_of(at::ScalarType st) {
 // float32. Returns (out, the id of the variant that ran, a, b, inv_denom): with keep_ab, where outer_wg
 // or fused_small ran with hidden_dim 32, a and b (B, S, N, 32) fp32 as its prep computed them (the
 // backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else undefined tensors (None).
+// norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
+// see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
+// opm_pair_epilogue_kernel rescale its output in place (pair_fused: reserved for a fused pair epilogue; no
+// variant has one yet).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
-    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab) {
+    at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
+    double norm_eps, bool pair_fused) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -85,6 +90,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     TORCH_CHECK(p->scalar_type() == (p16 ? msa.scalar_type() : at::kFloat), "outer_product_mean: parameters must be ",
                 p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
+  TORCH_CHECK(norm >= kNormRows && norm <= kNormBoltz, "outer_product_mean: norm code must be 0-2, got ", num(norm));
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));
   TORCH_CHECK(variant != kFusedSmall || c <= kFsCP, "outer_product_mean: variant fused_small needs hidden_dim <= ",
@@ -204,8 +210,20 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   auto prm = [&](const at::Tensor& t) { return pf ? t.contiguous() : t.contiguous().to(at::kFloat); };
   const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
   const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
-  const at::Tensor wo_c = prm(wo), bo_c = prm(bo);
+  const at::Tensor wo_c = prm(wo);
+  // pair modes: the kernels add no bias (the epilogue adds s2 bo)
+  const bool pair = norm != kNormRows;
+  const at::Tensor bo_c = pair ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
+  // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
+  auto finish = [&]() {
+    if (!pair) return;
+    const at::Tensor scale = launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps, inv_denom, d,
+                                               stream);
+    at::Tensor bo_f = bo.to(at::kFloat).contiguous();
+    if (reinterpret_cast<uintptr_t>(bo_f.data_ptr()) % 16 != 0) bo_f = bo_f.clone();
+    launch_pair_epilogue(out, scale, bo_f, d, stream);
+  };
   if (used == kOuterWg) {  // outer_wg: its own prep (no aT, bq)
     at::Tensor a, b;
     if (keep_ab && c == 32) {
@@ -216,15 +234,18 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
                     d, stream);
+    finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};
   }
   if (used == kFusedSmall) {  // one kernel; its a and b rows (channels padded to 32) are the kept a, b at c = 32
     at::Tensor a = at::empty({B, S, N, kFsCP}, f32), b = at::empty({B, S, N, kFsCP}, f32);
     const bool keep = keep_ab && c == kFsCP;
+    // (inv_denom also for the pair modes' epilogue, which divides out the row scale the kernel applied)
     launch_fused_small(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, a, b,
-                       keep ? inv_denom.data_ptr<float>() : nullptr, out, B, S, N, static_cast<int>(cm),
+                       keep || pair ? inv_denom.data_ptr<float>() : nullptr, out, B, S, N, static_cast<int>(cm),
                        static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps), d, stream);
+    finish();
     if (!keep) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
     return {out, used, a, b, inv_denom};
   }
@@ -264,6 +285,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                                         used == kWFirstTc ? 1 : used == kWFirstTc2 ? 2 : 0, d, stream));
   }
 #undef OPM_DISPATCH
+  finish();
   return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
 }
 

@@ -1,6 +1,6 @@
 // outer_product_mean: the forward's launchers.
 #pragma once
-#include "fused_small.cuh"
+#include "pair_norm.cuh"
 
 namespace opm {
 
@@ -317,6 +317,47 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
   launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream);
+}
+
+// The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
+// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied.
+static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
+                                    double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
+  at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
+  const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
+  const int g = grid_for(std::min<int64_t>(tiles, 16ll * d.sms));
+  if (g == 0) return scale;
+  const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
+  float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
+  if (mask_is_float(mask_kind))
+    opm_pair_scale_kernel<double><<<g, kThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
+  else
+    opm_pair_scale_kernel<long long><<<g, kThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return scale;
+}
+// out = out * s1 + s2 * bo in place (opm_pair_epilogue_kernel), out float32, float16 or bfloat16 (B, N, N, cz)
+// contiguous, bo float32 (cz) contiguous; 16-byte vectors where pair_dim and the addresses allow.
+static void launch_pair_epilogue(at::Tensor& out, const at::Tensor& scale, const at::Tensor& bo, const DevInfo& d,
+                                 cudaStream_t stream) {
+  const int64_t pairs = out.numel() / std::max<int64_t>(out.size(3), 1);
+  const int cz = static_cast<int>(out.size(3));
+  const int ve = 16 / static_cast<int>(out.element_size());
+  const bool vec = cz % ve == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(bo.data_ptr()) % 16 == 0;
+  const int64_t work = pairs * (vec ? cz / ve : cz);
+  const int g = grid_for(std::min<int64_t>(cdiv(work, kThreads), 32ll * d.sms));
+  if (g == 0) return;
+  const float2* sp = reinterpret_cast<const float2*>(scale.data_ptr<float>());
+  auto run = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    if (vec) opm_pair_epilogue_kernel<T, true><<<g, kThreads, 0, stream>>>(o, sp, bo.data_ptr<float>(), pairs, cz);
+    else opm_pair_epilogue_kernel<T, false><<<g, kThreads, 0, stream>>>(o, sp, bo.data_ptr<float>(), pairs, cz);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (out.scalar_type() == at::kBFloat16) run(reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+  else if (out.scalar_type() == at::kHalf) run(reinterpret_cast<__half*>(out.data_ptr()));
+  else run(out.data_ptr<float>());
 }
 
 // small: stage 2 by opm_wfirst_small_kernel (32 x 64 tiles, K split over warps) instead of the

@@ -189,10 +189,63 @@ def _ab_kernel_runs(msa, c, c_z, ct):
     return _wo_kernel_runs(msa, c, c_z, ct) and c_z % 4 == 0
 
 
+# The normalisations (the CUDA source's enum Norm): the row count (KernelBench), the pair count + eps
+# (AlphaFold / OpenFold, the bias divided too), the pair count clamped to 1 (Boltz).
+NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
+
+
+# The pair modes' epilogue where outer_wg runs: "fused" (its kernel scales each pair itself, where the
+# build has that instance), "unfused" (the row-mode kernel with a zero bias, then opm_pair_epilogue_kernel
+# over the output, as every other variant): OPM_PAIR_EPILOGUE at import, then this module attribute, or
+# `with pair_epilogue("unfused"):` for a block.
+PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
+
+
+class pair_epilogue:
+    """`with pair_epilogue("unfused"):` (or "fused") sets PAIR_EPILOGUE for the block, then restores it."""
+
+    def __init__(self, mode):
+        if mode not in ("fused", "unfused"):
+            raise ValueError(f"pair_epilogue: 'fused' or 'unfused', got {mode!r}")
+        self.mode, self.saved = mode, None
+
+    def __enter__(self):
+        global PAIR_EPILOGUE
+        self.saved, PAIR_EPILOGUE = PAIR_EPILOGUE, self.mode
+        return self
+
+    def __exit__(self, *exc):
+        global PAIR_EPILOGUE
+        PAIR_EPILOGUE = self.saved
+        return False
+
+
+def _pair_fused():
+    if PAIR_EPILOGUE not in ("fused", "unfused"):
+        raise ValueError(f"outer_product_mean: PAIR_EPILOGUE must be 'fused' or 'unfused', got {PAIR_EPILOGUE!r}")
+    return PAIR_EPILOGUE == "fused"
+
+
+def pair_scales(mask, norm, eps=1e-3):
+    """(s1, s2) (B, N, N) float64 of a pair mode: n = sum_s m[b,s,i] m[b,s,j] in fp64 (exact for
+    0/1 and integer masks); NORM_OPENFOLD s1 = s2 = 1 / (n + eps), NORM_BOLTZ s1 = 1 / max(n, 1), s2 = 1."""
+    m = mask.to(torch.float64)
+    n = m.transpose(1, 2) @ m                                                      # (B, N, N)
+    if norm == NORM_OPENFOLD:
+        s1 = 1.0 / (n + eps)
+        return s1, s1
+    return 1.0 / n.clamp(min=1), torch.ones_like(n)
+
+
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
-                                rows_kernel=None, ab=None, parts=None, split=False):
+                                rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
+
+    norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
+    out = s1 (O Wo^T) + s2 bo with pair_scales' s1, s2 (B, N, N): then dWo = sum (s1 g)^T O,
+    G = (s1 g) Wo, dbo = sum s2 g (the divided bias's gradient for OpenFold), in the chunks below (the
+    dWo and da, db kernels serve the row mode only; a, b and the LayerNorm part run as for it).
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
     other than float32 go to the kernels as float32), ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -248,6 +301,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
 
     wo_in_kernel = _wo_kernel_runs(msa, c, c_z, ct) if wo_kernel is None else wo_kernel
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
+    pair = norm != NORM_ROWS
+    if pair:  # the dWo and da, db kernels take the row scale only
+        wo_in_kernel = ab_in_kernel = False
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
     # dWo, da and db's products: split TF32, or in the msa's 16-bit type (grad_out's rows 16-byte aligned
@@ -263,7 +319,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     mask_k = mask.float() if mask.is_floating_point() and mask.dtype != torch.float32 else mask
     if not (rows_in_kernel and ln_in_kernel):
         m_rows = mask.to(ct).reshape(R, 1)
-    if not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
+    if pair:
+        s1, s2 = (t.to(ct) for t in pair_scales(mask, norm, norm_eps))                 # (B, N, N)
+    elif not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
         acc = torch.float64 if mask.is_floating_point() else torch.int64
         denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                # d (B, N)
 
@@ -312,8 +370,14 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             r = r1 - r0
             a_r = a[:, :, r0:r1].reshape(B, S, r * c)                                  # (B, S, r c)
             g = grad_out[:, r0:r1].to(ct)                                              # (B, r, N, c_z)
-            d_bo += g.sum((0, 1, 2))
-            g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)              # g / d (B r N, c_z)
+            if pair:  # s1 g; dbo = sum s2 g (s2 = s1 for OpenFold, 1 for Boltz)
+                gs = g * s1[:, r0:r1, :, None]
+                d_bo += (gs if norm == NORM_OPENFOLD else g).sum((0, 1, 2))
+                g = gs.reshape(B * r * N, c_z)
+                del gs
+            else:
+                d_bo += g.sum((0, 1, 2))
+                g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)          # g / d (B r N, c_z)
             if not wo_in_kernel:
                 # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
                 o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
@@ -379,7 +443,7 @@ def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
-def _output_dtype(msa, params):
+def _output_dtype(msa, params, names=_PARAM_NAMES):
     """The dtype the reference returns for these tensors: under CUDA autocast the autocast dtype, else
     the one dtype of msa_repr and every parameter (float32, float16 or bfloat16; others raise)."""
     if msa.dtype not in _FLOAT_DTYPES:
@@ -387,7 +451,7 @@ def _output_dtype(msa, params):
                            f"{_dtype_name(msa.dtype)}")
     if msa.is_cuda and torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
-    for name, p in zip(_PARAM_NAMES, params):
+    for name, p in zip(names, params):
         if p.dtype != msa.dtype:
             raise RuntimeError(f"outer_product_mean: parameter {name} must be {_dtype_name(msa.dtype)} like "
                                f"msa_repr, got {_dtype_name(p.dtype)} (cast the module and its inputs to one of "
@@ -400,7 +464,7 @@ def _f32(t):
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
+def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, norm=(NORM_ROWS, 0.0)):
     """The CUDA forward, returned in out_dtype. Where msa and every parameter are float16 / bfloat16 of one
     dtype they go to the extension as they are: outer_wg reads them and runs both products on the
     16-bit tensor cores (module docstring), fused_small reads them in fp32 FMA, the other variants
@@ -408,10 +472,13 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False):
     every dtype the kernels take go as they are. Records the variant that ran in model.last_variant.
     keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom as outer_wg's prep or
     fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then
-    takes them instead of recomputing; no extra launch), else (out, None)."""
+    takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
+    pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), _pair_fused())
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
-                                             *(params if half else (_f32(p) for p in params)), eps, code, keep_ab)
+                                             *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
+                                             *extra)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not keep_ab:
@@ -423,12 +490,12 @@ class _OuterProductMean(torch.autograd.Function):
     """out = OuterProductMean(msa, mask; params): the forward is the CUDA kernels, the backward
     outer_product_mean_backward (its Hopper kernels, else PyTorch ops), given a, b and 1 / denom from the
     forward where outer_wg ran; the parts that ran in kernels go to model.last_backward. No gradient for
-    the mask; double backward raises."""
+    the mask; double backward raises. norm: (mode, eps) as _run_kernels takes it."""
 
     @staticmethod
-    def forward(ctx, model, code, eps, out_dtype, msa, mask, *params):
-        ctx.eps, ctx.model = eps, model
-        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=True)
+    def forward(ctx, model, code, eps, out_dtype, norm, msa, mask, *params):
+        ctx.eps, ctx.model, ctx.norm = eps, model, norm
+        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=True, norm=norm)
         ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
         return out
 
@@ -439,14 +506,52 @@ class _OuterProductMean(torch.autograd.Function):
         params, ab = params[:8], params[8:]
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
-                                            ab=None if ab[0] is None else tuple(ab), parts=parts)
+                                            ab=None if ab[0] is None else tuple(ab), parts=parts,
+                                            norm=ctx.norm[0], norm_eps=ctx.norm[1])
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
-        need = ctx.needs_input_grad[4:5] + ctx.needs_input_grad[6:]
+        need = ctx.needs_input_grad[5:6] + ctx.needs_input_grad[7:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
-        return (None, None, None, None, grads[0], None) + grads[1:]
+        return (None, None, None, None, None, grads[0], None) + grads[1:]
 
 
-class ModelNew(nn.Module):
+def _opm(model, msa, mask, params, names, ln_eps, norm=(NORM_ROWS, 0.0)):
+    """The forward of ModelNew and the family modules: params in ModelNew's order (absent projection
+    biases as zeros that need no gradient), names for the dtype errors."""
+    code = model._variant_code()
+    out_dtype = _output_dtype(msa, params, names)
+    if not torch.is_grad_enabled():
+        return _run_kernels(model, code, msa, mask, params, ln_eps, out_dtype, norm=norm)
+    if mask.requires_grad:
+        raise RuntimeError("outer_product_mean: no gradient for msa_mask (the mask is data here); "
+                           "use msa_mask.detach()")
+    if msa.requires_grad or any(p.requires_grad for p in params):
+        return _OuterProductMean.apply(model, code, ln_eps, out_dtype, norm, msa, mask, *params)
+    return _run_kernels(model, code, msa, mask, params, ln_eps, out_dtype, norm=norm)
+
+
+class _Variants:
+    """The variant selection ModelNew and the family modules share (see ModelNew)."""
+
+    ALL_VARIANTS = _ALL_VARIANTS  # every name `variant` accepts (VARIANTS: those that run here)
+
+    # The variants that run on the current GPU (what the harness checks by default): the Hopper ones
+    # only where they can run; evaluated at each access, so importing makes no CUDA call. Any name
+    # of _ALL_VARIANTS may be set; one that cannot run here raises with the reason.
+    VARIANTS = _VariantsHere()
+
+    def _variant_code(self):
+        if self.variant not in _ALL_VARIANTS:
+            raise ValueError(f"variant must be one of {_ALL_VARIANTS} (those that run on this GPU: "
+                             f"{self.VARIANTS}), got {self.variant!r}")
+        return _ALL_VARIANTS.index(self.variant)
+
+    def _init_variants(self):
+        self.variant = "auto"
+        self.last_variant = None
+        self.last_backward = None
+
+
+class ModelNew(_Variants, nn.Module):
     """Drop-in for reference/outer_product_mean.py's Model: same submodules, same order, same init.
 
     float32, float16 or bfloat16 (module and msa_repr in one dtype; any mask dtype the kernels take,
@@ -458,43 +563,129 @@ class ModelNew(nn.Module):
     parts: "a, b", "dWo", "da, db", "LayerNorm"; () where PyTorch ops computed all).
     """
 
-    ALL_VARIANTS = _ALL_VARIANTS  # every name `variant` accepts (VARIANTS: those that run here)
-
-    # The variants that run on the current GPU (what the harness checks by default): the Hopper ones
-    # only where they can run; evaluated at each access, so importing makes no CUDA call. Any name
-    # of _ALL_VARIANTS may be set; one that cannot run here raises with the reason.
-    VARIANTS = _VariantsHere()
-
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
         super().__init__()
         self.layer_norm = nn.LayerNorm(msa_dim)
         self.proj_a = nn.Linear(msa_dim, hidden_dim)
         self.proj_b = nn.Linear(msa_dim, hidden_dim)
         self.out_proj = nn.Linear(hidden_dim * hidden_dim, pair_dim)
-        self.variant = "auto"
-        self.last_variant = None
-        self.last_backward = None
-
-    def _variant_code(self):
-        if self.variant not in _ALL_VARIANTS:
-            raise ValueError(f"variant must be one of {_ALL_VARIANTS} (those that run on this GPU: "
-                             f"{self.VARIANTS}), got {self.variant!r}")
-        return _ALL_VARIANTS.index(self.variant)
+        self._init_variants()
 
     def forward(self, msa_repr, msa_mask):
-        code = self._variant_code()
-        eps = float(self.layer_norm.eps)
         params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,
                   self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
-        out_dtype = _output_dtype(msa_repr, params)
-        if not torch.is_grad_enabled():
-            return _run_kernels(self, code, msa_repr, msa_mask, params, eps, out_dtype)
-        if msa_mask.requires_grad:
-            raise RuntimeError("outer_product_mean: no gradient for msa_mask (the mask is data here); "
-                               "use msa_mask.detach()")
-        if msa_repr.requires_grad or any(p.requires_grad for p in params):
-            return _OuterProductMean.apply(self, code, eps, out_dtype, msa_repr, msa_mask, *params)
-        return _run_kernels(self, code, msa_repr, msa_mask, params, eps, out_dtype)
+        return _opm(self, msa_repr, msa_mask, params, _PARAM_NAMES, float(self.layer_norm.eps))
+
+
+def _proj_bias(linear):
+    """A projection's bias, or zeros of its dtype and device (no gradient) where it has none."""
+    if linear.bias is not None:
+        return linear.bias
+    return torch.zeros(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device)
+
+
+def _flat(m, mask):
+    """(*, S, N, c_m) and (*, S, N) -> (B, S, N, c_m), (B, S, N) with B the leading dims' product."""
+    if m.dim() < 3:
+        raise RuntimeError(f"outer_product_mean: m must be (*, S, N, c_m), got shape {tuple(m.shape)}")
+    S, N, c_m = m.shape[-3:]
+    return m.reshape(-1, S, N, c_m), mask.reshape(-1, S, N)
+
+
+class OpenFoldOuterProductMean(_Variants, nn.Module):
+    """The AlphaFold 2 / 3, OpenFold, OpenFold3 and Protenix outer product mean on the kernels (the
+    module docstring's op with out = (acc + bo) / (sum_s m_si m_sj + eps), reference/
+    outer_product_mean_openfold.py): OpenFold3's parameter names (layer_norm, linear_1, linear_2,
+    linear_out) and forward(m, mask=None, chunk_size=None, inplace_safe=False), m (*, S, N, c_m),
+    mask None = all ones; chunk_size and inplace_safe are accepted and change nothing. proj_bias: linear_1 /
+    linear_2 with a bias (AlphaFold 2 / OpenFold), without (AlphaFold 3 / OpenFold3, the default).
+    Dtypes, autocast, gradients, variant, last_variant, last_backward as ModelNew. from_openfold()
+    converts a released module."""
+
+    FAMILY = "openfold"
+
+    def __init__(self, msa_dim, pair_dim, hidden_dim=32, eps=1e-3, proj_bias=False):
+        super().__init__()
+        self.c_m, self.c_z, self.c_hidden, self.eps = msa_dim, pair_dim, hidden_dim, eps
+        self.layer_norm = nn.LayerNorm(msa_dim)
+        self.linear_1 = nn.Linear(msa_dim, hidden_dim, bias=proj_bias)
+        self.linear_2 = nn.Linear(msa_dim, hidden_dim, bias=proj_bias)
+        self.linear_out = nn.Linear(hidden_dim * hidden_dim, pair_dim)
+        self._init_variants()
+
+    def forward(self, m, mask=None, chunk_size=None, inplace_safe=False):
+        if mask is None:
+            mask = torch.ones(m.shape[:-1], dtype=torch.bool, device=m.device)
+        x, k = _flat(m, mask)
+        params = (self.layer_norm.weight, self.layer_norm.bias, self.linear_1.weight, _proj_bias(self.linear_1),
+                  self.linear_2.weight, _proj_bias(self.linear_2), self.linear_out.weight, self.linear_out.bias)
+        out = _opm(self, x, k, params, _OPENFOLD_NAMES, float(self.layer_norm.eps), (NORM_OPENFOLD, float(self.eps)))
+        return out.reshape(m.shape[:-3] + out.shape[1:])
+
+
+class BoltzOuterProductMean(_Variants, nn.Module):
+    """The Boltz-1 / Boltz-2 outer product mean on the kernels (out = acc / max(sum_s m_si m_sj, 1) + bo,
+    reference/outer_product_mean_boltz.py): Boltz's parameter names (norm, proj_a, proj_b without bias,
+    proj_o) and forward(m, mask, chunk_size=None), m (B, S, N, c_m); chunk_size is accepted and changes
+    nothing. The constructor takes the reference's (msa_dim, pair_dim, hidden_dim) order (Boltz's own
+    is (c_in, c_hidden, c_out)). Dtypes, autocast, gradients, variant, last_variant, last_backward as
+    ModelNew. from_boltz() converts a released module."""
+
+    FAMILY = "boltz"
+
+    def __init__(self, msa_dim, pair_dim, hidden_dim=32):
+        super().__init__()
+        self.c_hidden = hidden_dim
+        self.norm = nn.LayerNorm(msa_dim)
+        self.proj_a = nn.Linear(msa_dim, hidden_dim, bias=False)
+        self.proj_b = nn.Linear(msa_dim, hidden_dim, bias=False)
+        self.proj_o = nn.Linear(hidden_dim * hidden_dim, pair_dim)
+        self._init_variants()
+
+    def forward(self, m, mask, chunk_size=None):
+        params = (self.norm.weight, self.norm.bias, self.proj_a.weight, _proj_bias(self.proj_a),
+                  self.proj_b.weight, _proj_bias(self.proj_b), self.proj_o.weight, self.proj_o.bias)
+        return _opm(self, m, mask, params, _BOLTZ_NAMES, float(self.norm.eps), (NORM_BOLTZ, 1.0))
+
+
+_OPENFOLD_NAMES = ("layer_norm.weight", "layer_norm.bias", "linear_1.weight", "linear_1.bias", "linear_2.weight",
+                   "linear_2.bias", "linear_out.weight", "linear_out.bias")
+_BOLTZ_NAMES = ("norm.weight", "norm.bias", "proj_a.weight", "proj_a.bias", "proj_b.weight", "proj_b.bias",
+                "proj_o.weight", "proj_o.bias")
+# The family modules by the FAMILY a reference module declares (harness.py judges the one of its reference).
+FAMILIES = {"openfold": OpenFoldOuterProductMean, "boltz": BoltzOuterProductMean}
+
+
+def _converted(new, real):
+    """new with real's parameters (strict state_dict load), dtype, device and training mode."""
+    w = real.state_dict()
+    first = next(iter(w.values()))
+    new = new.to(device=first.device, dtype=first.dtype)
+    new.load_state_dict(w, strict=True)
+    return new.train(real.training)
+
+
+def from_openfold(module):
+    """An OpenFoldOuterProductMean with the weights, eps, LayerNorm eps, projection biases, dtype, device
+    and training mode of a released OuterProductMean of OpenFold3, OpenFold or Protenix (attributes
+    layer_norm, linear_1, linear_2, linear_out, eps; a LayerNorm with weight and bias)."""
+    ln = module.layer_norm
+    if getattr(ln, "weight", None) is None or getattr(ln, "bias", None) is None:
+        raise ValueError("from_openfold: the module's layer_norm needs a weight and a bias")
+    c_m, c = ln.weight.shape[0], module.linear_1.weight.shape[0]
+    new = OpenFoldOuterProductMean(c_m, module.linear_out.weight.shape[0], c, eps=float(module.eps),
+                                   proj_bias=module.linear_1.bias is not None)
+    new.layer_norm.eps = float(ln.eps)
+    return _converted(new, module)
+
+
+def from_boltz(module):
+    """A BoltzOuterProductMean with the weights, LayerNorm eps, dtype, device and training mode of a
+    released Boltz OuterProductMean (norm, proj_a, proj_b, proj_o)."""
+    c_m, c = module.norm.weight.shape[0], module.proj_a.weight.shape[0]
+    new = BoltzOuterProductMean(c_m, module.proj_o.weight.shape[0], c)
+    new.norm.eps = float(module.norm.eps)
+    return _converted(new, module)
 
 
 batch_size = 2
