@@ -16,9 +16,14 @@ int32 or int64; gamma, beta (c_m); Wa, Wb (c, c_m), ba, bb (c), c = hidden_dim; 
 (c_z), c_z = pair_dim; out (B, N, N, c_z). The (B, N, N, c, c) outer product is never stored in
 global memory; c is zero-padded to CP = 16, 32, 64 or 128.
 
+Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenFoldOuterProductMean (AlphaFold
+2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
+(acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg scales per pair in
+its epilogue (PAIR_EPILOGUE "fused", not yet run on a GPU), else ("unfused", OPM_PAIR_EPILOGUE) a zero-bias run,
+then one sweep out * s1 + s2 bo. fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the ref).
+
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
-  outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile on chip, then out = Wo . O:
-               2 B N^2 c^2 (S + c_z)
+  outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile on chip, then out = Wo . O: 2 B N^2 c^2 (S + c_z)
   w_first      P[s,j,h,z] = sum_k Wo[z,h*c+k] b[s,j,k] (stage 1, in j-chunks), then
                out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z] (stage 2): 2 B S N c^2 c_z + 2 B N^2 S c c_z
 
@@ -44,38 +49,33 @@ one that cannot run raises with the reason; `model.last_variant` names the one t
   fused_small    not auto's yet: the forward in one cooperative launch, fp32 FMA (opm_fused_small_kernel<T>).
 
 Precision (fp32): FMA paths accumulate in fp32; tensor-core paths use split TF32 (x = hi + lo, a b ~ hi hi +
-hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted into fp32 every 64 k; masks summed in fp64
-(float) or int64. Max error against fp64 over the fp32 reference's own: outer_wg 0.58-1.09x, w_first_wg2
-0.75-1.0x; at deep (S = 2048) w_first_tc / _tc2 up to 2.5x, the FMA w_first 7.9x in single trials, at S <= 3
-outer_wg a few times the reference's tiny error: on the H200 "auto" takes none of them there.
+hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted every 64 k; masks summed in fp64 / int64.
+Max error against fp64 over the fp32 reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x; "auto" avoids
+w_first_tc / _tc2 (2.5x), the FMA w_first (7.9x) at deep (S = 2048) and outer_wg at S <= 3 (a few x, tiny).
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no launch),
-1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case; 64 and 128 run with smaller residue tiles,
-slower per FLOP), any pair_dim >= 1, outputs over 2^31 elements, non-contiguous inputs (copied first); larger
-sizes raise a clear error. One CUDA device. Limits: outer_wg and fused_small need hidden_dim <= 32, outer_wg
-B * S * N / 16 < 2^31 (S rounded up to 16, 32 in 16 bits, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim;
-w_first_wg2 takes up to 512 MB plus twice a's size of working memory (no smaller fallback). Tuned on the H200.
+1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 tuned; 64, 128 slower per FLOP), any pair_dim >= 1, outputs
+over 2^31 elements, non-contiguous inputs (copied); larger sizes raise a clear error. One CUDA device.
+Limits: outer_wg, fused_small need hidden_dim <= 32; outer_wg B S N / 16 < 2^31 (S rounded up to 16, 32 in 16
+bits, N to 16), B N^2 / 64 < 2^31 per 128 of pair_dim; w_first_wg2 takes up to 512 MB plus about twice a's size
+of working memory (no smaller fallback). Tuned on the H200 only.
 
-Half precision: with float16 / bfloat16 inputs and parameters outer_wg reads msa_repr, mask and parameters
-and writes its output in that dtype (no PyTorch casts): LayerNorm and projections on mma.sync in float16 with
-fp32 accumulation (normalised rows, row-scaled weights; two float16 terms each for float16, one for bfloat16),
-a and b rounded to the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores, O / denom
-rounded to float16 (rows scaled by powers of two: no overflow) times Wo in float16 (bfloat16 weights above 65504
-would overflow, below 2^-14 lose bits). Max error against fp64: 0.54-0.93x the reference's in that dtype over the
-harness's trials. fused_small reads and writes that dtype too (fp32 inside; a, b rounded as the reference's);
-other variants run the float32 kernels on converted copies; under CUDA autocast the output has the autocast dtype.
-Training: the backward saves the inputs, and a, b and 1 / denom where outer_wg or fused_small ran with hidden_dim
-32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper with hidden_dim 32
-and pair_dim <= 128, wgmma kernels compute out_proj's weight gradient and, for pair_dim % 4 == 0, da and db (O and
-G = (g / denom) Wo per tile on chip; split TF32 for a float32 msa, 16-bit for a 16-bit one with pair_dim % 8 == 0),
-and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build O and G for chunks of rows i
-(about 256 MB). `model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter,
-none for the mask; double backward raises.
+Half precision: with float16 / bfloat16 inputs and parameters outer_wg reads and writes that dtype (no casts):
+LayerNorm and projections on mma.sync in float16, fp32 accumulation (normalised rows, row-scaled weights), a and
+b rounded to the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores, O / denom in float16
+(rows scaled by powers of two) times Wo in float16 (bfloat16 weights above 65504 would overflow). Max error
+against fp64: 0.54-0.93x the reference's in that dtype. fused_small reads and writes that dtype too (fp32 inside);
+other variants run the float32 kernels on converted copies; under CUDA autocast, the autocast dtype.
+Training: the backward (outer_product_mean_backward) saves the inputs, and a, b and 1 / denom where outer_wg or
+fused_small ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper
+with hidden_dim 32, pair_dim <= 128, wgmma kernels compute dWo and, for pair_dim % 4 == 0, da and db (O, G =
+(g / denom) Wo per tile on chip; split TF32, or 16-bit with pair_dim % 8 == 0), and for msa_dim 128 / 256 the
+LayerNorm part; else (and in the pair modes) PyTorch ops build O and G for chunks of rows i (~256 MB).
+`model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter, none for the
+mask; double backward raises.
 
-Run: `python harness.py outer_product_mean` (`--dtype all --backward`: fp16 / bf16, gradients). Build: -O3
--lineinfo for TORCH_CUDA_ARCH_LIST, else the visible GPUs', else 9.0; 9.0 as sm_90a, "9.0+PTX" adds compute_90
-PTX; names such as "Hopper" go to PyTorch unchanged (no w_first_wg2, outer_wg). The first import compiles for
-~100 s on 2 cores; OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
+Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST,
+else the visible GPUs', else 9.0 (as sm_90a), ~100 s on 2 cores; OPM_VERBOSE=1: nvcc commands, `-Xptxas -v`.
 """
 import hashlib
 import os
@@ -2795,10 +2795,15 @@ namespace opm {
 //   (2^-11, under bfloat16's 2^-8 and equal to float16's, where the reference rounds O and O / denom
 //   to T), each pair's row scaled by a power of two first (no overflow), Wo in fp16 blocks (WoP16);
 //   the output written in T (one rounding).
+// kPair (the pair modes, "Normalisations"; not yet run on a GPU): inv_denom points at the float2 (s1, s2)
+//   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
+//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and a
+//   pair whose scaled row max has a zero exponent field (all zeros) keeps the scale 1 (s1 may exceed 1:
+//   2^126 s1 would overflow). The row mode's instances (kPair false) are unchanged.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
@@ -2818,6 +2823,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   uint64_t* full = reinterpret_cast<uint64_t*>(Os + (kSplit ? 64 * kOwLDO : 64 * kOwLDO16 + 64));  // (16-bit: Osc)
   uint64_t* empty = full + kStages;
   const int tid = threadIdx.x, wg = tid / 128;
+  [[maybe_unused]] const float2* pscale = reinterpret_cast<const float2*>(inv_denom);  // (kPair)
   const int64_t MBA = 2 * NIT;
   // tile and slot counters in 32 bits (the host's ow_tiles_ok keeps the tiles under 2^31; a block's walk uses
   // fewer ring slots than that): 64-bit divisions by kStages and NIT cost ~40 dependent instructions each
@@ -2911,13 +2917,30 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     if constexpr (kSplit) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) o[e] = 0.f;
-    } else {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
+    } else if constexpr (!kPair) {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
+        }
+    } else {  // 16-bit pair modes: o starts from s2 bo, s2 of this thread's pairs 16 w4 + g + 8 hr
+      float s2[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int p = 16 * w4 + g + 8 * hr;
+        const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
+        s2[hr] = i < N && j < N ? pscale[(b * N + i) * N + j].y : 0.f;
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
+          const float bz = z < cz ? __ldg(bo + z) : 0.f;
+          o[4 * jj + e] = s2[0] * bz;
+          o[4 * jj + 2 + e] = s2[1] * bz;
         }
     }
     for (int q = 0; q < kOwNQ; ++q) {
@@ -3040,9 +3063,14 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr;
-          const float inv = i < N ? inv_denom[b * N + i] : 0.f;
+          [[maybe_unused]] const float inv_row = kPair ? 0.f : i < N ? inv_denom[b * N + i] : 0.f;
 #pragma unroll
           for (int jl = 0; jl < kOwTJ; ++jl) {
+            float inv = inv_row;
+            if constexpr (kPair) {  // s1 of pair (i, j)
+              const int64_t j = jt * kOwTJ + jl;
+              inv = i < N && j < N ? pscale[(b * N + i) * N + j].x : 0.f;
+            }
             float mx = 0.f;
 #pragma unroll
             for (int jq = 0; jq < 4; ++jq)
@@ -3051,7 +3079,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
             // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
             // subnormal rows: 2^126; inf / NaN stay so)
-            const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff), fs = min(253, max(1, 268 - E));
+            const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff);
+            const int fs = kPair && E == 0 ? 127 : min(253, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
           }
@@ -3129,13 +3158,23 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       const int p = 16 * w4 + g + 8 * hr;
       const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
       if (i >= N || j >= N) continue;
-      const float inv = inv_denom[b * N + i];  // (16-bit: in Os16 already)
+      // (16-bit: in Os16 already) pair modes: (s1, s2) of the pair
+      const float2 f = kPair ? (kSplit ? pscale[(b * N + i) * N + j] : make_float2(0.f, 0.f)) : make_float2(0.f, 0.f);
+      const float inv = kPair ? f.x : inv_denom[b * N + i];
       T* orow = out + ((b * N + i) * N + j) * cz;
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4;
         const float v0 = o[4 * jj + 2 * hr], v1 = o[4 * jj + 2 * hr + 1];
-        if constexpr (kSplit) {
+        if constexpr (kSplit && kPair) {  // s2 bo + s1 acc
+          if (pair) {
+            if (z < cz) *reinterpret_cast<float2*>(orow + z) = make_float2(fmaf(inv, v0, f.y * __ldg(bo + z)),
+                                                                           fmaf(inv, v1, f.y * __ldg(bo + z + 1)));
+          } else {
+            if (z < cz) orow[z] = fmaf(inv, v0, f.y * __ldg(bo + z));
+            if (z + 1 < cz) orow[z + 1] = fmaf(inv, v1, f.y * __ldg(bo + z + 1));
+          }
+        } else if constexpr (kSplit) {
           if (pair) {
             if (z < cz) *reinterpret_cast<float2*>(orow + z) = make_float2(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
           } else {
@@ -4932,7 +4971,7 @@ namespace opm {
 // The pair modes' (s1, s2) per pair: opm_pair_scale_kernel, a float2 (B, N, N) array.
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
-constexpr int kPsT = 32;  // opm_pair_scale_kernel: pairs per block 32 i x 32 j, s per chunk 32
+constexpr int kPsT = 32, kPsS = 32;  // opm_pair_scale_kernel: pairs per block 32 i x 32 j, s per chunk 32
 template <typename T>  // fp32 -> T (float: itself)
 __device__ __forceinline__ T from_float_any(float v) {
   if constexpr (std::is_same_v<T, float>) return v;
@@ -4943,54 +4982,65 @@ __device__ __forceinline__ T from_float_any(float v) {
 // that applied the row scale), else (s1, s2) (outer_wg's fused pair epilogue). The pair count is summed
 // exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
 // integer masks in int64 (Acc long long). Block (256 threads): the 32 x 32 pairs of tile t = (b, it,
-// jt), thread (ty = tid / 32, tx = tid % 32) pairs (i0 + ty + 8 r, j0 + tx), r < 4; per chunk of 32 s
-// the mask's columns i0.. and j0.. in shared memory (as Acc). Grid-stride over the tiles.
+// jt), thread (ty = tid / 16, tx = tid % 16) pairs (i0 + ty + 16 r, j0 + tx + 16 q), r, q < 2 (4 shared
+// loads per 4 products); per chunk of 32 s the mask's columns i0.. and j0.. in shared memory (as Acc).
+// Grid-stride over the tiles.
 template <typename Acc>
 __global__ void __launch_bounds__(kThreads) opm_pair_scale_kernel(const void* __restrict__ mask, int mask_kind,
                                                                   int64_t B, int64_t S, int64_t N, int norm, double eps,
                                                                   const float* __restrict__ inv_denom,
                                                                   float2* __restrict__ scale) {
-  __shared__ Acc mi[kPsT][kPsT + 1], mj[kPsT][kPsT + 1];
-  const int tid = threadIdx.x, tx = tid % 32, ty = tid / 32;
+  __shared__ Acc mi[kPsS][kPsT], mj[kPsS][kPsT];
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t jt = t % nt, it = t / nt % nt, b = t / nt / nt;
     const int64_t i0 = it * kPsT, j0 = jt * kPsT;
-    Acc acc[4] = {0, 0, 0, 0};
-    for (int64_t s0 = 0; s0 < S; s0 += kPsT) {
+    Acc acc[2][2] = {};
+    for (int64_t s0 = 0; s0 < S; s0 += kPsS) {
       __syncthreads();  // the previous chunk's reads are done
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {  // row sl = ty + 8 r of the chunk, column tx: coalesced along i (j)
-        const int sl = ty + 8 * r;
-        const int64_t s = s0 + sl, i = i0 + tx, j = j0 + tx;
+      for (int r = 0; r < 4; ++r) {  // element (sl, col) = (e / 32, e % 32), e = tid + 256 r: coalesced along i (j)
+        const int e = tid + kThreads * r, sl = e / kPsT, col = e % kPsT;
+        const int64_t s = s0 + sl, i = i0 + col, j = j0 + col;
         const bool sin = s < S;
         if constexpr (std::is_same_v<Acc, double>) {
-          mi[sl][tx] = sin && i < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + i, mask_kind)) : 0.0;
-          mj[sl][tx] = sin && j < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + j, mask_kind)) : 0.0;
+          mi[sl][col] = sin && i < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + i, mask_kind)) : 0.0;
+          mj[sl][col] = sin && j < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + j, mask_kind)) : 0.0;
         } else {
-          mi[sl][tx] = sin && i < N ? mask_int(mask, (b * S + s) * N + i, mask_kind) : 0;
-          mj[sl][tx] = sin && j < N ? mask_int(mask, (b * S + s) * N + j, mask_kind) : 0;
+          mi[sl][col] = sin && i < N ? mask_int(mask, (b * S + s) * N + i, mask_kind) : 0;
+          mj[sl][col] = sin && j < N ? mask_int(mask, (b * S + s) * N + j, mask_kind) : 0;
         }
       }
       __syncthreads();
 #pragma unroll 8
-      for (int sl = 0; sl < kPsT; ++sl) {
-        const Acc vj = mj[sl][tx];
+      for (int sl = 0; sl < kPsS; ++sl) {
+        Acc vi[2], vj[2];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[r] += mi[sl][ty + 8 * r] * vj;
+        for (int r = 0; r < 2; ++r) {
+          vi[r] = mi[sl][ty + 16 * r];
+          vj[r] = mj[sl][tx + 16 * r];
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int q = 0; q < 2; ++q) acc[r][q] += vi[r] * vj[q];
       }
     }
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t i = i0 + ty + 8 * r, j = j0 + tx;
-      if (i >= N || j >= N) continue;
-      const double n = static_cast<double>(acc[r]);
-      // NaN counts stay NaN (fmax would drop them)
-      const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
-      const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
-      const float f1 = inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[b * N + i])) : static_cast<float>(s1);
-      scale[(b * N + i) * N + j] = make_float2(f1, s2);
-    }
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int64_t i = i0 + ty + 16 * r, j = j0 + tx + 16 * q;
+        if (i >= N || j >= N) continue;
+        const double n = static_cast<double>(acc[r][q]);
+        // NaN counts stay NaN (n < 1.0 is false for NaN)
+        const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
+        const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
+        const float f1 =
+            inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[b * N + i])) : static_cast<float>(s1);
+        scale[(b * N + i) * N + j] = make_float2(f1, s2);
+      }
   }
 }
 
@@ -5208,25 +5258,29 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({B * od.NBB * od.KB * 2 * kOwBPlane}, f32),
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
-// out in the msa's dtype (float32, bfloat16 or float16), as the planes.
+// out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
-                                  int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream) {
+                                  int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
+                                  const at::Tensor& pair_scale) {
+  const bool kp = pair_scale.defined();
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
     const int64_t tiles = B * od.nzc * od.NBB * od.NIT;  // < 2^31 (the callers' ow_tiles_ok)
     const int g = grid_for(std::min<int64_t>(tiles, d.sms));
     kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
-                                            inv_denom.data_ptr<float>(), bo, outp, B, N, od.KB,
+                                            (kp ? pair_scale : inv_denom).data_ptr<float>(), bo, outp, B, N, od.KB,
                                             od.NIT, od.NBB, od.nzc, cz);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (out.scalar_type() == at::kBFloat16)
-    run(opm_outer_wg_kernel<__nv_bfloat16>, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-        ow_smem_bytes<__nv_bfloat16>());
+    run(kp ? opm_outer_wg_kernel<__nv_bfloat16, true> : opm_outer_wg_kernel<__nv_bfloat16>,
+        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ow_smem_bytes<__nv_bfloat16>());
   else if (out.scalar_type() == at::kHalf)
-    run(opm_outer_wg_kernel<__half>, reinterpret_cast<__half*>(out.data_ptr()), ow_smem_bytes<__half>());
+    run(kp ? opm_outer_wg_kernel<__half, true> : opm_outer_wg_kernel<__half>, reinterpret_cast<__half*>(out.data_ptr()),
+        ow_smem_bytes<__half>());
   else
-    run(opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
+    run(kp ? opm_outer_wg_kernel<float, true> : opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
 }
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1, the faster of 1, 2 and 4
 // at crop and deep (NOTES.md, outer product mean: what did not pay).
@@ -5340,12 +5394,13 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   }
 }
 // x and out: float32 (split TF32), or both bfloat16 / float16 (the prep reads x as it is, phase A on the
-// 16-bit tensor cores, the fused kernel writes out in that type).
+// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale: see launch_outer_wg_fused.
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
-                            float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream) {
+                            float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
+                            const at::Tensor& pair_scale = at::Tensor()) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -5356,7 +5411,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
@@ -5559,8 +5614,8 @@ static int mask_kind_of(at::ScalarType st) {
 // backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else undefined tensors (None).
 // norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
-// opm_pair_epilogue_kernel rescale its output in place (pair_fused: reserved for a fused pair epilogue; no
-// variant has one yet).
+// opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
+// instance (the scale per pair in its own epilogue, the bias as given).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
@@ -5724,13 +5779,16 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
   const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
   const at::Tensor wo_c = prm(wo);
-  // pair modes: the kernels add no bias (the epilogue adds s2 bo)
-  const bool pair = norm != kNormRows;
-  const at::Tensor bo_c = pair ? at::zeros_like(prm(bo)) : prm(bo);
+  // pair modes: outer_wg's kPair instance with pair_fused, else the kernels add no bias (the epilogue adds s2 bo)
+  const bool pair = norm != kNormRows, fused = pair && pair_fused && used == kOuterWg;
+  const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
+  const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
+                                                      at::Tensor(), d, stream)
+                                  : at::Tensor();
   // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
   auto finish = [&]() {
-    if (!pair) return;
+    if (!pair || fused) return;
     const at::Tensor scale = launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps, inv_denom, d,
                                                stream);
     at::Tensor bo_f = bo.to(at::kFloat).contiguous();
@@ -5746,7 +5804,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream);
+                    d, stream, pscale);
     finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};

@@ -46,8 +46,8 @@ static int mask_kind_of(at::ScalarType st) {
 // backward's inputs, opm_backward_rows' outputs) and inv_denom (B, N); else undefined tensors (None).
 // norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
-// opm_pair_epilogue_kernel rescale its output in place (pair_fused: reserved for a fused pair epilogue; no
-// variant has one yet).
+// opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
+// instance (the scale per pair in its own epilogue, the bias as given).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
@@ -211,13 +211,16 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
   const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
   const at::Tensor wo_c = prm(wo);
-  // pair modes: the kernels add no bias (the epilogue adds s2 bo)
-  const bool pair = norm != kNormRows;
-  const at::Tensor bo_c = pair ? at::zeros_like(prm(bo)) : prm(bo);
+  // pair modes: outer_wg's kPair instance with pair_fused, else the kernels add no bias (the epilogue adds s2 bo)
+  const bool pair = norm != kNormRows, fused = pair && pair_fused && used == kOuterWg;
+  const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
+  const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
+                                                      at::Tensor(), d, stream)
+                                  : at::Tensor();
   // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
   auto finish = [&]() {
-    if (!pair) return;
+    if (!pair || fused) return;
     const at::Tensor scale = launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps, inv_denom, d,
                                                stream);
     at::Tensor bo_f = bo.to(at::kFloat).contiguous();
@@ -233,7 +236,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream);
+                    d, stream, pscale);
     finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};

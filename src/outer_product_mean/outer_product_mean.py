@@ -14,9 +14,14 @@ int32 or int64; gamma, beta (c_m); Wa, Wb (c, c_m), ba, bb (c), c = hidden_dim; 
 (c_z), c_z = pair_dim; out (B, N, N, c_z). The (B, N, N, c, c) outer product is never stored in
 global memory; c is zero-padded to CP = 16, 32, 64 or 128.
 
+Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenFoldOuterProductMean (AlphaFold
+2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
+(acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg scales per pair in
+its epilogue (PAIR_EPILOGUE "fused", not yet run on a GPU), else ("unfused", OPM_PAIR_EPILOGUE) a zero-bias run,
+then one sweep out * s1 + s2 bo. fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the ref).
+
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
-  outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile on chip, then out = Wo . O:
-               2 B N^2 c^2 (S + c_z)
+  outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile on chip, then out = Wo . O: 2 B N^2 c^2 (S + c_z)
   w_first      P[s,j,h,z] = sum_k Wo[z,h*c+k] b[s,j,k] (stage 1, in j-chunks), then
                out[i,j,z] = sum_{s,h} a[s,i,h] P[s,j,h,z] (stage 2): 2 B S N c^2 c_z + 2 B N^2 S c c_z
 
@@ -42,38 +47,33 @@ one that cannot run raises with the reason; `model.last_variant` names the one t
   fused_small    not auto's yet: the forward in one cooperative launch, fp32 FMA (opm_fused_small_kernel<T>).
 
 Precision (fp32): FMA paths accumulate in fp32; tensor-core paths use split TF32 (x = hi + lo, a b ~ hi hi +
-hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted into fp32 every 64 k; masks summed in fp64
-(float) or int64. Max error against fp64 over the fp32 reference's own: outer_wg 0.58-1.09x, w_first_wg2
-0.75-1.0x; at deep (S = 2048) w_first_tc / _tc2 up to 2.5x, the FMA w_first 7.9x in single trials, at S <= 3
-outer_wg a few times the reference's tiny error: on the H200 "auto" takes none of them there.
+hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted every 64 k; masks summed in fp64 / int64.
+Max error against fp64 over the fp32 reference's: outer_wg 0.58-1.09x, w_first_wg2 0.75-1.0x; "auto" avoids
+w_first_tc / _tc2 (2.5x), the FMA w_first (7.9x) at deep (S = 2048) and outer_wg at S <= 3 (a few x, tiny).
 
 Supported: any B, S, N >= 0 (S = 0 gives the bias everywhere; B = 0 or N = 0 an empty result, no launch),
-1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 is the tuned case; 64 and 128 run with smaller residue tiles,
-slower per FLOP), any pair_dim >= 1, outputs over 2^31 elements, non-contiguous inputs (copied first); larger
-sizes raise a clear error. One CUDA device. Limits: outer_wg and fused_small need hidden_dim <= 32, outer_wg
-B * S * N / 16 < 2^31 (S rounded up to 16, 32 in 16 bits, N to 16) and B * N^2 / 64 < 2^31 per 128 of pair_dim;
-w_first_wg2 takes up to 512 MB plus twice a's size of working memory (no smaller fallback). Tuned on the H200.
+1 <= msa_dim <= 768, 1 <= hidden_dim <= 128 (32 tuned; 64, 128 slower per FLOP), any pair_dim >= 1, outputs
+over 2^31 elements, non-contiguous inputs (copied); larger sizes raise a clear error. One CUDA device.
+Limits: outer_wg, fused_small need hidden_dim <= 32; outer_wg B S N / 16 < 2^31 (S rounded up to 16, 32 in 16
+bits, N to 16), B N^2 / 64 < 2^31 per 128 of pair_dim; w_first_wg2 takes up to 512 MB plus about twice a's size
+of working memory (no smaller fallback). Tuned on the H200 only.
 
-Half precision: with float16 / bfloat16 inputs and parameters outer_wg reads msa_repr, mask and parameters
-and writes its output in that dtype (no PyTorch casts): LayerNorm and projections on mma.sync in float16 with
-fp32 accumulation (normalised rows, row-scaled weights; two float16 terms each for float16, one for bfloat16),
-a and b rounded to the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores, O / denom
-rounded to float16 (rows scaled by powers of two: no overflow) times Wo in float16 (bfloat16 weights above 65504
-would overflow, below 2^-14 lose bits). Max error against fp64: 0.54-0.93x the reference's in that dtype over the
-harness's trials. fused_small reads and writes that dtype too (fp32 inside; a, b rounded as the reference's);
-other variants run the float32 kernels on converted copies; under CUDA autocast the output has the autocast dtype.
-Training: the backward saves the inputs, and a, b and 1 / denom where outer_wg or fused_small ran with hidden_dim
-32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper with hidden_dim 32
-and pair_dim <= 128, wgmma kernels compute out_proj's weight gradient and, for pair_dim % 4 == 0, da and db (O and
-G = (g / denom) Wo per tile on chip; split TF32 for a float32 msa, 16-bit for a 16-bit one with pair_dim % 8 == 0),
-and for msa_dim 128 / 256 one kernel the LayerNorm part; elsewhere PyTorch ops build O and G for chunks of rows i
-(about 256 MB). `model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter,
-none for the mask; double backward raises.
+Half precision: with float16 / bfloat16 inputs and parameters outer_wg reads and writes that dtype (no casts):
+LayerNorm and projections on mma.sync in float16, fp32 accumulation (normalised rows, row-scaled weights), a and
+b rounded to the input's dtype as the reference's are, O = a b^T on the 16-bit tensor cores, O / denom in float16
+(rows scaled by powers of two) times Wo in float16 (bfloat16 weights above 65504 would overflow). Max error
+against fp64: 0.54-0.93x the reference's in that dtype. fused_small reads and writes that dtype too (fp32 inside);
+other variants run the float32 kernels on converted copies; under CUDA autocast, the autocast dtype.
+Training: the backward (outer_product_mean_backward) saves the inputs, and a, b and 1 / denom where outer_wg or
+fused_small ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper
+with hidden_dim 32, pair_dim <= 128, wgmma kernels compute dWo and, for pair_dim % 4 == 0, da and db (O, G =
+(g / denom) Wo per tile on chip; split TF32, or 16-bit with pair_dim % 8 == 0), and for msa_dim 128 / 256 the
+LayerNorm part; else (and in the pair modes) PyTorch ops build O and G for chunks of rows i (~256 MB).
+`model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter, none for the
+mask; double backward raises.
 
-Run: `python harness.py outer_product_mean` (`--dtype all --backward`: fp16 / bf16, gradients). Build: -O3
--lineinfo for TORCH_CUDA_ARCH_LIST, else the visible GPUs', else 9.0; 9.0 as sm_90a, "9.0+PTX" adds compute_90
-PTX; names such as "Hopper" go to PyTorch unchanged (no w_first_wg2, outer_wg). The first import compiles for
-~100 s on 2 cores; OPM_VERBOSE=1 shows the compiler commands and `-Xptxas -v` (registers, spills) per kernel.
+Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST,
+else the visible GPUs', else 9.0 (as sm_90a), ~100 s on 2 cores; OPM_VERBOSE=1: nvcc commands, `-Xptxas -v`.
 """
 import hashlib
 import os

@@ -30,10 +30,15 @@ namespace opm {
 //   (2^-11, under bfloat16's 2^-8 and equal to float16's, where the reference rounds O and O / denom
 //   to T), each pair's row scaled by a power of two first (no overflow), Wo in fp16 blocks (WoP16);
 //   the output written in T (one rounding).
+// kPair (the pair modes, "Normalisations"; not yet run on a GPU): inv_denom points at the float2 (s1, s2)
+//   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
+//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and a
+//   pair whose scaled row max has a zero exponent field (all zeros) keeps the scale 1 (s1 may exceed 1:
+//   2^126 s1 would overflow). The row mode's instances (kPair false) are unchanged.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
@@ -53,6 +58,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   uint64_t* full = reinterpret_cast<uint64_t*>(Os + (kSplit ? 64 * kOwLDO : 64 * kOwLDO16 + 64));  // (16-bit: Osc)
   uint64_t* empty = full + kStages;
   const int tid = threadIdx.x, wg = tid / 128;
+  [[maybe_unused]] const float2* pscale = reinterpret_cast<const float2*>(inv_denom);  // (kPair)
   const int64_t MBA = 2 * NIT;
   // tile and slot counters in 32 bits (the host's ow_tiles_ok keeps the tiles under 2^31; a block's walk uses
   // fewer ring slots than that): 64-bit divisions by kStages and NIT cost ~40 dependent instructions each
@@ -146,13 +152,30 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     if constexpr (kSplit) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) o[e] = 0.f;
-    } else {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
+    } else if constexpr (!kPair) {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
+        }
+    } else {  // 16-bit pair modes: o starts from s2 bo, s2 of this thread's pairs 16 w4 + g + 8 hr
+      float s2[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int p = 16 * w4 + g + 8 * hr;
+        const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
+        s2[hr] = i < N && j < N ? pscale[(b * N + i) * N + j].y : 0.f;
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
+          const float bz = z < cz ? __ldg(bo + z) : 0.f;
+          o[4 * jj + e] = s2[0] * bz;
+          o[4 * jj + 2 + e] = s2[1] * bz;
         }
     }
     for (int q = 0; q < kOwNQ; ++q) {
@@ -275,9 +298,14 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr;
-          const float inv = i < N ? inv_denom[b * N + i] : 0.f;
+          [[maybe_unused]] const float inv_row = kPair ? 0.f : i < N ? inv_denom[b * N + i] : 0.f;
 #pragma unroll
           for (int jl = 0; jl < kOwTJ; ++jl) {
+            float inv = inv_row;
+            if constexpr (kPair) {  // s1 of pair (i, j)
+              const int64_t j = jt * kOwTJ + jl;
+              inv = i < N && j < N ? pscale[(b * N + i) * N + j].x : 0.f;
+            }
             float mx = 0.f;
 #pragma unroll
             for (int jq = 0; jq < 4; ++jq)
@@ -286,7 +314,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
             // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
             // subnormal rows: 2^126; inf / NaN stay so)
-            const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff), fs = min(253, max(1, 268 - E));
+            const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff);
+            const int fs = kPair && E == 0 ? 127 : min(253, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
           }
@@ -364,13 +393,23 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       const int p = 16 * w4 + g + 8 * hr;
       const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
       if (i >= N || j >= N) continue;
-      const float inv = inv_denom[b * N + i];  // (16-bit: in Os16 already)
+      // (16-bit: in Os16 already) pair modes: (s1, s2) of the pair
+      const float2 f = kPair ? (kSplit ? pscale[(b * N + i) * N + j] : make_float2(0.f, 0.f)) : make_float2(0.f, 0.f);
+      const float inv = kPair ? f.x : inv_denom[b * N + i];
       T* orow = out + ((b * N + i) * N + j) * cz;
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4;
         const float v0 = o[4 * jj + 2 * hr], v1 = o[4 * jj + 2 * hr + 1];
-        if constexpr (kSplit) {
+        if constexpr (kSplit && kPair) {  // s2 bo + s1 acc
+          if (pair) {
+            if (z < cz) *reinterpret_cast<float2*>(orow + z) = make_float2(fmaf(inv, v0, f.y * __ldg(bo + z)),
+                                                                           fmaf(inv, v1, f.y * __ldg(bo + z + 1)));
+          } else {
+            if (z < cz) orow[z] = fmaf(inv, v0, f.y * __ldg(bo + z));
+            if (z + 1 < cz) orow[z + 1] = fmaf(inv, v1, f.y * __ldg(bo + z + 1));
+          }
+        } else if constexpr (kSplit) {
           if (pair) {
             if (z < cz) *reinterpret_cast<float2*>(orow + z) = make_float2(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
           } else {

@@ -14,7 +14,7 @@ namespace opm {
 // The pair modes' (s1, s2) per pair: opm_pair_scale_kernel, a float2 (B, N, N) array.
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
-constexpr int kPsT = 32;  // opm_pair_scale_kernel: pairs per block 32 i x 32 j, s per chunk 32
+constexpr int kPsT = 32, kPsS = 32;  // opm_pair_scale_kernel: pairs per block 32 i x 32 j, s per chunk 32
 template <typename T>  // fp32 -> T (float: itself)
 __device__ __forceinline__ T from_float_any(float v) {
   if constexpr (std::is_same_v<T, float>) return v;
@@ -25,54 +25,65 @@ __device__ __forceinline__ T from_float_any(float v) {
 // that applied the row scale), else (s1, s2) (outer_wg's fused pair epilogue). The pair count is summed
 // exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
 // integer masks in int64 (Acc long long). Block (256 threads): the 32 x 32 pairs of tile t = (b, it,
-// jt), thread (ty = tid / 32, tx = tid % 32) pairs (i0 + ty + 8 r, j0 + tx), r < 4; per chunk of 32 s
-// the mask's columns i0.. and j0.. in shared memory (as Acc). Grid-stride over the tiles.
+// jt), thread (ty = tid / 16, tx = tid % 16) pairs (i0 + ty + 16 r, j0 + tx + 16 q), r, q < 2 (4 shared
+// loads per 4 products); per chunk of 32 s the mask's columns i0.. and j0.. in shared memory (as Acc).
+// Grid-stride over the tiles.
 template <typename Acc>
 __global__ void __launch_bounds__(kThreads) opm_pair_scale_kernel(const void* __restrict__ mask, int mask_kind,
                                                                   int64_t B, int64_t S, int64_t N, int norm, double eps,
                                                                   const float* __restrict__ inv_denom,
                                                                   float2* __restrict__ scale) {
-  __shared__ Acc mi[kPsT][kPsT + 1], mj[kPsT][kPsT + 1];
-  const int tid = threadIdx.x, tx = tid % 32, ty = tid / 32;
+  __shared__ Acc mi[kPsS][kPsT], mj[kPsS][kPsT];
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t jt = t % nt, it = t / nt % nt, b = t / nt / nt;
     const int64_t i0 = it * kPsT, j0 = jt * kPsT;
-    Acc acc[4] = {0, 0, 0, 0};
-    for (int64_t s0 = 0; s0 < S; s0 += kPsT) {
+    Acc acc[2][2] = {};
+    for (int64_t s0 = 0; s0 < S; s0 += kPsS) {
       __syncthreads();  // the previous chunk's reads are done
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {  // row sl = ty + 8 r of the chunk, column tx: coalesced along i (j)
-        const int sl = ty + 8 * r;
-        const int64_t s = s0 + sl, i = i0 + tx, j = j0 + tx;
+      for (int r = 0; r < 4; ++r) {  // element (sl, col) = (e / 32, e % 32), e = tid + 256 r: coalesced along i (j)
+        const int e = tid + kThreads * r, sl = e / kPsT, col = e % kPsT;
+        const int64_t s = s0 + sl, i = i0 + col, j = j0 + col;
         const bool sin = s < S;
         if constexpr (std::is_same_v<Acc, double>) {
-          mi[sl][tx] = sin && i < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + i, mask_kind)) : 0.0;
-          mj[sl][tx] = sin && j < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + j, mask_kind)) : 0.0;
+          mi[sl][col] = sin && i < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + i, mask_kind)) : 0.0;
+          mj[sl][col] = sin && j < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + j, mask_kind)) : 0.0;
         } else {
-          mi[sl][tx] = sin && i < N ? mask_int(mask, (b * S + s) * N + i, mask_kind) : 0;
-          mj[sl][tx] = sin && j < N ? mask_int(mask, (b * S + s) * N + j, mask_kind) : 0;
+          mi[sl][col] = sin && i < N ? mask_int(mask, (b * S + s) * N + i, mask_kind) : 0;
+          mj[sl][col] = sin && j < N ? mask_int(mask, (b * S + s) * N + j, mask_kind) : 0;
         }
       }
       __syncthreads();
 #pragma unroll 8
-      for (int sl = 0; sl < kPsT; ++sl) {
-        const Acc vj = mj[sl][tx];
+      for (int sl = 0; sl < kPsS; ++sl) {
+        Acc vi[2], vj[2];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[r] += mi[sl][ty + 8 * r] * vj;
+        for (int r = 0; r < 2; ++r) {
+          vi[r] = mi[sl][ty + 16 * r];
+          vj[r] = mj[sl][tx + 16 * r];
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int q = 0; q < 2; ++q) acc[r][q] += vi[r] * vj[q];
       }
     }
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t i = i0 + ty + 8 * r, j = j0 + tx;
-      if (i >= N || j >= N) continue;
-      const double n = static_cast<double>(acc[r]);
-      // NaN counts stay NaN (fmax would drop them)
-      const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
-      const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
-      const float f1 = inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[b * N + i])) : static_cast<float>(s1);
-      scale[(b * N + i) * N + j] = make_float2(f1, s2);
-    }
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int64_t i = i0 + ty + 16 * r, j = j0 + tx + 16 * q;
+        if (i >= N || j >= N) continue;
+        const double n = static_cast<double>(acc[r][q]);
+        // NaN counts stay NaN (n < 1.0 is false for NaN)
+        const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
+        const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
+        const float f1 =
+            inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[b * N + i])) : static_cast<float>(s1);
+        scale[(b * N + i) * N + j] = make_float2(f1, s2);
+      }
   }
 }
 
