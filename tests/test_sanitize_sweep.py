@@ -417,6 +417,30 @@ def test_parse_symbols_lists_entry_functions_per_arch():
     assert sw.parse_symbols(CUOBJDUMP_SYMBOLS) == {"sm_90a": {MMA, PREP}, "sm_80": {MMA}}
 
 
+# CUDA 13's cuobjdump (Triton's copy, 2026-12) spells the symbol table's columns with their ELF prefixes
+CUOBJDUMP13_SYMBOLS = """
+Fatbin elf code:
+================
+arch = sm_90a
+code version = [1,8]
+host = linux
+compile_size = 64bit
+compressed
+identifier = /tmp/ext/outer_product_mean_0123/cuda.cu
+
+symbols:
+STT_OBJECT       STB_WEAK   STV_DEFAULT  U .nv.reservedSmem.offset0
+STT_?            STB_WEAK   STO_RESERVED_SHARED   __nv_reservedSMEM_offset_0_alias
+STT_FUNC         STB_WEAK   STV_DEFAULT    $__internal_0_$__cuda_sm20_rcp_rn_f32_slowpath
+STT_FUNC         STB_GLOBAL STO_ENTRY      {prep}
+STT_FUNC         STB_GLOBAL STO_ENTRY      {outer_wg}
+""".format(prep=PREP, outer_wg=OUTER_WG)
+
+
+def test_parse_symbols_reads_cuda_13_spelling():
+    assert sw.parse_symbols(CUOBJDUMP13_SYMBOLS) == {"sm_90a": {PREP, OUTER_WG}}
+
+
 def test_py_location_finds_the_kernel_files_line():
     src = ["#include <cuda_fp16.h>", "namespace k {", "__global__ void a(float* x) {", "  x[0] = 1.f;", "}",
            "__global__ void b(float* x) {", "  x[1] = 2.f;", "}", "}  // namespace k"]

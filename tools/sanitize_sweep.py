@@ -815,7 +815,8 @@ def demangle(names, tool=None):
 
 
 def parse_symbols(text):
-    """The kernels (ENTRY functions) in `cuobjdump -symbols` output: {arch: set of mangled names}."""
+    """The kernels (ENTRY functions) in `cuobjdump -symbols` output: {arch: set of mangled names}. Two spellings:
+    "FUNC GLOBAL DEFAULT ENTRY name" and (CUDA 13's cuobjdump) "STT_FUNC STB_GLOBAL STO_ENTRY name"."""
     kernels, arch = {}, None
     for line in text.splitlines():
         s = line.strip()
@@ -823,7 +824,7 @@ def parse_symbols(text):
             arch = s.split("=", 1)[1].strip()
             continue
         f = s.split()
-        if len(f) >= 4 and f[0] == "FUNC" and "ENTRY" in f[1:-1]:
+        if len(f) >= 3 and f[0] in ("FUNC", "STT_FUNC") and ({"ENTRY", "STO_ENTRY"} & set(f[1:-1])):
             kernels.setdefault(arch, set()).add(f[-1])
     return kernels
 
