@@ -987,9 +987,47 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         B, S, N, _ = msa.shape
         return torch.zeros(B, S, N, 32), torch.zeros(B, S, N, 32), torch.ones(B, N)
 
+    class OpenFoldModel(OPMModel):  # the family modules: their names and forward signatures
+        def __init__(self, msa_dim, pair_dim, hidden_dim=32, eps=1e-3, proj_bias=False):
+            nn.Module.__init__(self)
+            self.layer_norm = nn.LayerNorm(msa_dim)
+            self.linear_1 = nn.Linear(msa_dim, hidden_dim, bias=proj_bias)
+            self.linear_2 = nn.Linear(msa_dim, hidden_dim, bias=proj_bias)
+            self.out_proj = self.linear_out = nn.Linear(hidden_dim * hidden_dim, pair_dim)
+            self.variant, self.last_variant, self.last_backward = "auto", None, None
+
+        def forward(self, m, mask=None, chunk_size=None, inplace_safe=False):
+            assert now["epilogue"] in ("fused", "unfused")
+            return OPMModel.forward(self, m, mask)
+
+    class BoltzModel(OPMModel):
+        def __init__(self, msa_dim, pair_dim, hidden_dim=32):
+            nn.Module.__init__(self)
+            self.norm = nn.LayerNorm(msa_dim)
+            self.proj_a = nn.Linear(msa_dim, hidden_dim, bias=False)
+            self.proj_b = nn.Linear(msa_dim, hidden_dim, bias=False)
+            self.out_proj = self.proj_o = nn.Linear(hidden_dim * hidden_dim, pair_dim)
+            self.variant, self.last_variant, self.last_backward = "auto", None, None
+
+        def forward(self, m, mask, chunk_size=None):
+            assert now["epilogue"] in ("fused", "unfused")
+            return OPMModel.forward(self, m, mask)
+
+    class PairEpilogue:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def __enter__(self):
+            now["epilogue"] = self.mode
+
+        def __exit__(self, *exc):
+            now["epilogue"] = None
+
+    now["epilogue"] = None
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows)})
     opm = type("OPM", (), {"ModelNew": OPMModel, "outer_product_mean_backward": staticmethod(opm_backward),
-                           "_ext": ext})
+                           "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
+                           "pair_epilogue": PairEpilogue})
     monkeypatch.setattr(sw, "_MODULES", {"contact_map": cm, "outer_product_mean": opm})
     for name, fn in list(sw._OPS.items()):
         def wrapped(torch_, mod, call, sms, fn=fn):

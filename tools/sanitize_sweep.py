@@ -27,7 +27,8 @@ How it works:
      fully masked residue column and sequence row, fully masked inputs, every mask dtype), covering every forced
      variant of each file's variant table in float32, float16 and bfloat16, each template instantiation the H100
      reaches (contact map: the wgmma kernel's four builds in 32 and 16 bits, every mma and fma build chosen by
-     shared memory; outer product mean: each hidden-dim tile size CP, each prep kernel), the fused backwards with
+     shared memory; outer product mean: each hidden-dim tile size CP, each prep kernel, the pair-count modes'
+     kernels through the OpenFold and Boltz modules, fused and unfused epilogues), the fused backwards with
      their options (split, block_tiles, a float32-parameter bf16 input, training steps through ModelNew) and calls
      with more tiles than resident blocks, so that the persistent kernels walk tiles, reuse ring slots and take
      tickets. Each call checks that the variant / backward parts it asks for are the ones that ran and copies
@@ -257,6 +258,23 @@ def _opm_backward_case(dtype):
     return Case(f"opm_backward_{dtype}", "outer_product_mean", f"the backward's kernels, {dtype}", calls)
 
 
+def _opm_pair_case():
+    """The pair-count modes (OpenFold: (acc + bo) / (n + eps), Boltz: acc / max(n, 1) + bo): the pair scale and
+    epilogue kernels after each forward order, outer_wg's kPair instances (PAIR_EPILOGUE "fused") and the
+    unfused pass after outer_wg, every mask kind through the pair count, training steps (PyTorch chunks)."""
+    calls = [opm_call("opm_pair", dt, 1, 5, 19, 64, 32, 64, family=fam, variant=v, epilogue=e, mask_dtype=md)
+             for fam in ("openfold", "boltz")
+             for dt, v, e, md in ((F32, "outer_wg", "fused", "bool"), (F16, "outer_wg", "fused", F16),
+                                  (BF16, "outer_wg", "fused", "int8"), (F32, "outer_wg", "unfused", F32),
+                                  (BF16, "outer_wg", "unfused", BF16), (F32, "outer_first", "fused", "int64"),
+                                  (F32, "w_first_wg2", "fused", F32), (F32, "w_first_small", "fused", "uint8"),
+                                  (BF16, "fused_small", "fused", BF16), (F32, "fused_small", "fused", "int16"))]
+    calls += [opm_call("opm_pair", F32, 2, 6, 21, 64, 32, 24, family="openfold", variant="outer_wg", mask="zeros"),
+              opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="boltz", variant="outer_wg", train=True),
+              opm_call("opm_pair", F32, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True)]
+    return Case("opm_pair_modes", "outer_product_mean", "the pair-count normalisations' kernels", calls)
+
+
 OPM_CASES = [
     Case("opm_orders_float32", "outer_product_mean", "every forced variant at msa_dim 64 / 256, pair_dim 64 / 128",
          [opm_call("opm_forward", F32, 2, 5, 19, 64, 32, 64, variant=v) for v in OPM_ORDERS]
@@ -291,6 +309,7 @@ OPM_CASES = [
     _opm_backward_case(F32),
     _opm_backward_case(F16),
     _opm_backward_case(BF16),
+    _opm_pair_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -492,8 +511,31 @@ def _opm_train(torch, mod, call, sms):
     _fetch(torch, x.grad, *(p.grad for p in model.parameters()))
 
 
+def _opm_pair(torch, mod, call, sms):
+    """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
+    forced, under pair_epilogue(call["epilogue"]); a forward under no_grad, or with train a training step."""
+    _, msa, mask, g = _opm_setup(torch, mod, call, sms)
+    gen = torch.Generator().manual_seed(_seed(call) + 1)
+    fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
+    with torch.no_grad():  # as _opm_setup draws ModelNew's
+        for p in fam.parameters():
+            scale = 1.0 / max(1.0, p.shape[-1] ** 0.5) if p.dim() == 2 else 0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + 0.05)
+    fam = fam.to(msa.dtype).cuda()
+    fam.variant = call["variant"]
+    with mod.pair_epilogue(call.get("epilogue", "fused")):
+        if call.get("train"):
+            x = msa.detach().requires_grad_(True)
+            fam(x, mask).backward(g)
+            _fetch(torch, x.grad, *(p.grad for p in fam.parameters()))
+        else:
+            with torch.no_grad():
+                _fetch(torch, fam(msa, mask))
+    _expect("last_variant", fam.last_variant, call["variant"])
+
+
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,
-        "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train}
+        "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair}
 
 
 def run_case(torch, case, quick):
