@@ -19,7 +19,7 @@ global memory; c is zero-padded to CP = 16, 32, 64 or 128.
 Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenFoldOuterProductMean (AlphaFold
 2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg scales per pair in
-its epilogue (PAIR_EPILOGUE "fused", not yet run on a GPU), else ("unfused", OPM_PAIR_EPILOGUE) a zero-bias run,
+its epilogue (PAIR_EPILOGUE "fused"; tested on an H100, not timed), else ("unfused") a zero-bias run,
 then one sweep out * s1 + s2 bo. fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the ref).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -46,7 +46,7 @@ one that cannot run raises with the reason; `model.last_variant` names the one t
   w_first        FMA stage 2 (opm_wfirst_gemm_kernel), any GPU, P in j-chunks of <= 32 MB.
   w_first_small  FMA stage 2 on 32 x 64 tiles, K split over warps (opm_wfirst_small_kernel): small N.
   w_first_tc     split-TF32 mma.sync stage 2, sm_80+ (opm_wfirst_tc_kernel<1>; _tc2: <2>, 64-row K stages, 136 KB).
-  fused_small    not auto's yet: the forward in one cooperative launch, fp32 FMA (opm_fused_small_kernel<T>).
+  fused_small    forced only (tested, not yet timed): the forward in one cooperative launch, fp32 FMA on T.
 
 Precision (fp32): FMA paths accumulate in fp32; tensor-core paths use split TF32 (x = hi + lo, a b ~ hi hi +
 hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted every 64 k; masks summed in fp64 / int64.
@@ -2795,7 +2795,7 @@ namespace opm {
 //   (2^-11, under bfloat16's 2^-8 and equal to float16's, where the reference rounds O and O / denom
 //   to T), each pair's row scaled by a power of two first (no overflow), Wo in fp16 blocks (WoP16);
 //   the output written in T (one rounding).
-// kPair (the pair modes, "Normalisations"; not yet run on a GPU): inv_denom points at the float2 (s1, s2)
+// kPair (the pair modes, "Normalisations"): inv_denom points at the float2 (s1, s2)
 //   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
 //   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and a
 //   pair whose scaled row max has a zero exponent field (all zeros) keeps the scale 1 (s1 may exceed 1:

@@ -30,7 +30,7 @@ namespace opm {
 //   (2^-11, under bfloat16's 2^-8 and equal to float16's, where the reference rounds O and O / denom
 //   to T), each pair's row scaled by a power of two first (no overflow), Wo in fp16 blocks (WoP16);
 //   the output written in T (one rounding).
-// kPair (the pair modes, "Normalisations"; not yet run on a GPU): inv_denom points at the float2 (s1, s2)
+// kPair (the pair modes, "Normalisations"): inv_denom points at the float2 (s1, s2)
 //   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
 //   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and a
 //   pair whose scaled row max has a zero exponent field (all zeros) keeps the scale 1 (s1 may exceed 1:
