@@ -396,7 +396,7 @@ def test_every_variant_against_fp64(opm, family, kind, dtype, case):
     """Every variant that runs here ("auto" included), with the fused and the unfused pair epilogue
     (PAIR_EPILOGUE), against the reference evaluated in fp64 on the same (dtype-rounded) parameters
     and inputs: fp32 within 1e-4; fp16 / bf16 within HALF_FACTOR x the reference's own error in that
-    dtype (or 4 half-ulps of the largest output). pair_dim 7 and 24 take the epilogue's one-element path,
+    dtype (or 4 half-ulps of the largest output). pair_dim 7 takes the epilogue's one-element path (24: vectors),
     hidden_dim 16 the padded one; the inputs are checked unchanged."""
     B, S, N, cm, cz, c = case
     ref, new = models(opm, family, cm, cz, c, 20 + S)

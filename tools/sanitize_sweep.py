@@ -271,7 +271,10 @@ def _opm_pair_case():
                                   (BF16, "fused_small", "fused", BF16), (F32, "fused_small", "fused", "int16"))]
     calls += [opm_call("opm_pair", F32, 2, 6, 21, 64, 32, 24, family="openfold", variant="outer_wg", mask="zeros"),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="boltz", variant="outer_wg", train=True),
-              opm_call("opm_pair", F32, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True)]
+              opm_call("opm_pair", F32, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True),
+              # pair_dim 7: the epilogue's one-element path (multiples of 4 / 8 take 16-byte vectors)
+              opm_call("opm_pair", F32, 1, 5, 19, 64, 32, 7, family="openfold", variant="outer_first"),
+              opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 7, family="boltz", variant="outer_wg", epilogue="unfused")]
     return Case("opm_pair_modes", "outer_product_mean", "the pair-count normalisations' kernels", calls)
 
 
