@@ -19,7 +19,7 @@ global memory; c is zero-padded to CP = 16, 32, 64 or 128.
 Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenFoldOuterProductMean (AlphaFold
 2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg scales per pair in
-its epilogue (PAIR_EPILOGUE "fused"; GPU tests pass, NOTES), else ("unfused") a zero-bias run,
+its epilogue (PAIR_EPILOGUE "fused"; GPU-tested, NOTES), else ("unfused") a zero-bias run,
 then one sweep out * s1 + s2 bo. fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the ref).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -46,7 +46,7 @@ one that cannot run raises with the reason; `model.last_variant` names the one t
   w_first        FMA stage 2 (opm_wfirst_gemm_kernel), any GPU, P in j-chunks of <= 32 MB.
   w_first_small  FMA stage 2 on 32 x 64 tiles, K split over warps (opm_wfirst_small_kernel): small N.
   w_first_tc     split-TF32 mma.sync stage 2, sm_80+ (opm_wfirst_tc_kernel<1>; _tc2: <2>, 64-row K stages, 136 KB).
-  fused_small    forced only (GPU tests pass, not timed: NOTES): the forward in one cooperative launch, fp32 FMA.
+  fused_small    forced only (GPU-tested, not timed: NOTES): the forward in one cooperative launch, fp32 FMA.
 
 Precision (fp32): FMA paths accumulate in fp32; tensor-core paths use split TF32 (x = hi + lo, a b ~ hi hi +
 hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted every 64 k; masks summed in fp64 / int64.
