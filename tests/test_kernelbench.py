@@ -138,9 +138,16 @@ def test_kernelbench_load_path(repo_root, load_module, kernel_module, path, tmp_
     capfd.readouterr()
     built = [f for root, _, files in os.walk(build_dir) for f in files if f.endswith(".so")]
     assert built, f"{path}: nothing was built under {build_dir}"
+    stamps = {os.path.join(root, f): os.stat(os.path.join(root, f)).st_mtime_ns
+              for root, _, files in os.walk(build_dir) for f in files}
     NewModel = _exec_like_kernelbench(repo_root, path, build_dir)
     err = capfd.readouterr().err
     assert "building" not in err.lower(), f"{path}: the second load rebuilt the extension:\n{err}"
+    # no silent rebuild either: every file of the build (objects, library, ninja's log) as it was
+    after = {os.path.join(root, f): os.stat(os.path.join(root, f)).st_mtime_ns
+             for root, _, files in os.walk(build_dir) for f in files}
+    assert after == stamps, f"{path}: the second load touched the build: " + ", ".join(
+        sorted(os.path.basename(f) for f in set(after) | set(stamps) if after.get(f) != stamps.get(f)))
     # PyTorch's loader renames an extension (name_v1, name_v2, ...) when one process loads its name from a
     # second build directory, and the renamed one rebuilds in the first directory: each directory must get
     # its own name, so that a later load from the default directory (another test, a plain import) finds

@@ -69,22 +69,34 @@ def _hashed_name(prefix, source, flags):
     return prefix + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _is_cached(name):
-    """Whether load_inline will find `name` already built (its build directory as PyTorch names it; PyTorch's
-    private function: without it, report a build)."""
+def _cached_library(name):
+    """The library of `name` where a build left it (its build directory as PyTorch names it, PyTorch's private
+    function: without it, None), else None."""
     build_directory = getattr(torch.utils.cpp_extension, "_get_build_directory", None)
     if build_directory is None:
-        return False
+        return None
     d = build_directory(name, verbose=False)
-    return os.path.isdir(d) and any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(d))
+    for ext in (".so", ".pyd"):
+        if os.path.isfile(os.path.join(d, name + ext)):
+            return os.path.join(d, name + ext)
+    return None
 
 
 def _load(name, what, eta, cuda_source, cuda_flags, verbose):
-    """load_inline of cuda_source under `name` (PyTorch caches it; a failed build raises with the compiler's
-    output in its text), saying on stderr when it compiles: what CUDA extension, about eta on 2 cores."""
-    if not _is_cached(name):
-        print(f"building {what} CUDA extension ({name}): {eta} on 2 cores, once (cached afterwards)",
-              file=sys.stderr, flush=True)
+    """The extension `name`: a built one imported from its library (the name hashes source, flags and
+    environment, so a library under it is this source's build), else load_inline of cuda_source (a failed build
+    raises with the compiler's output in its text), saying on stderr that it compiles: what CUDA extension, about
+    eta on 2 cores. load_inline on a built extension would run ninja, which rebuilds it in silence: nvcc's
+    dependency file lists the src/ files the #line directives name, absent from the build directory, and ninja
+    takes a missing dependency for a changed one."""
+    library = _cached_library(name)
+    if library is not None:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    print(f"building {what} CUDA extension ({name}): {eta} on 2 cores, once (cached afterwards)",
+          file=sys.stderr, flush=True)
     return load_inline(name=name, cpp_sources="", cuda_sources=cuda_source, extra_cuda_cflags=cuda_flags,
                        verbose=verbose)
 

@@ -76,6 +76,7 @@ picks); the first import compiles the CUDA source (about 3 minutes on 2 cores), 
 extension cache. CONTACT_MAP_VERBOSE=1 shows the compiler output with `ptxas -v` register and spill counts.
 """
 import hashlib
+import importlib.util
 import os
 import re
 import sys

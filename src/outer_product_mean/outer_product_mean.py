@@ -76,6 +76,7 @@ Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -
 else the visible GPUs', else 9.0 (as sm_90a), ~100 s on 2 cores; OPM_VERBOSE=1: nvcc commands, `-Xptxas -v`.
 """
 import hashlib
+import importlib.util
 import os
 import re
 import sys
