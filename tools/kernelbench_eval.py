@@ -74,8 +74,9 @@ def stand_ins(importable=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernelbench", required=True, help="a KernelBench checkout (the folder holding src/kernelbench)")
-    p.add_argument("--ops", default="contact_map,outer_product_mean")
-    p.add_argument("--precisions", default="fp32,fp16,bf16")
+    p.add_argument("--ops", default="contact_map,outer_product_mean",
+                   help="comma-separated kernel files by name (default: both)")
+    p.add_argument("--precisions", default="fp32,fp16,bf16", help="comma-separated (default: fp32,fp16,bf16)")
     p.add_argument("--trials", type=int, default=5, help="correctness trials (default 5)")
     p.add_argument("--perf-trials", type=int, default=100, help="timed trials (default 100, KernelBench's)")
     p.add_argument("--build-dir", default=None, help="TORCH_EXTENSIONS_DIR for the builds (default: a new folder)")
