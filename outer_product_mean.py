@@ -2798,9 +2798,10 @@ namespace opm {
 //   the output written in T (one rounding).
 // kPair (the pair modes, "Normalisations"): inv_denom points at the float2 (s1, s2)
 //   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
-//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and a
-//   pair whose scaled row max has a zero exponent field (all zeros) keeps the scale 1 (s1 may exceed 1:
-//   2^126 s1 would overflow). The row mode's instances (kPair false) are unchanged.
+//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and the
+//   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
+//   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
+//   unchanged.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
@@ -3079,9 +3080,11 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             // the warp's max: as unsigned integers, non-negative floats order as their values (NaN above inf)
             mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
             // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
-            // subnormal rows: 2^126; inf / NaN stay so)
+            // subnormal rows: 2^126; inf / NaN stay so); kPair: at most 380 - e(inv), so that inv times
+            // the scale stays below 2^127
             const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff);
-            const int fs = kPair && E == 0 ? 127 : min(253, max(1, 268 - E));
+            const int fmax = kPair ? min(253, 380 - static_cast<int>((__float_as_uint(inv) >> 23) & 0xff)) : 253;
+            const int fs = min(fmax, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
           }
@@ -4581,13 +4584,18 @@ static_assert(4 * kFsNI * kFsCols <= kFsAFloats && kFsRows * kMaxMsaDim <= kFsAF
 template <typename T>  // 4 consecutive read-only elements as fp32 (16 bytes of float, 8 of a 16-bit T)
 __device__ __forceinline__ float4 fs_ld4(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
-    return __ldg(reinterpret_cast<const float4*>(p));
+    return *reinterpret_cast<const float4*>(p);
   } else {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
     const float2 lo = to_float2<T>(v.x), hi = to_float2<T>(v.y);
     return make_float4(lo.x, lo.y, hi.x, hi.y);
   }
 }
+// One element as float by a plain load. The kernel's global loads are plain, not __ldg: the 16-bit and
+// vector __ldg overloads are inline asm that the compiler may hoist above the bounds check guarding them
+// (it read ln_w[lane + 64] at c_m = 64, past the tensor's end, which memcheck reports).
+template <typename T>
+__device__ __forceinline__ float fs_ldf(const T* p, int64_t idx) { return to_float(p[idx]); }
 template <typename T>  // v rounded to T (to nearest) and back: the reference's rounding of a 16-bit result
 __device__ __forceinline__ float fs_round(float v) {
   if constexpr (std::is_same_v<T, float>) return v;
@@ -4620,7 +4628,7 @@ __device__ __forceinline__ void fs_wo_issue(const T* __restrict__ wo, int cz, in
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int z = z0 + 2 * u + tid / 128;
-      pf[u] = z < cz ? __ldg(reinterpret_cast<const uint4*>(wo + static_cast<int64_t>(z) * (kFsCP * kFsCP) +
+      pf[u] = z < cz ? *(reinterpret_cast<const uint4*>(wo + static_cast<int64_t>(z) * (kFsCP * kFsCP) +
                                                             h * kFsCP + ko * 8))
                      : make_uint4(0u, 0u, 0u, 0u);
     }
@@ -4656,7 +4664,7 @@ __device__ __forceinline__ void fs_wo_stage(const T* __restrict__ wo, int c, int
   for (int e = tid; e < kFsZT * kFsCP * kFsCP; e += kFsThreads) {
     const int k = e % kFsCP, h = (e / kFsCP) % kFsCP, zz = e / (kFsCP * kFsCP), z = z0 + zz;
     wos[zz * kFsLDW + h * kFsHS + k] =
-        (z < cz && h < c && k < c) ? ldg_f(wo, static_cast<int64_t>(z) * c * c + h * c + k) : 0.f;
+        (z < cz && h < c && k < c) ? fs_ldf(wo, static_cast<int64_t>(z) * c * c + h * c + k) : 0.f;
   }
 }
 
@@ -4700,7 +4708,7 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
     const int r = tid / (2 * kFsCP), o = tid % (2 * kFsCP), h = o % kFsCP;
     const bool is_b = o >= kFsCP, live = h < c;
     const T* wr = (is_b ? wb : wa) + static_cast<int64_t>(live ? h : 0) * cm;
-    const float bias = live ? ldg_f(is_b ? bb : ba, h) : 0.f;
+    const float bias = live ? fs_ldf(is_b ? bb : ba, h) : 0.f;
     float* dst_rows = is_b ? b_rows : a_rows;
     for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * kFsRows; r0 < R;
          r0 += static_cast<int64_t>(gridDim.x) * kFsRows) {
@@ -4715,7 +4723,7 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
       } else {
         for (int q = tid; q < kFsRows * cm; q += kFsThreads) {
           const int rr = q / cm, col = q - rr * cm;
-          xs[rr * LDX + col] = rr < nr ? ldg_f(x, (r0 + rr) * cm + col) : 0.f;
+          xs[rr * LDX + col] = rr < nr ? fs_ldf(x, (r0 + rr) * cm + col) : 0.f;
         }
       }
       if (tid < kFsRows) s_mask[tid] = tid < nr ? mask_value(mask, r0 + tid, mask_kind) : 0.f;
@@ -4732,7 +4740,7 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
         }
         const float rstd = 1.f / sqrtf(warp_sum(s2) / cm + eps);
         for (int k = lane; k < cm; k += 32)
-          row[k] = fs_round<T>((row[k] - mean) * rstd * ldg_f(ln_w, k) + ldg_f(ln_b, k));
+          row[k] = fs_round<T>((row[k] - mean) * rstd * fs_ldf(ln_w, k) + fs_ldf(ln_b, k));
       }
       __syncthreads();  // normalised rows visible
       if (r < nr) {
@@ -4752,7 +4760,7 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
             }
             acc = (a4.x + a4.y) + (a4.z + a4.w);
           } else {
-            for (int k = 0; k < cm; ++k) acc = fmaf(xr[k], ldg_f(wr, k), acc);
+            for (int k = 0; k < cm; ++k) acc = fmaf(xr[k], fs_ldf(wr, k), acc);
           }
           y = fs_round<T>(fs_round<T>(acc + bias) * s_mask[r]);
         }
@@ -4776,7 +4784,7 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
     const int z0 = zc * kFsZT;
     if (t == blockIdx.x && vec_wo) fs_wo_finish<T>(wos, wo_pf, tid);
     else fs_wo_stage<T>(wo, c, cz, z0, wos, tid, vec_wo);
-    if (tid < kFsZT) s_bo[tid] = z0 + tid < cz ? ldg_f(bo, z0 + tid) : 0.f;
+    if (tid < kFsZT) s_bo[tid] = z0 + tid < cz ? fs_ldf(bo, z0 + tid) : 0.f;
     // thread (sl, il) sums s = sl, sl + 8, ... of row i0 + il (inv_denom_cols' order)
     const int sl = tid / 32, il = tid % 32;
     const int64_t i = i0 + il;

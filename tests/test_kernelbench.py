@@ -215,8 +215,9 @@ def _kernelbench_eval_tool():
 
 def test_kernelbench_eval_stand_ins_serve_its_result_record():
     """tools/kernelbench_eval.py: without pydantic, KernelExecResult (annotated fields with defaults, dict
-    defaults among them) gets its defaults per instance and its keyword fields; the LLM clients' names raise if
-    called; installed packages get no stand-in."""
+    defaults among them) gets its defaults per instance and its keyword fields; load_dotenv, which
+    kernelbench.utils calls on import, reads nothing; the LLM clients' names raise if called; installed packages
+    get no stand-in."""
     tool = _kernelbench_eval_tool()
     made = tool.stand_ins(importable=lambda name: False)
     assert sorted(made) == ["dotenv", "litellm", "openai", "pydantic", "tqdm"]
@@ -232,6 +233,7 @@ def test_kernelbench_eval_stand_ins_serve_its_result_record():
     first.metadata["note"] = 1
     assert (first.compiled, first.correctness, first.runtime) == (True, False, 0.5)
     assert (second.compiled, second.runtime, second.metadata) == (False, -1.0, {})
+    assert made["dotenv"].load_dotenv() is False
     with pytest.raises(RuntimeError, match="stand-in"):
         made["openai"].OpenAI()
     assert tool.stand_ins(importable=lambda name: True) == {}

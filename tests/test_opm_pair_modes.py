@@ -12,7 +12,8 @@ harness's FAMILY mechanism on pure-PyTorch files; CPU tensors raise the device e
 GPU (marker gpu): every forced variant and "auto", fused and unfused pair epilogue, in fp32 / fp16 /
 bf16 against fp64 (outputs poisoned with NaN through the caching allocator before each call); the
 backward of both modes against fp64; the fp16 overflow of a fully masked pair (OpenFold: bias / eps);
-the drop-ins converted from real modules inside a small stack of layers (outputs and gradients).
+bf16 rows below 2^-121 with pair scales near 1 / eps; the drop-ins converted from real modules inside a
+small stack of layers (outputs and gradients).
 """
 import copy
 import importlib.util
@@ -483,6 +484,43 @@ def test_fp16_overflow_of_a_fully_masked_pair(opm, fused):
             assert torch.equal(torch.isinf(got[0, i, j]), torch.isinf(want[0, i, j])), (v, i, j)
         assert torch.isfinite(got[0, :2, 3:]).all()
 
+
+
+@gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_tiny_rows_with_large_pair_scales(opm, fused):
+    """OpenFold mode in bf16 where s1 = 1 / (count + eps) is about 506 and every O row is below 2^-121
+    (projections of 2^-57 with mask weights 2^-5; every product a b stays a normal float): the 16-bit
+    kernels' power-of-two row scale times s1 must stay finite (a cap of 2^126 alone gives inf). The
+    linear projections are zero and their biases of magnitude 1-2 times 2^-57, so each product lies in
+    [2^-124, 2^-122], and the output bias is zero: the output, about 2^-112, is all outer product."""
+    B, S, N, cm, cz, c = 1, 3, 20, 32, 64, 32
+    ref, new = models(opm, "openfold", cm, cz, c, 50)
+    g = torch.Generator().manual_seed(51)
+    with torch.no_grad():
+        for lin in (ref.linear_1, ref.linear_2):
+            lin.weight.zero_()
+            sign = torch.where(torch.rand(c, generator=g) < 0.5, -1.0, 1.0)
+            lin.bias.copy_(sign * (1 + torch.rand(c, generator=g)) * 2.0 ** -57)
+        ref.linear_out.bias.zero_()
+    ref, new = ref.cuda().bfloat16(), new.cuda().bfloat16()
+    new.load_state_dict(ref.state_dict())
+    msa, _ = inputs(B, S, N, cm, "ones", 52)
+    mask = torch.zeros(B, S, N)
+    mask[:, 0] = 2.0 ** -5  # pair count 2^-10 everywhere
+    msa, mask = msa.cuda().bfloat16(), mask.cuda().bfloat16()
+    want64 = _ref64(ref, msa, mask)
+    assert 2.0 ** -120 < want64.abs().max().item() < 2.0 ** -100
+    with torch.no_grad():
+        want = ref(msa, mask)
+    for v in _variants(opm):
+        new.variant = v
+        _poison(2 * want64.numel() * 8)
+        with torch.no_grad(), opm.pair_epilogue("fused" if fused else "unfused"):
+            got = new(msa, mask)
+        torch.cuda.synchronize()
+        assert torch.isfinite(got).all(), (v, fused)
+        _judge(got, want, want64, torch.bfloat16, f"tiny rows {v} fused={fused}")
 
 class Stack(torch.nn.Module):
     """A small stack around an outer product mean: msa -> Linear -> OPM -> LayerNorm -> Linear."""

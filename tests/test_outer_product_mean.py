@@ -715,7 +715,7 @@ def test_outer_wg_half_reads_and_writes_its_dtype(opm, ref, dtype, ctype):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert any(f"opm_prep16_kernel<{ctype}" in n for n in kernels), kernels  # c_m % 16 == 0: the warp-tile prep
-    assert any(f"opm_outer_wg_kernel<{ctype}>" in n for n in kernels), kernels
+    assert any(f"opm_outer_wg_kernel<{ctype}, false>" in n for n in kernels), kernels
     big = ([B, S, N, cm], [B, N, N, cz])
     copies = [(e.name, e.input_shapes) for e in prof.events()
               if e.name in ("aten::copy_", "aten::_to_copy") and any(sh in big for sh in e.input_shapes)]

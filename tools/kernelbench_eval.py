@@ -12,7 +12,8 @@ line per run (correct, ModelNew ms, reference ms, speedup) and exits 1 when a ru
 
 KernelBench's modules import packages its evaluator does not use (its LLM clients: openai, litellm, dotenv; tqdm)
 and pydantic for its result record; where one is missing, a stand-in module takes its place (stand_ins()): a
-BaseModel whose fields are the class's annotated defaults, tqdm returning its iterable, names that raise if called.
+BaseModel whose fields are the class's annotated defaults, tqdm returning its iterable, load_dotenv reading no
+.env file (kernelbench.utils calls it on import), the LLM clients' names raising if called.
 """
 import argparse
 import os
@@ -60,7 +61,10 @@ def stand_ins(importable=None):
     if not can_import("pydantic"):
         made["pydantic"] = types.ModuleType("pydantic")
         made["pydantic"].BaseModel = _Record
-    for name, attrs in (("dotenv", ("load_dotenv",)), ("openai", ("OpenAI",)), ("litellm", ("completion",))):
+    if not can_import("dotenv"):  # kernelbench.utils calls load_dotenv() on import: no .env file read
+        made["dotenv"] = types.ModuleType("dotenv")
+        made["dotenv"].load_dotenv = lambda *args, **kwargs: False
+    for name, attrs in (("openai", ("OpenAI",)), ("litellm", ("completion",))):
         if not can_import(name):
             made[name] = types.ModuleType(name)
             for attr in attrs:

@@ -32,9 +32,10 @@ namespace opm {
 //   the output written in T (one rounding).
 // kPair (the pair modes, "Normalisations"): inv_denom points at the float2 (s1, s2)
 //   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
-//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and a
-//   pair whose scaled row max has a zero exponent field (all zeros) keeps the scale 1 (s1 may exceed 1:
-//   2^126 s1 would overflow). The row mode's instances (kPair false) are unchanged.
+//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and the
+//   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
+//   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
+//   unchanged.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
@@ -313,9 +314,11 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             // the warp's max: as unsigned integers, non-negative floats order as their values (NaN above inf)
             mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
             // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
-            // subnormal rows: 2^126; inf / NaN stay so)
+            // subnormal rows: 2^126; inf / NaN stay so); kPair: at most 380 - e(inv), so that inv times
+            // the scale stays below 2^127
             const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff);
-            const int fs = kPair && E == 0 ? 127 : min(253, max(1, 268 - E));
+            const int fmax = kPair ? min(253, 380 - static_cast<int>((__float_as_uint(inv) >> 23) & 0xff)) : 253;
+            const int fs = min(fmax, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
           }
