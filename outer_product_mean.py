@@ -2914,6 +2914,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   // block (under 2^18 bytes) without a carry
   [[maybe_unused]] const uint64_t dA0 = wg_desc(sm + wg * kOwABlk16 / 2, 512), dB0 = wg_desc(sm + kOwABlk16, 512);
   float acc[64], d[64], o[32], d2[32];
+  [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of this thread's phase-B rows, loaded with the tile
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t it = t % nit, jt = t / nit % nbb, zc = t / nit / nbb % nz, b = t / nit / nbb / nz;
     if constexpr (kSplit) {
@@ -2927,7 +2928,16 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else {  // 16-bit pair modes: o starts from s2 bo, s2 of this thread's pairs 16 w4 + g + 8 hr
+    } else {  // 16-bit pair modes: o starts from s2 bo, s2 of this thread's pairs 16 w4 + g + 8 hr; s1 of the
+      // rows (8 wg + 2 w4 + hr, jl) that this thread scales before phase B, loaded here so that phase A
+      // hides their latency
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int jl = 0; jl < kOwTJ; ++jl) {
+          const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr, j = jt * kOwTJ + jl;
+          s1p[hr][jl] = i < N && j < N ? pscale[(b * N + i) * N + j].x : 0.f;
+        }
       float s2[2];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
@@ -3069,10 +3079,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 #pragma unroll
           for (int jl = 0; jl < kOwTJ; ++jl) {
             float inv = inv_row;
-            if constexpr (kPair) {  // s1 of pair (i, j)
-              const int64_t j = jt * kOwTJ + jl;
-              inv = i < N && j < N ? pscale[(b * N + i) * N + j].x : 0.f;
-            }
+            if constexpr (kPair) inv = s1p[hr][jl];  // s1 of pair (i, j)
             float mx = 0.f;
 #pragma unroll
             for (int jq = 0; jq < 4; ++jq)
@@ -4980,7 +4987,8 @@ namespace opm {
 // The pair modes' (s1, s2) per pair: opm_pair_scale_kernel, a float2 (B, N, N) array.
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
-constexpr int kPsT = 32, kPsS = 32;  // opm_pair_scale_kernel: pairs per block 32 i x 32 j, s per chunk 32
+constexpr int kPsT = 32, kPsS = 8, kPsSlices = 8;  // opm_pair_scale_kernel: 32 x 32 pairs, 8 s per slice chunk
+constexpr int kPsThreads = 64 * kPsSlices;            // 64 threads (4 x 4 pairs each) per slice
 template <typename T>  // fp32 -> T (float: itself)
 __device__ __forceinline__ T from_float_any(float v) {
   if constexpr (std::is_same_v<T, float>) return v;
@@ -4990,66 +4998,104 @@ __device__ __forceinline__ T from_float_any(float v) {
 // scale[b, i, j] = (s1 / inv_denom[b, i], s2) where inv_denom is not null (the epilogue after kernels
 // that applied the row scale), else (s1, s2) (outer_wg's fused pair epilogue). The pair count is summed
 // exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
-// integer masks in int64 (Acc long long). Block (256 threads): the 32 x 32 pairs of tile t = (b, it,
-// jt), thread (ty = tid / 16, tx = tid % 16) pairs (i0 + ty + 16 r, j0 + tx + 16 q), r, q < 2 (4 shared
-// loads per 4 products); per chunk of 32 s the mask's columns i0.. and j0.. in shared memory (as Acc).
-// Grid-stride over the tiles.
+// integer masks in int64 (Acc long long). Block (kPsThreads = 512): the 32 x 32 pairs of tile t = (b, it,
+// jt) in kPsSlices = 8 slices of 64 threads; per chunk of 64 s, slice q sums the 8 s from 8 (8 chunk + q),
+// thread (ty, tx) = (l / 8, l % 8), l = tid % 64, the pairs (i0 + 4 ty + r, j0 + 4 tx + c), r, c < 4 (8
+// shared loads per 16 products), from the mask's columns i0.. and j0.. in shared memory (as Acc); the next
+// chunk's columns are loaded into registers while this one is summed. The slices' sums are then added in
+// a fixed tree (q + 4, q + 2, q + 1 into q): the same order on every run. Grid-stride over the tiles.
 template <typename Acc>
-__global__ void __launch_bounds__(kThreads) opm_pair_scale_kernel(const void* __restrict__ mask, int mask_kind,
-                                                                  int64_t B, int64_t S, int64_t N, int norm, double eps,
-                                                                  const float* __restrict__ inv_denom,
-                                                                  float2* __restrict__ scale) {
-  __shared__ Acc mi[kPsS][kPsT], mj[kPsS][kPsT];
-  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-  const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt;
+__global__ void __launch_bounds__(kPsThreads) opm_pair_scale_kernel(const void* __restrict__ mask, int mask_kind,
+                                                                    int64_t B, int64_t S, int64_t N, int norm,
+                                                                    double eps, const float* __restrict__ inv_denom,
+                                                                    float2* __restrict__ scale) {
+  constexpr int kChunk = kPsSlices * kPsS * kPsT;  // mask elements of one chunk, per column set
+  constexpr int kLoads = kChunk / kPsThreads;      // per thread
+  __shared__ __align__(16) Acc msh[2][kChunk];     // [0]: columns i, [1]: columns j; then the slices' sums
+  const int tid = threadIdx.x, q = tid / 64, l = tid % 64, tx = l % 8, ty = l / 8;
+  const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt, nchunk = cdiv(S, kPsSlices * kPsS);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t jt = t % nt, it = t / nt % nt, b = t / nt / nt;
     const int64_t i0 = it * kPsT, j0 = jt * kPsT;
-    Acc acc[2][2] = {};
-    for (int64_t s0 = 0; s0 < S; s0 += kPsS) {
-      __syncthreads();  // the previous chunk's reads are done
+    Acc pi[kLoads], pj[kLoads];
+    // element e of a chunk: (slice e / 256, s e / 32 % 8, column e % 32), coalesced along i (j)
+    auto fetch = [&](int64_t ch) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {  // element (sl, col) = (e / 32, e % 32), e = tid + 256 r: coalesced along i (j)
-        const int e = tid + kThreads * r, sl = e / kPsT, col = e % kPsT;
-        const int64_t s = s0 + sl, i = i0 + col, j = j0 + col;
+      for (int r = 0; r < kLoads; ++r) {
+        const int e = tid + kPsThreads * r, col = e % kPsT;
+        const int64_t s = (ch * kPsSlices + e / (kPsS * kPsT)) * kPsS + e / kPsT % kPsS, i = i0 + col, j = j0 + col;
         const bool sin = s < S;
         if constexpr (std::is_same_v<Acc, double>) {
-          mi[sl][col] = sin && i < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + i, mask_kind)) : 0.0;
-          mj[sl][col] = sin && j < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + j, mask_kind)) : 0.0;
+          pi[r] = sin && i < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + i, mask_kind)) : 0.0;
+          pj[r] = sin && j < N ? static_cast<double>(mask_value(mask, (b * S + s) * N + j, mask_kind)) : 0.0;
         } else {
-          mi[sl][col] = sin && i < N ? mask_int(mask, (b * S + s) * N + i, mask_kind) : 0;
-          mj[sl][col] = sin && j < N ? mask_int(mask, (b * S + s) * N + j, mask_kind) : 0;
+          pi[r] = sin && i < N ? mask_int(mask, (b * S + s) * N + i, mask_kind) : 0;
+          pj[r] = sin && j < N ? mask_int(mask, (b * S + s) * N + j, mask_kind) : 0;
         }
       }
-      __syncthreads();
-#pragma unroll 8
-      for (int sl = 0; sl < kPsS; ++sl) {
-        Acc vi[2], vj[2];
+    };
+    Acc acc[4][4] = {};
+    if (nchunk > 0) fetch(0);
+    for (int64_t ch = 0; ch < nchunk; ++ch) {
+      __syncthreads();  // the previous chunk's (or tile's) reads of msh are done
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          vi[r] = mi[sl][ty + 16 * r];
-          vj[r] = mj[sl][tx + 16 * r];
+      for (int r = 0; r < kLoads; ++r) {
+        msh[0][tid + kPsThreads * r] = pi[r];
+        msh[1][tid + kPsThreads * r] = pj[r];
+      }
+      __syncthreads();  // the chunk in shared memory
+      if (ch + 1 < nchunk) fetch(ch + 1);
+      const Acc* mi = msh[0] + q * (kPsS * kPsT);
+      const Acc* mj = msh[1] + q * (kPsS * kPsT);
+#pragma unroll
+      for (int sl = 0; sl < kPsS; ++sl) {
+        Acc vi[4], vj[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          vi[r] = mi[sl * kPsT + 4 * ty + r];
+          vj[r] = mj[sl * kPsT + 4 * tx + r];
         }
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+        for (int r = 0; r < 4; ++r)
 #pragma unroll
-          for (int q = 0; q < 2; ++q) acc[r][q] += vi[r] * vj[q];
+          for (int c = 0; c < 4; ++c) acc[r][c] += vi[r] * vj[c];
       }
     }
+    // the slices' sums: slice q + h adds into slice q for h = 4, 2, 1 (red: (slice - h, r, c, l))
+    Acc* red = &msh[0][0];  // both halves: 4 slices x 16 sums x 64 threads
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int h = kPsSlices / 2; h >= 1; h /= 2) {
+      __syncthreads();  // msh's earlier reads are done
+      if (q >= h && q < 2 * h) {
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int64_t i = i0 + ty + 16 * r, j = j0 + tx + 16 * q;
-        if (i >= N || j >= N) continue;
-        const double n = static_cast<double>(acc[r][q]);
-        // NaN counts stay NaN (n < 1.0 is false for NaN)
-        const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
-        const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
-        const float f1 =
-            inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[b * N + i])) : static_cast<float>(s1);
-        scale[(b * N + i) * N + j] = make_float2(f1, s2);
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) red[(((q - h) * 4 + r) * 4 + c) * 64 + l] = acc[r][c];
       }
+      __syncthreads();
+      if (q < h) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[r][c] += red[((q * 4 + r) * 4 + c) * 64 + l];
+      }
+    }
+    if (q == 0) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int64_t i = i0 + 4 * ty + r, j = j0 + 4 * tx + c;
+          if (i >= N || j >= N) continue;
+          const double n = static_cast<double>(acc[r][c]);
+          // NaN counts stay NaN (n < 1.0 is false for NaN)
+          const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
+          const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
+          const float f1 =
+              inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[b * N + i])) : static_cast<float>(s1);
+          scale[(b * N + i) * N + j] = make_float2(f1, s2);
+        }
+    }
   }
 }
 
@@ -5429,14 +5475,14 @@ static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64
                                     double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
   at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
   const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
-  const int g = grid_for(std::min<int64_t>(tiles, 16ll * d.sms));
+  const int g = grid_for(std::min<int64_t>(tiles, 4ll * d.sms));
   if (g == 0) return scale;
   const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
   float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
   if (mask_is_float(mask_kind))
-    opm_pair_scale_kernel<double><<<g, kThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
+    opm_pair_scale_kernel<double><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
   else
-    opm_pair_scale_kernel<long long><<<g, kThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
+    opm_pair_scale_kernel<long long><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return scale;
 }
@@ -5767,6 +5813,16 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                                      : kOuterFirst;
     if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = kWFirstWg2;
     if (t_ow < std::min({t_outer, w_fits ? t_w : 1e30, t_wg})) used = kOuterWg;  // (t_ow finite only if ow_tiles_ok)
+    // fused_small (one cooperative launch) where one wave of blocks holds all its work (each task (b, 32 i,
+    // 4 j, 8 z) and each group of kFsRows msa rows one block's) and S <= 32: at the seed shape it beat every
+    // other variant in each dtype (NOTES: fused_small); with more tasks per block or more sequences its
+    // FMA loop at 12.5% occupancy loses to the tensor-core paths
+    if (c <= kFsCP && S <= 32) {
+      const FsLaunch f = fs_launch_info<float>(msa.get_device(), d);
+      const int64_t blocks = static_cast<int64_t>(f.per_sm) * d.sms;
+      const int64_t fs_tasks = B * cdiv(N, kFsNI) * cdiv(N, kFsJT) * cdiv(cz, kFsZT);
+      if (f.coop && fs_tasks <= blocks && B * S * N <= kFsRows * blocks) used = kFusedSmall;
+    }
   }
   if (used == kOuterWg) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 
@@ -6822,11 +6878,21 @@ class ModelNew(_Variants, nn.Module):
         return _opm(self, msa_repr, msa_mask, params, _PARAM_NAMES, float(self.layer_norm.eps))
 
 
+_ZERO_BIAS = {}  # (features, dtype, device) -> zeros, made once (no fill launch per call); never written
+
+
 def _proj_bias(linear):
-    """A projection's bias, or zeros of its dtype and device (no gradient) where it has none."""
+    """A projection's bias, or zeros of its dtype and device (no gradient) where it has none: one tensor per
+    (features, dtype, device), made outside inference mode so that autograd may save it later."""
     if linear.bias is not None:
         return linear.bias
-    return torch.zeros(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device)
+    w = linear.weight
+    key = (linear.out_features, w.dtype, w.device)
+    zeros = _ZERO_BIAS.get(key)
+    if zeros is None:
+        with torch.inference_mode(False):
+            zeros = _ZERO_BIAS[key] = torch.zeros(linear.out_features, dtype=w.dtype, device=w.device)
+    return zeros
 
 
 def _flat(m, mask):

@@ -190,6 +190,16 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                                      : kOuterFirst;
     if (t_wg < std::min(t_outer, w_fits ? t_w : 1e30)) used = kWFirstWg2;
     if (t_ow < std::min({t_outer, w_fits ? t_w : 1e30, t_wg})) used = kOuterWg;  // (t_ow finite only if ow_tiles_ok)
+    // fused_small (one cooperative launch) where one wave of blocks holds all its work (each task (b, 32 i,
+    // 4 j, 8 z) and each group of kFsRows msa rows one block's) and S <= 32: at the seed shape it beat every
+    // other variant in each dtype (NOTES: fused_small); with more tasks per block or more sequences its
+    // FMA loop at 12.5% occupancy loses to the tensor-core paths
+    if (c <= kFsCP && S <= 32) {
+      const FsLaunch f = fs_launch_info<float>(msa.get_device(), d);
+      const int64_t blocks = static_cast<int64_t>(f.per_sm) * d.sms;
+      const int64_t fs_tasks = B * cdiv(N, kFsNI) * cdiv(N, kFsJT) * cdiv(cz, kFsZT);
+      if (f.coop && fs_tasks <= blocks && B * S * N <= kFsRows * blocks) used = kFusedSmall;
+    }
   }
   if (used == kOuterWg) CP = 32;  // outer_wg's tiles are built for CP = 32 (c <= 32 zero-padded)
 

@@ -330,14 +330,14 @@ static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64
                                     double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
   at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
   const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
-  const int g = grid_for(std::min<int64_t>(tiles, 16ll * d.sms));
+  const int g = grid_for(std::min<int64_t>(tiles, 4ll * d.sms));
   if (g == 0) return scale;
   const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
   float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
   if (mask_is_float(mask_kind))
-    opm_pair_scale_kernel<double><<<g, kThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
+    opm_pair_scale_kernel<double><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
   else
-    opm_pair_scale_kernel<long long><<<g, kThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
+    opm_pair_scale_kernel<long long><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return scale;
 }

@@ -578,11 +578,21 @@ class ModelNew(_Variants, nn.Module):
         return _opm(self, msa_repr, msa_mask, params, _PARAM_NAMES, float(self.layer_norm.eps))
 
 
+_ZERO_BIAS = {}  # (features, dtype, device) -> zeros, made once (no fill launch per call); never written
+
+
 def _proj_bias(linear):
-    """A projection's bias, or zeros of its dtype and device (no gradient) where it has none."""
+    """A projection's bias, or zeros of its dtype and device (no gradient) where it has none: one tensor per
+    (features, dtype, device), made outside inference mode so that autograd may save it later."""
     if linear.bias is not None:
         return linear.bias
-    return torch.zeros(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device)
+    w = linear.weight
+    key = (linear.out_features, w.dtype, w.device)
+    zeros = _ZERO_BIAS.get(key)
+    if zeros is None:
+        with torch.inference_mode(False):
+            zeros = _ZERO_BIAS[key] = torch.zeros(linear.out_features, dtype=w.dtype, device=w.device)
+    return zeros
 
 
 def _flat(m, mask):

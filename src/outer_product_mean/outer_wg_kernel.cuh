@@ -148,6 +148,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   // block (under 2^18 bytes) without a carry
   [[maybe_unused]] const uint64_t dA0 = wg_desc(sm + wg * kOwABlk16 / 2, 512), dB0 = wg_desc(sm + kOwABlk16, 512);
   float acc[64], d[64], o[32], d2[32];
+  [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of this thread's phase-B rows, loaded with the tile
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t it = t % nit, jt = t / nit % nbb, zc = t / nit / nbb % nz, b = t / nit / nbb / nz;
     if constexpr (kSplit) {
@@ -161,7 +162,16 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else {  // 16-bit pair modes: o starts from s2 bo, s2 of this thread's pairs 16 w4 + g + 8 hr
+    } else {  // 16-bit pair modes: o starts from s2 bo, s2 of this thread's pairs 16 w4 + g + 8 hr; s1 of the
+      // rows (8 wg + 2 w4 + hr, jl) that this thread scales before phase B, loaded here so that phase A
+      // hides their latency
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int jl = 0; jl < kOwTJ; ++jl) {
+          const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr, j = jt * kOwTJ + jl;
+          s1p[hr][jl] = i < N && j < N ? pscale[(b * N + i) * N + j].x : 0.f;
+        }
       float s2[2];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
@@ -303,10 +313,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
 #pragma unroll
           for (int jl = 0; jl < kOwTJ; ++jl) {
             float inv = inv_row;
-            if constexpr (kPair) {  // s1 of pair (i, j)
-              const int64_t j = jt * kOwTJ + jl;
-              inv = i < N && j < N ? pscale[(b * N + i) * N + j].x : 0.f;
-            }
+            if constexpr (kPair) inv = s1p[hr][jl];  // s1 of pair (i, j)
             float mx = 0.f;
 #pragma unroll
             for (int jq = 0; jq < 4; ++jq)
