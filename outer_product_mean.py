@@ -29,12 +29,12 @@ Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections
 
 Variants (`model.variant`; ModelNew.VARIANTS: those that run on this GPU, ALL_VARIANTS: every name; forcing
 one that cannot run raises with the reason; `model.last_variant` names the one that ran):
-  "auto"         the default: runs the candidate of least estimated time (FLOPs as executed over per-kernel
-                 rates measured on the H200, kEff* in the CUDA source, plus 2 us per launch). On an H100 / H200
-                 outer_wg wins at most shapes (in 16 bits at few sequences too), w_first_wg2 at few sequences
-                 (S ~ 32), w_first_small at tiny ones. A w_first is a candidate where one j column of P fits
-                 32 MB: w_first_small under one wave of 128 x 128 tiles, else w_first_tc2 on sm_80+ (w_first_tc
-                 where 136 KB do not fit), else the FMA w_first.
+  "auto"         the default: the candidate of least estimated time (FLOPs as executed over per-kernel rates
+                 measured on the H200, kEff* in the CUDA source, plus 2 us per launch): on an H100 / H200 outer_wg
+                 at most shapes, w_first_wg2 at S ~ 32, w_first_small at tiny ones; fused_small where one wave of
+                 blocks holds all its work and S <= 32 (the seed shape, where it was measured first). A w_first is
+                 a candidate where one j column of P fits 32 MB: w_first_small under one wave of 128 x 128 tiles,
+                 else w_first_tc2 on sm_80+ (w_first_tc where 136 KB do not fit), else the FMA w_first.
   outer_wg       9.0 with the sm_90a build, hidden_dim <= 32: opm_ow_params_kernel (LayerNorm affine folded into
                  the projection weights), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, a and b
                  in wgmma tile order; opm_prep16_kernel, bit-equal in warp tiles, for a 16-bit msa with msa_dim
@@ -46,7 +46,7 @@ one that cannot run raises with the reason; `model.last_variant` names the one t
   w_first        FMA stage 2 (opm_wfirst_gemm_kernel), any GPU, P in j-chunks of <= 32 MB.
   w_first_small  FMA stage 2 on 32 x 64 tiles, K split over warps (opm_wfirst_small_kernel): small N.
   w_first_tc     split-TF32 mma.sync stage 2, sm_80+ (opm_wfirst_tc_kernel<1>; _tc2: <2>, 64-row K stages, 136 KB).
-  fused_small    forced only (GPU-tested, not timed: NOTES): the forward in one cooperative launch, fp32 FMA.
+  fused_small    the forward in one cooperative launch (opm_fused_small_kernel<T>), fp32 FMA on T.
 
 Precision (fp32): FMA paths accumulate in fp32; tensor-core paths use split TF32 (x = hi + lo, a b ~ hi hi +
 hi lo + lo hi, the dropped lo lo ~2^-21 |a b|), wgmma sums promoted every 64 k; masks summed in fp64 / int64.
