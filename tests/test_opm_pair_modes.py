@@ -242,6 +242,71 @@ def test_backward_pair_modes_against_fp64_autograd(opm, family, kind):
     assert torch.allclose(rows[-2], got[-2]) == (kind == "ones" and family == "boltz")
 
 
+class _FakeRowKernels:
+    """The row mode's dWo, da / db and d_bo kernels (opm_backward_wo, _ab, _dbo) as their math in PyTorch
+    ops in the inputs' dtype, g / d per row i from inv_d; `calls` records which ran."""
+
+    def __init__(self):
+        self.calls = []
+
+    def opm_backward_wo(self, a, b, inv_d, g, ops):
+        self.calls.append("dWo")
+        B, S, N, c = a.shape
+        o = torch.einsum("bsih,bsjk->bijhk", a, b).reshape(B, N, N, c * c)
+        return torch.einsum("bijz,bijq->zq", g * inv_d.to(g.dtype)[:, :, None, None], o)
+
+    def opm_backward_ab(self, a, b, inv_d, g, wo, ops):
+        self.calls.append("da, db")
+        B, S, N, c = a.shape
+        G = ((g * inv_d.to(g.dtype)[:, :, None, None]) @ wo).reshape(B, N, N, c, c)
+        return torch.einsum("bijhk,bsjk->bsih", G, b), torch.einsum("bijhk,bsih->bsjk", G, a)
+
+    def opm_backward_dbo(self, g):
+        self.calls.append("dbo")
+        return g.sum((0, 1, 2))
+
+
+@pytest.mark.parametrize("kernels", [("dWo", "da, db"), ("dWo",), ("da, db",)], ids=["both", "wo", "ab"])
+@pytest.mark.parametrize("family", ["openfold", "boltz"])
+def test_pair_backward_on_the_row_kernels(opm, monkeypatch, family, kernels):
+    """PAIR_BACKWARD "kernels" (not yet GPU-tested): the row mode's dWo and da, db kernels, faked by their
+    math (g / d per row), handed s1 g and a row scale of 1, alone or together (the rest in chunks; dbo by
+    ATen), give fp64 autograd's gradients through the reference for both pair modes (fractional mask, a
+    dead row and column); the fakes ran as asked, and "chunks", the default, calls none of them."""
+    fake = _FakeRowKernels()
+    monkeypatch.setattr(opm, "_ext", fake)
+    B, S, N, cm, cz, c = 2, 5, 9, 12, 10, 6
+    ref, _ = models(opm, family, cm, cz, c, 12)
+    ref = ref.double()
+    msa, mask = inputs(B, S, N, cm, "fractional", 13)
+    msa, mask = msa.double(), mask.double()
+    g = torch.randn(B, N, N, cz, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    names = dict(openfold=("layer_norm", "linear_1", "linear_2", "linear_out"),
+                 boltz=("norm", "proj_a", "proj_b", "proj_o"))[family]
+    pnames = [f"{n}.{w}" for n in names for w in ("weight", "bias")]
+    d_msa, want = _grads_of(ref, pnames, msa, mask, g)
+    ln, pa, pb, po = (getattr(ref, n) for n in names)
+    zero = torch.zeros(c, dtype=torch.float64)
+    args = (msa, mask, ln.weight, ln.bias, ln.eps, pa.weight, zero if pa.bias is None else pa.bias, pb.weight,
+            zero if pb.bias is None else pb.bias, po.weight, po.bias, g)
+    norm = dict(norm=opm.NORM_OPENFOLD, norm_eps=ref.eps) if family == "openfold" else dict(norm=opm.NORM_BOLTZ)
+    kw = dict(chunk_bytes=4096, rows_kernel=False, ln_kernel=False, wo_kernel="dWo" in kernels,
+              ab_kernel="da, db" in kernels, **norm)
+    with torch.no_grad():
+        opm.outer_product_mean_backward(*args, **kw)
+        assert fake.calls == [], "the default (chunks) ran a row-mode kernel"
+        with opm.pair_backward("kernels"):
+            parts = []
+            got = opm.outer_product_mean_backward(*args, parts=parts, **kw)
+    assert fake.calls == list(kernels) and parts == list(kernels)
+    assert opm.PAIR_BACKWARD == "chunks"
+    torch.testing.assert_close(got[0], d_msa, atol=1e-9, rtol=1e-9)
+    for name, gr in zip(pnames, got[1:]):
+        if want.get(name) is not None:  # (Boltz: no projection biases)
+            torch.testing.assert_close(gr, want[name], atol=1e-9, rtol=1e-9, msg=name)
+    with pytest.raises(ValueError, match="'chunks' or 'kernels'"):
+        opm.pair_backward("fused")
+
 @pytest.fixture
 def opm_fake(opm, monkeypatch):
     """opm with its CUDA extension replaced by tests/test_training.py's _FakeOpmExtension (the kernels'
@@ -423,13 +488,15 @@ def test_every_variant_against_fp64(opm, family, kind, dtype, case):
 
 
 @gpu
+@pytest.mark.parametrize("pb", ["chunks", "kernels"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("kind", ["dead", "fractional"])
 @pytest.mark.parametrize("family", ["openfold", "boltz"])
-def test_backward_against_fp64(opm, family, kind, dtype):
+def test_backward_against_fp64(opm, family, kind, dtype, pb):
     """The training backward of both pair modes (autograd through the module: "auto"'s forward, the
-    kernels for a, b and the LayerNorm part where they run, PyTorch chunks for dWo and da, db) against
-    fp64 autograd of the reference: fp32 within 1e-4 of the largest gradient; fp16 / bf16 at most
+    kernels for a, b and the LayerNorm part where they run, dWo and da, db in PyTorch chunks or, with
+    pair_backward("kernels"), in the row mode's kernels on s1 g where they run) against fp64 autograd of
+    the reference: fp32 within 1e-4 of the largest gradient; fp16 / bf16 at most
     harness.GRAD_FP64_FACTOR x the reference's own error in that dtype (or 4 half-ulps)."""
     B, S, N, cm, cz, c = 1, 40, 37, 256, 128, 32
     ref, new = models(opm, family, cm, cz, c, 30)
@@ -441,8 +508,13 @@ def test_backward_against_fp64(opm, family, kind, dtype):
     r64 = copy.deepcopy(ref).double()
     d64, w64 = _grads_of(r64, names, msa.double(), mask.double(), g.double())
     dref, wref = _grads_of(ref, names, msa, mask, g)
-    dnew, wnew = _grads_of(new, names, msa, mask, g)
-    assert "dWo" not in new.last_backward and "da, db" not in new.last_backward
+    with opm.pair_backward(pb):
+        dnew, wnew = _grads_of(new, names, msa, mask, g)
+    ran = set(new.last_backward)
+    if pb == "chunks":
+        assert "dWo" not in ran and "da, db" not in ran, ran
+    elif opm._ab_kernel_runs(msa, c, cz, torch.float32):
+        assert {"dWo", "da, db"} <= ran, ran
     for n in ["msa"] + names:
         got, want, want64 = (dnew, dref, d64) if n == "msa" else (wnew[n], wref[n], w64[n])
         assert got is not None and got.dtype == dtype and not torch.isnan(got).any(), n

@@ -68,9 +68,9 @@ Training: the backward (outer_product_mean_backward) saves the inputs, and a, b 
 fused_small ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper
 with hidden_dim 32, pair_dim <= 128, wgmma kernels compute dWo and, for pair_dim % 4 == 0, da and db (O, G =
 (g / denom) Wo per tile on chip; split TF32, or 16-bit with pair_dim % 8 == 0), and for msa_dim 128 / 256 the
-LayerNorm part; else (and in the pair modes) PyTorch ops build O and G for chunks of rows i (~256 MB).
-`model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter, none for the
-mask; double backward raises.
+LayerNorm part; else PyTorch ops build O and G for chunks of rows i (~256 MB), as in the pair modes unless
+PAIR_BACKWARD is "kernels" (not yet GPU-tested: those kernels on s1 g). `model.last_backward` names the parts
+run in kernels. Gradients for msa_repr and every parameter, none for the mask; double backward raises.
 
 Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST,
 else the visible GPUs', else 9.0 (as sm_90a), ~100 s on 2 cores; OPM_VERBOSE=1: nvcc commands, `-Xptxas -v`.
@@ -200,31 +200,54 @@ NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
 # over the output, as every other variant): OPM_PAIR_EPILOGUE at import, then this module attribute, or
 # `with pair_epilogue("unfused"):` for a block.
 PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
+# The pair modes' dWo, da and db: "chunks" (PyTorch ops over chunks of rows i), "kernels" (not yet GPU-tested:
+# the row mode's wgmma kernels, where they run, on s1 g with a row scale of 1): OPM_PAIR_BACKWARD at import,
+# then this module attribute, or `with pair_backward("kernels"):` for a block.
+PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "chunks")
 
 
-class pair_epilogue:
-    """`with pair_epilogue("unfused"):` (or "fused") sets PAIR_EPILOGUE for the block, then restores it."""
+class _ModuleSetting:
+    """`with <subclass>(mode):` sets the module attribute `attr` to mode (one of `modes`) for the block, then
+    restores it."""
+
+    attr, modes = "", ()
 
     def __init__(self, mode):
-        if mode not in ("fused", "unfused"):
-            raise ValueError(f"pair_epilogue: 'fused' or 'unfused', got {mode!r}")
+        if mode not in self.modes:
+            raise ValueError(f"{type(self).__name__}: {' or '.join(repr(m) for m in self.modes)}, got {mode!r}")
         self.mode, self.saved = mode, None
 
     def __enter__(self):
-        global PAIR_EPILOGUE
-        self.saved, PAIR_EPILOGUE = PAIR_EPILOGUE, self.mode
+        self.saved, globals()[self.attr] = globals()[self.attr], self.mode
         return self
 
     def __exit__(self, *exc):
-        global PAIR_EPILOGUE
-        PAIR_EPILOGUE = self.saved
+        globals()[self.attr] = self.saved
         return False
+
+
+class pair_epilogue(_ModuleSetting):
+    """`with pair_epilogue("unfused"):` (or "fused") sets PAIR_EPILOGUE for the block, then restores it."""
+
+    attr, modes = "PAIR_EPILOGUE", ("fused", "unfused")
+
+
+class pair_backward(_ModuleSetting):
+    """`with pair_backward("kernels"):` (or "chunks") sets PAIR_BACKWARD for the block, then restores it."""
+
+    attr, modes = "PAIR_BACKWARD", ("chunks", "kernels")
 
 
 def _pair_fused():
     if PAIR_EPILOGUE not in ("fused", "unfused"):
         raise ValueError(f"outer_product_mean: PAIR_EPILOGUE must be 'fused' or 'unfused', got {PAIR_EPILOGUE!r}")
     return PAIR_EPILOGUE == "fused"
+
+
+def _pair_kernels():
+    if PAIR_BACKWARD not in ("chunks", "kernels"):
+        raise ValueError(f"outer_product_mean: PAIR_BACKWARD must be 'chunks' or 'kernels', got {PAIR_BACKWARD!r}")
+    return PAIR_BACKWARD == "kernels"
 
 
 def pair_scales(mask, norm, eps=1e-3):
@@ -240,13 +263,16 @@ def pair_scales(mask, norm, eps=1e-3):
 
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
-                                rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3):
+                                rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3,
+                                pair_kernels=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
     out = s1 (O Wo^T) + s2 bo with pair_scales' s1, s2 (B, N, N): then dWo = sum (s1 g)^T O,
-    G = (s1 g) Wo, dbo = sum s2 g (the divided bias's gradient for OpenFold), in the chunks below (the
-    dWo and da, db kernels serve the row mode only; a, b and the LayerNorm part run as for it).
+    G = (s1 g) Wo, dbo = sum s2 g (the divided bias's gradient for OpenFold): in the chunks below, or
+    with pair_kernels (None: PAIR_BACKWARD == "kernels") by the dWo and da, db kernels where they run,
+    handed s1 g as grad_out and a row scale of 1 (dbo then summed by ATen); a, b and the LayerNorm part
+    run as for the row mode.
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
     other than float32 go to the kernels as float32), ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -303,7 +329,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     wo_in_kernel = _wo_kernel_runs(msa, c, c_z, ct) if wo_kernel is None else wo_kernel
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
     pair = norm != NORM_ROWS
-    if pair:  # the dWo and da, db kernels take the row scale only
+    if pair and not (_pair_kernels() if pair_kernels is None else pair_kernels):  # chunks for dWo, da, db
         wo_in_kernel = ab_in_kernel = False
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
@@ -343,11 +369,20 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             torch.addmm(Ba, x, Wa.t(), out=a_rows[r0:r1]).mul_(m_rows[r0:r1])
             torch.addmm(Bb, x, Wb.t(), out=b_rows[r0:r1]).mul_(m_rows[r0:r1])
             del x
-        if wo_in_kernel or ab_in_kernel:
+        if (wo_in_kernel or ab_in_kernel) and not pair:
             inv_d = denom.reciprocal()
 
-    # grad_out as the kernels take it: float32 for split TF32, else in the msa's type (no copy where it is)
-    g_k = grad_out.to(ct if ops == "split" else msa.dtype).contiguous() if wo_in_kernel or ab_in_kernel else None
+    # grad_out as the kernels take it: float32 for split TF32, else in the msa's type (no copy where it is);
+    # a pair mode hands them s1 g (rounded once to that type) and a row scale of 1
+    g_k = None
+    if pair and (wo_in_kernel or ab_in_kernel):
+        gs = grad_out.to(ct) * s1[..., None]
+        d_bo_pair = (gs if norm == NORM_OPENFOLD else grad_out.to(ct)).sum((0, 1, 2))
+        g_k = gs.to(ct if ops == "split" else msa.dtype).contiguous()
+        inv_d = torch.ones((B, N), dtype=torch.float32, device=dev)
+        del gs
+    elif wo_in_kernel or ab_in_kernel:
+        g_k = grad_out.to(ct if ops == "split" else msa.dtype).contiguous()
 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
@@ -362,7 +397,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
     if wo_in_kernel and ab_in_kernel:
-        d_bo = _ext.opm_backward_dbo(g_k)  # (c_z % 4 == 0 where the da / db kernel runs)
+        d_bo = d_bo_pair if pair else _ext.opm_backward_dbo(g_k)  # (c_z % 4 == 0 where the da / db kernel runs)
     else:  # chunks: O for dWo and / or G for da, db, whichever no kernel computes
         d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
         b_flat = b.reshape(B, S, N * c)                                                # (B, S, N c)
