@@ -4999,7 +4999,7 @@ __device__ __forceinline__ T from_float_any(float v) {
 // that applied the row scale), else (s1, s2) (outer_wg's fused pair epilogue). The pair count is summed
 // exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
 // integer masks in int64 (Acc long long). Block (kPsThreads = 512): the 32 x 32 pairs of tile t = (b, it,
-// jt) in kPsSlices = 8 slices of 64 threads; per chunk of 64 s, slice q sums the 8 s from 8 (8 chunk + q),
+// jt) in kPsSlices = 8 slices of 64 threads; of chunk ch (64 s), slice q sums s = 8 (8 ch + q) + 0..7, its
 // thread (ty, tx) = (l / 8, l % 8), l = tid % 64, the pairs (i0 + 4 ty + r, j0 + 4 tx + c), r, c < 4 (8
 // shared loads per 16 products), from the mask's columns i0.. and j0.. in shared memory (as Acc); the next
 // chunk's columns are loaded into registers while this one is summed. The slices' sums are then added in
@@ -5816,8 +5816,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     // fused_small (one cooperative launch) where one wave of blocks holds all its work (each task (b, 32 i,
     // 4 j, 8 z) and each group of kFsRows msa rows one block's) and S <= 32: at the seed shape it beat every
     // other variant in each dtype (NOTES: fused_small); with more tasks per block or more sequences its
-    // FMA loop at 12.5% occupancy loses to the tensor-core paths
-    if (c <= kFsCP && S <= 32) {
+    // FMA loop at 12.5% occupancy loses to the tensor-core paths. Only where its shared memory fits.
+    if (c <= kFsCP && S <= 32 && kFsSmemBytes <= static_cast<size_t>(d.smem_optin)) {
       const FsLaunch f = fs_launch_info<float>(msa.get_device(), d);
       const int64_t blocks = static_cast<int64_t>(f.per_sm) * d.sms;
       const int64_t fs_tasks = B * cdiv(N, kFsNI) * cdiv(N, kFsJT) * cdiv(cz, kFsZT);

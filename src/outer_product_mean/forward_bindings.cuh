@@ -193,8 +193,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     // fused_small (one cooperative launch) where one wave of blocks holds all its work (each task (b, 32 i,
     // 4 j, 8 z) and each group of kFsRows msa rows one block's) and S <= 32: at the seed shape it beat every
     // other variant in each dtype (NOTES: fused_small); with more tasks per block or more sequences its
-    // FMA loop at 12.5% occupancy loses to the tensor-core paths
-    if (c <= kFsCP && S <= 32) {
+    // FMA loop at 12.5% occupancy loses to the tensor-core paths. Only where its shared memory fits.
+    if (c <= kFsCP && S <= 32 && kFsSmemBytes <= static_cast<size_t>(d.smem_optin)) {
       const FsLaunch f = fs_launch_info<float>(msa.get_device(), d);
       const int64_t blocks = static_cast<int64_t>(f.per_sm) * d.sms;
       const int64_t fs_tasks = B * cdiv(N, kFsNI) * cdiv(N, kFsJT) * cdiv(cz, kFsZT);

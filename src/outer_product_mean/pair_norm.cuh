@@ -26,7 +26,7 @@ __device__ __forceinline__ T from_float_any(float v) {
 // that applied the row scale), else (s1, s2) (outer_wg's fused pair epilogue). The pair count is summed
 // exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
 // integer masks in int64 (Acc long long). Block (kPsThreads = 512): the 32 x 32 pairs of tile t = (b, it,
-// jt) in kPsSlices = 8 slices of 64 threads; per chunk of 64 s, slice q sums the 8 s from 8 (8 chunk + q),
+// jt) in kPsSlices = 8 slices of 64 threads; of chunk ch (64 s), slice q sums s = 8 (8 ch + q) + 0..7, its
 // thread (ty, tx) = (l / 8, l % 8), l = tid % 64, the pairs (i0 + 4 ty + r, j0 + 4 tx + c), r, c < 4 (8
 // shared loads per 16 products), from the mask's columns i0.. and j0.. in shared memory (as Acc); the next
 // chunk's columns are loaded into registers while this one is summed. The slices' sums are then added in
