@@ -31,10 +31,10 @@ Variants (`model.variant`; ModelNew.VARIANTS: those that run on this GPU, ALL_VA
 one that cannot run raises with the reason; `model.last_variant` names the one that ran):
   "auto"         the default: the candidate of least estimated time (FLOPs as executed over per-kernel rates
                  measured on the H200, kEff* in the CUDA source, plus 2 us per launch): on an H100 / H200 outer_wg
-                 at most shapes, w_first_wg2 at S ~ 32, w_first_small at tiny ones; fused_small where one wave of
-                 blocks holds all its work and S <= 32 (the seed shape, where it was measured first). A w_first is
-                 a candidate where one j column of P fits 32 MB: w_first_small under one wave of 128 x 128 tiles,
-                 else w_first_tc2 on sm_80+ (w_first_tc where 136 KB do not fit), else the FMA w_first.
+                 at most shapes, w_first_wg2 at S ~ 32 in fp32, w_first_small at tiny ones; fused_small where one
+                 wave of blocks holds all its work and S <= 32 (the seed shape, where it was measured first). A
+                 w_first is a candidate where one j column of P fits 32 MB: w_first_small under one wave of 128 x
+                 128 tiles, else w_first_tc2 on sm_80+ (w_first_tc where 136 KB do not fit), else the FMA w_first.
   outer_wg       9.0 with the sm_90a build, hidden_dim <= 32: opm_ow_params_kernel (LayerNorm affine folded into
                  the projection weights), opm_prep_ow_kernel (LayerNorm + projections + mask on mma.sync, a and b
                  in wgmma tile order; opm_prep16_kernel, bit-equal in warp tiles, for a 16-bit msa with msa_dim

@@ -1104,8 +1104,12 @@ def plan_runs(cases, per_case=False, skip=()):
 def plan_line(n_cases, runs, per_case, n_tools, jobs):
     """The plan in one line: cases, runs per tool, runs at a time."""
     n = len(runs) * n_tools
-    return (f"{n_cases} cases in {len(runs)} runs per tool (one per {'case' if per_case else 'kernel file'}) x "
-            f"{n_tools} tools = {n} sanitized runs, {min(jobs, n)} at a time")
+
+    def count(k, noun):
+        return f"{k} {noun}{'' if k == 1 else 's'}"
+    return (f"{count(n_cases, 'case')} in {count(len(runs), 'run')} per tool (one per "
+            f"{'case' if per_case else 'kernel file'}) x {count(n_tools, 'tool')} = {count(n, 'sanitized run')}, "
+            f"{min(jobs, n)} at a time")
 
 
 def run_command(sanitizer, tool, run, run_cases, log_dir, quick, supported, print_limit, port=49152, workers=2,
