@@ -1050,8 +1050,9 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
 def test_racecheck_clean_on_the_ordered_hand_overs(tmp_path):
     """racecheck on the calls where it found three shared-memory hand-overs unordered (NOTES.md, Sanitizer record):
     the contact map's tile coordinates (tinfo, read by one lane now, the warp served by shuffles), the OPM
-    backward's ring slots (__syncwarp before lane 0 frees a slot) and outer_wg's row scales (Osc, stored after the
-    barrier that ends phase B's reads). The fp32 walk calls give each block several tiles, so slots come round."""
+    backward's ring slots (every consumer thread arrives on the slot's empty barrier) and outer_wg's row scales
+    (Osc, stored after the barrier that ends phase B's reads). The fp32 walk calls give each block several tiles,
+    so slots come round."""
     if sw.find_sanitizer() is None:
         pytest.skip("compute-sanitizer not found")
     cases = "cm_wgmma_float32,opm_outer_wg_float16,opm_outer_wg_bfloat16,opm_backward_float32"
@@ -1059,3 +1060,18 @@ def test_racecheck_clean_on_the_ordered_hand_overs(tmp_path):
                         "--cases", cases, "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "racecheck" in r.stdout and "-> PASS" in r.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitizer
+def test_memcheck_clean_on_fused_small_16bit(tmp_path):
+    """memcheck on fused_small's float16 / bfloat16 calls, where the kernel read ln_w past its end at msa_dim 64:
+    the compiler had hoisted the 16-bit __ldg (inline asm) above its bounds check; its loads are plain loads now
+    (NOTES.md, Sanitizer record)."""
+    if sw.find_sanitizer() is None:
+        pytest.skip("compute-sanitizer not found")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sanitize_sweep.py"), "--tools", "memcheck",
+                        "--cases", "opm_fused_small_float16,opm_fused_small_bfloat16", "--per-case",
+                        "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "opm_fused_small_kernel<__nv_bfloat16>" in r.stdout and "-> PASS" in r.stdout
