@@ -306,6 +306,9 @@ def test_pair_backward_on_the_row_kernels(opm, monkeypatch, family, kernels):
             torch.testing.assert_close(gr, want[name], atol=1e-9, rtol=1e-9, msg=name)
     with pytest.raises(ValueError, match="'chunks' or 'kernels'"):
         opm.pair_backward("fused")
+    monkeypatch.setattr(opm, "PAIR_BACKWARD", "kernel")  # assigned directly: checked where it is read
+    with pytest.raises(ValueError, match="PAIR_BACKWARD must be 'chunks' or 'kernels', got 'kernel'"):
+        opm.outer_product_mean_backward(*args, **kw)
 
 @pytest.fixture
 def opm_fake(opm, monkeypatch):

@@ -208,7 +208,7 @@ PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "chunks")
 
 class _ModuleSetting:
     """`with <subclass>(mode):` sets the module attribute `attr` to mode (one of `modes`) for the block, then
-    restores it."""
+    restores it; <subclass>.current() is the attribute's value, checked (it may also be assigned directly)."""
 
     attr, modes = "", ()
 
@@ -216,6 +216,14 @@ class _ModuleSetting:
         if mode not in self.modes:
             raise ValueError(f"{type(self).__name__}: {' or '.join(repr(m) for m in self.modes)}, got {mode!r}")
         self.mode, self.saved = mode, None
+
+    @classmethod
+    def current(cls):
+        mode = globals()[cls.attr]
+        if mode not in cls.modes:
+            raise ValueError(f"outer_product_mean: {cls.attr} must be {' or '.join(repr(m) for m in cls.modes)}, "
+                             f"got {mode!r}")
+        return mode
 
     def __enter__(self):
         self.saved, globals()[self.attr] = globals()[self.attr], self.mode
@@ -236,18 +244,6 @@ class pair_backward(_ModuleSetting):
     """`with pair_backward("kernels"):` (or "chunks") sets PAIR_BACKWARD for the block, then restores it."""
 
     attr, modes = "PAIR_BACKWARD", ("chunks", "kernels")
-
-
-def _pair_fused():
-    if PAIR_EPILOGUE not in ("fused", "unfused"):
-        raise ValueError(f"outer_product_mean: PAIR_EPILOGUE must be 'fused' or 'unfused', got {PAIR_EPILOGUE!r}")
-    return PAIR_EPILOGUE == "fused"
-
-
-def _pair_kernels():
-    if PAIR_BACKWARD not in ("chunks", "kernels"):
-        raise ValueError(f"outer_product_mean: PAIR_BACKWARD must be 'chunks' or 'kernels', got {PAIR_BACKWARD!r}")
-    return PAIR_BACKWARD == "kernels"
 
 
 def pair_scales(mask, norm, eps=1e-3):
@@ -329,7 +325,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     wo_in_kernel = _wo_kernel_runs(msa, c, c_z, ct) if wo_kernel is None else wo_kernel
     ab_in_kernel = _ab_kernel_runs(msa, c, c_z, ct) if ab_kernel is None else ab_kernel
     pair = norm != NORM_ROWS
-    if pair and not (_pair_kernels() if pair_kernels is None else pair_kernels):  # chunks for dWo, da, db
+    if pair and not (pair_backward.current() == "kernels" if pair_kernels is None else pair_kernels):  # chunks for dWo, da, db
         wo_in_kernel = ab_in_kernel = False
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
@@ -511,7 +507,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
     pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
-    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), _pair_fused())
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused")
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)
