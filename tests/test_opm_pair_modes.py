@@ -16,8 +16,6 @@ bf16 rows below 2^-121 with pair scales near 1 / eps; the drop-ins converted fro
 small stack of layers (outputs and gradients).
 """
 import copy
-import importlib.util
-import math
 import os
 
 import pytest
@@ -27,10 +25,9 @@ import harness
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
-RO = harness.load_module("reference/outer_product_mean_openfold.py")
-RB = harness.load_module("reference/outer_product_mean_boltz.py")
-SOL = os.path.join(harness.ROOT, "tests", "solutions")
-CPU = ["--device", "cpu", "--no-timing"]
+# tests/test_opm_families.py's references, parameter randomisation and released modules (pinned versions)
+FAM = harness.load_module("tests/test_opm_families.py")
+RO, RB, SOL, CPU, randomise = FAM.RO, FAM.RB, FAM.SOL, FAM.CPU, FAM.randomise
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # fp16 / bf16: a kernel's max error against fp64 may be this many times the reference's own in that
 # dtype (the unfused pair epilogue rounds its output twice), or 4 half-ulps of the largest output
@@ -41,20 +38,6 @@ HALF_ULP = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -12}
 @pytest.fixture(scope="module")
 def opm(kernel_module):
     return kernel_module("outer_product_mean.py", "outer_product_mean_pair_modes")
-
-
-def randomise(model, seed):
-    """Non-trivial parameters: matrices N(0, 1/fan_in), biases N(0, 0.5^2), LayerNorm weights
-    1 + N(0, 0.5^2) (the released modules zero their output Linear)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-            else:
-                base = 1.0 if name.endswith("norm.weight") else 0.0
-                p.copy_(base + 0.5 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def inputs(B, S, N, cm, kind, seed):
@@ -122,25 +105,12 @@ def test_family_modules_raise_the_device_error_on_cpu(opm):
         new(msa, mask, chunk_size=4)
 
 
-def _released(dist):
-    if importlib.util.find_spec(dist) is None:
-        pytest.skip(f"{dist} is not installed")
-    module = {"boltz": "boltz.model.layers.outer_product_mean",
-              "openfold3": "openfold3.core.model.layers.outer_product_mean"}[dist]
-    return importlib.import_module(module).OuterProductMean
-
-
 def openfold3_module(cm, cz, c, seed, proj_bias=False, eps=1e-3):
-    OPM = _released("openfold3")
-    from openfold3.core.config import default_linear_init_config as lin_init
-
-    params = copy.deepcopy(lin_init.opm_init)
-    params.linear_1.bias = params.linear_2.bias = proj_bias
-    return randomise(OPM(cm, cz, c, eps=eps, linear_init_params=params), seed)
+    return FAM.openfold3_module(dict(msa_dim=cm, pair_dim=cz, hidden_dim=c), seed, proj_bias=proj_bias, eps=eps)
 
 
 def boltz_module(cm, cz, c, seed):
-    return randomise(_released("boltz")(cm, c, cz), seed)
+    return FAM.boltz_module(dict(msa_dim=cm, pair_dim=cz, hidden_dim=c), seed)
 
 
 @pytest.mark.parametrize("proj_bias", [False, True])
@@ -204,41 +174,48 @@ def _grads_of(model, names, msa, mask, g):
     return msa.grad, {n: p.grad for n, p in model.named_parameters() if n in names}
 
 
+def _fp64_backward_case(opm, family, kind, seed):
+    """An fp64 case of outer_product_mean_backward in a pair mode (ct = float64 on the CPU): its positional
+    arguments, its norm keywords, the parameter names in its gradients' order, and fp64 autograd through the
+    reference (d msa, {name: gradient}). Seeds seed, seed + 1, seed + 2."""
+    B, S, N, cm, cz, c = 2, 5, 9, 12, 10, 6
+    ref, _ = models(opm, family, cm, cz, c, seed)
+    ref = ref.double()
+    msa, mask = inputs(B, S, N, cm, kind, seed + 1)
+    msa, mask = msa.double(), mask.double()
+    g = torch.randn(B, N, N, cz, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
+    names = dict(openfold=("layer_norm", "linear_1", "linear_2", "linear_out"),
+                 boltz=("norm", "proj_a", "proj_b", "proj_o"))[family]
+    pnames = [f"{n}.{w}" for n in names for w in ("weight", "bias")]
+    d_msa, want = _grads_of(ref, pnames, msa, mask, g)
+    ln, pa, pb, po = (getattr(ref, n) for n in names)
+    zero = torch.zeros(c, dtype=torch.float64)
+    args = (msa, mask, ln.weight, ln.bias, ln.eps, pa.weight, zero if pa.bias is None else pa.bias, pb.weight,
+            zero if pb.bias is None else pb.bias, po.weight, po.bias, g)
+    norm = dict(norm=opm.NORM_OPENFOLD, norm_eps=ref.eps) if family == "openfold" else dict(norm=opm.NORM_BOLTZ)
+    return args, norm, pnames, d_msa, want
+
+
+def _assert_fp64_grads(got, pnames, d_msa, want):
+    torch.testing.assert_close(got[0], d_msa, atol=1e-9, rtol=1e-9)
+    for name, gr in zip(pnames, got[1:]):
+        if want.get(name) is not None:  # (Boltz: no projection biases)
+            torch.testing.assert_close(gr, want[name], atol=1e-9, rtol=1e-9, msg=name)
+
+
 @pytest.mark.parametrize("family", ["openfold", "boltz"])
 @pytest.mark.parametrize("kind", ["dead", "fractional", "ones"])
 def test_backward_pair_modes_against_fp64_autograd(opm, family, kind):
     """outer_product_mean_backward's PyTorch path with norm=... in fp64 (ct = float64 on the CPU) equals
     autograd through the reference in fp64, the bias's gradient through the division included, in chunks
     of rows (chunk_bytes small: several chunks)."""
-    B, S, N, cm, cz, c = 2, 5, 9, 12, 10, 6
-    ref, _ = models(opm, family, cm, cz, c, 9)
-    ref = ref.double()
-    msa, mask = inputs(B, S, N, cm, kind, 10)
-    msa = msa.double()
-    g = torch.randn(B, N, N, cz, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
-    names = dict(openfold=("layer_norm", "linear_1", "linear_2", "linear_out"),
-                 boltz=("norm", "proj_a", "proj_b", "proj_o"))[family]
-    pnames = [f"{n}.{w}" for n in names for w in ("weight", "bias")]
-    d_msa, want = _grads_of(ref, pnames, msa, mask.double(), g)
-    ln, pa, pb, po = (getattr(ref, n) for n in names)
-    zero = torch.zeros(c, dtype=torch.float64)
-    norm = opm.NORM_OPENFOLD if family == "openfold" else opm.NORM_BOLTZ
-    eps = ref.eps if family == "openfold" else 1.0
+    args, norm, pnames, d_msa, want = _fp64_backward_case(opm, family, kind, 9)
     with torch.no_grad():
-        got = opm.outer_product_mean_backward(
-            msa, mask, ln.weight, ln.bias, ln.eps, pa.weight, pa.bias if pa.bias is not None else zero, pb.weight,
-            pb.bias if pb.bias is not None else zero, po.weight, po.bias, g, chunk_bytes=4096, norm=norm, norm_eps=eps)
-    order = [f"{names[0]}.weight", f"{names[0]}.bias", f"{names[1]}.weight", f"{names[1]}.bias",
-             f"{names[2]}.weight", f"{names[2]}.bias", f"{names[3]}.weight", f"{names[3]}.bias"]
-    torch.testing.assert_close(got[0], d_msa, atol=1e-9, rtol=1e-9)
-    for name, gr in zip(order, got[1:]):
-        if name in want and want[name] is not None:
-            torch.testing.assert_close(gr, want[name], atol=1e-9, rtol=1e-9, msg=name)
+        got = opm.outer_product_mean_backward(*args, chunk_bytes=4096, **norm)
+    _assert_fp64_grads(got, pnames, d_msa, want)
     # the row mode (norm 0): another dWo, except for Boltz with all-ones masks (pair count = row count)
     with torch.no_grad():
-        rows = opm.outer_product_mean_backward(
-            msa, mask, ln.weight, ln.bias, ln.eps, pa.weight, zero if pa.bias is None else pa.bias, pb.weight,
-            zero if pb.bias is None else pb.bias, po.weight, po.bias, g)
+        rows = opm.outer_product_mean_backward(*args)
     assert torch.allclose(rows[-2], got[-2]) == (kind == "ones" and family == "boltz")
 
 
@@ -275,21 +252,7 @@ def test_pair_backward_on_the_row_kernels(opm, monkeypatch, family, kernels):
     dead row and column); the fakes ran as asked, and "chunks", the default, calls none of them."""
     fake = _FakeRowKernels()
     monkeypatch.setattr(opm, "_ext", fake)
-    B, S, N, cm, cz, c = 2, 5, 9, 12, 10, 6
-    ref, _ = models(opm, family, cm, cz, c, 12)
-    ref = ref.double()
-    msa, mask = inputs(B, S, N, cm, "fractional", 13)
-    msa, mask = msa.double(), mask.double()
-    g = torch.randn(B, N, N, cz, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
-    names = dict(openfold=("layer_norm", "linear_1", "linear_2", "linear_out"),
-                 boltz=("norm", "proj_a", "proj_b", "proj_o"))[family]
-    pnames = [f"{n}.{w}" for n in names for w in ("weight", "bias")]
-    d_msa, want = _grads_of(ref, pnames, msa, mask, g)
-    ln, pa, pb, po = (getattr(ref, n) for n in names)
-    zero = torch.zeros(c, dtype=torch.float64)
-    args = (msa, mask, ln.weight, ln.bias, ln.eps, pa.weight, zero if pa.bias is None else pa.bias, pb.weight,
-            zero if pb.bias is None else pb.bias, po.weight, po.bias, g)
-    norm = dict(norm=opm.NORM_OPENFOLD, norm_eps=ref.eps) if family == "openfold" else dict(norm=opm.NORM_BOLTZ)
+    args, norm, pnames, d_msa, want = _fp64_backward_case(opm, family, "fractional", 12)
     kw = dict(chunk_bytes=4096, rows_kernel=False, ln_kernel=False, wo_kernel="dWo" in kernels,
               ab_kernel="da, db" in kernels, **norm)
     with torch.no_grad():
@@ -300,15 +263,13 @@ def test_pair_backward_on_the_row_kernels(opm, monkeypatch, family, kernels):
             got = opm.outer_product_mean_backward(*args, parts=parts, **kw)
     assert fake.calls == list(kernels) and parts == list(kernels)
     assert opm.PAIR_BACKWARD == "chunks"
-    torch.testing.assert_close(got[0], d_msa, atol=1e-9, rtol=1e-9)
-    for name, gr in zip(pnames, got[1:]):
-        if want.get(name) is not None:  # (Boltz: no projection biases)
-            torch.testing.assert_close(gr, want[name], atol=1e-9, rtol=1e-9, msg=name)
+    _assert_fp64_grads(got, pnames, d_msa, want)
     with pytest.raises(ValueError, match="'chunks' or 'kernels'"):
         opm.pair_backward("fused")
     monkeypatch.setattr(opm, "PAIR_BACKWARD", "kernel")  # assigned directly: checked where it is read
     with pytest.raises(ValueError, match="PAIR_BACKWARD must be 'chunks' or 'kernels', got 'kernel'"):
         opm.outer_product_mean_backward(*args, **kw)
+
 
 @pytest.fixture
 def opm_fake(opm, monkeypatch):
