@@ -292,6 +292,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+// LayerNorm statistics of a row of n floats (shared memory), by one warp: (mean, 1 / sqrt(var + eps)),
+// the mean first, then the centred variance (two passes), in every lane.
+__device__ __forceinline__ float2 warp_row_stats(const float* row, int n, float eps, int lane) {
+  float s1 = 0.f;
+  for (int k = lane; k < n; k += 32) s1 += row[k];
+  const float mean = warp_sum(s1) / n;
+  float s2 = 0.f;
+  for (int k = lane; k < n; k += 32) {
+    const float d = row[k] - mean;
+    s2 = fmaf(d, d, s2);
+  }
+  return make_float2(mean, 1.f / sqrtf(warp_sum(s2) / n + eps));
+}
 
 // ---------------------------------------------------------------------------------------------
 // GEMM main loop shared by opm_outer_kernel and opm_wfirst_gemm_kernel.
@@ -751,16 +764,8 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
     // LayerNorm, one warp per row: mean, then centred variance (two passes over shared memory)
     for (int r = warp; r < kRows1; r += kThreads / 32) {
       float* row = xs + r * LDX;
-      float s1 = 0.f;
-      for (int k = lane; k < cm; k += 32) s1 += row[k];
-      const float mean = warp_sum(s1) / cm;
-      float s2 = 0.f;
-      for (int k = lane; k < cm; k += 32) {
-        const float d = row[k] - mean;
-        s2 = fmaf(d, d, s2);
-      }
-      const float rstd = 1.f / sqrtf(warp_sum(s2) / cm + eps);
-      for (int k = lane; k < cm; k += 32) row[k] = (row[k] - mean) * rstd * __ldg(ln_w + k) + __ldg(ln_b + k);
+      const float2 st = warp_row_stats(row, cm, eps, lane);
+      for (int k = lane; k < cm; k += 32) row[k] = (row[k] - st.x) * st.y * __ldg(ln_w + k) + __ldg(ln_b + k);
     }
 
     // y[r][o] = sum_m xs[r][m] * Wcat[o][m],  Wcat = [Wa (padded to CP rows); Wb (padded)]
@@ -4737,17 +4742,9 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
       __syncthreads();  // xs, s_mask complete
       if (warp < nr) {  // LayerNorm of row `warp`, in place: mean, then the centred variance
         float* row = xs + warp * LDX;
-        float s1 = 0.f;
-        for (int k = lane; k < cm; k += 32) s1 += row[k];
-        const float mean = warp_sum(s1) / cm;
-        float s2 = 0.f;
-        for (int k = lane; k < cm; k += 32) {
-          const float d = row[k] - mean;
-          s2 = fmaf(d, d, s2);
-        }
-        const float rstd = 1.f / sqrtf(warp_sum(s2) / cm + eps);
+        const float2 st = warp_row_stats(row, cm, eps, lane);
         for (int k = lane; k < cm; k += 32)
-          row[k] = fs_round<T>((row[k] - mean) * rstd * fs_ldf(ln_w, k) + fs_ldf(ln_b, k));
+          row[k] = fs_round<T>((row[k] - st.x) * st.y * fs_ldf(ln_w, k) + fs_ldf(ln_b, k));
       }
       __syncthreads();  // normalised rows visible
       if (r < nr) {

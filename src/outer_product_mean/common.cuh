@@ -180,6 +180,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+// LayerNorm statistics of a row of n floats (shared memory), by one warp: (mean, 1 / sqrt(var + eps)),
+// the mean first, then the centred variance (two passes), in every lane.
+__device__ __forceinline__ float2 warp_row_stats(const float* row, int n, float eps, int lane) {
+  float s1 = 0.f;
+  for (int k = lane; k < n; k += 32) s1 += row[k];
+  const float mean = warp_sum(s1) / n;
+  float s2 = 0.f;
+  for (int k = lane; k < n; k += 32) {
+    const float d = row[k] - mean;
+    s2 = fmaf(d, d, s2);
+  }
+  return make_float2(mean, 1.f / sqrtf(warp_sum(s2) / n + eps));
+}
 
 // ---------------------------------------------------------------------------------------------
 // GEMM main loop shared by opm_outer_kernel and opm_wfirst_gemm_kernel.

@@ -210,17 +210,9 @@ __global__ void __launch_bounds__(kFsThreads, 1) opm_fused_small_kernel(
       __syncthreads();  // xs, s_mask complete
       if (warp < nr) {  // LayerNorm of row `warp`, in place: mean, then the centred variance
         float* row = xs + warp * LDX;
-        float s1 = 0.f;
-        for (int k = lane; k < cm; k += 32) s1 += row[k];
-        const float mean = warp_sum(s1) / cm;
-        float s2 = 0.f;
-        for (int k = lane; k < cm; k += 32) {
-          const float d = row[k] - mean;
-          s2 = fmaf(d, d, s2);
-        }
-        const float rstd = 1.f / sqrtf(warp_sum(s2) / cm + eps);
+        const float2 st = warp_row_stats(row, cm, eps, lane);
         for (int k = lane; k < cm; k += 32)
-          row[k] = fs_round<T>((row[k] - mean) * rstd * fs_ldf(ln_w, k) + fs_ldf(ln_b, k));
+          row[k] = fs_round<T>((row[k] - st.x) * st.y * fs_ldf(ln_w, k) + fs_ldf(ln_b, k));
       }
       __syncthreads();  // normalised rows visible
       if (r < nr) {

@@ -101,16 +101,8 @@ __global__ void __launch_bounds__(kThreads) opm_prep_kernel(
     // LayerNorm, one warp per row: mean, then centred variance (two passes over shared memory)
     for (int r = warp; r < kRows1; r += kThreads / 32) {
       float* row = xs + r * LDX;
-      float s1 = 0.f;
-      for (int k = lane; k < cm; k += 32) s1 += row[k];
-      const float mean = warp_sum(s1) / cm;
-      float s2 = 0.f;
-      for (int k = lane; k < cm; k += 32) {
-        const float d = row[k] - mean;
-        s2 = fmaf(d, d, s2);
-      }
-      const float rstd = 1.f / sqrtf(warp_sum(s2) / cm + eps);
-      for (int k = lane; k < cm; k += 32) row[k] = (row[k] - mean) * rstd * __ldg(ln_w + k) + __ldg(ln_b + k);
+      const float2 st = warp_row_stats(row, cm, eps, lane);
+      for (int k = lane; k < cm; k += 32) row[k] = (row[k] - st.x) * st.y * __ldg(ln_w + k) + __ldg(ln_b + k);
     }
 
     // y[r][o] = sum_m xs[r][m] * Wcat[o][m],  Wcat = [Wa (padded to CP rows); Wb (padded)]
