@@ -372,8 +372,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # a pair mode hands them s1 g (rounded once to that type) and a row scale of 1
     g_k = None
     if pair and (wo_in_kernel or ab_in_kernel):
-        gs = grad_out.to(ct) * s1[..., None]
-        d_bo_pair = (gs if norm == NORM_OPENFOLD else grad_out.to(ct)).sum((0, 1, 2))
+        g_ct = grad_out.to(ct)
+        gs = g_ct * s1[..., None]
+        d_bo_pair = (gs if norm == NORM_OPENFOLD else g_ct).sum((0, 1, 2))
+        del g_ct
         g_k = gs.to(ct if ops == "split" else msa.dtype).contiguous()
         inv_d = torch.ones((B, N), dtype=torch.float32, device=dev)
         del gs
