@@ -997,7 +997,7 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
             self.variant, self.last_variant, self.last_backward = "auto", None, None
 
         def forward(self, m, mask=None, chunk_size=None, inplace_safe=False):
-            assert now["epilogue"] in ("fused", "unfused")
+            assert now["epilogue"] in ("fused", "unfused") and now["backward"] in ("chunks", "kernels")
             return OPMModel.forward(self, m, mask)
 
     class BoltzModel(OPMModel):
@@ -1010,24 +1010,28 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
             self.variant, self.last_variant, self.last_backward = "auto", None, None
 
         def forward(self, m, mask, chunk_size=None):
-            assert now["epilogue"] in ("fused", "unfused")
+            assert now["epilogue"] in ("fused", "unfused") and now["backward"] in ("chunks", "kernels")
             return OPMModel.forward(self, m, mask)
 
-    class PairEpilogue:
-        def __init__(self, mode):
-            self.mode = mode
+    def setting(key, modes):
+        class Setting:
+            def __init__(self, mode):
+                assert mode in modes
+                self.mode = mode
 
-        def __enter__(self):
-            now["epilogue"] = self.mode
+            def __enter__(self):
+                now[key] = self.mode
 
-        def __exit__(self, *exc):
-            now["epilogue"] = None
+            def __exit__(self, *exc):
+                now[key] = None
+        return Setting
 
-    now["epilogue"] = None
+    now["epilogue"] = now["backward"] = None
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows)})
     opm = type("OPM", (), {"ModelNew": OPMModel, "outer_product_mean_backward": staticmethod(opm_backward),
                            "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
-                           "pair_epilogue": PairEpilogue})
+                           "pair_epilogue": setting("epilogue", ("fused", "unfused")),
+                           "pair_backward": setting("backward", ("chunks", "kernels"))})
     monkeypatch.setattr(sw, "_MODULES", {"contact_map": cm, "outer_product_mean": opm})
     for name, fn in list(sw._OPS.items()):
         def wrapped(torch_, mod, call, sms, fn=fn):

@@ -261,7 +261,8 @@ def _opm_backward_case(dtype):
 def _opm_pair_case():
     """The pair-count modes (OpenFold: (acc + bo) / (n + eps), Boltz: acc / max(n, 1) + bo): the pair scale and
     epilogue kernels after each forward order, outer_wg's kPair instances (PAIR_EPILOGUE "fused") and the
-    unfused pass after outer_wg, every mask kind through the pair count, training steps (PyTorch chunks)."""
+    unfused pass after outer_wg, every mask kind through the pair count, training steps (PAIR_BACKWARD "chunks" and
+    "kernels")."""
     calls = [opm_call("opm_pair", dt, 1, 5, 19, 64, 32, 64, family=fam, variant=v, epilogue=e, mask_dtype=md)
              for fam in ("openfold", "boltz")
              for dt, v, e, md in ((F32, "outer_wg", "fused", "bool"), (F16, "outer_wg", "fused", F16),
@@ -272,6 +273,11 @@ def _opm_pair_case():
     calls += [opm_call("opm_pair", F32, 2, 6, 21, 64, 32, 24, family="openfold", variant="outer_wg", mask="zeros"),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="boltz", variant="outer_wg", train=True),
               opm_call("opm_pair", F32, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True),
+              # PAIR_BACKWARD "kernels": the row mode's dWo and da, db kernels on s1 g
+              opm_call("opm_pair", F32, 1, 4, 17, 64, 32, 64, family="boltz", variant="outer_wg", train=True,
+                       backward="kernels"),
+              opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True,
+                       backward="kernels"),
               # pair_dim 7: the epilogue's one-element path (multiples of 4 / 8 take 16-byte vectors)
               opm_call("opm_pair", F32, 1, 5, 19, 64, 32, 7, family="openfold", variant="outer_first"),
               opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 7, family="boltz", variant="outer_wg", epilogue="unfused")]
@@ -516,7 +522,8 @@ def _opm_train(torch, mod, call, sms):
 
 def _opm_pair(torch, mod, call, sms):
     """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
-    forced, under pair_epilogue(call["epilogue"]); a forward under no_grad, or with train a training step."""
+    forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]); a forward under no_grad, or with train a
+    training step."""
     _, msa, mask, g = _opm_setup(torch, mod, call, sms)
     gen = torch.Generator().manual_seed(_seed(call) + 1)
     fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
@@ -526,7 +533,7 @@ def _opm_pair(torch, mod, call, sms):
             p.copy_(torch.randn(p.shape, generator=gen) * scale + 0.05)
     fam = fam.to(msa.dtype).cuda()
     fam.variant = call["variant"]
-    with mod.pair_epilogue(call.get("epilogue", "fused")):
+    with mod.pair_epilogue(call.get("epilogue", "fused")), mod.pair_backward(call.get("backward", "chunks")):
         if call.get("train"):
             x = msa.detach().requires_grad_(True)
             fam(x, mask).backward(g)
