@@ -89,8 +89,10 @@ Training (`--backward`; shapes flagged reference_may_oom are not checked):
     training step (torch.cuda.max_memory_allocated around it, inputs excluded; n/a on the CPU).
 
 Conventions honoured in the solution file: `ModelNew.VARIANTS` (optional tuple of str) lists kernel
-variants (those that run on this machine); `ModelNew.ALL_VARIANTS` (optional) every variant the file
-has, for a clearer message when --variant names one that does not run here (e.g. a Hopper-only one);
+variants (those that run on this machine; a model's own VARIANTS may leave out those that do not run for
+its dimensions: each shape checks and times only the variants its model lists); `ModelNew.ALL_VARIANTS`
+(optional) every variant the file has, for a clearer message when --variant names one that does not run
+here (e.g. a Hopper-only one);
 `model.variant` selects one (its value after construction is the default, else VARIANTS[0]);
 `model.last_variant` (optional str) after a forward says what actually ran (shown in the table).
 
@@ -106,7 +108,8 @@ rtol (of the first dtype), tolerances {dtype: [atol, rtol]}, dtype, dtypes, back
 samples, input_sets, timing, compile, ...}, build {ok, seconds, extensions | error}, shapes: [{name,
 dtype, atol, rtol, dims, ok, skip_reason, correctness {ok, failures, dropin {ok, detail},
 ref_fp32_max_abs_err_fp64, ref_fp32_max_rel_err_fp64 ("fp32" in these names and in max_abs_diff_fp32:
-the reference run in the checked dtype), ref_spread, weak_oracle, reference_oom, rows_checked, variants {name:
+the reference run in the checked dtype), ref_spread, weak_oracle, reference_oom, rows_checked, variants_not_run
+(variants outside the model's own VARIANTS, not checked), variants {name:
 {ok, failures, last_variants, max_abs_err_fp64, max_rel_err_fp64, max_abs_diff_fp32, mismatches,
 grad_checked}}, trials [{trial, seed, distribution, mask, variants {name: compare() dict},
 grad_variants {name: compare() dict} (trial 0), backward {name: {ok, failures, last_variant, grads
@@ -556,7 +559,7 @@ def _is_oom(e):
 # ---------------------------------------------------------------------------------------------
 def new_correctness():
     """The empty correctness dict of one shape (filled by check_shape; see the module docstring)."""
-    return dict(ok=False, failures=[], dropin=None, variants={}, ref_fp32_max_abs_err_fp64=None,
+    return dict(ok=False, failures=[], dropin=None, variants={}, variants_not_run=[], ref_fp32_max_abs_err_fp64=None,
                 ref_fp32_max_rel_err_fp64=None, ref_spread=None, weak_oracle=None, reference_oom=None,
                 rows_checked=None, trials=[], backward=None)
 
@@ -603,6 +606,12 @@ def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants,
         return res
     ref, new = models
     default_variant = getattr(new, "variant", None)
+    kept = variants_here(new, variants)
+    res["variants_not_run"] = [v for v in variants if v not in kept]
+    variants = kept
+    if not variants:  # every asked-for variant is outside this model's own VARIANTS
+        res["ok"] = True
+        return res
     for v in variants:
         res["variants"][v or "-"] = dict(ok=True, failures=[], last_variants=[], max_abs_err_fp64=None,
                                          max_rel_err_fp64=None, max_abs_diff_fp32=None, mismatches=0,
@@ -631,6 +640,16 @@ def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants,
         res["failures"] += res["backward"]["failures"]
     res["ok"] = not res["failures"]
     return res
+
+
+def variants_here(new, variants):
+    """`variants` less those that the model's own VARIANTS leaves out (a solution may narrow VARIANTS on an
+    instance to the variants that run for its dimensions); None (no variants declared) is kept."""
+    here = getattr(new, "VARIANTS", None)
+    if here is None:
+        return list(variants)
+    here = tuple(here)
+    return [v for v in variants if v is None or v in here]
 
 
 def _models_for_check(refmod, solmod, dims, device, dtype, res):
@@ -1322,7 +1341,7 @@ def time_shape(refmod, solmod, name, dims, shape_index, args, device, timer, tim
 def _timed_variants(new, time_variants):
     """time_variants, or by default what a fresh ModelNew selects, else VARIANTS[0], else none."""
     if time_variants is not None:
-        return time_variants
+        return variants_here(new, time_variants)
     default_variant = getattr(new, "variant", None)
     declared = tuple(getattr(new, "VARIANTS", ()) or ())
     return [default_variant if default_variant is not None or not declared else declared[0]]
@@ -2150,6 +2169,15 @@ def run_shape(ctx, cfg, si, name, dims, skip):
         return
     log(f"\n== {label} ({shown}) on {device}")
     c = entry["correctness"] = shape_correctness(ctx, cfg, si, name, dims, label)
+    not_run = [v or "-" for v in c.get("variants_not_run") or ()]
+    if not_run:
+        report["notes"].append(f"{name}: variant{'s' if len(not_run) > 1 else ''} {', '.join(not_run)} not run "
+                               "(outside ModelNew's VARIANTS for these dimensions)")
+    if not c["variants"] and not_run:
+        entry["skip_reason"] = f"variant {', '.join(not_run)} does not run for these dimensions"
+        log(f"== {label}: skipped: {entry['skip_reason']}")
+        report["notes"].append(f"{name} skipped: {entry['skip_reason']}")
+        return
     ok = c["ok"]
     if (c.get("backward") or {}).get("skipped"):
         report["notes"].append(f"--backward: {name} {c['backward']['skipped']}")

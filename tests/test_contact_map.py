@@ -1,8 +1,8 @@
 """Tests of contact_map.py's ModelNew against an fp64 evaluation of reference/contact_map.py.
 
 CPU tests (run in CI): the CUDA source builds with nvcc, and bad inputs raise clear errors.
-GPU tests (marker `gpu`, skipped without CUDA): every kernel variant (ModelNew.VARIANTS: "auto", "mma",
-"fma") on the harness's named shapes and on awkward sizes, distributions, strides and parameter values,
+GPU tests (marker `gpu`, skipped without CUDA): every kernel variant (a model's VARIANTS: "auto", "mma",
+"fma", and "small" where its dimensions allow) on the harness's named shapes and on awkward sizes, distributions, strides and parameter values,
 at atol = rtol = 1e-4; on an H100 / H200 (`hopper`) also the wgmma kernel's own checks.
 """
 
@@ -79,7 +79,7 @@ def _check(cm_mod, m_ref, new, x, variant=None):
         assert torch.isfinite(got).all()
         if want.numel() > 50 and x.shape[-1] > 1:  # a judge needs spread (pair_dim 1: LN(x) = beta)
             assert want.std() > 1e-2, f"weak oracle: reference output std {want.std():.2e}"
-        # "mma" and "fma" run their own kernel everywhere; "auto" the wgmma kernel or, outside its shapes, mma
+        # "mma", "fma", "small" run their own kernel where listed; "auto" the wgmma kernel or, outside its shapes, mma
         assert new.last_variant == v if v != "auto" else new.last_variant in ("wgmma", "mma"), (v, new.last_variant)
         bad = ~torch.isclose(got, want, atol=1e-4, rtol=1e-4)
         assert not bad.any(), (
@@ -105,13 +105,23 @@ def _copy64(m_ref):
 # CPU: build and input checks
 # ------------------------------------------------------------------------------------------------
 def test_builds_and_has_variants(cm):
-    assert hasattr(cm, "ModelNew") and cm.ModelNew.VARIANTS == ("auto", "mma", "fma")
+    assert hasattr(cm, "ModelNew") and cm.ModelNew.VARIANTS == ("auto", "mma", "fma", "small")
     assert cm.ModelNew(8, 4).variant == cm.ModelNew.VARIANTS[0] == "auto"
     # one table: the CUDA enums are generated from the Python ones (the forward's range check reads kCount)
-    assert list(cm._VARIANT_IDS) == list(cm.ModelNew.VARIANTS) and list(cm._VARIANT_IDS.values()) == [0, 1, 2]
-    assert "enum class Variant : int { kAuto = 0, kMma = 1, kFma = 2, kCount = 3 };" in cm.CUDA_SRC
-    assert "enum class Kernel : int { kWgmma = 0, kMma = 1, kFma = 2, kWgmma16 = 3, kCount = 4 };" in cm.CUDA_SRC
-    assert cm._KERNELS == ("wgmma", "mma", "fma", "wgmma16")
+    assert list(cm._VARIANT_IDS) == list(cm.ModelNew.VARIANTS) and list(cm._VARIANT_IDS.values()) == [0, 1, 2, 3]
+    assert "enum class Variant : int { kAuto = 0, kMma = 1, kFma = 2, kSmall = 3, kCount = 4 };" in cm.CUDA_SRC
+    assert ("enum class Kernel : int { kWgmma = 0, kMma = 1, kFma = 2, kWgmma16 = 3, kSmall = 4, kCount = 5 };"
+            in cm.CUDA_SRC)
+    assert cm._KERNELS == ("wgmma", "mma", "fma", "wgmma16", "small")
+
+
+@pytest.mark.parametrize("C,H,small", [(64, 32, True), (8, 1, True), (48, 16, True), (64, 33, False),
+                                       (72, 32, False), (60, 32, False), (4, 4, False), (128, 64, False)])
+def test_model_variants_follow_its_dimensions(cm, C, H, small):
+    """A model's own VARIANTS leaves out "small" outside 8 <= pair_dim <= 64 (pair_dim % 8 == 0), hidden_dim <= 32;
+    the class lists every variant."""
+    want = ("auto", "mma", "fma") + (("small",) if small else ())
+    assert cm.ModelNew(C, H).VARIANTS == want and cm.ModelNew.VARIANTS == ("auto", "mma", "fma", "small")
 
 
 def test_same_parameters_as_reference_under_same_seed(cm, ref):
@@ -339,10 +349,11 @@ def test_each_variant_runs_its_own_kernel(cm, C, H, build):
     """The profiler shows which kernel ran and last_variant names it. "auto": the params kernel and the wgmma
     kernel in the build for (pair_dim, hidden_dim) inside the wgmma kernel's shapes (crop-like, 16-byte aligned),
     the mma kernel outside them (pair_dim 37, hidden 100: build None) with no wgmma kernel; "mma" and "fma":
-    their own kernel only, everywhere."""
+    their own kernel only, everywhere; "small" its own where the model lists it (48, 20)."""
     import re
-    kernels = {"wgmma": "contact_map_wgmma_kernel", "mma": "contact_map_mma_kernel", "fma": "contact_map_fma_kernel"}
-    for variant in cm.ModelNew.VARIANTS:
+    kernels = {"wgmma": "contact_map_wgmma_kernel", "mma": "contact_map_mma_kernel", "fma": "contact_map_fma_kernel",
+               "small": "contact_map_small_kernel"}
+    for variant in cm.ModelNew(C, H).VARIANTS:
         new = cm.ModelNew(C, H).cuda()
         new.variant = variant
         x = torch.randn(1, 40, 40, C, device="cuda")
@@ -637,6 +648,61 @@ def test_half_precision_reads_fp16_bf16_natively(cm, ref, dtype, B, N, C, H, dis
             out = new(x)
             assert out.dtype == dtype and new.last_variant == v
             assert torch.allclose(out, want, atol=1e-2, rtol=1e-2), (v, (out.float() - want.float()).abs().max().item())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,N,C,H", [(4, 64, 64, 32), (3, 37, 48, 16), (1, 1, 64, 32), (2, 9, 8, 1), (1, 23, 24, 7),
+                                     (2, 16, 40, 17), (1, 70, 56, 32)])
+def test_small_kernel(cm, ref, dtype, B, N, C, H):
+    """The small kernel ("small"): KernelBench's shape, edge tiles (N % 8), N = 1, every pair_dim step of 8
+    and odd hidden sizes (zero-padded hidden units). Its own kernel and nothing else runs in fp16 / bf16 too (no
+    conversion kernels); the output, its block poisoned with NaN first, is in the input's dtype, every element
+    written, exactly symmetric, bit-equal on a repeat call; fp32 within 1e-4 of fp64 and at most 4x the fp32
+    reference's error (or 1e-6), fp16 / bf16 within KernelBench's allclose(1e-2) of the reference run in that
+    dtype and within the dtype reference's error of fp64 or one output ulp. Under grad mode it is differentiable
+    (the fused or ops backward)."""
+    m_ref, new = _pair(cm, ref, C, H, seed=B + N + C + H)
+    m_ref, new = m_ref.to(dtype), new.to(dtype)
+    new.variant = "small"
+    assert "small" in new.VARIANTS
+    gen = torch.Generator().manual_seed(N * C + H)
+    x = _draw((B, N, N, C), "normal", gen).to(dtype).cuda()
+    with torch.inference_mode():
+        want = m_ref(x)
+        want64 = _copy64(m_ref)(x.double())
+        junk = torch.full((B, N, N), float("nan"), dtype=dtype, device="cuda")
+        del junk
+        got, names = _profiled(lambda: new(x))
+        again = new(x)
+    assert new.last_variant == "small" and got.dtype == dtype and got.shape == (B, N, N)
+    assert "contact_map_small_kernel<" in names and "elementwise" not in names, names[:300]
+    assert torch.isfinite(got).all(), "an output element was not written"
+    assert torch.equal(got, got.transpose(1, 2)) and torch.equal(got, again)
+    err = (got.double() - want64).abs().max().item()
+    e_ref = (want.double() - want64).abs().max().item()
+    if dtype == torch.float32:
+        assert torch.allclose(got.double(), want64, atol=1e-4, rtol=1e-4)
+        assert err <= max(4 * e_ref, 1e-6), f"err {err:.2e} vs the fp32 reference's {e_ref:.2e}"
+    else:
+        assert torch.allclose(got, want, atol=1e-2, rtol=1e-2), (got.float() - want.float()).abs().max().item()
+        ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        assert err <= max(e_ref, ulp), f"err {err:.2e} vs the {dtype} reference's {e_ref:.2e}"
+    xg = x.detach().requires_grad_(True)
+    new(xg).sum().backward()
+    assert new.last_variant == "small" and xg.grad is not None and torch.isfinite(xg.grad).all()
+
+
+@gpu
+@needs_cuda
+def test_small_kernel_raises_outside_its_dimensions(cm):
+    """Forced outside 8 <= pair_dim <= 64 (pair_dim % 8 == 0), hidden_dim <= 32, "small" raises and says why."""
+    for C, H in ((64, 33), (60, 16), (128, 32)):
+        new = cm.ModelNew(C, H).cuda()
+        new.variant = "small"
+        with pytest.raises(RuntimeError, match="variant \"small\" needs pair_dim in"):
+            new(torch.randn(1, 9, 9, C, device="cuda"))
 
 
 @gpu

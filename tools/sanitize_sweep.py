@@ -171,6 +171,10 @@ CM_CASES = [
           for i, (C, H) in enumerate(FMA_BUILDS)]
          + [cm_call("cm_forward", F32, None, 17, 17, 9, variant="fma", expect="fma", walk=16, slow=True),
             cm_call("cm_forward", F32, None, 17, 256, 32, variant="fma", expect="fma", walk=2, slow=True)]),
+    Case("cm_small", "contact_map", '"small" in each dtype: edge tiles, N = 1, pair_dim 8 / 48 / 64, odd hidden',
+         [cm_call("cm_forward", dt, B, N, C, H, variant="small", expect="small")
+          for dt in DTYPES for B, N, C, H in ((4, 63, 64, 32), (2, 19, 48, 17), (1, 1, 64, 32), (1, 9, 8, 1))]
+         + [cm_call("cm_train", BF16, 1, 17, 64, 32, variant="small", expect="small")]),
     Case("cm_mma_fma_half", "contact_map", '"mma" and "fma" on float16 / bfloat16 input (converted copies)',
          [cm_call("cm_forward", dt, B, N, C, H, variant=v, expect=v)
           for dt in (F16, BF16) for v in ("mma", "fma") for B, N, C, H in ((1, 19, 64, 32), (2, 17, 33, 17))]),

@@ -45,6 +45,25 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   if (B == 0 || N == 0) return {out, -1};
 
   const c10::cuda::CUDAGuard guard(pair.device());
+  if (v == Variant::kSmall) {  // every dtype natively
+    const int device = pair.get_device();
+    TORCH_CHECK(small_supported(C, H, device_facts(device)),
+                "contact_map: variant \"small\" needs pair_dim in [8, 64] with pair_dim % 8 == 0, hidden_dim <= 32 "
+                "and a GPU of compute capability 8.0+, got pair_dim " + num(C) + ", hidden_dim " + num(H));
+    // contiguous, and a fresh (aligned) copy where a tensor read in 16-byte vectors starts off alignment
+    auto aligned = [](const torch::Tensor& t) {
+      auto u = t.contiguous();
+      return reinterpret_cast<uintptr_t>(u.data_ptr()) % 16 ? u.clone() : u;
+    };
+    const auto x = aligned(pair);
+    const std::vector<torch::Tensor> c{aligned(ln_w), aligned(ln_b), aligned(w1), b1.contiguous(),
+                                       w2.contiguous(), b2.contiguous(), w3.contiguous(), b3.contiguous()};
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    if (dtype == torch::kFloat32) run_small<float>(x, c, eps, out, stream);
+    else if (dtype == torch::kHalf) run_small<__half>(x, c, eps, out, stream);
+    else run_small<__nv_bfloat16>(x, c, eps, out, stream);
+    return {out, static_cast<int64_t>(Kernel::kSmall)};
+  }
   if (dtype != torch::kFloat32) {
     // fp16 / bf16: the wgmma kernel's 16-bit build where it runs ("auto"); otherwise the fp32 kernels on
     // converted copies, the output converted back

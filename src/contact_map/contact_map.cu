@@ -4,6 +4,7 @@
 #include "common.cuh"
 #include "fma_kernel.cuh"
 #include "mma_kernel.cuh"
+#include "small_kernel.cuh"
 #include "wgmma_layout.cuh"
 #include "wgmma_ptx.cuh"
 #include "wgmma_tile_math.cuh"

@@ -14,8 +14,9 @@ on its device, read at every call (a later `load_state_dict` or in-place update 
 
 Every kernel walks tiles of 8 x 8 positions (b, I, J) with I <= J, reads the tile x[b, 8I.., 8J.., :] and its
 mirror x[b, 8J.., 8I.., :] from device memory once and writes out[b,i,j] and out[b,j,i] (exactly symmetric).
-Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", set by `model.variant`; `model.last_variant` names the
-kernel that ran: "wgmma", "wgmma16", "mma" or "fma"):
+Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", "small"; a model's own VARIANTS: those that run for its
+dimensions; set by `model.variant`; `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma",
+"fma" or "small"):
   "auto"  the default: wgmma where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
   wgmma   Hopper: needs the sm_90a build, a compute capability 9.0 GPU, 32 <= pair_dim <= 128 with
           pair_dim % 16 == 0, hidden_dim <= 64, N >= 8 and a 16-byte aligned input. A small kernel folds the
@@ -42,6 +43,10 @@ kernel that ran: "wgmma", "wgmma16", "mma" or "fma"):
           per SM and hidden_dim <= 32), weights staged once per block as split fragments (8 warps and the
           weights read through L1 at hidden_dim > 128). For the shapes and GPUs wgmma does not cover.
   "fma"   plain fp32 FMA products on the same tiles: no tensor cores, an independent check of the others.
+  "small" sm_80+, 8 <= pair_dim <= 64 with pair_dim % 8 == 0, hidden_dim <= 32 (forced elsewhere it raises):
+          one launch, one block of 4 warps per tile, the parameters read as they are (no params kernel), every
+          load issued at once, both products on mma.sync (fp32: split TF32; fp16 / bf16: in that type, fp32
+          accumulation): for inputs of a few tiles per SM, such as KernelBench's (4, 64, 64, 64).
 
 Precision: fp32 LayerNorm and accumulation, no fast-math. Split TF32 (x = hi + lo, both TF32, a*b ~ hi*hi +
 hi*lo + lo*hi; CUTLASS's fp32-accurate tensor-core GEMM) with short partial sums promoted into an fp32
@@ -89,8 +94,8 @@ from torch.utils.cpp_extension import load_inline
 # The variant table, read by ModelNew, by the CUDA enum `Variant` (generated from it below: the
 # forward's TORCH_CHECK reads Variant::kCount) and by the dispatch in forward(). _KERNELS names the
 # kernel that ran (the forward returns its index, CUDA enum `Kernel`), for `model.last_variant`.
-_VARIANT_IDS = {"auto": 0, "mma": 1, "fma": 2}  # first = default
-_KERNELS = ("wgmma", "mma", "fma", "wgmma16")
+_VARIANT_IDS = {"auto": 0, "mma": 1, "fma": 2, "small": 3}  # first = default
+_KERNELS = ("wgmma", "mma", "fma", "wgmma16", "small")
 
 CUDA_SRC = r"""
 #bundle-cuda src/contact_map/contact_map.cu
@@ -347,6 +352,22 @@ class _ContactMap(torch.autograd.Function):
         return (None, None, None, None) + tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[4:]))
 
 
+def _small_fits(pair_dim, hidden_dim):
+    """Whether the small kernel takes these dimensions (small_supported in the CUDA source, less the device)."""
+    return 8 <= pair_dim <= 64 and pair_dim % 8 == 0 and 1 <= hidden_dim <= 32
+
+
+class _VariantsFor:
+    """ModelNew.VARIANTS: on the class every variant; on a model the variants that run for its dimensions
+    ("small": _small_fits)."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return tuple(_VARIANT_IDS)
+        hidden_dim, pair_dim = obj._parameters_in_order()[1][2].shape
+        return tuple(v for v in _VARIANT_IDS if v != "small" or _small_fits(pair_dim, hidden_dim))
+
+
 class ModelNew(nn.Module):
     """Contact-map head: pair (B, N, N, pair_dim) on a CUDA device -> contact probabilities (B, N, N).
 
@@ -356,14 +377,14 @@ class ModelNew(nn.Module):
     input's dtype (the autocast dtype under CUDA autocast). Differentiable
     with respect to the input and every parameter. Raises RuntimeError for a CPU input, an input on
     another device than the parameters, another dtype, a shape other than (B, N, N, pair_dim), or
-    pair_dim / hidden_dim above 256. `variant` selects "auto", "mma" or "fma"; after a call
-    `last_variant` names the kernel that ran ("wgmma", "wgmma16", "mma" or "fma"; None after an empty
-    input, where none runs), after a backward `last_backward` the backward that ran ("fused": the CUDA
-    kernel, pair_dim / hidden_dim multiples of 16 up to 128 / 64: fused_backward_runs(); else "ops": PyTorch
-    ops).
+    pair_dim / hidden_dim above 256. `variant` selects "auto", "mma", "fma" or "small" (`VARIANTS`: those that
+    run for the model's dimensions); after a call `last_variant` names the kernel that ran ("wgmma",
+    "wgmma16", "mma", "fma" or "small"; None after an empty input, where none runs), after a backward
+    `last_backward` the backward that ran ("fused": the CUDA kernel, pair_dim / hidden_dim multiples of 16 up
+    to 128 / 64: fused_backward_runs(); else "ops": PyTorch ops).
     """
 
-    VARIANTS = tuple(_VARIANT_IDS)
+    VARIANTS = _VariantsFor()
 
     def __init__(self, pair_dim, hidden_dim):
         super().__init__()

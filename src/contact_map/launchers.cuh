@@ -144,6 +144,27 @@ void dispatch_mma_hidden(const Args& a, int HP, cudaStream_t s, int sms) {
   }
 }
 
+// Where the small kernel runs (variant "small"): compute capability 8.0+, 8 <= C <= 64 with C % 8 == 0 (16-byte
+// vectors of channels in every dtype), 1 <= H <= 32.
+bool small_supported(int64_t C, int64_t H, const DeviceFacts& dev) {
+  return dev.major >= 8 && C >= 8 && C <= SMALL_KC && C % 8 == 0 && H >= 1 && H <= SMALL_HP;
+}
+
+// The small kernel on x (B, N, N, C) and the parameters c (gamma, beta, W1, b1, W2, b2, w3, b3), all contiguous
+// and of type T, x, gamma, beta and W1 16-byte aligned, into out (T): one block per tile, one launch.
+template <typename T>
+void run_small(const torch::Tensor& x, const std::vector<torch::Tensor>& c, double eps, const torch::Tensor& out,
+               cudaStream_t stream) {
+  const int N = static_cast<int>(x.size(1)), C = static_cast<int>(x.size(3)), H = static_cast<int>(c[3].numel());
+  const long long nT = cdiv(N, TILE), per_b = nT * (nT + 1) / 2, tiles = x.size(0) * per_b;
+  TORCH_CHECK(tiles < (1ll << 31), "contact_map: the small kernel handles fewer than 2^31 tiles, got " + num(tiles));
+  auto p = [](const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); };
+  contact_map_small_kernel<T><<<static_cast<unsigned>(tiles), SMALL_THREADS, 0, stream>>>(
+      p(x), p(c[0]), p(c[1]), p(c[2]), p(c[3]), p(c[4]), p(c[5]), p(c[6]), p(c[7]), reinterpret_cast<T*>(out.data_ptr()),
+      static_cast<float>(eps), N, C, H, per_b);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The wgmma kernel's host side: sm_90a in this build and a compute capability 9.0 device; the shapes its tiles fit.
 #if defined(CM_SM90A)
 constexpr bool kBuiltSm90a = true;  // the build has sm_90a code (the wgmma kernel)

@@ -1,6 +1,6 @@
 // contact_map: the wgmma kernel's design, build constants, shared-memory layout and 16-bit conversions.
 #pragma once
-#include "mma_kernel.cuh"
+#include "small_kernel.cuh"
 
 namespace contact_map {
 
