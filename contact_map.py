@@ -1124,7 +1124,7 @@ contact_map_mma_kernel(const float* __restrict__ x,       // (B, N, N, C)
 }
 }  // namespace contact_map
 #line 1 "src/contact_map/small_kernel.cuh"
-// contact_map: the small kernel (sm_80+): one block of 4 warps per 8 x 8 tile, the parameters read as they
+// contact_map: the small kernel (sm_80+): one block of 8 warps per 8 x 8 tile, the parameters read as they
 // are, both products on mma.sync, in one launch.
 #line 5 "src/contact_map/small_kernel.cuh"
 
@@ -1135,57 +1135,55 @@ namespace contact_map {
 // =============================================================================================
 // The wgmma kernel's path at KernelBench's shape (4 x 36 tiles of 8 x 8 for 132 SMs, one tile per consumer
 // warpgroup) is its params kernel, then its main kernel's prologue and one tile: two launches, a dependent wait and
-// a copy of the packed weights before the first product. Here every block owns one tile (b, I, J), I <= J, and
-// does everything itself: x[b,i,j,:] and x[b,j,i,:] of its 64 positions, LayerNorm's affine, W1, b1, W2, b2, w3,
-// b3 go straight from global memory into registers, all loads issued at once; the products run on mma.sync with
-// fp32 accumulation (fp32: split TF32, hi hi + hi lo + lo hi; fp16 / bf16: m16n8k16 in T).
+// a copy of the packed weights before the first product. Here every block owns one tile (b, I, J) = (blockIdx.z,
+// blockIdx.x, blockIdx.y), I <= J (blocks with I > J return at once), and does everything itself: x[b,i,j,:] and
+// x[b,j,i,:] of its 64 positions, LayerNorm's affine, W1, b1, W2, b2, w3, b3 go straight from global memory into
+// registers, all loads issued at once; the products run on mma.sync with fp32 accumulation (fp32: split TF32, hi
+// hi + hi lo + lo hi; fp16 / bf16: m16n8k16 in T). With one tile per SM the time is one block's chain of dependent
+// instructions, so the block's work is split over 8 warps:
 //
-// Warp w owns the 16 positions (il, jl) = (2 w + r, g), r = 0 / 1 the fragment rows g / g + 8 (g = lane / 4),
-// as an m16 fragment. The four lanes t = lane % 4 of a quad hold channels [16 t, 16 t + 16) of both rows and
-// both sides (the LayerNorm statistics: a quad's two shuffles). The channel order inside the products is
-// permuted so that these channels are exactly the lane's A and B fragment columns (a sum over channels does not
-// depend on their order): fp32 k step kk (m16n8k8) reads columns t, t + 4 as channels 16 t + 2 kk, + 1; 16-bit
-// k step kk (m16n8k16) reads columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 as channels 16 t + 4 kk + 0..3. W1 rows
-// are read in the same order by the same lanes. GEMM1's accumulator fragment is GEMM2's A fragment (the hidden
-// order permuted the same way for fp32; for 16-bit two n-tiles form one k step, as FlashAttention-2's P V).
+// Warp w owns the 16 positions (il, jl) = (2 p + r, g), p = w % 4, r = 0 / 1 the fragment rows g / g + 8 (g = lane
+// / 4), as an m16 fragment, and the channel half h = w / 4: channels [32 h, 32 h + 32), 8 per lane t = lane % 4 (c0
+// = 32 h + 8 t) of both rows and both sides. Warps p and p + 4 combine through shared memory: the LayerNorm sums (a
+// quad's two shuffles, then the two halves), GEMM1's partial products (each warp then has all of h1 for its rows),
+// and layer 3's partial sums; warp h does GEMM2's n-tiles 2 h, 2 h + 1. Partners add their halves in one order
+// (half 0 + half 1), so both hold the same values. The channel order inside the products is permuted so that a
+// lane's channels are exactly its A and B fragment columns (a sum over channels does not depend on their order):
+// fp32 k step kk (m16n8k8) reads columns t, t + 4 as channels c0 + 2 kk, + 1; 16-bit k step kk (m16n8k16) reads
+// columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 as channels c0 + 4 kk + 0..3. W1 rows are read in the same order by the
+// same lanes. GEMM1's accumulator fragment is GEMM2's A fragment (the hidden order permuted the same way for fp32;
+// for 16-bit two n-tiles form one k step, as FlashAttention-2's P V).
 //
 // Each unordered pair is computed once: an off-diagonal tile writes out[b,i,j] and out[b,j,i] from one value, a
 // diagonal tile only its positions il <= jl (both outputs), so the output is exactly symmetric.
-constexpr int SMALL_THREADS = 128;  // 4 warps x 16 positions = one 8 x 8 tile
-constexpr int SMALL_KC = 64;        // channels: 16 per lane of a quad
+constexpr int SMALL_THREADS = 256;  // 8 warps: 4 groups of 16 positions (one 8 x 8 tile) x 2 channel halves
+constexpr int SMALL_KC = 64;        // channels: 8 per lane of a quad in each half
 constexpr int SMALL_HP = 32;        // hidden units: 4 n-tiles of 8
 constexpr int SMALL_NT = SMALL_HP / 8;
 
 // Element type T's loads and packing.
 template <typename T>
 struct SmallElem {
-  // channels [c0, c0 + 16) of the row at p into v as fp32; vectors past C (C % 8 == 0) read as zeros, and so
-  // does the whole row where !ok
-  static __device__ __forceinline__ void load16(const T* __restrict__ p, int c0, int C, bool ok, float (&v)[16]) {
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      uint4 u = make_uint4(0u, 0u, 0u, 0u);
-      if (ok && c0 + 8 * q < C) u = *reinterpret_cast<const uint4*>(p + c0 + 8 * q);
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = to_float2(w[k]);
-        v[8 * q + 2 * k] = f.x;
-        v[8 * q + 2 * k + 1] = f.y;
-      }
-    }
+  // the 8 channels [c0, c0 + 8) of the row at p as 4 words of two elements each; zeros past C (C % 8 == 0: a
+  // vector is all in or all out) and where !ok
+  static __device__ __forceinline__ void load8_words(const T* __restrict__ p, int c0, int C, bool ok,
+                                                     uint32_t (&w)[4]) {
+    uint4 u = make_uint4(0u, 0u, 0u, 0u);
+    if (ok && c0 < C) u = *reinterpret_cast<const uint4*>(p + c0);
+    w[0] = u.x;
+    w[1] = u.y;
+    w[2] = u.z;
+    w[3] = u.w;
   }
-  // the 16 channels [c0, c0 + 16) of a row as 8 words of two elements each (zeros as above)
-  static __device__ __forceinline__ void load16_words(const T* __restrict__ p, int c0, int C, bool ok,
-                                                      uint32_t (&w)[8]) {
+  // the same 8 channels as fp32
+  static __device__ __forceinline__ void load8(const T* __restrict__ p, int c0, int C, bool ok, float (&v)[8]) {
+    uint32_t w[4];
+    load8_words(p, c0, C, ok, w);
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      uint4 u = make_uint4(0u, 0u, 0u, 0u);
-      if (ok && c0 + 8 * q < C) u = *reinterpret_cast<const uint4*>(p + c0 + 8 * q);
-      w[4 * q] = u.x;
-      w[4 * q + 1] = u.y;
-      w[4 * q + 2] = u.z;
-      w[4 * q + 3] = u.w;
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = to_float2(w[k]);
+      v[2 * k] = f.x;
+      v[2 * k + 1] = f.y;
     }
   }
   static __device__ __forceinline__ float2 to_float2(uint32_t w) {
@@ -1215,9 +1213,9 @@ struct SmallElem {
 
 template <>
 struct SmallElem<float> {
-  static __device__ __forceinline__ void load16(const float* __restrict__ p, int c0, int C, bool ok, float (&v)[16]) {
+  static __device__ __forceinline__ void load8(const float* __restrict__ p, int c0, int C, bool ok, float (&v)[8]) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
+    for (int q = 0; q < 2; ++q) {
       float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
       if (ok && c0 + 4 * q < C) f = *reinterpret_cast<const float4*>(p + c0 + 4 * q);
       v[4 * q] = f.x;
@@ -1251,95 +1249,133 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// Shared memory of one block: the halves' partial sums, exchanged between warps p and p + 4.
+struct SmallSmem {
+  float stat[2][2][4][2][2][8];       // [sweep][half][p][r][side][g]: sum x (sweep 0), sum d (sweep 1)
+  float dev2[2][4][2][2][8];          // [half][p][r][side][g]: sum d^2
+  float acc[2][4][32][SMALL_NT * 4];  // [half][p][lane][n-tile, element]: GEMM1's partial products
+  float z[2][4][2][8];                // [half][p][r][g]: layer 3's partial sums
+};
+
 // out (B, N, N) = sigmoid(w3 . relu(W2 relu(W1 s + b1) + b2) + b3), s = (LN(x[b,i,j]) + LN(x[b,j,i])) / 2; x
 // (B, N, N, C) contiguous, 8 <= C <= 64 with C % 8 == 0, H <= 32, every pointer 16-byte aligned where read in
-// vectors (x, ln_w, ln_b, w1); one block of SMALL_THREADS per tile, tiles_per_b = nT (nT + 1) / 2.
+// vectors (x, ln_w, ln_b, w1); grid (nT, nT, B) of SMALL_THREADS.
 template <typename T>
 __global__ void __launch_bounds__(SMALL_THREADS)
     contact_map_small_kernel(const T* __restrict__ x, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                              const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2,
                              const T* __restrict__ b2, const T* __restrict__ w3, const T* __restrict__ b3,
-                             T* __restrict__ out, float eps, int N, int C, int H, long long tiles_per_b) {
+                             T* __restrict__ out, float eps, int N, int C, int H) {
   using E = SmallElem<T>;
   constexpr bool kF32 = std::is_same<T, float>::value;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, c0 = 16 * t;
-  int b, I, J;
-  decode_tile(blockIdx.x, tiles_per_b, b, I, J);
+  const int I = blockIdx.x, J = blockIdx.y, b = blockIdx.z;
+  if (I > J) return;  // the lower triangle's blocks: each unordered tile once
+  __shared__ SmallSmem sm;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = warp & 3, h = warp >> 2, g = lane >> 2,
+            t = lane & 3, c0 = 32 * h + 8 * t;
   const int j = TILE * J + g;
 
   // ---- every load at once: both sides of both rows, the parameters this lane's fragments use ----
-  float xa[2][16], xb[2][16];  // x[b,i,j,c0..], x[b,j,i,c0..] for rows r = 0, 1 (i = 8 I + 2 warp + r)
+  float xa[2][8], xb[2][8];  // x[b,i,j,c0..], x[b,j,i,c0..] for rows r = 0, 1 (i = 8 I + 2 p + r)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int i = TILE * I + 2 * warp + r;
+    const int i = TILE * I + 2 * p + r;
     const bool ok = i < N && j < N;
-    const long long ij = ((static_cast<long long>(b) * N + i) * N + j) * C, ji = ((static_cast<long long>(b) * N + j) * N + i) * C;
-    E::load16(x + (ok ? ij : 0), c0, C, ok, xa[r]);
-    E::load16(x + (ok ? ji : 0), c0, C, ok, xb[r]);
+    const long long ij = ((static_cast<long long>(b) * N + i) * N + j) * C;
+    const long long ji = ((static_cast<long long>(b) * N + j) * N + i) * C;
+    E::load8(x + (ok ? ij : 0), c0, C, ok, xa[r]);
+    E::load8(x + (ok ? ji : 0), c0, C, ok, xb[r]);
   }
-  float gam[16], bet[16];
-  E::load16(ln_w, c0, C, true, gam);
-  E::load16(ln_b, c0, C, true, bet);
-  // per n-tile nt: W1 row 8 nt + g (channels c0..), and for GEMM2 W2 row 8 nt + g at this lane's k columns;
-  // b1, b2, w3 at the lane's accumulator columns 8 nt + 2 t, + 1
-  float bias1[SMALL_NT][2], bias2[SMALL_NT][2], wout[SMALL_NT][2];
+  float gam[8], bet[8];
+  E::load8(ln_w, c0, C, true, gam);
+  E::load8(ln_b, c0, C, true, bet);
+  // b1 at the lane's accumulator columns 8 nt + 2 t, + 1 of every n-tile; b2, w3 at those of this warp's GEMM2
+  // n-tiles 2 h + q
+  float bias1[SMALL_NT][2], bias2[2][2], wout[2][2];
 #pragma unroll
   for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * nt + 2 * t + e;
-      const bool ok = col < H;
-      bias1[nt][e] = ok ? E::to_float(b1[col]) : 0.f;
-      bias2[nt][e] = ok ? E::to_float(b2[col]) : 0.f;
-      wout[nt][e] = ok ? E::to_float(w3[col]) : 0.f;
+      bias1[nt][e] = col < H ? E::to_float(b1[col]) : 0.f;
     }
-  const float bias3 = E::to_float(b3[0]);
+#pragma unroll
+  for (int q = 0; q < 2; ++q)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * (2 * h + q) + 2 * t + e;
+      bias2[q][e] = col < H ? E::to_float(b2[col]) : 0.f;
+      wout[q][e] = col < H ? E::to_float(w3[col]) : 0.f;
+    }
 
-  // ---- LayerNorm statistics of the four rows (corrected two-sweep, ln_stats), then s ----
+  // ---- LayerNorm statistics of the four rows (corrected two-sweep, ln_stats) over both halves, then s ----
   const float inv_c = 1.f / static_cast<float>(C);
-  float s[2][16];
+  const bool valid = c0 < C;  // the lane's 8 channels are all in or all out
+  float m[2][2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int side = 0; side < 2; ++side) {
+      const float(&v)[8] = side ? xb[r] : xa[r];
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) sum += v[k];
+      sum = quad_sum(sum);
+      if (t == 0) sm.stat[0][h][p][r][side][g] = sum;
+    }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int side = 0; side < 2; ++side) {
+      m[r][side] = (sm.stat[0][0][p][r][side][g] + sm.stat[0][1][p][r][side][g]) * inv_c;
+      const float(&v)[8] = side ? xb[r] : xa[r];
+      float d1 = 0.f, d2 = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float d = valid ? v[k] - m[r][side] : 0.f;  // channels past C are not the row's
+        d1 += d;
+        d2 = fmaf(d, d, d2);
+      }
+      d1 = quad_sum(d1);
+      d2 = quad_sum(d2);
+      if (t == 0) {
+        sm.stat[1][h][p][r][side][g] = d1;
+        sm.dev2[h][p][r][side][g] = d2;
+      }
+    }
+  __syncthreads();
+  float s[2][8];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mean[2], rstd[2];
 #pragma unroll
-    for (int side = 0; side < 2; ++side) {
-      const float(&v)[16] = side ? xb[r] : xa[r];
-      float sum = 0.f;
+    for (int side = 0; side < 2; ++side)
+      ln_stats(m[r][side], sm.stat[1][0][p][r][side][g] + sm.stat[1][1][p][r][side][g],
+               sm.dev2[0][p][r][side][g] + sm.dev2[1][p][r][side][g], inv_c, eps, mean[side], rstd[side]);
 #pragma unroll
-      for (int k = 0; k < 16; ++k) sum += v[k];
-      const float m = quad_sum(sum) * inv_c;
-      float d1 = 0.f, d2 = 0.f;
-#pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        const float d = c0 + k < C ? v[k] - m : 0.f;  // channels past C are not the row's
-        d1 += d;
-        d2 = fmaf(d, d, d2);
-      }
-      ln_stats(m, quad_sum(d1), quad_sum(d2), inv_c, eps, mean[side], rstd[side]);
-    }
-#pragma unroll
-    for (int k = 0; k < 16; ++k)  // gamma, beta are 0 past C: s = 0 there
+    for (int k = 0; k < 8; ++k)  // gamma, beta are 0 past C: s = 0 there
       s[r][k] = fmaf(gam[k], 0.5f * ((xa[r][k] - mean[0]) * rstd[0] + (xb[r][k] - mean[1]) * rstd[1]), bet[k]);
   }
 
-  // ---- GEMM1: acc[nt] = s W1^T (rows g, g + 8; columns 8 nt + 2 t, + 1), then h1 = relu(acc + b1) ----
+  // ---- GEMM1 over this half's channels: acc[nt] = s W1^T (rows g, g + 8; columns 8 nt + 2 t, + 1) ----
   float acc[SMALL_NT][4];
 #pragma unroll
   for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-  float z[2] = {0.f, 0.f};  // layer 3's partial sums of rows g, g + 8
   if constexpr (kF32) {
-    float w1r[SMALL_NT][16];
+    float w1r[SMALL_NT][8];
 #pragma unroll
-    for (int nt = 0; nt < SMALL_NT; ++nt) E::load16(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
-    float accx[SMALL_NT][4];  // the cross terms hi lo + lo hi, added once at the end
+    for (int nt = 0; nt < SMALL_NT; ++nt)
+      E::load8(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
+    float accx[SMALL_NT][4];  // the cross terms hi lo + lo hi
 #pragma unroll
     for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accx[nt][e] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < 4; ++kk) {
       uint32_t ah[4], al[4];
       split_tf32_fast(s[0][2 * kk], ah[0], al[0]);
       split_tf32_fast(s[1][2 * kk], ah[1], al[1]);
@@ -1355,47 +1391,67 @@ __global__ void __launch_bounds__(SMALL_THREADS)
         mma_tf32(accx[nt], al, bh0, bh1);
       }
     }
-    // GEMM2's k step kk is GEMM1's n-tile kk: A = (h1[g][8kk+2t], h1[g+8][8kk+2t], h1[g][8kk+2t+1], h1[g+8][8kk+2t+1])
-    uint32_t hh[SMALL_NT][4], hl[SMALL_NT][4];
-#pragma unroll
-    for (int kk = 0; kk < SMALL_NT; ++kk) {
-      const float h[4] = {relu(acc[kk][0] + accx[kk][0] + bias1[kk][0]), relu(acc[kk][2] + accx[kk][2] + bias1[kk][0]),
-                          relu(acc[kk][1] + accx[kk][1] + bias1[kk][1]), relu(acc[kk][3] + accx[kk][3] + bias1[kk][1])};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) split_tf32_fast(h[e], hh[kk][e], hl[kk][e]);
-    }
-#pragma unroll
-    for (int nt = 0; nt < SMALL_NT; ++nt) {
-      const int row = 8 * nt + g;
-      float d[4] = {0.f, 0.f, 0.f, 0.f}, dx[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int kk = 0; kk < SMALL_NT; ++kk) {
-        const int k0 = 8 * kk + 2 * t;
-        const float w0 = row < H && k0 < H ? w2[row * H + k0] : 0.f;
-        const float w1v = row < H && k0 + 1 < H ? w2[row * H + k0 + 1] : 0.f;
-        uint32_t bh0, bl0, bh1, bl1;
-        split_tf32_fast(w0, bh0, bl0);
-        split_tf32_fast(w1v, bh1, bl1);
-        mma_tf32(d, hh[kk], bh0, bh1);
-        mma_tf32(dx, hh[kk], bl0, bl1);
-        mma_tf32(dx, hl[kk], bh0, bh1);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) z[e >> 1] = fmaf(wout[nt][e & 1], relu(d[e] + dx[e] + bias2[nt][e & 1]), z[e >> 1]);
-    }
-  } else {
-    uint32_t w1r[SMALL_NT][8];
 #pragma unroll
     for (int nt = 0; nt < SMALL_NT; ++nt)
-      E::load16_words(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+      for (int e = 0; e < 4; ++e) acc[nt][e] += accx[nt][e];
+  } else {
+    uint32_t w1r[SMALL_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < SMALL_NT; ++nt)
+      E::load8_words(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
       const uint32_t a[4] = {E::pack(s[0][4 * kk], s[0][4 * kk + 1]), E::pack(s[1][4 * kk], s[1][4 * kk + 1]),
                              E::pack(s[0][4 * kk + 2], s[0][4 * kk + 3]), E::pack(s[1][4 * kk + 2], s[1][4 * kk + 3])};
 #pragma unroll
       for (int nt = 0; nt < SMALL_NT; ++nt) mma_16bit<T>(acc[nt], a, w1r[nt][2 * kk], w1r[nt][2 * kk + 1]);
     }
-    // GEMM2's k step kk: GEMM1's n-tiles 2 kk (columns 0..7) and 2 kk + 1 (8..15), h1 rounded to T
+  }
+  // both halves' products: half 0 + half 1 in both warps
+#pragma unroll
+  for (int nt = 0; nt < SMALL_NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sm.acc[h][p][lane][4 * nt + e] = acc[nt][e];
+  __syncthreads();
+#pragma unroll
+  for (int nt = 0; nt < SMALL_NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = sm.acc[0][p][lane][4 * nt + e] + sm.acc[1][p][lane][4 * nt + e];
+
+  // ---- GEMM2, this warp's n-tiles 2 h + q, then layer 3's partial sums of rows g, g + 8 ----
+  float z[2] = {0.f, 0.f};
+  if constexpr (kF32) {
+    // k step kk is GEMM1's n-tile kk: A = (h1[g][8kk+2t], h1[g+8][8kk+2t], h1[g][8kk+2t+1], h1[g+8][8kk+2t+1])
+    uint32_t hh[SMALL_NT][4], hl[SMALL_NT][4];
+#pragma unroll
+    for (int kk = 0; kk < SMALL_NT; ++kk) {
+      const float hv[4] = {relu(acc[kk][0] + bias1[kk][0]), relu(acc[kk][2] + bias1[kk][0]),
+                           relu(acc[kk][1] + bias1[kk][1]), relu(acc[kk][3] + bias1[kk][1])};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) split_tf32_fast(hv[e], hh[kk][e], hl[kk][e]);
+    }
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int row = 8 * (2 * h + q) + g;
+      float d[4] = {0.f, 0.f, 0.f, 0.f}, dx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < SMALL_NT; ++kk) {
+        const int k0 = 8 * kk + 2 * t;
+        const float wa = row < H && k0 < H ? w2[row * H + k0] : 0.f;
+        const float wb = row < H && k0 + 1 < H ? w2[row * H + k0 + 1] : 0.f;
+        uint32_t bh0, bl0, bh1, bl1;
+        split_tf32_fast(wa, bh0, bl0);
+        split_tf32_fast(wb, bh1, bl1);
+        mma_tf32(d, hh[kk], bh0, bh1);
+        mma_tf32(dx, hh[kk], bl0, bl1);
+        mma_tf32(dx, hl[kk], bh0, bh1);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z[e >> 1] = fmaf(wout[q][e & 1], relu(d[e] + dx[e] + bias2[q][e & 1]), z[e >> 1]);
+    }
+  } else {
+    // k step kk: GEMM1's n-tiles 2 kk (columns 0..7) and 2 kk + 1 (8..15), h1 rounded to T
     uint32_t ha[SMALL_NT / 2][4];
 #pragma unroll
     for (int kk = 0; kk < SMALL_NT / 2; ++kk)
@@ -1407,33 +1463,38 @@ __global__ void __launch_bounds__(SMALL_THREADS)
         ha[kk][2 * half + 1] = E::pack(relu(c[2] + bb[0]), relu(c[3] + bb[1]));
       }
 #pragma unroll
-    for (int nt = 0; nt < SMALL_NT; ++nt) {
-      const int row = 8 * nt + g;
+    for (int q = 0; q < 2; ++q) {
+      const int row = 8 * (2 * h + q) + g;
       float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int kk = 0; kk < SMALL_NT / 2; ++kk) {
         uint32_t bw[2];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {  // columns 16 kk + 2 t (+ 1), then + 8
-          const int k0 = 16 * kk + 2 * t + 8 * q;
+        for (int u = 0; u < 2; ++u) {  // columns 16 kk + 2 t (+ 1), then + 8
+          const int k0 = 16 * kk + 2 * t + 8 * u;
           const uint32_t lo = row < H && k0 < H ? E::bits(w2[row * H + k0]) : 0u;
           const uint32_t hi = row < H && k0 + 1 < H ? E::bits(w2[row * H + k0 + 1]) : 0u;
-          bw[q] = lo | (hi << 16);
+          bw[u] = lo | (hi << 16);
         }
         mma_16bit<T>(d, ha[kk], bw[0], bw[1]);
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) z[e >> 1] = fmaf(wout[nt][e & 1], relu(d[e] + bias2[nt][e & 1]), z[e >> 1]);
+      for (int e = 0; e < 4; ++e) z[e >> 1] = fmaf(wout[q][e & 1], relu(d[e] + bias2[q][e & 1]), z[e >> 1]);
     }
   }
 
-  // ---- layer 3 over the quad, sigmoid; lane t writes row t / 2, out[b,i,j] (t even) or out[b,j,i] (t odd) ----
+  // ---- layer 3 over the quad and both halves, sigmoid; warp h writes row h: out[b,i,j] (t 0), out[b,j,i] (t 1) ----
   z[0] = quad_sum(z[0]);
   z[1] = quad_sum(z[1]);
-  const int r = t >> 1, il = 2 * warp + r, i = TILE * I + il;
-  const bool mirror = t & 1;
-  if (i < N && j < N && (I < J || (mirror ? il < g : il <= g))) {
-    const float o = 1.f / (1.f + expf(-((r ? z[1] : z[0]) + bias3)));
+  if (t == 0) {
+    sm.z[h][p][0][g] = z[0];
+    sm.z[h][p][1][g] = z[1];
+  }
+  __syncthreads();
+  const int r = h, il = 2 * p + r, i = TILE * I + il;
+  const bool mirror = t == 1;
+  if (t < 2 && i < N && j < N && (I < J || (mirror ? il < g : il <= g))) {
+    const float o = 1.f / (1.f + expf(-(sm.z[0][p][r][g] + sm.z[1][p][r][g] + E::to_float(b3[0]))));
     const long long at = mirror ? (static_cast<long long>(b) * N + j) * N + i : (static_cast<long long>(b) * N + i) * N + j;
     out[at] = E::from_float(o);
   }
@@ -2730,12 +2791,13 @@ template <typename T>
 void run_small(const torch::Tensor& x, const std::vector<torch::Tensor>& c, double eps, const torch::Tensor& out,
                cudaStream_t stream) {
   const int N = static_cast<int>(x.size(1)), C = static_cast<int>(x.size(3)), H = static_cast<int>(c[3].numel());
-  const long long nT = cdiv(N, TILE), per_b = nT * (nT + 1) / 2, tiles = x.size(0) * per_b;
-  TORCH_CHECK(tiles < (1ll << 31), "contact_map: the small kernel handles fewer than 2^31 tiles, got " + num(tiles));
+  const int nT = cdiv(N, TILE);
+  TORCH_CHECK(x.size(0) <= 65535 && nT <= 65535, "contact_map: the small kernel handles B <= 65535 and N <= 524280, got "
+              "B = " + num(x.size(0)) + ", N = " + num(N));
   auto p = [](const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); };
-  contact_map_small_kernel<T><<<static_cast<unsigned>(tiles), SMALL_THREADS, 0, stream>>>(
+  contact_map_small_kernel<T><<<dim3(nT, nT, static_cast<unsigned>(x.size(0))), SMALL_THREADS, 0, stream>>>(
       p(x), p(c[0]), p(c[1]), p(c[2]), p(c[3]), p(c[4]), p(c[5]), p(c[6]), p(c[7]), reinterpret_cast<T*>(out.data_ptr()),
-      static_cast<float>(eps), N, C, H, per_b);
+      static_cast<float>(eps), N, C, H);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -156,12 +156,13 @@ template <typename T>
 void run_small(const torch::Tensor& x, const std::vector<torch::Tensor>& c, double eps, const torch::Tensor& out,
                cudaStream_t stream) {
   const int N = static_cast<int>(x.size(1)), C = static_cast<int>(x.size(3)), H = static_cast<int>(c[3].numel());
-  const long long nT = cdiv(N, TILE), per_b = nT * (nT + 1) / 2, tiles = x.size(0) * per_b;
-  TORCH_CHECK(tiles < (1ll << 31), "contact_map: the small kernel handles fewer than 2^31 tiles, got " + num(tiles));
+  const int nT = cdiv(N, TILE);
+  TORCH_CHECK(x.size(0) <= 65535 && nT <= 65535, "contact_map: the small kernel handles B <= 65535 and N <= 524280, got "
+              "B = " + num(x.size(0)) + ", N = " + num(N));
   auto p = [](const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); };
-  contact_map_small_kernel<T><<<static_cast<unsigned>(tiles), SMALL_THREADS, 0, stream>>>(
+  contact_map_small_kernel<T><<<dim3(nT, nT, static_cast<unsigned>(x.size(0))), SMALL_THREADS, 0, stream>>>(
       p(x), p(c[0]), p(c[1]), p(c[2]), p(c[3]), p(c[4]), p(c[5]), p(c[6]), p(c[7]), reinterpret_cast<T*>(out.data_ptr()),
-      static_cast<float>(eps), N, C, H, per_b);
+      static_cast<float>(eps), N, C, H);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
