@@ -609,8 +609,8 @@ def check_shape(refmod, solmod, name, dims, shape_index, args, device, variants,
     kept = variants_here(new, variants)
     res["variants_not_run"] = [v for v in variants if v not in kept]
     variants = kept
-    if not variants:  # every asked-for variant is outside this model's own VARIANTS
-        res["ok"] = True
+    if not variants:  # every asked-for variant is outside this model's own VARIANTS: nothing more to check
+        res["ok"] = not res["failures"]
         return res
     for v in variants:
         res["variants"][v or "-"] = dict(ok=True, failures=[], last_variants=[], max_abs_err_fp64=None,
@@ -2173,7 +2173,7 @@ def run_shape(ctx, cfg, si, name, dims, skip):
     if not_run:
         report["notes"].append(f"{name}: variant{'s' if len(not_run) > 1 else ''} {', '.join(not_run)} not run "
                                "(outside ModelNew's VARIANTS for these dimensions)")
-    if not c["variants"] and not_run:
+    if not c["variants"] and not_run and c["ok"]:
         entry["skip_reason"] = f"variant {', '.join(not_run)} does not run for these dimensions"
         log(f"== {label}: skipped: {entry['skip_reason']}")
         report["notes"].append(f"{name} skipped: {entry['skip_reason']}")
@@ -2182,7 +2182,8 @@ def run_shape(ctx, cfg, si, name, dims, skip):
     if (c.get("backward") or {}).get("skipped"):
         report["notes"].append(f"--backward: {name} {c['backward']['skipped']}")
     if ctx.timing:
-        tm = entry["timing"] = shape_timing(ctx, cfg, si, name, dims, label, bool(c.get("reference_oom")))
+        tm = entry["timing"] = shape_timing(ctx, cfg, si, name, dims, label, bool(c.get("reference_oom")),
+                                            c.get("variants_not_run") or ())
         if tm["failures"]:
             ok = False
             for f in tm["failures"]:
@@ -2213,11 +2214,13 @@ def shape_correctness(ctx, cfg, si, name, dims, label):
     return c
 
 
-def shape_timing(ctx, cfg, si, name, dims, label, ref_oom):
+def shape_timing(ctx, cfg, si, name, dims, label, ref_oom, not_run=()):
     """time_shape for one shape; the solution's failures and harness errors both become failures."""
     is_default = not name.startswith("awkward") and not dims.get("reference_may_oom")
     do_compile = not cfg.no_compile and (cfg.compile_all or is_default)
     tv = ctx.variants if (cfg.time_variants or cfg.variant not in (None, "all")) else None
+    if tv is not None:
+        tv = [v for v in tv if v not in not_run]  # the model's own VARIANTS (variants_here)
     log(f"  timing {name}: ModelNew ({'variants ' + ','.join(v or '-' for v in tv) if tv else 'default variant'}), "
         f"eager reference" + (", torch.compile(reference)" if do_compile else "")
         + ("; forward, then forward+backward" if cfg.backward else ""))

@@ -74,6 +74,37 @@ def test_accepts_good_contact_map(run_harness):
     assert out.splitlines()[-1].startswith("PASS")
 
 
+def test_each_shape_checks_the_variants_its_model_lists(run_harness, tmp_path, monkeypatch):
+    """A model's own VARIANTS may leave out variants that do not run for its dimensions: at each shape the harness
+    checks and times only those its model lists and notes the rest; a shape where none of the asked-for variants
+    runs is skipped, unless the model already failed (a drop-in failure still fails the shape)."""
+    f = os.path.join(SOL, "contact_map_model_variants.py")
+    js = tmp_path / "narrow.json"
+    code, out = run_harness(f, "--device", "cpu", "--cpu-timing", "--samples", "2", "--input-sets", "1",
+                            "--time-variants", "--backward", "--no-compile", "--shapes", "awkward_37,awkward_129",
+                            "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    rep = json.loads(js.read_text())
+    by = {s["name"]: s for s in rep["shapes"]}
+    assert set(by["awkward_37"]["correctness"]["variants"]) == {"auto", "good", "narrow"}  # pair_dim 48
+    assert set(by["awkward_129"]["correctness"]["variants"]) == {"auto", "good"}  # pair_dim 96
+    assert by["awkward_129"]["correctness"]["variants_not_run"] == ["narrow"]
+    assert set(by["awkward_129"]["correctness"]["backward"]["variants"]) == {"auto", "good"}
+    assert set(by["awkward_129"]["timing"]["new"]) == {"auto", "good"}
+    assert set(by["awkward_37"]["timing"]["train"]["new"]) == {"auto", "good", "narrow"}
+    assert "awkward_129: variant narrow not run" in out and "ModelNew (variants auto,good)," in out
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_37,awkward_129", "--variant", "narrow")
+    assert code == harness.EXIT_OK and "skipped: variant narrow does not run for these dimensions" in out, out[-3000:]
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_129", "--variant", "narrow")
+    assert code == harness.EXIT_USAGE and "NOTHING CHECKED" in out, out[-3000:]
+    sol, load = harness.load_module(f), harness.load_module
+    monkeypatch.setattr(sol, "PARAM_ORDER_WRONG", True)
+    monkeypatch.setattr(harness, "load_module",
+                        lambda path, *a, **k: sol if os.path.abspath(path) == f else load(path, *a, **k))
+    code, out = run_harness(f, *CPU, "--shapes", "awkward_129", "--variant", "narrow")
+    assert code == harness.EXIT_WRONG and "not a KernelBench drop-in" in out, out[-3000:]
+
+
 def test_accepts_good_outer_product_mean_every_variant(run_harness, tmp_path):
     js = tmp_path / "opm.json"
     code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shapes", OPM_SHAPES,
