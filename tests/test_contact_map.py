@@ -79,8 +79,8 @@ def _check(cm_mod, m_ref, new, x, variant=None):
         assert torch.isfinite(got).all()
         if want.numel() > 50 and x.shape[-1] > 1:  # a judge needs spread (pair_dim 1: LN(x) = beta)
             assert want.std() > 1e-2, f"weak oracle: reference output std {want.std():.2e}"
-        # "mma", "fma", "small" run their own kernel where listed; "auto" the wgmma kernel or, outside its shapes, mma
-        assert new.last_variant == v if v != "auto" else new.last_variant in ("wgmma", "mma"), (v, new.last_variant)
+        # "mma", "fma", "small" run their own kernel where listed; "auto" small, wgmma or mma
+        assert new.last_variant == v if v != "auto" else new.last_variant in ("wgmma", "mma", "small"), (v, new.last_variant)
         bad = ~torch.isclose(got, want, atol=1e-4, rtol=1e-4)
         assert not bad.any(), (
             f"variant {v}: {int(bad.sum())} mismatches, first at {bad.nonzero()[:3].tolist()}: "
@@ -348,8 +348,9 @@ def test_constant_rows(cm, ref, C, H):
 def test_each_variant_runs_its_own_kernel(cm, C, H, build):
     """The profiler shows which kernel ran and last_variant names it. "auto": the params kernel and the wgmma
     kernel in the build for (pair_dim, hidden_dim) inside the wgmma kernel's shapes (crop-like, 16-byte aligned),
-    the mma kernel outside them (pair_dim 37, hidden 100: build None) with no wgmma kernel; "mma" and "fma":
-    their own kernel only, everywhere; "small" its own where the model lists it (48, 20)."""
+    the mma kernel outside them (pair_dim 37, hidden 100: build None) with no wgmma kernel, the small kernel
+    where "auto" takes it (_auto_runs_small); "mma" and "fma": their own kernel only, everywhere; "small" its own
+    where the model lists it."""
     import re
     kernels = {"wgmma": "contact_map_wgmma_kernel", "mma": "contact_map_mma_kernel", "fma": "contact_map_fma_kernel",
                "small": "contact_map_small_kernel"}
@@ -359,7 +360,9 @@ def test_each_variant_runs_its_own_kernel(cm, C, H, build):
         x = torch.randn(1, 40, 40, C, device="cuda")
         with torch.inference_mode():
             _, names = _profiled(lambda: new(x))
-        want = ("wgmma" if build else "mma") if variant == "auto" else variant
+        want = variant
+        if variant == "auto":
+            want = "small" if cm._auto_runs_small(1, 40, C, H) else "wgmma" if build else "mma"
         assert new.last_variant == want, (variant, C, H, new.last_variant)
         for kind, kernel in kernels.items():
             assert (kernel + "<" in names) == (kind == want), (variant, C, H, kind, names[:300])
@@ -402,14 +405,15 @@ def test_non_contiguous_and_misaligned(cm, ref):
     _check(cm, m_ref, new, wide[..., 3:67])                         # sliced last dim
     flat = _draw((1 + 2 * 33 * 33 * 64,), "normal", gen).cuda()
     _check(cm, m_ref, new, flat[1:].view(2, 33, 33, 64))            # 4-byte but not 16-byte aligned
-    # bf16: an input 2 bytes off 16-byte alignment (no 16-bit wgmma build there: the fp32 kernels on a copy)
+    # bf16: an input 2 bytes off 16-byte alignment (no 16-bit wgmma build there: the fp32 kernels on a copy, or
+    # where "auto" takes it the small kernel on an aligned copy)
     flat16 = flat.to(torch.bfloat16)
     m16, new16 = m_ref.to(torch.bfloat16), new.to(torch.bfloat16)
     new16.variant = "auto"
     with torch.inference_mode():
         x16 = flat16[1:].view(2, 33, 33, 64)
         got, want = new16(x16), m16(x16)
-    assert got.dtype == torch.bfloat16 and new16.last_variant in ("wgmma", "mma")
+    assert got.dtype == torch.bfloat16 and new16.last_variant in ("wgmma", "mma", "small")
     assert torch.allclose(got, want, atol=1e-2, rtol=1e-2) and torch.equal(got, got.transpose(1, 2))
 
 
@@ -603,16 +607,18 @@ def test_wgmma_ffma_terms_stay_within_the_accuracy_goal(cm, ref, B, N, C, H, sca
     # the 16-bit build's four (pair_dim <= 64 / <= 128, hidden <= 32 / <= 64), edge tiles (N % 8), zero-filled
     # channels (pair_dim 80, 96), padded units (hidden 24, 33, 40), more tiles than warpgroups (ring slots reused,
     # tickets), offset and heavy-tailed rows
-    (2, 37, 64, 32, "normal", "64, 32"), (1, 100, 64, 64, "offset", "64, 64"), (1, 130, 128, 64, "normal", "128, 64"),
+    (10, 64, 64, 32, "normal", "64, 32"), (1, 100, 64, 64, "offset", "64, 64"), (1, 130, 128, 64, "normal", "128, 64"),
     (8, 64, 128, 32, "uniform", "128, 32"), (2, 90, 80, 24, "normal", "128, 32"), (1, 67, 96, 33, "offset", "128, 64"),
     (1, 300, 128, 40, "heavy", "128, 64"), (40, 20, 128, 32, "normal", "128, 32"),
-    # pair_dim 48: below a 16-bit box row (64 channels): the fp32 wgmma kernel on a converted copy
-    (2, 20, 48, 16, "normal", None),
+    # pair_dim 48: below a 16-bit box row (64 channels): the fp32 wgmma kernel on a converted copy, or the small
+    # kernel natively where "auto" takes it (_auto_runs_small)
+    (16, 48, 48, 16, "normal", None), (2, 20, 48, 16, "normal", None),
 ])
 def test_half_precision_reads_fp16_bf16_natively(cm, ref, dtype, B, N, C, H, dist, build):
     """fp16 / bf16 module and input, "auto": the wgmma kernel's 16-bit build for (pair_dim, hidden_dim) runs
     (profiler: contact_map_wgmma_kernel<__half / __nv_bfloat16, KC, HP>, no conversion kernels; last_variant
-    "wgmma16"), or where it does not apply the fp32 build on a converted copy ("wgmma"). The output is in the input's
+    "wgmma16"), or where it does not apply the fp32 build on a converted copy ("wgmma"); where "auto" takes the small
+    kernel, that in the input's dtype ("small"). The output is in the input's
     dtype, every element written (its block poisoned with NaN first), exactly symmetric, bit-equal on a repeat call,
     within KernelBench's allclose(1e-2) of the reference run in that dtype, and its max error against fp64 (the
     reference on the same rounded input and parameters) at most the dtype reference's own or one output ulp.
@@ -631,8 +637,11 @@ def test_half_precision_reads_fp16_bf16_natively(cm, ref, dtype, B, N, C, H, dis
         got, names = _profiled(lambda: new(x))
         again = new(x)
     assert got.dtype == dtype and got.shape == (B, N, N)
-    assert new.last_variant == ("wgmma16" if build else "wgmma")
-    if build:
+    small = cm._auto_runs_small(B, N, C, H)
+    assert new.last_variant == ("small" if small else "wgmma16" if build else "wgmma")
+    if small:
+        assert "contact_map_small_kernel<" + tname in names and "elementwise" not in names, names[:300]
+    elif build:
         assert set(re.findall(r"contact_map_wgmma_kernel<(\w+), (\d+, \d+)>", names)) == {(tname, build)}, names[:300]
         assert "contact_map_wgmma_kernel<float" not in names and "elementwise" not in names, names[:300]
     assert torch.isfinite(got).all(), "an output element was not written"

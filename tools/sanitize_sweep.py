@@ -128,18 +128,25 @@ def opm_parts(cm, cz):
     return ["a, b", "dWo"] + (["da, db"] if cz % 4 == 0 else []) + (["LayerNorm"] if cm in (128, 256) else [])
 
 
+def _small_fits(C, H):
+    """contact_map._small_fits: the dimensions the small kernel takes."""
+    return 8 <= C <= 64 and C % 8 == 0 and 1 <= H <= 32
+
+
 def _cm_wgmma_case(dtype):
     """"auto" on the wgmma kernel: its four builds (pair_dim <= 64 / <= 128: KC 64 / 128; hidden <= 32 / <= 64),
     zero-filled channel boxes (pair_dim 48, 80, 96), padded hidden units, edge tiles (N % 8), N = 8 (one box),
-    N = 7 and a pair_dim below a 16-bit box row (other kernels), then many tiles per block."""
+    N = 7 and a pair_dim below a 16-bit box row (other kernels), then many tiles per block. Where the small kernel
+    takes the dimensions, "auto" may run it at a few tiles per SM: those calls walk 3 tiles per SM."""
     kernel = "wgmma" if dtype == F32 else "wgmma16"
     builds = [(64, 32), (48, 40), (96, 17), (128, 64)] if dtype == F32 else [(64, 32), (64, 64), (80, 24), (96, 33)]
-    calls = [cm_call("cm_forward", dtype, (i % 2) + 1, 19 - 2 * (i % 2), C, H, variant="auto", expect=kernel)
+    calls = [cm_call("cm_forward", dtype, None if _small_fits(C, H) else (i % 2) + 1, 19 - 2 * (i % 2), C, H,
+                     variant="auto", expect=kernel, walk=3 if _small_fits(C, H) else None)
              for i, (C, H) in enumerate(builds)]
-    calls += [cm_call("cm_forward", dtype, 1, 8, 64, 16, variant="auto", expect=kernel),
-              cm_call("cm_forward", dtype, 1, 7, 64, 32, variant="auto", expect="mma")]
+    calls += [cm_call("cm_forward", dtype, 1, 8, 64, 40, variant="auto", expect=kernel),
+              cm_call("cm_forward", dtype, 1, 7, 64, 40, variant="auto", expect="mma")]
     if dtype != F32:  # 16-bit below 64 channels: the fp32 build on a converted copy
-        calls.append(cm_call("cm_forward", dtype, 1, 19, 48, 16, variant="auto", expect="wgmma"))
+        calls.append(cm_call("cm_forward", dtype, None, 19, 48, 16, variant="auto", expect="wgmma", walk=3))
     # 6 tiles per SM: past the fixed first tiles (tickets in the KC = 128 build), ring slots reused
     calls += [cm_call("cm_forward", dtype, None, 17, C, H, variant="auto", expect=kernel, walk=6, slow=True)
               for C, H in builds]
@@ -164,7 +171,7 @@ CM_CASES = [
     Case("cm_mma_float32", "contact_map", "the mma kernel's builds, a 4-byte aligned input",
          [cm_call("cm_forward", F32, None if w else 2, 17 + 2 * (i % 2), C, H, variant="mma", expect="mma", walk=w)
           for i, (C, H, w) in enumerate(MMA_BUILDS)]
-         + [cm_call("cm_forward", F32, 1, 19, 64, 32, variant="auto", expect="mma", offset=1),
+         + [cm_call("cm_forward", F32, 1, 19, 64, 40, variant="auto", expect="mma", offset=1),
             cm_call("cm_forward", F32, None, 17, 17, 9, variant="mma", expect="mma", walk=4, slow=True)]),
     Case("cm_fma_float32", "contact_map", "the fma kernel's builds",
          [cm_call("cm_forward", F32, 2, 17 + 2 * (i % 2), C, H, variant="fma", expect="fma")
@@ -186,7 +193,8 @@ for _dt in DTYPES:
         [cm_call("cm_backward", _dt, 1, 19, 128, 64), cm_call("cm_backward", _dt, 2, 17, 64, 32),
          cm_call("cm_backward", _dt, 1, 17, 48, 16), cm_call("cm_backward", _dt, 1, 1, 64, 32)]
         + ([cm_call("cm_backward", _dt, 1, 17, 64, 32, params_dtype=F32)] if _dt == BF16 else [])
-        + [cm_call("cm_train", _dt, 2, 17, 64, 32, variant="auto", expect=_kernel),
+        + [cm_call("cm_train", _dt, 2, 17, 64, 32, variant="small", expect="small"),
+           cm_call("cm_train", _dt, 2, 17, 64, 48, variant="auto", expect=_kernel),
            cm_call("cm_train", _dt, 1, 19, 128, 64, variant="mma", expect="mma"),
            cm_call("cm_backward", _dt, None, 17, 128, 64, walk=3, slow=True)]))
 

@@ -40,16 +40,18 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
               "contact_map: B or N too large, got shape ", shape_str(pair.sizes()));
   const Variant v = static_cast<Variant>(variant);
 
+  TORCH_CHECK(v != Variant::kSmall || small_supported(C, H, device_facts(pair.get_device())),
+              "contact_map: variant \"small\" needs pair_dim in [8, 64] with pair_dim % 8 == 0, hidden_dim <= 32 "
+              "and a GPU of compute capability 8.0+, got pair_dim " + num(C) + ", hidden_dim " + num(H));
+
   const int64_t B = pair.size(0), N = pair.size(1);
   auto out = torch::empty({B, N, N}, pair.options());
   if (B == 0 || N == 0) return {out, -1};
 
   const c10::cuda::CUDAGuard guard(pair.device());
-  if (v == Variant::kSmall) {  // every dtype natively
+  if (v == Variant::kSmall ||
+      (v == Variant::kAuto && small_preferred(B, N, C, H, device_facts(pair.get_device())))) {  // every dtype natively
     const int device = pair.get_device();
-    TORCH_CHECK(small_supported(C, H, device_facts(device)),
-                "contact_map: variant \"small\" needs pair_dim in [8, 64] with pair_dim % 8 == 0, hidden_dim <= 32 "
-                "and a GPU of compute capability 8.0+, got pair_dim " + num(C) + ", hidden_dim " + num(H));
     // contiguous, and a fresh (aligned) copy where a tensor read in 16-byte vectors starts off alignment
     auto aligned = [](const torch::Tensor& t) {
       auto u = t.contiguous();
@@ -129,5 +131,8 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   }
   return {out, static_cast<int64_t>(ran)};
 }
+
+// "auto" runs the small kernel up to this many tiles per SM (where it runs).
+int64_t small_auto_tiles_per_sm() { return kSmallAutoTilesPerSm; }
 
 }  // namespace contact_map

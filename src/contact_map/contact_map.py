@@ -17,7 +17,9 @@ mirror x[b, 8J.., 8I.., :] from device memory once and writes out[b,i,j] and out
 Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", "small"; a model's own VARIANTS: those that run for its
 dimensions; set by `model.variant`; `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma",
 "fma" or "small"):
-  "auto"  the default: wgmma where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
+  "auto"  the default: "small" where it runs and the input has at most small_auto_tiles_per_sm() tiles (8 x 8
+          positions, I <= J) per SM (0 in this build: never), else wgmma where it runs (its 16-bit build wgmma16 for
+          fp16 / bf16), else "mma".
   wgmma   Hopper: needs the sm_90a build, a compute capability 9.0 GPU, 32 <= pair_dim <= 128 with
           pair_dim % 16 == 0, hidden_dim <= 64, N >= 8 and a 16-byte aligned input. A small kernel folds the
           LayerNorm affine into the first layer (W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs
@@ -44,7 +46,7 @@ dimensions; set by `model.variant`; `model.last_variant` names the kernel that r
           weights read through L1 at hidden_dim > 128). For the shapes and GPUs wgmma does not cover.
   "fma"   plain fp32 FMA products on the same tiles: no tensor cores, an independent check of the others.
   "small" sm_80+, 8 <= pair_dim <= 64 with pair_dim % 8 == 0, hidden_dim <= 32 (forced elsewhere it raises):
-          one launch, one block of 4 warps per tile, the parameters read as they are (no params kernel), every
+          one launch, one block of 8 warps per tile, the parameters read as they are (no params kernel), every
           load issued at once, both products on mma.sync (fp32: split TF32; fp16 / bf16: in that type, fp32
           accumulation): for inputs of a few tiles per SM, such as KernelBench's (4, 64, 64, 64).
 
@@ -355,6 +357,20 @@ class _ContactMap(torch.autograd.Function):
 def _small_fits(pair_dim, hidden_dim):
     """Whether the small kernel takes these dimensions (small_supported in the CUDA source, less the device)."""
     return 8 <= pair_dim <= 64 and pair_dim % 8 == 0 and 1 <= hidden_dim <= 32
+
+
+def small_auto_tiles_per_sm():
+    """"auto" runs the small kernel where it runs and the input has at most this many tiles per SM."""
+    return int(_ext.small_auto_tiles_per_sm())
+
+
+def _auto_runs_small(B, N, pair_dim, hidden_dim, device=None):
+    """Whether "auto" runs the small kernel for a (B, N, N, pair_dim) input on this CUDA device (small_preferred in
+    the CUDA source)."""
+    props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+    tiles = B * ((N + 7) // 8) * ((N + 7) // 8 + 1) // 2
+    return (props.major >= 8 and _small_fits(pair_dim, hidden_dim)
+            and tiles <= small_auto_tiles_per_sm() * props.multi_processor_count)
 
 
 class _VariantsFor:

@@ -150,6 +150,15 @@ bool small_supported(int64_t C, int64_t H, const DeviceFacts& dev) {
   return dev.major >= 8 && C >= 8 && C <= SMALL_KC && C % 8 == 0 && H >= 1 && H <= SMALL_HP;
 }
 
+// "auto" runs the small kernel where it runs and the input has at most kSmallAutoTilesPerSm tiles per SM: there a
+// block's chain, not the stream of tiles, sets the time, and one launch without the params kernel can win (NOTES.md,
+// small). 0 until the 8-warp kernel has run on a GPU: "auto" never picks it, "small" forces it.
+constexpr int kSmallAutoTilesPerSm = 0;
+bool small_preferred(int64_t B, int64_t N, int64_t C, int64_t H, const DeviceFacts& dev) {
+  const int64_t nT = (N + TILE - 1) / TILE;
+  return small_supported(C, H, dev) && B * nT * (nT + 1) / 2 <= static_cast<int64_t>(kSmallAutoTilesPerSm) * dev.num_sms;
+}
+
 // The small kernel on x (B, N, N, C) and the parameters c (gamma, beta, W1, b1, W2, b2, w3, b3), all contiguous
 // and of type T, x, gamma, beta and W1 16-byte aligned, into out (T): one block per tile, one launch.
 template <typename T>
