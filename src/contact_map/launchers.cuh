@@ -159,6 +159,9 @@ bool small_preferred(int64_t B, int64_t N, int64_t C, int64_t H, const DeviceFac
   return small_supported(C, H, dev) && B * nT * (nT + 1) / 2 <= static_cast<int64_t>(kSmallAutoTilesPerSm) * dev.num_sms;
 }
 
+// The small kernel's channel groups: warps per 16 positions (2: 8 warps per tile).
+constexpr int kSmallGroups = 2;
+
 // The small kernel on x (B, N, N, C) and the parameters c (gamma, beta, W1, b1, W2, b2, w3, b3), all contiguous
 // and of type T, x, gamma, beta and W1 16-byte aligned, into out (T): one block per tile, one launch.
 template <typename T>
@@ -169,7 +172,8 @@ void run_small(const torch::Tensor& x, const std::vector<torch::Tensor>& c, doub
   TORCH_CHECK(x.size(0) <= 65535 && nT <= 65535, "contact_map: the small kernel handles B <= 65535 and N <= 524280, got "
               "B = " + num(x.size(0)) + ", N = " + num(N));
   auto p = [](const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); };
-  contact_map_small_kernel<T><<<dim3(nT, nT, static_cast<unsigned>(x.size(0))), SMALL_THREADS, 0, stream>>>(
+  contact_map_small_kernel<T, kSmallGroups><<<dim3(nT, nT, static_cast<unsigned>(x.size(0))), 128 * kSmallGroups, 0,
+                                               stream>>>(
       p(x), p(c[0]), p(c[1]), p(c[2]), p(c[3]), p(c[4]), p(c[5]), p(c[6]), p(c[7]), reinterpret_cast<T*>(out.data_ptr()),
       static_cast<float>(eps), N, C, H);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,4 +1,4 @@
-// contact_map: the small kernel (sm_80+): one block of 8 warps per 8 x 8 tile, the parameters read as they
+// contact_map: the small kernel (sm_80+): one block of 8 or 16 warps per 8 x 8 tile, the parameters read as they
 // are, both products on mma.sync, in one launch.
 #pragma once
 #include "mma_kernel.cuh"
@@ -15,47 +15,55 @@ namespace contact_map {
 // x[b,j,i,:] of its 64 positions, LayerNorm's affine, W1, b1, W2, b2, w3, b3 go straight from global memory into
 // registers, all loads issued at once; the products run on mma.sync with fp32 accumulation (fp32: split TF32, hi
 // hi + hi lo + lo hi; fp16 / bf16: m16n8k16 in T). With one tile per SM the time is one block's chain of dependent
-// instructions, so the block's work is split over 8 warps:
+// instructions, so the block's work is split over 128 NK threads, NK = kSmallGroups (2: 8 warps; 4: 16):
 //
 // Warp w owns the 16 positions (il, jl) = (2 p + r, g), p = w % 4, r = 0 / 1 the fragment rows g / g + 8 (g = lane
-// / 4), as an m16 fragment, and the channel half h = w / 4: channels [32 h, 32 h + 32), 8 per lane t = lane % 4 (c0
-// = 32 h + 8 t) of both rows and both sides. Warps p and p + 4 combine through shared memory: the LayerNorm sums (a
-// quad's two shuffles, then the two halves), GEMM1's partial products (each warp then has all of h1 for its rows),
-// and layer 3's partial sums; warp h does GEMM2's n-tiles 2 h, 2 h + 1. Partners add their halves in one order
-// (half 0 + half 1), so both hold the same values. The channel order inside the products is permuted so that a
-// lane's channels are exactly its A and B fragment columns (a sum over channels does not depend on their order):
-// fp32 k step kk (m16n8k8) reads columns t, t + 4 as channels c0 + 2 kk, + 1; 16-bit k step kk (m16n8k16) reads
-// columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 as channels c0 + 4 kk + 0..3. W1 rows are read in the same order by the
-// same lanes. GEMM1's accumulator fragment is GEMM2's A fragment (the hidden order permuted the same way for fp32;
-// for 16-bit two n-tiles form one k step, as FlashAttention-2's P V).
+// / 4), as an m16 fragment, and the channel group h = w / 4: channels [64 h / NK, 64 (h + 1) / NK), CH = 16 / NK per
+// lane t = lane % 4 (c0 = 64 h / NK + CH t) of both rows and both sides. Warps p, p + 4, ... combine through shared
+// memory: the LayerNorm sums (a quad's two shuffles, then the groups), GEMM1's partial products (each warp then has
+// all of h1 for its rows), and layer 3's partial sums; group h does GEMM2's n-tiles 4 h / NK .. Every warp adds the
+// groups in one order, so partners hold the same values. The channel order inside the products is permuted so
+// that a lane's channels are exactly its A and B fragment columns (a sum over channels does not depend on their
+// order): fp32 k step kk (m16n8k8) reads columns t, t + 4 as channels c0 + 2 kk, + 1; 16-bit k step kk (m16n8k16)
+// reads columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 as channels c0 + 4 kk + 0..3. W1 rows are read in the same order by
+// the same lanes. GEMM1's accumulator fragment is GEMM2's A fragment (the hidden order permuted the same way for
+// fp32; for 16-bit two n-tiles form one k step, as FlashAttention-2's P V).
 //
 // Each unordered pair is computed once: an off-diagonal tile writes out[b,i,j] and out[b,j,i] from one value, a
 // diagonal tile only its positions il <= jl (both outputs), so the output is exactly symmetric.
-constexpr int SMALL_THREADS = 256;  // 8 warps: 4 groups of 16 positions (one 8 x 8 tile) x 2 channel halves
-constexpr int SMALL_KC = 64;        // channels: 8 per lane of a quad in each half
+constexpr int SMALL_KC = 64;        // channels, in NK groups of 64 / NK (8 or 4 per lane of a quad)
 constexpr int SMALL_HP = 32;        // hidden units: 4 n-tiles of 8
 constexpr int SMALL_NT = SMALL_HP / 8;
 
 // Element type T's loads and packing.
 template <typename T>
 struct SmallElem {
-  // the 8 channels [c0, c0 + 8) of the row at p as 4 words of two elements each; zeros past C (C % 8 == 0: a
-  // vector is all in or all out) and where !ok
-  static __device__ __forceinline__ void load8_words(const T* __restrict__ p, int c0, int C, bool ok,
-                                                     uint32_t (&w)[4]) {
-    uint4 u = make_uint4(0u, 0u, 0u, 0u);
-    if (ok && c0 < C) u = *reinterpret_cast<const uint4*>(p + c0);
-    w[0] = u.x;
-    w[1] = u.y;
-    w[2] = u.z;
-    w[3] = u.w;
+  // the CH (4 or 8) channels [c0, c0 + CH) of the row at p as CH / 2 words of two elements each; zeros past C (C %
+  // 8 == 0 and c0 % CH == 0: a vector is all in or all out) and where !ok
+  template <int CH>
+  static __device__ __forceinline__ void load_words(const T* __restrict__ p, int c0, int C, bool ok,
+                                                    uint32_t (&w)[CH / 2]) {
+    if constexpr (CH == 8) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (ok && c0 < C) u = *reinterpret_cast<const uint4*>(p + c0);
+      w[0] = u.x;
+      w[1] = u.y;
+      w[2] = u.z;
+      w[3] = u.w;
+    } else {
+      uint2 u = make_uint2(0u, 0u);
+      if (ok && c0 < C) u = *reinterpret_cast<const uint2*>(p + c0);
+      w[0] = u.x;
+      w[1] = u.y;
+    }
   }
-  // the same 8 channels as fp32
-  static __device__ __forceinline__ void load8(const T* __restrict__ p, int c0, int C, bool ok, float (&v)[8]) {
-    uint32_t w[4];
-    load8_words(p, c0, C, ok, w);
+  // the same channels as fp32
+  template <int CH>
+  static __device__ __forceinline__ void load(const T* __restrict__ p, int c0, int C, bool ok, float (&v)[CH]) {
+    uint32_t w[CH / 2];
+    load_words<CH>(p, c0, C, ok, w);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < CH / 2; ++k) {
       const float2 f = to_float2(w[k]);
       v[2 * k] = f.x;
       v[2 * k + 1] = f.y;
@@ -90,9 +98,10 @@ struct SmallElem {
 
 template <>
 struct SmallElem<float> {
-  static __device__ __forceinline__ void load8(const float* __restrict__ p, int c0, int C, bool ok, float (&v)[8]) {
+  template <int CH>
+  static __device__ __forceinline__ void load(const float* __restrict__ p, int c0, int C, bool ok, float (&v)[CH]) {
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
+    for (int q = 0; q < CH / 4; ++q) {
       float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
       if (ok && c0 + 4 * q < C) f = *reinterpret_cast<const float4*>(p + c0 + 4 * q);
       v[4 * q] = f.x;
@@ -126,49 +135,54 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Shared memory of one block: the halves' partial sums, exchanged between warps p and p + 4.
+// Shared memory of one block: the channel groups' partial sums, exchanged between warps p, p + 4, ...
+template <int NK>
 struct SmallSmem {
-  float stat[2][2][4][2][2][8];       // [sweep][half][p][r][side][g]: sum x (sweep 0), sum d (sweep 1)
-  float dev2[2][4][2][2][8];          // [half][p][r][side][g]: sum d^2
-  float acc[2][4][SMALL_NT * 4][32];  // [half][p][n-tile, element][lane]: GEMM1's partial products
-  float z[2][4][2][8];                // [half][p][r][g]: layer 3's partial sums
+  float stat[2][NK][4][2][2][8];       // [sweep][group][p][r][side][g]: sum x (sweep 0), sum d (sweep 1)
+  float dev2[NK][4][2][2][8];          // [group][p][r][side][g]: sum d^2
+  float acc[NK][4][SMALL_NT * 4][32];  // [group][p][n-tile, element][lane]: GEMM1's partial products
+  float z[NK][4][2][8];                // [group][p][r][g]: layer 3's partial sums
 };
 
 // out (B, N, N) = sigmoid(w3 . relu(W2 relu(W1 s + b1) + b2) + b3), s = (LN(x[b,i,j]) + LN(x[b,j,i])) / 2; x
 // (B, N, N, C) contiguous, 8 <= C <= 64 with C % 8 == 0, H <= 32, every pointer 16-byte aligned where read in
-// vectors (x, ln_w, ln_b, w1); grid (nT, nT, B) of SMALL_THREADS.
-template <typename T>
-__global__ void __launch_bounds__(SMALL_THREADS)
+// vectors (x, ln_w, ln_b, w1); grid (nT, nT, B) of 128 NK threads: NK channel groups (2 or 4) of 64 / NK channels.
+template <typename T, int NK>
+__global__ void __launch_bounds__(128 * NK)
     contact_map_small_kernel(const T* __restrict__ x, const T* __restrict__ ln_w, const T* __restrict__ ln_b,
                              const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2,
                              const T* __restrict__ b2, const T* __restrict__ w3, const T* __restrict__ b3,
                              T* __restrict__ out, float eps, int N, int C, int H) {
+  static_assert(NK == 2 || NK == 4, "channel groups of 32 or 16");
   using E = SmallElem<T>;
   constexpr bool kF32 = std::is_same<T, float>::value;
+  constexpr int CH = SMALL_KC / NK / 4;  // channels per lane: 8 or 4
+  constexpr int NT2 = SMALL_NT / NK;     // GEMM2 n-tiles per warp: 2 or 1
+  constexpr int OUTS = 4 / NK;           // outputs per (p, g) written by each group's quad: 2 or 1
   const int I = blockIdx.x, J = blockIdx.y, b = blockIdx.z;
   if (I > J) return;  // the lower triangle's blocks: each unordered tile once
-  __shared__ SmallSmem sm;
+  __shared__ SmallSmem<NK> sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = warp & 3, h = warp >> 2, g = lane >> 2,
-            t = lane & 3, c0 = 32 * h + 8 * t;
+            t = lane & 3, c0 = (SMALL_KC / NK) * h + CH * t;
   const int j = TILE * J + g;
 
   // ---- every load at once: both sides of both rows, the parameters this lane's fragments use ----
-  float xa[2][8], xb[2][8];  // x[b,i,j,c0..], x[b,j,i,c0..] for rows r = 0, 1 (i = 8 I + 2 p + r)
+  float xa[2][CH], xb[2][CH];  // x[b,i,j,c0..], x[b,j,i,c0..] for rows r = 0, 1 (i = 8 I + 2 p + r)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = TILE * I + 2 * p + r;
     const bool ok = i < N && j < N;
     const long long ij = ((static_cast<long long>(b) * N + i) * N + j) * C;
     const long long ji = ((static_cast<long long>(b) * N + j) * N + i) * C;
-    E::load8(x + (ok ? ij : 0), c0, C, ok, xa[r]);
-    E::load8(x + (ok ? ji : 0), c0, C, ok, xb[r]);
+    E::template load<CH>(x + (ok ? ij : 0), c0, C, ok, xa[r]);
+    E::template load<CH>(x + (ok ? ji : 0), c0, C, ok, xb[r]);
   }
-  float gam[8], bet[8];
-  E::load8(ln_w, c0, C, true, gam);
-  E::load8(ln_b, c0, C, true, bet);
+  float gam[CH], bet[CH];
+  E::template load<CH>(ln_w, c0, C, true, gam);
+  E::template load<CH>(ln_b, c0, C, true, bet);
   // b1 at the lane's accumulator columns 8 nt + 2 t, + 1 of every n-tile; b2, w3 at those of this warp's GEMM2
-  // n-tiles 2 h + q
-  float bias1[SMALL_NT][2], bias2[2][2], wout[2][2];
+  // n-tiles NT2 h + q
+  float bias1[SMALL_NT][2], bias2[NT2][2], wout[NT2][2];
 #pragma unroll
   for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
@@ -177,26 +191,26 @@ __global__ void __launch_bounds__(SMALL_THREADS)
       bias1[nt][e] = col < H ? E::to_float(b1[col]) : 0.f;
     }
 #pragma unroll
-  for (int q = 0; q < 2; ++q)
+  for (int q = 0; q < NT2; ++q)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int col = 8 * (2 * h + q) + 2 * t + e;
+      const int col = 8 * (NT2 * h + q) + 2 * t + e;
       bias2[q][e] = col < H ? E::to_float(b2[col]) : 0.f;
       wout[q][e] = col < H ? E::to_float(w3[col]) : 0.f;
     }
 
-  // ---- LayerNorm statistics of the four rows (corrected two-sweep, ln_stats) over both halves, then s ----
+  // ---- LayerNorm statistics of the four rows (corrected two-sweep, ln_stats) over all groups, then s ----
   const float inv_c = 1.f / static_cast<float>(C);
-  const bool valid = c0 < C;  // the lane's 8 channels are all in or all out
+  const bool valid = c0 < C;  // the lane's channels are all in or all out
   float m[2][2];
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int side = 0; side < 2; ++side) {
-      const float(&v)[8] = side ? xb[r] : xa[r];
+      const float(&v)[CH] = side ? xb[r] : xa[r];
       float sum = 0.f;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) sum += v[k];
+      for (int k = 0; k < CH; ++k) sum += v[k];
       sum = quad_sum(sum);
       if (t == 0) sm.stat[0][h][p][r][side][g] = sum;
     }
@@ -205,11 +219,14 @@ __global__ void __launch_bounds__(SMALL_THREADS)
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int side = 0; side < 2; ++side) {
-      m[r][side] = (sm.stat[0][0][p][r][side][g] + sm.stat[0][1][p][r][side][g]) * inv_c;
-      const float(&v)[8] = side ? xb[r] : xa[r];
+      float tot = sm.stat[0][0][p][r][side][g];
+#pragma unroll
+      for (int q = 1; q < NK; ++q) tot += sm.stat[0][q][p][r][side][g];
+      m[r][side] = tot * inv_c;
+      const float(&v)[CH] = side ? xb[r] : xa[r];
       float d1 = 0.f, d2 = 0.f;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
+      for (int k = 0; k < CH; ++k) {
         const float d = valid ? v[k] - m[r][side] : 0.f;  // channels past C are not the row's
         d1 += d;
         d2 = fmaf(d, d, d2);
@@ -222,37 +239,43 @@ __global__ void __launch_bounds__(SMALL_THREADS)
       }
     }
   __syncthreads();
-  float s[2][8];
+  float s[2][CH];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mean[2], rstd[2];
 #pragma unroll
-    for (int side = 0; side < 2; ++side)
-      ln_stats(m[r][side], sm.stat[1][0][p][r][side][g] + sm.stat[1][1][p][r][side][g],
-               sm.dev2[0][p][r][side][g] + sm.dev2[1][p][r][side][g], inv_c, eps, mean[side], rstd[side]);
+    for (int side = 0; side < 2; ++side) {
+      float d1 = sm.stat[1][0][p][r][side][g], d2 = sm.dev2[0][p][r][side][g];
 #pragma unroll
-    for (int k = 0; k < 8; ++k)  // gamma, beta are 0 past C: s = 0 there
+      for (int q = 1; q < NK; ++q) {
+        d1 += sm.stat[1][q][p][r][side][g];
+        d2 += sm.dev2[q][p][r][side][g];
+      }
+      ln_stats(m[r][side], d1, d2, inv_c, eps, mean[side], rstd[side]);
+    }
+#pragma unroll
+    for (int k = 0; k < CH; ++k)  // gamma, beta are 0 past C: s = 0 there
       s[r][k] = fmaf(gam[k], 0.5f * ((xa[r][k] - mean[0]) * rstd[0] + (xb[r][k] - mean[1]) * rstd[1]), bet[k]);
   }
 
-  // ---- GEMM1 over this half's channels: acc[nt] = s W1^T (rows g, g + 8; columns 8 nt + 2 t, + 1) ----
+  // ---- GEMM1 over this group's channels: acc[nt] = s W1^T (rows g, g + 8; columns 8 nt + 2 t, + 1) ----
   float acc[SMALL_NT][4];
 #pragma unroll
   for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
   if constexpr (kF32) {
-    float w1r[SMALL_NT][8];
+    float w1r[SMALL_NT][CH];
 #pragma unroll
     for (int nt = 0; nt < SMALL_NT; ++nt)
-      E::load8(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
+      E::template load<CH>(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
     float accx[SMALL_NT][4];  // the cross terms hi lo + lo hi
 #pragma unroll
     for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accx[nt][e] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < CH / 2; ++kk) {
       uint32_t ah[4], al[4];
       split_tf32_fast(s[0][2 * kk], ah[0], al[0]);
       split_tf32_fast(s[1][2 * kk], ah[1], al[1]);
@@ -273,19 +296,19 @@ __global__ void __launch_bounds__(SMALL_THREADS)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[nt][e] += accx[nt][e];
   } else {
-    uint32_t w1r[SMALL_NT][4];
+    uint32_t w1r[SMALL_NT][CH / 2];
 #pragma unroll
     for (int nt = 0; nt < SMALL_NT; ++nt)
-      E::load8_words(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
+      E::template load_words<CH>(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
+    for (int kk = 0; kk < CH / 4; ++kk) {
       const uint32_t a[4] = {E::pack(s[0][4 * kk], s[0][4 * kk + 1]), E::pack(s[1][4 * kk], s[1][4 * kk + 1]),
                              E::pack(s[0][4 * kk + 2], s[0][4 * kk + 3]), E::pack(s[1][4 * kk + 2], s[1][4 * kk + 3])};
 #pragma unroll
       for (int nt = 0; nt < SMALL_NT; ++nt) mma_16bit<T>(acc[nt], a, w1r[nt][2 * kk], w1r[nt][2 * kk + 1]);
     }
   }
-  // both halves' products: half 0 + half 1 in both warps
+  // every group's products, added in group order in every warp
 #pragma unroll
   for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
@@ -294,9 +317,14 @@ __global__ void __launch_bounds__(SMALL_THREADS)
 #pragma unroll
   for (int nt = 0; nt < SMALL_NT; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = sm.acc[0][p][4 * nt + e][lane] + sm.acc[1][p][4 * nt + e][lane];
+    for (int e = 0; e < 4; ++e) {
+      float tot = sm.acc[0][p][4 * nt + e][lane];
+#pragma unroll
+      for (int q = 1; q < NK; ++q) tot += sm.acc[q][p][4 * nt + e][lane];
+      acc[nt][e] = tot;
+    }
 
-  // ---- GEMM2, this warp's n-tiles 2 h + q, then layer 3's partial sums of rows g, g + 8 ----
+  // ---- GEMM2, this warp's n-tiles NT2 h + q, then layer 3's partial sums of rows g, g + 8 ----
   float z[2] = {0.f, 0.f};
   if constexpr (kF32) {
     // k step kk is GEMM1's n-tile kk: A = (h1[g][8kk+2t], h1[g+8][8kk+2t], h1[g][8kk+2t+1], h1[g+8][8kk+2t+1])
@@ -309,8 +337,8 @@ __global__ void __launch_bounds__(SMALL_THREADS)
       for (int e = 0; e < 4; ++e) split_tf32_fast(hv[e], hh[kk][e], hl[kk][e]);
     }
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int row = 8 * (2 * h + q) + g;
+    for (int q = 0; q < NT2; ++q) {
+      const int row = 8 * (NT2 * h + q) + g;
       float d[4] = {0.f, 0.f, 0.f, 0.f}, dx[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int kk = 0; kk < SMALL_NT; ++kk) {
@@ -340,8 +368,8 @@ __global__ void __launch_bounds__(SMALL_THREADS)
         ha[kk][2 * half + 1] = E::pack(relu(c[2] + bb[0]), relu(c[3] + bb[1]));
       }
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int row = 8 * (2 * h + q) + g;
+    for (int q = 0; q < NT2; ++q) {
+      const int row = 8 * (NT2 * h + q) + g;
       float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int kk = 0; kk < SMALL_NT / 2; ++kk) {
@@ -360,7 +388,8 @@ __global__ void __launch_bounds__(SMALL_THREADS)
     }
   }
 
-  // ---- layer 3 over the quad and both halves, sigmoid; warp h writes row h: out[b,i,j] (t 0), out[b,j,i] (t 1) ----
+  // ---- layer 3 over the quad and the groups, sigmoid. Output o = 2 r + mirror of position (2 p + r, g): group h's
+  // lanes t < OUTS write o = OUTS h + t, out[b,i,j] (mirror 0) or out[b,j,i] (mirror 1) ----
   z[0] = quad_sum(z[0]);
   z[1] = quad_sum(z[1]);
   if (t == 0) {
@@ -368,12 +397,16 @@ __global__ void __launch_bounds__(SMALL_THREADS)
     sm.z[h][p][1][g] = z[1];
   }
   __syncthreads();
-  const int r = h, il = 2 * p + r, i = TILE * I + il;
-  const bool mirror = t == 1;
-  if (t < 2 && i < N && j < N && (I < J || (mirror ? il < g : il <= g))) {
-    const float o = 1.f / (1.f + expf(-(sm.z[0][p][r][g] + sm.z[1][p][r][g] + E::to_float(b3[0]))));
+  const int o = OUTS * h + t, r = o >> 1, il = 2 * p + r, i = TILE * I + il;
+  const bool mirror = o & 1;
+  if (t < OUTS && i < N && j < N && (I < J || (mirror ? il < g : il <= g))) {
+    float zt = sm.z[0][p][r][g];
+#pragma unroll
+    for (int q = 1; q < NK; ++q) zt += sm.z[q][p][r][g];
+    zt += E::to_float(b3[0]);
+    const float y = 1.f / (1.f + expf(-zt));
     const long long at = mirror ? (static_cast<long long>(b) * N + j) * N + i : (static_cast<long long>(b) * N + i) * N + j;
-    out[at] = E::from_float(o);
+    out[at] = E::from_float(y);
   }
 }
 
