@@ -3764,8 +3764,8 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   if (B == 0 || N == 0) return {out, -1};
 
   const c10::cuda::CUDAGuard guard(pair.device());
-  if (v == Variant::kSmall ||
-      (v == Variant::kAuto && small_preferred(B, N, C, H, device_facts(pair.get_device())))) {  // every dtype natively
+  if (v == Variant::kSmall || (v == Variant::kAuto && kSmallAutoTilesPerSm > 0 &&
+                                small_preferred(B, N, C, H, device_facts(pair.get_device())))) {  // every dtype natively
     const int device = pair.get_device();
     // contiguous, and a fresh (aligned) copy where a tensor read in 16-byte vectors starts off alignment
     auto aligned = [](const torch::Tensor& t) {
