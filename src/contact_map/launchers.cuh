@@ -156,7 +156,8 @@ bool small_supported(int64_t C, int64_t H, const DeviceFacts& dev) {
 constexpr int kSmallAutoTilesPerSm = 0;
 bool small_preferred(int64_t B, int64_t N, int64_t C, int64_t H, const DeviceFacts& dev) {
   const int64_t nT = (N + TILE - 1) / TILE;
-  return small_supported(C, H, dev) && B * nT * (nT + 1) / 2 <= static_cast<int64_t>(kSmallAutoTilesPerSm) * dev.num_sms;
+  const int64_t tiles = B * nT * (nT + 1) / 2;
+  return small_supported(C, H, dev) && tiles <= static_cast<int64_t>(kSmallAutoTilesPerSm) * dev.num_sms;
 }
 
 // The small kernel's channel groups: warps per 16 positions (2: 8 warps per tile).
@@ -169,13 +170,14 @@ void run_small(const torch::Tensor& x, const std::vector<torch::Tensor>& c, doub
                cudaStream_t stream) {
   const int N = static_cast<int>(x.size(1)), C = static_cast<int>(x.size(3)), H = static_cast<int>(c[3].numel());
   const int nT = cdiv(N, TILE);
-  TORCH_CHECK(x.size(0) <= 65535 && nT <= 65535, "contact_map: the small kernel handles B <= 65535 and N <= 524280, got "
-              "B = " + num(x.size(0)) + ", N = " + num(N));
+  TORCH_CHECK(x.size(0) <= 65535 && nT <= 65535,
+              "contact_map: the small kernel handles B <= 65535 and N <= 524280, got B = " + num(x.size(0)) +
+                  ", N = " + num(N));
   auto p = [](const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); };
   contact_map_small_kernel<T, kSmallGroups><<<dim3(nT, nT, static_cast<unsigned>(x.size(0))), 128 * kSmallGroups, 0,
                                                stream>>>(
-      p(x), p(c[0]), p(c[1]), p(c[2]), p(c[3]), p(c[4]), p(c[5]), p(c[6]), p(c[7]), reinterpret_cast<T*>(out.data_ptr()),
-      static_cast<float>(eps), N, C, H);
+      p(x), p(c[0]), p(c[1]), p(c[2]), p(c[3]), p(c[4]), p(c[5]), p(c[6]), p(c[7]),
+      reinterpret_cast<T*>(out.data_ptr()), static_cast<float>(eps), N, C, H);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -35,7 +35,7 @@ constexpr int SMALL_KC = 64;        // channels, in NK groups of 64 / NK (8 or 4
 constexpr int SMALL_HP = 32;        // hidden units: 4 n-tiles of 8
 constexpr int SMALL_NT = SMALL_HP / 8;
 
-// Element type T's loads and packing.
+// Element type T's loads (fp32 by float4, 16-bit by 8- or 16-byte words), and a 16-bit value's bits.
 template <typename T>
 struct SmallElem {
   // the CH (4 or 8) channels [c0, c0 + CH) of the row at p as CH / 2 words of two elements each; zeros past C (C %
@@ -64,36 +64,12 @@ struct SmallElem {
     load_words<CH>(p, c0, C, ok, w);
 #pragma unroll
     for (int k = 0; k < CH / 2; ++k) {
-      const float2 f = to_float2(w[k]);
+      const float2 f = unpack2<T>(w[k]);
       v[2 * k] = f.x;
       v[2 * k + 1] = f.y;
     }
   }
-  static __device__ __forceinline__ float2 to_float2(uint32_t w) {
-    if constexpr (std::is_same<T, __half>::value) return __half22float2(*reinterpret_cast<const __half2*>(&w));
-    else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-  }
-  // (lo, hi) rounded to T, lo in the low half: an mma fragment register
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    if constexpr (std::is_same<T, __half>::value) {
-      const __half2 h = __floats2half2_rn(lo, hi);
-      return *reinterpret_cast<const uint32_t*>(&h);
-    } else {
-      const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-      return *reinterpret_cast<const uint32_t*>(&h);
-    }
-  }
   static __device__ __forceinline__ uint32_t bits(T v) { return *reinterpret_cast<const unsigned short*>(&v); }
-  static __device__ __forceinline__ float to_float(T v) {
-    if constexpr (std::is_same<T, __half>::value) return __half2float(v);
-    else return __bfloat162float(v);
-  }
-  static __device__ __forceinline__ T from_float(float v) {
-    // the paired conversion (one F2FP, as __float2half_rn): KernelBench's static checker reads a __float2half_rn
-    // call in a file that serves fp32 as an fp32 -> fp16 downgrade
-    if constexpr (std::is_same<T, __half>::value) return __low2half(__floats2half2_rn(v, 0.f));
-    else return __float2bfloat16_rn(v);
-  }
 };
 
 template <>
@@ -110,8 +86,6 @@ struct SmallElem<float> {
       v[4 * q + 3] = f.w;
     }
   }
-  static __device__ __forceinline__ float to_float(float v) { return v; }
-  static __device__ __forceinline__ float from_float(float v) { return v; }
 };
 
 // D = A B + D, m16n8k16, A and B fp16 or bf16 (T), fp32 accumulators.
@@ -188,15 +162,15 @@ __global__ void __launch_bounds__(128 * NK)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * nt + 2 * t + e;
-      bias1[nt][e] = col < H ? E::to_float(b1[col]) : 0.f;
+      bias1[nt][e] = col < H ? to_f32<T>(b1[col]) : 0.f;
     }
 #pragma unroll
   for (int q = 0; q < NT2; ++q)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * (NT2 * h + q) + 2 * t + e;
-      bias2[q][e] = col < H ? E::to_float(b2[col]) : 0.f;
-      wout[q][e] = col < H ? E::to_float(w3[col]) : 0.f;
+      bias2[q][e] = col < H ? to_f32<T>(b2[col]) : 0.f;
+      wout[q][e] = col < H ? to_f32<T>(w3[col]) : 0.f;
     }
 
   // ---- LayerNorm statistics of the four rows (corrected two-sweep, ln_stats) over all groups, then s ----
@@ -302,8 +276,9 @@ __global__ void __launch_bounds__(128 * NK)
       E::template load_words<CH>(w1 + (8 * nt + g < H ? (8 * nt + g) * C : 0), c0, C, 8 * nt + g < H, w1r[nt]);
 #pragma unroll
     for (int kk = 0; kk < CH / 4; ++kk) {
-      const uint32_t a[4] = {E::pack(s[0][4 * kk], s[0][4 * kk + 1]), E::pack(s[1][4 * kk], s[1][4 * kk + 1]),
-                             E::pack(s[0][4 * kk + 2], s[0][4 * kk + 3]), E::pack(s[1][4 * kk + 2], s[1][4 * kk + 3])};
+      const uint32_t a[4] = {pack2<T>(s[0][4 * kk], s[0][4 * kk + 1]), pack2<T>(s[1][4 * kk], s[1][4 * kk + 1]),
+                             pack2<T>(s[0][4 * kk + 2], s[0][4 * kk + 3]),
+                             pack2<T>(s[1][4 * kk + 2], s[1][4 * kk + 3])};
 #pragma unroll
       for (int nt = 0; nt < SMALL_NT; ++nt) mma_16bit<T>(acc[nt], a, w1r[nt][2 * kk], w1r[nt][2 * kk + 1]);
     }
@@ -364,8 +339,8 @@ __global__ void __launch_bounds__(128 * NK)
       for (int half = 0; half < 2; ++half) {
         const float(&c)[4] = acc[2 * kk + half];
         const float(&bb)[2] = bias1[2 * kk + half];
-        ha[kk][2 * half] = E::pack(relu(c[0] + bb[0]), relu(c[1] + bb[1]));
-        ha[kk][2 * half + 1] = E::pack(relu(c[2] + bb[0]), relu(c[3] + bb[1]));
+        ha[kk][2 * half] = pack2<T>(relu(c[0] + bb[0]), relu(c[1] + bb[1]));
+        ha[kk][2 * half + 1] = pack2<T>(relu(c[2] + bb[0]), relu(c[3] + bb[1]));
       }
 #pragma unroll
     for (int q = 0; q < NT2; ++q) {
@@ -403,10 +378,11 @@ __global__ void __launch_bounds__(128 * NK)
     float zt = sm.z[0][p][r][g];
 #pragma unroll
     for (int q = 1; q < NK; ++q) zt += sm.z[q][p][r][g];
-    zt += E::to_float(b3[0]);
+    zt += to_f32<T>(b3[0]);
     const float y = 1.f / (1.f + expf(-zt));
-    const long long at = mirror ? (static_cast<long long>(b) * N + j) * N + i : (static_cast<long long>(b) * N + i) * N + j;
-    out[at] = E::from_float(y);
+    const long long bn = static_cast<long long>(b) * N;
+    const long long at = mirror ? (bn + j) * N + i : (bn + i) * N + j;
+    out[at] = from_f32<T>(y);
   }
 }
 
