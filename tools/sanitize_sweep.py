@@ -534,8 +534,8 @@ def _opm_train(torch, mod, call, sms):
 
 def _opm_pair(torch, mod, call, sms):
     """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
-    forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]); a forward under no_grad, or with train a
-    training step."""
+    forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]); a forward under no_grad, or
+    with train a training step."""
     _, msa, mask, g = _opm_setup(torch, mod, call, sms)
     gen = torch.Generator().manual_seed(_seed(call) + 1)
     fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
