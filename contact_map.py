@@ -16,12 +16,10 @@ on its device, read at every call (a later `load_state_dict` or in-place update 
 
 Every kernel walks tiles of 8 x 8 positions (b, I, J) with I <= J, reads the tile x[b, 8I.., 8J.., :] and its
 mirror x[b, 8J.., 8I.., :] from device memory once and writes out[b,i,j] and out[b,j,i] (exactly symmetric).
-Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", "small"; a model's own VARIANTS: those that run for its
-dimensions; set by `model.variant`; `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma",
-"fma" or "small"):
-  "auto"  the default: "small" where it runs and the input has at most small_auto_tiles_per_sm() tiles (8 x 8
-          positions, I <= J) per SM (0 in this build: never), else wgmma where it runs (its 16-bit build wgmma16 for
-          fp16 / bf16), else "mma".
+Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", "small", a model's: those its dimensions allow; set by
+`model.variant`; `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma", "fma" or "small"):
+  "auto"  the default: "small" up to small_auto_tiles_per_sm() tiles per SM (0 in this build: never), else wgmma
+          where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
   wgmma   Hopper: needs the sm_90a build, a compute capability 9.0 GPU, 32 <= pair_dim <= 128 with
           pair_dim % 16 == 0, hidden_dim <= 64, N >= 8 and a 16-byte aligned input. A small kernel folds the
           LayerNorm affine into the first layer (W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs
@@ -48,9 +46,8 @@ dimensions; set by `model.variant`; `model.last_variant` names the kernel that r
           weights read through L1 at hidden_dim > 128). For the shapes and GPUs wgmma does not cover.
   "fma"   plain fp32 FMA products on the same tiles: no tensor cores, an independent check of the others.
   "small" sm_80+, 8 <= pair_dim <= 64 with pair_dim % 8 == 0, hidden_dim <= 32 (forced elsewhere it raises):
-          one launch, one block of 8 warps per tile, the parameters read as they are (no params kernel), every
-          load issued at once, both products on mma.sync (fp32: split TF32; fp16 / bf16: in that type, fp32
-          accumulation): for inputs of a few tiles per SM, such as KernelBench's (4, 64, 64, 64).
+          one launch, a block of 8 warps per tile, the parameters as they are (no params kernel), mma.sync (fp32:
+          split TF32; 16-bit: in that type), for a few tiles per SM (KernelBench's (4, 64, 64, 64)).
 
 Precision: fp32 LayerNorm and accumulation, no fast-math. Split TF32 (x = hi + lo, both TF32, a*b ~ hi*hi +
 hi*lo + lo*hi; CUTLASS's fp32-accurate tensor-core GEMM) with short partial sums promoted into an fp32
