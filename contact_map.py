@@ -18,8 +18,8 @@ Every kernel walks tiles of 8 x 8 positions (b, I, J) with I <= J, reads the til
 mirror x[b, 8J.., 8I.., :] from device memory once and writes out[b,i,j] and out[b,j,i] (exactly symmetric).
 Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", "small", a model's: those its dimensions allow; set by
 `model.variant`; `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma", "fma" or "small"):
-  "auto"  the default: "small" up to small_auto_tiles_per_sm() tiles per SM (0 in this build: never), else wgmma
-          where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
+  "auto"  the default: for fp16 / bf16 "small" up to small_auto_tiles_per_sm(dtype) = 2 tiles per SM (fp32: 0),
+          else wgmma where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
   wgmma   Hopper: needs the sm_90a build, a compute capability 9.0 GPU, 32 <= pair_dim <= 128 with
           pair_dim % 16 == 0, hidden_dim <= 64, N >= 8 and a 16-byte aligned input. A small kernel folds the
           LayerNorm affine into the first layer (W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs
@@ -2798,14 +2798,18 @@ bool small_supported(int64_t C, int64_t H, const DeviceFacts& dev) {
   return dev.major >= 8 && C >= 8 && C <= SMALL_KC && C % 8 == 0 && H >= 1 && H <= SMALL_HP;
 }
 
-// "auto" runs the small kernel where it runs and the input has at most kSmallAutoTilesPerSm tiles per SM: there a
-// block's chain, not the stream of tiles, sets the time, and one launch without the params kernel can win (NOTES.md,
-// small). 0 until the 8-warp kernel has run on a GPU: "auto" never picks it, "small" forces it.
-constexpr int kSmallAutoTilesPerSm = 0;
-bool small_preferred(int64_t B, int64_t N, int64_t C, int64_t H, const DeviceFacts& dev) {
+// "auto" runs the small kernel where it runs and the input has at most kSmallAutoTilesPerSm[half] tiles per SM: there a
+// block's chain, not the stream of tiles, sets the time, and one launch without the params kernel wins (NOTES.md,
+// small-2). fp16 / bf16: up to 2 tiles per SM (H100, KernelBench-style per call at (4, 64, 64, 64), hidden 32: 10.0 /
+// 10.2 us against wgmma16's 14.1 / 11.8; at 272 tiles 11.3 against 12.5 us; at 544, 15.7 against 13.2). fp32: never
+// (the same 12.2 against 12.5 us per call, but 8.4 against 6.1 us of GPU time in a CUDA graph; 17.1 against 15.4 us
+// at 272 tiles).
+constexpr int kSmallAutoTilesPerSm[2] = {0, 2};  // [float32, float16 / bfloat16]
+int small_auto_tiles(bool half) { return kSmallAutoTilesPerSm[half ? 1 : 0]; }
+bool small_preferred(int64_t B, int64_t N, int64_t C, int64_t H, bool half, const DeviceFacts& dev) {
   const int64_t nT = (N + TILE - 1) / TILE;
   const int64_t tiles = B * nT * (nT + 1) / 2;
-  return small_supported(C, H, dev) && tiles <= static_cast<int64_t>(kSmallAutoTilesPerSm) * dev.num_sms;
+  return small_supported(C, H, dev) && tiles <= static_cast<int64_t>(small_auto_tiles(half)) * dev.num_sms;
 }
 
 // The small kernel's channel groups: warps per 16 positions (2: 8 warps per tile).
@@ -3742,8 +3746,9 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   if (B == 0 || N == 0) return {out, -1};
 
   const c10::cuda::CUDAGuard guard(pair.device());
-  if (v == Variant::kSmall || (v == Variant::kAuto && kSmallAutoTilesPerSm > 0 &&
-                                small_preferred(B, N, C, H, device_facts(pair.get_device())))) {  // every dtype natively
+  const bool half = dtype != torch::kFloat32;
+  if (v == Variant::kSmall || (v == Variant::kAuto && small_auto_tiles(half) > 0 &&
+                                small_preferred(B, N, C, H, half, device_facts(pair.get_device())))) {  // natively
     const int device = pair.get_device();
     // contiguous, and a fresh (aligned) copy where a tensor read in 16-byte vectors starts off alignment
     auto aligned = [](const torch::Tensor& t) {
@@ -3825,8 +3830,8 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   return {out, static_cast<int64_t>(ran)};
 }
 
-// "auto" runs the small kernel up to this many tiles per SM (where it runs).
-int64_t small_auto_tiles_per_sm() { return kSmallAutoTilesPerSm; }
+// "auto" runs the small kernel up to this many tiles per SM (where it runs), for fp16 / bf16 (half) or fp32 input.
+int64_t small_auto_tiles_per_sm(bool half) { return small_auto_tiles(half); }
 
 }  // namespace contact_map
 #line 17 "src/contact_map/contact_map.cu"
@@ -3837,7 +3842,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &contact_map::backward,
         "contact-map head fused backward (CUDA): [d_pair, d_ln_w, d_ln_b, d_w1, d_b1, d_w2, d_b2, d_w3, d_b3]");
   m.def("small_auto_tiles_per_sm", &contact_map::small_auto_tiles_per_sm,
-        "\"auto\" runs the small kernel up to this many tiles per SM (where it runs)");
+        "\"auto\" runs the small kernel up to this many tiles per SM (where it runs), for fp16 / bf16 (half) or "
+        "fp32 input");
   m.def("backward_supported", &contact_map::backward_supported,
         "whether backward runs for (pair_dim, hidden_dim, device index)");
 }
@@ -4204,18 +4210,19 @@ def _small_fits(pair_dim, hidden_dim):
     return 8 <= pair_dim <= 64 and pair_dim % 8 == 0 and 1 <= hidden_dim <= 32
 
 
-def small_auto_tiles_per_sm():
-    """"auto" runs the small kernel where it runs and the input has at most this many tiles per SM."""
-    return int(_ext.small_auto_tiles_per_sm())
+def small_auto_tiles_per_sm(dtype=torch.float32):
+    """"auto" runs the small kernel where it runs and an input of this dtype has at most this many tiles per SM
+    (float32: 0, never; float16 / bfloat16: 2)."""
+    return int(_ext.small_auto_tiles_per_sm(dtype != torch.float32))
 
 
-def _auto_runs_small(B, N, pair_dim, hidden_dim, device=None):
-    """Whether "auto" runs the small kernel for a (B, N, N, pair_dim) input on this CUDA device (small_preferred in
-    the CUDA source)."""
+def _auto_runs_small(B, N, pair_dim, hidden_dim, dtype, device=None):
+    """Whether "auto" runs the small kernel for a (B, N, N, pair_dim) input of this dtype (module and input in one
+    dtype) on this CUDA device (small_preferred in the CUDA source)."""
     props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
     tiles = B * ((N + 7) // 8) * ((N + 7) // 8 + 1) // 2
     return (props.major >= 8 and _small_fits(pair_dim, hidden_dim)
-            and tiles <= small_auto_tiles_per_sm() * props.multi_processor_count)
+            and tiles <= small_auto_tiles_per_sm(dtype) * props.multi_processor_count)
 
 
 class _VariantsFor:

@@ -70,8 +70,8 @@ Training: the backward (outer_product_mean_backward) saves the inputs, and a, b 
 fused_small ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper
 with hidden_dim 32, pair_dim <= 128, wgmma kernels compute dWo and, for pair_dim % 4 == 0, da and db (O, G =
 (g / denom) Wo per tile on chip; split TF32, or 16-bit with pair_dim % 8 == 0), and for msa_dim 128 / 256 the
-LayerNorm part; else PyTorch ops build O and G for chunks of rows i (~256 MB), as in the pair modes unless
-PAIR_BACKWARD is "kernels" (those kernels on s1 g; GPU-tested, not yet timed). `model.last_backward` names the parts
+LayerNorm part; else PyTorch ops build O and G for chunks of rows i (~256 MB). The pair modes run the same kernels on
+s1 g (PAIR_BACKWARD "kernels", the default; "chunks": PyTorch ops). `model.last_backward` names the parts
 run in kernels. Gradients for msa_repr and every parameter, none for the mask; double backward raises.
 
 Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST,
@@ -6497,10 +6497,10 @@ NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
 # over the output, as every other variant): OPM_PAIR_EPILOGUE at import, then this module attribute, or
 # `with pair_epilogue("unfused"):` for a block.
 PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
-# The pair modes' dWo, da and db: "chunks" (PyTorch ops over chunks of rows i), "kernels" (GPU-tested, not yet
-# timed: the row mode's wgmma kernels, where they run, on s1 g with a row scale of 1): OPM_PAIR_BACKWARD at import,
-# then this module attribute, or `with pair_backward("kernels"):` for a block.
-PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "chunks")
+# The pair modes' dWo, da and db: "kernels" (the default: the row mode's wgmma kernels, where they run, on s1 g with
+# a row scale of 1; a training step 1.1-3.9x faster than "chunks", NOTES.md), "chunks" (PyTorch ops over chunks of
+# rows i): OPM_PAIR_BACKWARD at import, then this module attribute, or `with pair_backward("chunks"):` for a block.
+PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
 
 
 class _ModuleSetting:

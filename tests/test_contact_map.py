@@ -377,7 +377,7 @@ def test_each_variant_runs_its_own_kernel(cm, C, H, build):
             _, names = _profiled(lambda: new(x))
         want = variant
         if variant == "auto":
-            want = "small" if cm._auto_runs_small(1, 40, C, H) else "wgmma" if build else "mma"
+            want = "small" if cm._auto_runs_small(1, 40, C, H, torch.float32) else "wgmma" if build else "mma"
         assert new.last_variant == want, (variant, C, H, new.last_variant)
         for kind, kernel in kernels.items():
             assert (kernel + "<" in names) == (kind == want), (variant, C, H, kind, names[:300])
@@ -646,7 +646,7 @@ def test_half_precision_reads_fp16_bf16_natively(cm, ref, dtype, B, N, C, H, dis
     tname = "__half" if dtype == torch.float16 else "__nv_bfloat16"
     want, want64, got, names, again = _poisoned_profiled_call(m_ref, new, x)
     assert got.dtype == dtype and got.shape == (B, N, N)
-    small = cm._auto_runs_small(B, N, C, H)
+    small = cm._auto_runs_small(B, N, C, H, dtype)
     assert new.last_variant == ("small" if small else "wgmma16" if build else "wgmma")
     if small:
         assert "contact_map_small_kernel<" + tname in names and "elementwise" not in names, names[:300]

@@ -246,23 +246,24 @@ class _FakeRowKernels:
 @pytest.mark.parametrize("kernels", [("dWo", "da, db"), ("dWo",), ("da, db",)], ids=["both", "wo", "ab"])
 @pytest.mark.parametrize("family", ["openfold", "boltz"])
 def test_pair_backward_on_the_row_kernels(opm, monkeypatch, family, kernels):
-    """PAIR_BACKWARD "kernels" (not yet GPU-tested): the row mode's dWo and da, db kernels, faked by their
-    math (g / d per row), handed s1 g and a row scale of 1, alone or together (the rest in chunks; dbo by
-    ATen), give fp64 autograd's gradients through the reference for both pair modes (fractional mask, a
-    dead row and column); the fakes ran as asked, and "chunks", the default, calls none of them."""
+    """PAIR_BACKWARD "kernels", the default: the row mode's dWo and da, db kernels, faked by their math (g / d
+    per row), handed s1 g and a row scale of 1, alone or together (the rest in chunks; dbo by ATen), give fp64
+    autograd's gradients through the reference for both pair modes (fractional mask, a dead row and column); the
+    fakes ran as asked, and "chunks" calls none of them."""
     fake = _FakeRowKernels()
     monkeypatch.setattr(opm, "_ext", fake)
     args, norm, pnames, d_msa, want = _fp64_backward_case(opm, family, "fractional", 12)
     kw = dict(chunk_bytes=4096, rows_kernel=False, ln_kernel=False, wo_kernel="dWo" in kernels,
               ab_kernel="da, db" in kernels, **norm)
+    assert opm.PAIR_BACKWARD == "kernels"
     with torch.no_grad():
-        opm.outer_product_mean_backward(*args, **kw)
-        assert fake.calls == [], "the default (chunks) ran a row-mode kernel"
-        with opm.pair_backward("kernels"):
-            parts = []
-            got = opm.outer_product_mean_backward(*args, parts=parts, **kw)
+        with opm.pair_backward("chunks"):
+            opm.outer_product_mean_backward(*args, **kw)
+        assert fake.calls == [], "chunks ran a row-mode kernel"
+        parts = []
+        got = opm.outer_product_mean_backward(*args, parts=parts, **kw)
     assert fake.calls == list(kernels) and parts == list(kernels)
-    assert opm.PAIR_BACKWARD == "chunks"
+    assert opm.PAIR_BACKWARD == "kernels"
     _assert_fp64_grads(got, pnames, d_msa, want)
     with pytest.raises(ValueError, match="'chunks' or 'kernels'"):
         opm.pair_backward("fused")

@@ -49,8 +49,9 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   if (B == 0 || N == 0) return {out, -1};
 
   const c10::cuda::CUDAGuard guard(pair.device());
-  if (v == Variant::kSmall || (v == Variant::kAuto && kSmallAutoTilesPerSm > 0 &&
-                                small_preferred(B, N, C, H, device_facts(pair.get_device())))) {  // every dtype natively
+  const bool half = dtype != torch::kFloat32;
+  if (v == Variant::kSmall || (v == Variant::kAuto && small_auto_tiles(half) > 0 &&
+                                small_preferred(B, N, C, H, half, device_facts(pair.get_device())))) {  // natively
     const int device = pair.get_device();
     // contiguous, and a fresh (aligned) copy where a tensor read in 16-byte vectors starts off alignment
     auto aligned = [](const torch::Tensor& t) {
@@ -132,7 +133,7 @@ std::tuple<torch::Tensor, int64_t> forward(torch::Tensor pair, torch::Tensor ln_
   return {out, static_cast<int64_t>(ran)};
 }
 
-// "auto" runs the small kernel up to this many tiles per SM (where it runs).
-int64_t small_auto_tiles_per_sm() { return kSmallAutoTilesPerSm; }
+// "auto" runs the small kernel up to this many tiles per SM (where it runs), for fp16 / bf16 (half) or fp32 input.
+int64_t small_auto_tiles_per_sm(bool half) { return small_auto_tiles(half); }
 
 }  // namespace contact_map

@@ -21,7 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &contact_map::backward,
         "contact-map head fused backward (CUDA): [d_pair, d_ln_w, d_ln_b, d_w1, d_b1, d_w2, d_b2, d_w3, d_b3]");
   m.def("small_auto_tiles_per_sm", &contact_map::small_auto_tiles_per_sm,
-        "\"auto\" runs the small kernel up to this many tiles per SM (where it runs)");
+        "\"auto\" runs the small kernel up to this many tiles per SM (where it runs), for fp16 / bf16 (half) or "
+        "fp32 input");
   m.def("backward_supported", &contact_map::backward_supported,
         "whether backward runs for (pair_dim, hidden_dim, device index)");
 }

@@ -16,8 +16,8 @@ Every kernel walks tiles of 8 x 8 positions (b, I, J) with I <= J, reads the til
 mirror x[b, 8J.., 8I.., :] from device memory once and writes out[b,i,j] and out[b,j,i] (exactly symmetric).
 Variants (`ModelNew.VARIANTS` = "auto", "mma", "fma", "small", a model's: those its dimensions allow; set by
 `model.variant`; `model.last_variant` names the kernel that ran: "wgmma", "wgmma16", "mma", "fma" or "small"):
-  "auto"  the default: "small" up to small_auto_tiles_per_sm() tiles per SM (0 in this build: never), else wgmma
-          where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
+  "auto"  the default: for fp16 / bf16 "small" up to small_auto_tiles_per_sm(dtype) = 2 tiles per SM (fp32: 0),
+          else wgmma where it runs (its 16-bit build wgmma16 for fp16 / bf16), else "mma".
   wgmma   Hopper: needs the sm_90a build, a compute capability 9.0 GPU, 32 <= pair_dim <= 128 with
           pair_dim % 16 == 0, hidden_dim <= 64, N >= 8 and a 16-byte aligned input. A small kernel folds the
           LayerNorm affine into the first layer (W1' = W1 diag(gamma), b1' = b1 + W1 beta in fp64) and packs
@@ -356,18 +356,19 @@ def _small_fits(pair_dim, hidden_dim):
     return 8 <= pair_dim <= 64 and pair_dim % 8 == 0 and 1 <= hidden_dim <= 32
 
 
-def small_auto_tiles_per_sm():
-    """"auto" runs the small kernel where it runs and the input has at most this many tiles per SM."""
-    return int(_ext.small_auto_tiles_per_sm())
+def small_auto_tiles_per_sm(dtype=torch.float32):
+    """"auto" runs the small kernel where it runs and an input of this dtype has at most this many tiles per SM
+    (float32: 0, never; float16 / bfloat16: 2)."""
+    return int(_ext.small_auto_tiles_per_sm(dtype != torch.float32))
 
 
-def _auto_runs_small(B, N, pair_dim, hidden_dim, device=None):
-    """Whether "auto" runs the small kernel for a (B, N, N, pair_dim) input on this CUDA device (small_preferred in
-    the CUDA source)."""
+def _auto_runs_small(B, N, pair_dim, hidden_dim, dtype, device=None):
+    """Whether "auto" runs the small kernel for a (B, N, N, pair_dim) input of this dtype (module and input in one
+    dtype) on this CUDA device (small_preferred in the CUDA source)."""
     props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
     tiles = B * ((N + 7) // 8) * ((N + 7) // 8 + 1) // 2
     return (props.major >= 8 and _small_fits(pair_dim, hidden_dim)
-            and tiles <= small_auto_tiles_per_sm() * props.multi_processor_count)
+            and tiles <= small_auto_tiles_per_sm(dtype) * props.multi_processor_count)
 
 
 class _VariantsFor:

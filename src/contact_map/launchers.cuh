@@ -150,14 +150,18 @@ bool small_supported(int64_t C, int64_t H, const DeviceFacts& dev) {
   return dev.major >= 8 && C >= 8 && C <= SMALL_KC && C % 8 == 0 && H >= 1 && H <= SMALL_HP;
 }
 
-// "auto" runs the small kernel where it runs and the input has at most kSmallAutoTilesPerSm tiles per SM: there a
-// block's chain, not the stream of tiles, sets the time, and one launch without the params kernel can win (NOTES.md,
-// small). 0 until the 8-warp kernel has run on a GPU: "auto" never picks it, "small" forces it.
-constexpr int kSmallAutoTilesPerSm = 0;
-bool small_preferred(int64_t B, int64_t N, int64_t C, int64_t H, const DeviceFacts& dev) {
+// "auto" runs the small kernel where it runs and the input has at most kSmallAutoTilesPerSm[half] tiles per SM: there a
+// block's chain, not the stream of tiles, sets the time, and one launch without the params kernel wins (NOTES.md,
+// small-2). fp16 / bf16: up to 2 tiles per SM (H100, KernelBench-style per call at (4, 64, 64, 64), hidden 32: 10.0 /
+// 10.2 us against wgmma16's 14.1 / 11.8; at 272 tiles 11.3 against 12.5 us; at 544, 15.7 against 13.2). fp32: never
+// (the same 12.2 against 12.5 us per call, but 8.4 against 6.1 us of GPU time in a CUDA graph; 17.1 against 15.4 us
+// at 272 tiles).
+constexpr int kSmallAutoTilesPerSm[2] = {0, 2};  // [float32, float16 / bfloat16]
+int small_auto_tiles(bool half) { return kSmallAutoTilesPerSm[half ? 1 : 0]; }
+bool small_preferred(int64_t B, int64_t N, int64_t C, int64_t H, bool half, const DeviceFacts& dev) {
   const int64_t nT = (N + TILE - 1) / TILE;
   const int64_t tiles = B * nT * (nT + 1) / 2;
-  return small_supported(C, H, dev) && tiles <= static_cast<int64_t>(kSmallAutoTilesPerSm) * dev.num_sms;
+  return small_supported(C, H, dev) && tiles <= static_cast<int64_t>(small_auto_tiles(half)) * dev.num_sms;
 }
 
 // The small kernel's channel groups: warps per 16 positions (2: 8 warps per tile).
