@@ -5138,6 +5138,66 @@ __global__ void __launch_bounds__(kThreads) opm_pair_epilogue_kernel(T* __restri
   }
 }
 
+// The pair modes' backward input to the row kernels and out_proj's bias gradient, in one pass over grad_out:
+//   gk[r][c] = s1[r] g[r][c] (the product in fp32, rounded once to GK: float, or G itself) and part[blk][c] =
+//   the sum over block blk's rows of s2 g[r][c], s2 = s1 where S2_IS_S1 (OpenFold: the sum of the unrounded
+//   products), else 1 (Boltz). Rows r are the pairs (b, i, j): g (rows, cz) in G (float, __half or
+//   __nv_bfloat16), s1 (rows) float32. Threads, row ranges and sums as opm_colsum_kernel (kU = 4 rows' loads in
+//   flight per thread, added in row order); opm_block_sum_kernel adds the blocks' sums. Assumptions: 256 threads; cz % 4 == 0, 4 <= cz <=
+//   1024; g and gk 16-byte aligned.
+template <typename G, typename GK, bool S2_IS_S1>
+__global__ void __launch_bounds__(kThreads) opm_pair_grad_kernel(const G* __restrict__ g, const float* __restrict__ s1,
+                                                                 int64_t rows, int cz, int64_t rpb, GK* __restrict__ gk,
+                                                                 float* __restrict__ part) {
+  constexpr int kU = 4;
+  __shared__ float4 red[kThreads];
+  const int CG = cz / 4, RL = kThreads / CG, tid = threadIdx.x, cg = tid % CG, rl = tid / CG;
+  const int64_t r0 = blockIdx.x * rpb, r1 = min64(rows, r0 + rpb);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (rl < RL) {
+    for (int64_t r = r0 + rl; r < r1; r += kU * RL) {  // kU rows' loads in flight, then their math in row order
+      float4 v[kU];
+      float s[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t ru = r + u * RL;
+        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        s[u] = 0.f;
+        if (ru < r1) {
+          if constexpr (std::is_same_v<G, float>) {
+            v[u] = __ldg(reinterpret_cast<const float4*>(g + ru * cz) + cg);
+          } else {  // 4 G in 8 bytes
+            const uint2 h = __ldg(reinterpret_cast<const uint2*>(g + ru * cz) + cg);
+            const float2 lo = to_float2<G>(h.x), hi = to_float2<G>(h.y);
+            v[u] = make_float4(lo.x, lo.y, hi.x, hi.y);
+          }
+          s[u] = __ldg(s1 + ru);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t ru = r + u * RL;
+        if (ru < r1) {
+          const float4 p = make_float4(s[u] * v[u].x, s[u] * v[u].y, s[u] * v[u].z, s[u] * v[u].w);
+          if constexpr (std::is_same_v<GK, float>) reinterpret_cast<float4*>(gk + ru * cz)[cg] = p;
+          else reinterpret_cast<uint2*>(gk + ru * cz)[cg] = pack4_16<GK>(p.x, p.y, p.z, p.w);
+          const float4 w = S2_IS_S1 ? p : v[u];
+          acc.x += w.x; acc.y += w.y; acc.z += w.z; acc.w += w.w;
+        }
+      }
+    }
+  }
+  red[tid] = acc;
+  __syncthreads();
+  if (tid < CG) {
+    for (int l = 1; l < RL; ++l) {
+      const float4 v = red[l * CG + tid];
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    reinterpret_cast<float4*>(part + blockIdx.x * static_cast<int64_t>(cz))[tid] = acc;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 }  // namespace opm
 #line 1 "src/outer_product_mean/launchers.cuh"
@@ -6267,6 +6327,60 @@ at::Tensor opm_backward_dbo(at::Tensor g) {
   return out;
 }
 
+// The pair modes' (gk, dbo) for the row kernels (opm_pair_grad_kernel): g (..., c_z) float32, float16 or bfloat16
+// and s1 float32 with numel(g) / c_z elements (the pairs, in g's row order), CUDA; gk = s1 g in float32 (to_float)
+// or g's type, g's shape; dbo (c_z) float32 = the sum of s1 g (s2_is_s1: OpenFold) or of g (Boltz) over the rows,
+// in a fixed order for a given device. c_z % 4 == 0 and c_z <= 1024.
+std::vector<at::Tensor> opm_backward_pair_g(at::Tensor g, at::Tensor s1, bool s2_is_s1, bool to_float) {
+  const auto gt = g.scalar_type();
+  TORCH_CHECK(g.is_cuda() && (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16) && g.dim() >= 1,
+              "outer_product_mean: opm_backward_pair_g takes a float32, float16 or bfloat16 CUDA tensor g");
+  const int64_t cz = g.size(-1);
+  TORCH_CHECK(cz % 4 == 0 && cz >= 4 && cz <= 1024,
+              "outer_product_mean: opm_backward_pair_g: c_z a multiple of 4 up to 1024");
+  TORCH_CHECK(s1.is_cuda() && s1.scalar_type() == at::kFloat && s1.get_device() == g.get_device() &&
+                  s1.numel() * cz == g.numel(),
+              "outer_product_mean: opm_backward_pair_g: s1 float32 on g's device, one value per row of g");
+  const c10::cuda::CUDAGuard guard(g.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(g.get_device());
+  at::Tensor gc = g.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte loads (8-byte for 16-bit)
+  const at::Tensor sc = s1.contiguous();
+  at::Tensor gk = at::empty(gc.sizes(), gc.options().dtype(to_float ? at::kFloat : gt));
+  const auto f32 = gc.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({cz}, f32);
+  const int64_t rows = gc.numel() / cz;
+  if (rows == 0) return {gk, out};
+  const int blocks = static_cast<int>(std::min<int64_t>(4ll * d.sms, cdiv(rows, 64)));
+  const int64_t rpb = cdiv(rows, blocks);
+  at::Tensor part = at::empty({blocks * cz}, f32);
+  auto launch = [&](auto gtag, auto ktag) {
+    using G = std::remove_pointer_t<decltype(gtag)>;
+    using GK = std::remove_pointer_t<decltype(ktag)>;
+    const G* gp = reinterpret_cast<const G*>(gc.data_ptr());
+    GK* kp = reinterpret_cast<GK*>(gk.data_ptr());
+    if (s2_is_s1)
+      opm_pair_grad_kernel<G, GK, true><<<blocks, kThreads, 0, stream>>>(gp, sc.data_ptr<float>(), rows,
+                                                                          static_cast<int>(cz), rpb, kp,
+                                                                          part.data_ptr<float>());
+    else
+      opm_pair_grad_kernel<G, GK, false><<<blocks, kThreads, 0, stream>>>(gp, sc.data_ptr<float>(), rows,
+                                                                           static_cast<int>(cz), rpb, kp,
+                                                                           part.data_ptr<float>());
+  };
+  if (gt == at::kFloat) launch(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (gt == at::kHalf && to_float) launch(static_cast<__half*>(nullptr), static_cast<float*>(nullptr));
+  else if (gt == at::kHalf) launch(static_cast<__half*>(nullptr), static_cast<__half*>(nullptr));
+  else if (to_float) launch(static_cast<__nv_bfloat16*>(nullptr), static_cast<float*>(nullptr));
+  else launch(static_cast<__nv_bfloat16*>(nullptr), static_cast<__nv_bfloat16*>(nullptr));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  opm_block_sum_kernel<<<static_cast<int>(cdiv(cz, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
+                                                                                  out.data_ptr<float>(), blocks, cz);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {gk, out};
+}
+
 // (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg2 and outer_wg can run there.
 std::tuple<bool, bool, bool> device_caps(int64_t device) {
   const DevInfo d = dev_info(static_cast<int>(device));
@@ -6295,6 +6409,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("opm_backward_rows", torch::wrap_pybind_function(opm::opm_backward_rows),
         "backward: (a, b, inv_denom) as the forward computes them");
   m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
+  m.def("opm_backward_pair_g", torch::wrap_pybind_function(opm::opm_backward_pair_g),
+        "backward, pair modes: (s1 g in float32 or g's type, d bo: the sum of s1 g or of g)");
 }
 """
 
@@ -6481,6 +6597,15 @@ def _rows_kernel_runs(msa, c, c_m):
             and B * pad(S, 16 if msa.dtype == torch.float32 else 32) * pad(N, 16) // 16 < 2**31 and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
 
+def _pair_g_kernel_runs(grad_out, ct, k_dtype):
+    """Whether opm_backward_pair_g forms a pair mode's s1 g (in k_dtype) and dbo: PAIR_G_KERNEL, a float32 compute
+    type, grad_out float32 / float16 / bfloat16 on a CUDA device with c_z % 4 == 0 up to 1024, k_dtype float32 or
+    grad_out's."""
+    c_z = grad_out.shape[-1]
+    return (PAIR_G_KERNEL and ct == torch.float32 and grad_out.is_cuda and grad_out.dtype in _FLOAT_DTYPES
+            and c_z % 4 == 0 and 4 <= c_z <= 1024 and k_dtype in (torch.float32, grad_out.dtype))
+
+
 def _ab_kernel_runs(msa, c, c_z, ct):
     """Whether da and db go to opm_bw_ab_kernel (_ext.opm_backward_ab): as _wo_kernel_runs, with pair_dim
     a multiple of 4 (16-byte strides of grad_out's tensor map)."""
@@ -6501,6 +6626,9 @@ PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
 # a row scale of 1; a training step 1.1-3.9x faster than "chunks", NOTES.md), "chunks" (PyTorch ops over chunks of
 # rows i): OPM_PAIR_BACKWARD at import, then this module attribute, or `with pair_backward("chunks"):` for a block.
 PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
+# With "kernels": s1 g and dbo in one pass over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
+# (False). Not yet run on a GPU, so False unless OPM_PAIR_G_KERNEL=1 at import (or this attribute set).
+PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
 
 
 class _ModuleSetting:
@@ -6564,8 +6692,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     out = s1 (O Wo^T) + s2 bo with pair_scales' s1, s2 (B, N, N): then dWo = sum (s1 g)^T O,
     G = (s1 g) Wo, dbo = sum s2 g (the divided bias's gradient for OpenFold): in the chunks below, or
     with pair_kernels (None: PAIR_BACKWARD == "kernels") by the dWo and da, db kernels where they run,
-    handed s1 g as grad_out and a row scale of 1 (dbo then summed by ATen); a, b and the LayerNorm part
-    run as for the row mode.
+    handed s1 g as grad_out and a row scale of 1 (s1 g and dbo in one pass over grad_out by
+    opm_pair_grad_kernel where _pair_g_kernel_runs, else by ATen in float32); a, b and the LayerNorm part run
+    as for the row mode.
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
     other than float32 go to the kernels as float32), ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -6669,13 +6798,18 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # a pair mode hands them s1 g (rounded once to that type) and a row scale of 1
     g_k = None
     if pair and (wo_in_kernel or ab_in_kernel):
-        g_ct = grad_out.to(ct)
-        gs = g_ct * s1[..., None]
-        d_bo_pair = (gs if norm == NORM_OPENFOLD else g_ct).sum((0, 1, 2))
-        del g_ct
-        g_k = gs.to(ct if ops == "split" else msa.dtype).contiguous()
+        k_dtype = ct if ops == "split" else msa.dtype
+        if _pair_g_kernel_runs(grad_out, ct, k_dtype):  # one pass: s1 g and dbo's sums
+            g_k, d_bo_pair = _ext.opm_backward_pair_g(grad_out, s1.contiguous(), norm == NORM_OPENFOLD,
+                                                      k_dtype == torch.float32)
+        else:
+            g_ct = grad_out.to(ct)
+            gs = g_ct * s1[..., None]
+            d_bo_pair = (gs if norm == NORM_OPENFOLD else g_ct).sum((0, 1, 2))
+            del g_ct
+            g_k = gs.to(k_dtype).contiguous()
+            del gs
         inv_d = torch.ones((B, N), dtype=torch.float32, device=dev)
-        del gs
     elif wo_in_kernel or ab_in_kernel:
         g_k = grad_out.to(ct if ops == "split" else msa.dtype).contiguous()
 

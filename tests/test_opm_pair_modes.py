@@ -453,6 +453,32 @@ def test_every_variant_against_fp64(opm, family, kind, dtype, case):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("cz", [128, 12])
+def test_pair_grad_kernel_against_its_math(opm, dtype, cz):
+    """opm_backward_pair_g, the pair modes' one pass over grad_out: gk = s1 g (the product in fp32, rounded
+    once) bit-equal to ATen's (g.float() * s1).to(...) in float32 and in g's type; dbo (float32) within fp32
+    summation error of the fp64 sums of s1 g (OpenFold) and of g (Boltz); for a contiguous g, a transposed view
+    and a copy off 16-byte alignment, at 2 x 37 x 37 rows (not a multiple of a block's); a repeat call equal."""
+    gen = torch.Generator().manual_seed(cz)
+    g0 = torch.randn(2, 37, 37, cz, generator=gen).to("cuda", dtype)
+    s0 = (torch.rand(2, 37, 37, generator=gen) * 3).cuda()
+    off = torch.empty(g0.numel() + 8, dtype=dtype, device="cuda")[1:1 + g0.numel()].view_as(g0).copy_(g0)
+    for g, s1 in ((g0, s0), (g0.transpose(1, 2), s0.transpose(1, 2)), (off, s0)):
+        for s2_is_s1 in (True, False):
+            for to_float in (True, False):
+                gk, dbo = opm._ext.opm_backward_pair_g(g, s1, s2_is_s1, to_float)
+                k_dtype = torch.float32 if to_float else dtype
+                want = (g.float() * s1[..., None]).to(k_dtype)
+                assert gk.dtype == k_dtype and gk.shape == g.shape and torch.equal(gk, want)
+                w = g.double() * (s1.double()[..., None] if s2_is_s1 else 1.0)
+                err = (dbo.double() - w.sum((0, 1, 2))).abs()
+                assert dbo.dtype == torch.float32 and bool((err <= 1e-5 * w.abs().sum((0, 1, 2))).all()), err.max()
+                gk2, dbo2 = opm._ext.opm_backward_pair_g(g, s1, s2_is_s1, to_float)
+                assert torch.equal(gk2, gk) and torch.equal(dbo2, dbo)
+
+
+@gpu
 @pytest.mark.parametrize("pb", ["chunks", "kernels"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("kind", ["dead", "fractional"])

@@ -290,6 +290,11 @@ def _opm_pair_case():
                        backward="kernels"),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True,
                        backward="kernels"),
+              # and opm_backward_pair_g: s1 g in fp16 (OpenFold), in fp32 from bf16 (pair_dim 12: split TF32, Boltz)
+              opm_call("opm_pair", F16, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True,
+                       backward="kernels"),
+              opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 12, family="boltz", variant="outer_wg", train=True,
+                       backward="kernels"),
               # pair_dim 7: the epilogue's one-element path (multiples of 4 / 8 take 16-byte vectors)
               opm_call("opm_pair", F32, 1, 5, 19, 64, 32, 7, family="openfold", variant="outer_first"),
               opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 7, family="boltz", variant="outer_wg", epilogue="unfused")]

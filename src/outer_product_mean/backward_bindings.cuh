@@ -315,6 +315,60 @@ at::Tensor opm_backward_dbo(at::Tensor g) {
   return out;
 }
 
+// The pair modes' (gk, dbo) for the row kernels (opm_pair_grad_kernel): g (..., c_z) float32, float16 or bfloat16
+// and s1 float32 with numel(g) / c_z elements (the pairs, in g's row order), CUDA; gk = s1 g in float32 (to_float)
+// or g's type, g's shape; dbo (c_z) float32 = the sum of s1 g (s2_is_s1: OpenFold) or of g (Boltz) over the rows,
+// in a fixed order for a given device. c_z % 4 == 0 and c_z <= 1024.
+std::vector<at::Tensor> opm_backward_pair_g(at::Tensor g, at::Tensor s1, bool s2_is_s1, bool to_float) {
+  const auto gt = g.scalar_type();
+  TORCH_CHECK(g.is_cuda() && (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16) && g.dim() >= 1,
+              "outer_product_mean: opm_backward_pair_g takes a float32, float16 or bfloat16 CUDA tensor g");
+  const int64_t cz = g.size(-1);
+  TORCH_CHECK(cz % 4 == 0 && cz >= 4 && cz <= 1024,
+              "outer_product_mean: opm_backward_pair_g: c_z a multiple of 4 up to 1024");
+  TORCH_CHECK(s1.is_cuda() && s1.scalar_type() == at::kFloat && s1.get_device() == g.get_device() &&
+                  s1.numel() * cz == g.numel(),
+              "outer_product_mean: opm_backward_pair_g: s1 float32 on g's device, one value per row of g");
+  const c10::cuda::CUDAGuard guard(g.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(g.get_device());
+  at::Tensor gc = g.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte loads (8-byte for 16-bit)
+  const at::Tensor sc = s1.contiguous();
+  at::Tensor gk = at::empty(gc.sizes(), gc.options().dtype(to_float ? at::kFloat : gt));
+  const auto f32 = gc.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({cz}, f32);
+  const int64_t rows = gc.numel() / cz;
+  if (rows == 0) return {gk, out};
+  const int blocks = static_cast<int>(std::min<int64_t>(4ll * d.sms, cdiv(rows, 64)));
+  const int64_t rpb = cdiv(rows, blocks);
+  at::Tensor part = at::empty({blocks * cz}, f32);
+  auto launch = [&](auto gtag, auto ktag) {
+    using G = std::remove_pointer_t<decltype(gtag)>;
+    using GK = std::remove_pointer_t<decltype(ktag)>;
+    const G* gp = reinterpret_cast<const G*>(gc.data_ptr());
+    GK* kp = reinterpret_cast<GK*>(gk.data_ptr());
+    if (s2_is_s1)
+      opm_pair_grad_kernel<G, GK, true><<<blocks, kThreads, 0, stream>>>(gp, sc.data_ptr<float>(), rows,
+                                                                          static_cast<int>(cz), rpb, kp,
+                                                                          part.data_ptr<float>());
+    else
+      opm_pair_grad_kernel<G, GK, false><<<blocks, kThreads, 0, stream>>>(gp, sc.data_ptr<float>(), rows,
+                                                                           static_cast<int>(cz), rpb, kp,
+                                                                           part.data_ptr<float>());
+  };
+  if (gt == at::kFloat) launch(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (gt == at::kHalf && to_float) launch(static_cast<__half*>(nullptr), static_cast<float*>(nullptr));
+  else if (gt == at::kHalf) launch(static_cast<__half*>(nullptr), static_cast<__half*>(nullptr));
+  else if (to_float) launch(static_cast<__nv_bfloat16*>(nullptr), static_cast<float*>(nullptr));
+  else launch(static_cast<__nv_bfloat16*>(nullptr), static_cast<__nv_bfloat16*>(nullptr));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  opm_block_sum_kernel<<<static_cast<int>(cdiv(cz, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
+                                                                                  out.data_ptr<float>(), blocks, cz);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {gk, out};
+}
+
 // (tc_ok, wg_ok, ow_ok) of a CUDA device: whether w_first_tc/_tc2, w_first_wg2 and outer_wg can run there.
 std::tuple<bool, bool, bool> device_caps(int64_t device) {
   const DevInfo d = dev_info(static_cast<int>(device));

@@ -184,6 +184,15 @@ def _rows_kernel_runs(msa, c, c_m):
             and B * pad(S, 16 if msa.dtype == torch.float32 else 32) * pad(N, 16) // 16 < 2**31 and bool(_ext.opm_device_caps(msa.device.index)[2]))
 
 
+def _pair_g_kernel_runs(grad_out, ct, k_dtype):
+    """Whether opm_backward_pair_g forms a pair mode's s1 g (in k_dtype) and dbo: PAIR_G_KERNEL, a float32 compute
+    type, grad_out float32 / float16 / bfloat16 on a CUDA device with c_z % 4 == 0 up to 1024, k_dtype float32 or
+    grad_out's."""
+    c_z = grad_out.shape[-1]
+    return (PAIR_G_KERNEL and ct == torch.float32 and grad_out.is_cuda and grad_out.dtype in _FLOAT_DTYPES
+            and c_z % 4 == 0 and 4 <= c_z <= 1024 and k_dtype in (torch.float32, grad_out.dtype))
+
+
 def _ab_kernel_runs(msa, c, c_z, ct):
     """Whether da and db go to opm_bw_ab_kernel (_ext.opm_backward_ab): as _wo_kernel_runs, with pair_dim
     a multiple of 4 (16-byte strides of grad_out's tensor map)."""
@@ -204,6 +213,9 @@ PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
 # a row scale of 1; a training step 1.1-3.9x faster than "chunks", NOTES.md), "chunks" (PyTorch ops over chunks of
 # rows i): OPM_PAIR_BACKWARD at import, then this module attribute, or `with pair_backward("chunks"):` for a block.
 PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
+# With "kernels": s1 g and dbo in one pass over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
+# (False). Not yet run on a GPU, so False unless OPM_PAIR_G_KERNEL=1 at import (or this attribute set).
+PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
 
 
 class _ModuleSetting:
@@ -267,8 +279,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     out = s1 (O Wo^T) + s2 bo with pair_scales' s1, s2 (B, N, N): then dWo = sum (s1 g)^T O,
     G = (s1 g) Wo, dbo = sum s2 g (the divided bias's gradient for OpenFold): in the chunks below, or
     with pair_kernels (None: PAIR_BACKWARD == "kernels") by the dWo and da, db kernels where they run,
-    handed s1 g as grad_out and a row scale of 1 (dbo then summed by ATen); a, b and the LayerNorm part
-    run as for the row mode.
+    handed s1 g as grad_out and a row scale of 1 (s1 g and dbo in one pass over grad_out by
+    opm_pair_grad_kernel where _pair_g_kernel_runs, else by ATen in float32); a, b and the LayerNorm part run
+    as for the row mode.
 
     Shapes: msa (B, S, N, c_m), mask m (B, S, N) of any float, bool or integer dtype (floating masks
     other than float32 go to the kernels as float32), ln_w / ln_b (c_m,), wa / wb (c, c_m),
@@ -372,13 +385,18 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # a pair mode hands them s1 g (rounded once to that type) and a row scale of 1
     g_k = None
     if pair and (wo_in_kernel or ab_in_kernel):
-        g_ct = grad_out.to(ct)
-        gs = g_ct * s1[..., None]
-        d_bo_pair = (gs if norm == NORM_OPENFOLD else g_ct).sum((0, 1, 2))
-        del g_ct
-        g_k = gs.to(ct if ops == "split" else msa.dtype).contiguous()
+        k_dtype = ct if ops == "split" else msa.dtype
+        if _pair_g_kernel_runs(grad_out, ct, k_dtype):  # one pass: s1 g and dbo's sums
+            g_k, d_bo_pair = _ext.opm_backward_pair_g(grad_out, s1.contiguous(), norm == NORM_OPENFOLD,
+                                                      k_dtype == torch.float32)
+        else:
+            g_ct = grad_out.to(ct)
+            gs = g_ct * s1[..., None]
+            d_bo_pair = (gs if norm == NORM_OPENFOLD else g_ct).sum((0, 1, 2))
+            del g_ct
+            g_k = gs.to(k_dtype).contiguous()
+            del gs
         inv_d = torch.ones((B, N), dtype=torch.float32, device=dev)
-        del gs
     elif wo_in_kernel or ab_in_kernel:
         g_k = grad_out.to(ct if ops == "split" else msa.dtype).contiguous()
 

@@ -168,5 +168,65 @@ __global__ void __launch_bounds__(kThreads) opm_pair_epilogue_kernel(T* __restri
   }
 }
 
+// The pair modes' backward input to the row kernels and out_proj's bias gradient, in one pass over grad_out:
+//   gk[r][c] = s1[r] g[r][c] (the product in fp32, rounded once to GK: float, or G itself) and part[blk][c] =
+//   the sum over block blk's rows of s2 g[r][c], s2 = s1 where S2_IS_S1 (OpenFold: the sum of the unrounded
+//   products), else 1 (Boltz). Rows r are the pairs (b, i, j): g (rows, cz) in G (float, __half or
+//   __nv_bfloat16), s1 (rows) float32. Threads, row ranges and sums as opm_colsum_kernel (kU = 4 rows' loads in
+//   flight per thread, added in row order); opm_block_sum_kernel adds the blocks' sums. Assumptions: 256 threads; cz % 4 == 0, 4 <= cz <=
+//   1024; g and gk 16-byte aligned.
+template <typename G, typename GK, bool S2_IS_S1>
+__global__ void __launch_bounds__(kThreads) opm_pair_grad_kernel(const G* __restrict__ g, const float* __restrict__ s1,
+                                                                 int64_t rows, int cz, int64_t rpb, GK* __restrict__ gk,
+                                                                 float* __restrict__ part) {
+  constexpr int kU = 4;
+  __shared__ float4 red[kThreads];
+  const int CG = cz / 4, RL = kThreads / CG, tid = threadIdx.x, cg = tid % CG, rl = tid / CG;
+  const int64_t r0 = blockIdx.x * rpb, r1 = min64(rows, r0 + rpb);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (rl < RL) {
+    for (int64_t r = r0 + rl; r < r1; r += kU * RL) {  // kU rows' loads in flight, then their math in row order
+      float4 v[kU];
+      float s[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t ru = r + u * RL;
+        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        s[u] = 0.f;
+        if (ru < r1) {
+          if constexpr (std::is_same_v<G, float>) {
+            v[u] = __ldg(reinterpret_cast<const float4*>(g + ru * cz) + cg);
+          } else {  // 4 G in 8 bytes
+            const uint2 h = __ldg(reinterpret_cast<const uint2*>(g + ru * cz) + cg);
+            const float2 lo = to_float2<G>(h.x), hi = to_float2<G>(h.y);
+            v[u] = make_float4(lo.x, lo.y, hi.x, hi.y);
+          }
+          s[u] = __ldg(s1 + ru);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t ru = r + u * RL;
+        if (ru < r1) {
+          const float4 p = make_float4(s[u] * v[u].x, s[u] * v[u].y, s[u] * v[u].z, s[u] * v[u].w);
+          if constexpr (std::is_same_v<GK, float>) reinterpret_cast<float4*>(gk + ru * cz)[cg] = p;
+          else reinterpret_cast<uint2*>(gk + ru * cz)[cg] = pack4_16<GK>(p.x, p.y, p.z, p.w);
+          const float4 w = S2_IS_S1 ? p : v[u];
+          acc.x += w.x; acc.y += w.y; acc.z += w.z; acc.w += w.w;
+        }
+      }
+    }
+  }
+  red[tid] = acc;
+  __syncthreads();
+  if (tid < CG) {
+    for (int l = 1; l < RL; ++l) {
+      const float4 v = red[l * CG + tid];
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    reinterpret_cast<float4*>(part + blockIdx.x * static_cast<int64_t>(cz))[tid] = acc;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 }  // namespace opm
