@@ -6626,7 +6626,7 @@ PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
 # a row scale of 1; a training step 1.1-3.9x faster than "chunks", NOTES.md), "chunks" (PyTorch ops over chunks of
 # rows i): OPM_PAIR_BACKWARD at import, then this module attribute, or `with pair_backward("chunks"):` for a block.
 PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
-# With "kernels": s1 g and dbo in one pass over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
+# With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
 # (False). Not yet run on a GPU, so False unless OPM_PAIR_G_KERNEL=1 at import (or this attribute set).
 PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
 
@@ -6692,7 +6692,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     out = s1 (O Wo^T) + s2 bo with pair_scales' s1, s2 (B, N, N): then dWo = sum (s1 g)^T O,
     G = (s1 g) Wo, dbo = sum s2 g (the divided bias's gradient for OpenFold): in the chunks below, or
     with pair_kernels (None: PAIR_BACKWARD == "kernels") by the dWo and da, db kernels where they run,
-    handed s1 g as grad_out and a row scale of 1 (s1 g and dbo in one pass over grad_out by
+    handed s1 g as grad_out and a row scale of 1 (s1 g and dbo in one sweep over grad_out by
     opm_pair_grad_kernel where _pair_g_kernel_runs, else by ATen in float32); a, b and the LayerNorm part run
     as for the row mode.
 
@@ -6799,7 +6799,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     g_k = None
     if pair and (wo_in_kernel or ab_in_kernel):
         k_dtype = ct if ops == "split" else msa.dtype
-        if _pair_g_kernel_runs(grad_out, ct, k_dtype):  # one pass: s1 g and dbo's sums
+        if _pair_g_kernel_runs(grad_out, ct, k_dtype):  # one sweep: s1 g and dbo's sums
             g_k, d_bo_pair = _ext.opm_backward_pair_g(grad_out, s1.contiguous(), norm == NORM_OPENFOLD,
                                                       k_dtype == torch.float32)
         else:
