@@ -210,7 +210,7 @@ NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
 # `with pair_epilogue("unfused"):` for a block.
 PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
 # The pair modes' dWo, da and db: "kernels" (the default: the row mode's wgmma kernels, where they run, on s1 g with
-# a row scale of 1; a training step 1.1-3.9x faster than "chunks", NOTES.md), "chunks" (PyTorch ops over chunks of
+# a row scale of 1; a training step 1.75-3.9x faster than "chunks", NOTES.md), "chunks" (PyTorch ops over chunks of
 # rows i): OPM_PAIR_BACKWARD at import, then this module attribute, or `with pair_backward("chunks"):` for a block.
 PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
 # With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
