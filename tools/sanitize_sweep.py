@@ -290,11 +290,12 @@ def _opm_pair_case():
                        backward="kernels"),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True,
                        backward="kernels"),
-              # and opm_backward_pair_g: s1 g in fp16 (OpenFold), in fp32 from bf16 (pair_dim 12: split TF32, Boltz)
+              # and with PAIR_G_KERNEL, opm_backward_pair_g: s1 g in fp16 (OpenFold), in fp32 from bf16 (pair_dim
+              # 12: split TF32, Boltz)
               opm_call("opm_pair", F16, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True,
-                       backward="kernels"),
+                       backward="kernels", pair_g=True),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 12, family="boltz", variant="outer_wg", train=True,
-                       backward="kernels"),
+                       backward="kernels", pair_g=True),
               # pair_dim 7: the epilogue's one-element path (multiples of 4 / 8 take 16-byte vectors)
               opm_call("opm_pair", F32, 1, 5, 19, 64, 32, 7, family="openfold", variant="outer_first"),
               opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 7, family="boltz", variant="outer_wg", epilogue="unfused")]
@@ -539,8 +540,8 @@ def _opm_train(torch, mod, call, sms):
 
 def _opm_pair(torch, mod, call, sms):
     """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
-    forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]); a forward under no_grad, or
-    with train a training step."""
+    forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]) (and PAIR_G_KERNEL =
+    call["pair_g"] where given); a forward under no_grad, or with train a training step."""
     _, msa, mask, g = _opm_setup(torch, mod, call, sms)
     gen = torch.Generator().manual_seed(_seed(call) + 1)
     fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
@@ -550,6 +551,8 @@ def _opm_pair(torch, mod, call, sms):
             p.copy_(torch.randn(p.shape, generator=gen) * scale + 0.05)
     fam = fam.to(msa.dtype).cuda()
     fam.variant = call["variant"]
+    saved = getattr(mod, "PAIR_G_KERNEL", False)
+    mod.PAIR_G_KERNEL = call.get("pair_g", saved)
     with mod.pair_epilogue(call.get("epilogue", "fused")), mod.pair_backward(call.get("backward", "chunks")):
         if call.get("train"):
             x = msa.detach().requires_grad_(True)
@@ -558,6 +561,7 @@ def _opm_pair(torch, mod, call, sms):
         else:
             with torch.no_grad():
                 _fetch(torch, fam(msa, mask))
+    mod.PAIR_G_KERNEL = saved
     _expect("last_variant", fam.last_variant, call["variant"])
 
 
