@@ -22,6 +22,16 @@ __device__ __forceinline__ T from_float_any(float v) {
   else return from_float<T>(v);
 }
 
+// (s1, s2) of a pair with count n (see "Normalisations"), s1 over inv_denom[row] where inv_denom is not null.
+__device__ __forceinline__ float2 pair_scale_of(double n, int norm, double eps, const float* __restrict__ inv_denom,
+                                                int64_t row) {
+  // NaN counts stay NaN (n < 1.0 is false for NaN)
+  const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
+  const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
+  const float f1 = inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[row])) : static_cast<float>(s1);
+  return make_float2(f1, s2);
+}
+
 // scale[b, i, j] = (s1 / inv_denom[b, i], s2) where inv_denom is not null (the epilogue after kernels
 // that applied the row scale), else (s1, s2) (outer_wg's fused pair epilogue). The pair count is summed
 // exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
@@ -114,13 +124,7 @@ __global__ void __launch_bounds__(kPsThreads) opm_pair_scale_kernel(const void* 
         for (int c = 0; c < 4; ++c) {
           const int64_t i = i0 + 4 * ty + r, j = j0 + 4 * tx + c;
           if (i >= N || j >= N) continue;
-          const double n = static_cast<double>(acc[r][c]);
-          // NaN counts stay NaN (n < 1.0 is false for NaN)
-          const double s1 = norm == kNormOpenFold ? 1.0 / (n + eps) : 1.0 / (n < 1.0 ? 1.0 : n);
-          const float s2 = norm == kNormOpenFold ? static_cast<float>(s1) : 1.f;
-          const float f1 =
-              inv_denom ? static_cast<float>(s1 / static_cast<double>(inv_denom[b * N + i])) : static_cast<float>(s1);
-          scale[(b * N + i) * N + j] = make_float2(f1, s2);
+          scale[(b * N + i) * N + j] = pair_scale_of(static_cast<double>(acc[r][c]), norm, eps, inv_denom, b * N + i);
         }
     }
   }
