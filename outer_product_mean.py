@@ -5100,6 +5100,85 @@ __global__ void __launch_bounds__(kPsThreads) opm_pair_scale_kernel(const void* 
   }
 }
 
+// The pair counts of a float mask (M: float, __half or __nv_bfloat16) on the fp64 tensor cores (DMMA m8n8k4, sm_80+):
+// n[b,i,j] = sum_s m[b,s,i] m[b,s,j], each product exact in fp64, the sum in fp64 in a fixed order (k steps of 4 s in
+// order, each DMMA adding its four products to the accumulator; another order than opm_pair_scale_kernel's), then
+// (s1, s2) by pair_scale_of. Block (kPdThreads = 256, 8 warps): the 32 x 32 pairs of tile t = (b, it, jt); warp w
+// the rows 8 (w / 2).. and columns 16 (w % 2).. (two 8 x 8 accumulators). Chunks of kPdS = 64 s go to shared memory
+// as fp64, rows of kPdLd = 36 doubles (the fragment loads conflict-free); lane l of warp w loads column l of the
+// rows s = w, w + 8, .. of both sides, the next chunk into registers while this one is multiplied. Grid-stride
+// over the tiles. Fragments (PTX ISA, m8n8k4 .f64): A (8 x 4, row) a0 = A[lane / 4][lane % 4]; B (4 x 8, col) b0 =
+// B[lane % 4][lane / 4]; C c_e = C[lane / 4][2 (lane % 4) + e].
+constexpr int kPdS = 64, kPdThreads = 256, kPdLd = 36;
+
+__device__ __forceinline__ void dmma_m8n8k4(double (&c)[2], double a, double b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
+               : "+d"(c[0]), "+d"(c[1])
+               : "d"(a), "d"(b));
+#endif
+}
+
+template <typename M>
+__global__ void __launch_bounds__(kPdThreads) opm_pair_scale_dmma_kernel(const M* __restrict__ mask, int64_t B,
+                                                                         int64_t S, int64_t N, int norm, double eps,
+                                                                         const float* __restrict__ inv_denom,
+                                                                         float2* __restrict__ scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kRows = kPdS / (kPdThreads / 32);  // rows s per lane per chunk and side (8)
+  __shared__ __align__(16) double msh[2][kPdS * kPdLd];  // [0]: columns i, [1]: columns j; rows s
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = 8 * (warp >> 1), wc = 16 * (warp & 1), fr = lane >> 2, fk = lane & 3;
+  const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt, nchunk = cdiv(S, kPdS);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t jt = t % nt, it = t / nt % nt, b = t / nt / nt;
+    const int64_t i0 = it * kPsT, j0 = jt * kPsT;
+    const bool i_in = i0 + lane < N, j_in = j0 + lane < N;
+    const M* mi_g = mask + b * S * N + i0 + lane;
+    const M* mj_g = mask + b * S * N + j0 + lane;
+    float vi[kRows], vj[kRows];
+    auto fetch = [&](int64_t ch) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t s = ch * kPdS + warp + 8 * r;
+        vi[r] = s < S && i_in ? to_float(mi_g[s * N]) : 0.f;
+        vj[r] = s < S && j_in ? to_float(mj_g[s * N]) : 0.f;
+      }
+    };
+    double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
+    if (nchunk > 0) fetch(0);
+    for (int64_t ch = 0; ch < nchunk; ++ch) {
+      __syncthreads();  // the previous chunk's (or tile's) fragment loads are done
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        msh[0][(warp + 8 * r) * kPdLd + lane] = static_cast<double>(vi[r]);
+        msh[1][(warp + 8 * r) * kPdLd + lane] = static_cast<double>(vj[r]);
+      }
+      __syncthreads();  // the chunk in shared memory
+      if (ch + 1 < nchunk) fetch(ch + 1);
+      const double* ai = msh[0] + fk * kPdLd + wr + fr;
+      const double* bj = msh[1] + fk * kPdLd + wc + fr;
+#pragma unroll 4
+      for (int k = 0; k < kPdS; k += 4) {
+        const double a = ai[k * kPdLd];
+        dmma_m8n8k4(c[0], a, bj[k * kPdLd]);
+        dmma_m8n8k4(c[1], a, bj[k * kPdLd + 8]);
+      }
+    }
+    const int64_t i = i0 + wr + fr;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t j = j0 + wc + 8 * n + 2 * fk + e;
+        if (i < N && j < N) scale[(b * N + i) * N + j] = pair_scale_of(c[n][e], norm, eps, inv_denom, b * N + i);
+      }
+  }
+#else
+  __trap();  // built without sm_80: the host launches it only on devices of compute capability 8.0+
+#endif
+}
+
 // out[b,i,j,z] = out[b,i,j,z] * scale[b,i,j].x + scale[b,i,j].y * bo[z], in place, for out of T (float,
 // __half or __nv_bfloat16), in fp32 with one rounding to T. kVec: 16-byte vectors of 16 / sizeof(T)
 // elements (pair_dim a multiple of that, a 16-byte aligned out), else one element per thread.
@@ -5530,17 +5609,32 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
 
+// The pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel) in the forward: not yet
+// run on a GPU, so off (the fp64 FMA kernel runs); opm_pair_scale(..., dmma=True) runs it for tests.
+constexpr bool kPairCountsDmma = false;
+
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
-// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied.
+// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. dmma: float
+// masks' counts by opm_pair_scale_dmma_kernel on a compute capability 8.0+ device.
 static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
-                                    double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
+                                    double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
+                                    bool dmma = kPairCountsDmma) {
   at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
   const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
   const int g = grid_for(std::min<int64_t>(tiles, 4ll * d.sms));
   if (g == 0) return scale;
   const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
   float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
-  if (mask_is_float(mask_kind))
+  if (dmma && mask_is_float(mask_kind) && d.major >= 8) {
+    if (mask_kind == kF32)
+      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(mask.data_ptr<float>(), B, S, N, norm, eps, inv, sp);
+    else if (mask_kind == kF16)
+      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(reinterpret_cast<const __half*>(mask.data_ptr()), B, S,
+                                                                N, norm, eps, inv, sp);
+    else
+      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(
+          reinterpret_cast<const __nv_bfloat16*>(mask.data_ptr()), B, S, N, norm, eps, inv, sp);
+  } else if (mask_is_float(mask_kind))
     opm_pair_scale_kernel<double><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
   else
     opm_pair_scale_kernel<long long><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
@@ -5986,6 +6080,21 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
+// A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a
+// dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); dmma: float masks' counts on the fp64 tensor
+// cores where the device has them. Returns float32 (B, N, N, 2).
+at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, bool dmma) {
+  TORCH_CHECK(mask.is_cuda() && mask.dim() == 3 && mask_kind_of(mask.scalar_type()) >= 0,
+              "outer_product_mean: opm_pair_scale takes a (B, S, N) CUDA mask of a float, bool or integer dtype, got ",
+              dtype_str(mask), " ", shape_str(mask), " on ", dev_str(mask));
+  TORCH_CHECK(norm == kNormOpenFold || norm == kNormBoltz, "outer_product_mean: opm_pair_scale: norm 1 or 2, got ",
+              norm);
+  const c10::cuda::CUDAGuard guard(mask.device());
+  const at::Tensor m = mask.contiguous();
+  return launch_pair_scale(m, mask_kind_of(m.scalar_type()), m.size(0), m.size(1), m.size(2), static_cast<int>(norm),
+                           eps, at::Tensor(), dev_info(m.get_device()), c10::cuda::getCurrentCUDAStream(), dmma);
+}
+
 }  // namespace opm
 #line 1 "src/outer_product_mean/backward_bindings.cuh"
 // outer_product_mean: the backward's bound functions, tensor maps and the device capabilities.
@@ -6413,6 +6522,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("opm_backward_rows", torch::wrap_pybind_function(opm::opm_backward_rows),
         "backward: (a, b, inv_denom) as the forward computes them");
   m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
+  m.def("opm_pair_scale", torch::wrap_pybind_function(opm::opm_pair_scale),
+        "a pair mode's (s1, s2) per pair as the forward computes them; dmma: float masks' counts on DMMA");
   m.def("opm_backward_pair_g", torch::wrap_pybind_function(opm::opm_backward_pair_g),
         "backward, pair modes: (s1 g in float32 or g's type, d bo: the sum of s1 g or of g)");
 }

@@ -453,6 +453,32 @@ def test_every_variant_against_fp64(opm, family, kind, dtype, case):
 
 
 @gpu
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.bool])
+@pytest.mark.parametrize("family, norm", [("openfold", 1), ("boltz", 2)])
+def test_pair_counts_on_dmma_against_fp64(opm, family, norm, mask_dtype):
+    """opm_pair_scale(..., dmma=True), the pair counts of float masks on the fp64 tensor cores (bool masks: the int64
+    kernel either way), against pair_scales in fp64 and the fp64 FMA kernel: s1 within one float32 ulp, s2 as well
+    (exactly 1 for Boltz); all-ones masks (integer counts) bit-equal to the FMA kernel. Fractional masks with zero rows,
+    B = 2, S = 70 and N = 45 (partial chunks and tiles), S = 0, and N = 1."""
+    gen = torch.Generator().manual_seed(norm)
+    for B, S, N in ((2, 70, 45), (1, 0, 9), (1, 5, 1), (1, 130, 64)):
+        m = torch.rand(B, S, N, generator=gen)
+        m[:, :, :1] = 0.0
+        m = (m > 0.3) if mask_dtype == torch.bool else m.to(mask_dtype)
+        got = opm._ext.opm_pair_scale(m.cuda(), norm, 1e-3, True)
+        fma = opm._ext.opm_pair_scale(m.cuda(), norm, 1e-3, False)
+        s1, s2 = opm.pair_scales(m.cuda(), norm, 1e-3)
+        want = torch.stack([s1, s2], -1)
+        assert got.shape == (B, N, N, 2) and got.dtype == torch.float32
+        for name, ref in (("fp64", want), ("fma", fma.double())):
+            err = ((got.double() - ref).abs() / ref.abs().clamp(min=1e-30)).max().item() if got.numel() else 0.0
+            assert err <= 2.0 ** -23, (name, B, S, N, err)
+        ones = torch.ones(B, S, N, dtype=mask_dtype, device="cuda")
+        assert torch.equal(opm._ext.opm_pair_scale(ones, norm, 1e-3, True),
+                           opm._ext.opm_pair_scale(ones, norm, 1e-3, False))
+
+
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("cz", [128, 12])
 def test_pair_grad_kernel_against_its_math(opm, dtype, cz):

@@ -1027,7 +1027,13 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         return Setting
 
     now["epilogue"] = now["backward"] = None
-    ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows)})
+    def opm_pair_scale(mask, norm, eps, dmma):
+        assert mask.dim() == 3 and norm in (1, 2) and isinstance(dmma, bool)
+        B, _, N = mask.shape
+        return torch.ones(B, N, N, 2)
+
+    ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows),
+                           "opm_pair_scale": staticmethod(opm_pair_scale)})
     opm = type("OPM", (), {"ModelNew": OPMModel, "outer_product_mean_backward": staticmethod(opm_backward),
                            "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
                            "pair_epilogue": setting("epilogue", ("fused", "unfused")),

@@ -296,6 +296,10 @@ def _opm_pair_case():
                        backward="kernels", pair_g=True),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 12, family="boltz", variant="outer_wg", train=True,
                        backward="kernels", pair_g=True),
+              # the pair counts on the fp64 tensor cores (off in the forward): partial chunks and tiles, each float mask
+              opm_call("opm_pair_counts", F32, 2, 70, 45, 64, 32, 64, mask_dtype=F32),
+              opm_call("opm_pair_counts", F32, 1, 130, 64, 64, 32, 64, mask_dtype=BF16),
+              opm_call("opm_pair_counts", F32, 1, 3, 7, 64, 32, 64, mask_dtype=F16),
               # pair_dim 7: the epilogue's one-element path (multiples of 4 / 8 take 16-byte vectors)
               opm_call("opm_pair", F32, 1, 5, 19, 64, 32, 7, family="openfold", variant="outer_first"),
               opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 7, family="boltz", variant="outer_wg", epilogue="unfused")]
@@ -565,8 +569,15 @@ def _opm_pair(torch, mod, call, sms):
     _expect("last_variant", fam.last_variant, call["variant"])
 
 
+def _opm_pair_counts(torch, mod, call, sms):
+    """The pair counts of the call's mask on the fp64 tensor cores (opm_pair_scale with dmma), OpenFold's (s1, s2)."""
+    _, _, mask, _ = _opm_setup(torch, mod, call, sms)
+    _fetch(torch, mod._ext.opm_pair_scale(mask, 1, 1e-3, True))
+
+
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,
-        "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair}
+        "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair,
+        "opm_pair_counts": _opm_pair_counts}
 
 
 def run_case(torch, case, quick):

@@ -302,4 +302,19 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
+// A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a
+// dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); dmma: float masks' counts on the fp64 tensor
+// cores where the device has them. Returns float32 (B, N, N, 2).
+at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, bool dmma) {
+  TORCH_CHECK(mask.is_cuda() && mask.dim() == 3 && mask_kind_of(mask.scalar_type()) >= 0,
+              "outer_product_mean: opm_pair_scale takes a (B, S, N) CUDA mask of a float, bool or integer dtype, got ",
+              dtype_str(mask), " ", shape_str(mask), " on ", dev_str(mask));
+  TORCH_CHECK(norm == kNormOpenFold || norm == kNormBoltz, "outer_product_mean: opm_pair_scale: norm 1 or 2, got ",
+              norm);
+  const c10::cuda::CUDAGuard guard(mask.device());
+  const at::Tensor m = mask.contiguous();
+  return launch_pair_scale(m, mask_kind_of(m.scalar_type()), m.size(0), m.size(1), m.size(2), static_cast<int>(norm),
+                           eps, at::Tensor(), dev_info(m.get_device()), c10::cuda::getCurrentCUDAStream(), dmma);
+}
+
 }  // namespace opm

@@ -324,17 +324,32 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
 
+// The pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel) in the forward: not yet
+// run on a GPU, so off (the fp64 FMA kernel runs); opm_pair_scale(..., dmma=True) runs it for tests.
+constexpr bool kPairCountsDmma = false;
+
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
-// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied.
+// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. dmma: float
+// masks' counts by opm_pair_scale_dmma_kernel on a compute capability 8.0+ device.
 static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
-                                    double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream) {
+                                    double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
+                                    bool dmma = kPairCountsDmma) {
   at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
   const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
   const int g = grid_for(std::min<int64_t>(tiles, 4ll * d.sms));
   if (g == 0) return scale;
   const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
   float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
-  if (mask_is_float(mask_kind))
+  if (dmma && mask_is_float(mask_kind) && d.major >= 8) {
+    if (mask_kind == kF32)
+      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(mask.data_ptr<float>(), B, S, N, norm, eps, inv, sp);
+    else if (mask_kind == kF16)
+      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(reinterpret_cast<const __half*>(mask.data_ptr()), B, S,
+                                                                N, norm, eps, inv, sp);
+    else
+      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(
+          reinterpret_cast<const __nv_bfloat16*>(mask.data_ptr()), B, S, N, norm, eps, inv, sp);
+  } else if (mask_is_float(mask_kind))
     opm_pair_scale_kernel<double><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
   else
     opm_pair_scale_kernel<long long><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);

@@ -41,6 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("opm_backward_rows", torch::wrap_pybind_function(opm::opm_backward_rows),
         "backward: (a, b, inv_denom) as the forward computes them");
   m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
+  m.def("opm_pair_scale", torch::wrap_pybind_function(opm::opm_pair_scale),
+        "a pair mode's (s1, s2) per pair as the forward computes them; dmma: float masks' counts on DMMA");
   m.def("opm_backward_pair_g", torch::wrap_pybind_function(opm::opm_backward_pair_g),
         "backward, pair modes: (s1 g in float32 or g's type, d bo: the sum of s1 g or of g)");
 }
