@@ -4492,6 +4492,22 @@ __global__ void __launch_bounds__(kThreads) opm_block_sum_kernel(const float* __
   out[e] = static_cast<float>(s);
 }
 
+// A block's column sums into part[blockIdx.x][4 cg .. 4 cg + 3]: red[tid] = acc (the float4 partial of column quad
+// cg = tid % CG and row lane tid / CG), then thread cg < CG adds the RL lanes' partials in lane order
+// (opm_colsum_kernel, opm_pair_grad_kernel).
+__device__ __forceinline__ void colsum_block_store(float4 acc, float4* red, int CG, int RL, int tid, int cz,
+                                                   float* __restrict__ part) {
+  red[tid] = acc;
+  __syncthreads();
+  if (tid < CG) {
+    for (int l = 1; l < RL; ++l) {
+      const float4 v = red[l * CG + tid];
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    reinterpret_cast<float4*>(part + blockIdx.x * static_cast<int64_t>(cz))[tid] = acc;
+  }
+}
+
 // part[blk][c] = sum of g[r][c] over the rows r of block blk's range [blk rpb, (blk + 1) rpb) (out_proj's
 //   bias gradient, the column sums of grad_out (rows, cz), G float, __half or __nv_bfloat16): thread (cg =
 //   tid % CG, rl = tid / CG), CG = cz / 4 column quads (one 16- or 8-byte load per row), RL = 256 / CG row
@@ -4517,15 +4533,7 @@ __global__ void __launch_bounds__(kThreads) opm_colsum_kernel(const G* __restric
       }
       acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
     }
-  red[tid] = acc;
-  __syncthreads();
-  if (tid < CG) {
-    for (int l = 1; l < RL; ++l) {
-      const float4 v = red[l * CG + tid];
-      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
-    }
-    reinterpret_cast<float4*>(part + blockIdx.x * static_cast<int64_t>(cz))[tid] = acc;
-  }
+  colsum_block_store(acc, red, CG, RL, tid, cz, part);
 }
 
 }  // namespace opm
@@ -5270,15 +5278,7 @@ __global__ void __launch_bounds__(kThreads) opm_pair_grad_kernel(const G* __rest
       }
     }
   }
-  red[tid] = acc;
-  __syncthreads();
-  if (tid < CG) {
-    for (int l = 1; l < RL; ++l) {
-      const float4 v = red[l * CG + tid];
-      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
-    }
-    reinterpret_cast<float4*>(part + blockIdx.x * static_cast<int64_t>(cz))[tid] = acc;
-  }
+  colsum_block_store(acc, red, CG, RL, tid, cz, part);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -300,15 +300,7 @@ __global__ void __launch_bounds__(kThreads) opm_pair_grad_kernel(const G* __rest
       }
     }
   }
-  red[tid] = acc;
-  __syncthreads();
-  if (tid < CG) {
-    for (int l = 1; l < RL; ++l) {
-      const float4 v = red[l * CG + tid];
-      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
-    }
-    reinterpret_cast<float4*>(part + blockIdx.x * static_cast<int64_t>(cz))[tid] = acc;
-  }
+  colsum_block_store(acc, red, CG, RL, tid, cz, part);
 }
 
 // ---------------------------------------------------------------------------------------------
