@@ -5609,16 +5609,12 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
 
-// The pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel) in the forward: not yet
-// run on a GPU, so off (the fp64 FMA kernel runs); opm_pair_scale(..., dmma=True) runs it for tests.
-constexpr bool kPairCountsDmma = false;
-
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
 // tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. dmma: float
-// masks' counts by opm_pair_scale_dmma_kernel on a compute capability 8.0+ device.
+// masks' counts by opm_pair_scale_dmma_kernel on a compute capability 8.0+ device (else the fp64 FMA kernel).
 static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
                                     double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
-                                    bool dmma = kPairCountsDmma) {
+                                    bool dmma) {
   at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
   const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
   const int g = grid_for(std::min<int64_t>(tiles, 4ll * d.sms));
@@ -5825,11 +5821,12 @@ static int mask_kind_of(at::ScalarType st) {
 // norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
-// instance (the scale per pair in its own epilogue, the bias as given).
+// instance (the scale per pair in its own epilogue, the bias as given). pair_counts_dmma: float masks' pair
+// counts by opm_pair_scale_dmma_kernel (launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused) {
+    double norm_eps, bool pair_fused, bool pair_counts_dmma) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -6004,13 +6001,13 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
-                                                      at::Tensor(), d, stream)
+                                                      at::Tensor(), d, stream, pair_counts_dmma)
                                   : at::Tensor();
   // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
   auto finish = [&]() {
     if (!pair || fused) return;
     const at::Tensor scale = launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps, inv_denom, d,
-                                               stream);
+                                               stream, pair_counts_dmma);
     at::Tensor bo_f = bo.to(at::kFloat).contiguous();
     if (reinterpret_cast<uintptr_t>(bo_f.data_ptr()) % 16 != 0) bo_f = bo_f.clone();
     launch_pair_epilogue(out, scale, bo_f, d, stream);
@@ -6512,7 +6509,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(norm_eps), 2 Boltz",
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
-        py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false);
+        py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
+        py::arg("pair_counts_dmma") = false);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6744,6 +6742,10 @@ PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
 # With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
 # (False). Not yet run on a GPU, so False unless OPM_PAIR_G_KERNEL=1 at import (or this attribute set).
 PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
+# The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True) or fp64 FMA
+# (opm_pair_scale_kernel, False). Not yet run on a GPU, so False unless OPM_PAIR_COUNTS_DMMA=1 at import (or this
+# attribute set).
+PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "0") == "1"
 
 
 class _ModuleSetting:
@@ -7055,7 +7057,8 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
     pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
-    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused")
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
+                                             bool(PAIR_COUNTS_DMMA))
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

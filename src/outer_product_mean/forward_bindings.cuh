@@ -47,11 +47,12 @@ static int mask_kind_of(at::ScalarType st) {
 // norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
-// instance (the scale per pair in its own epilogue, the bias as given).
+// instance (the scale per pair in its own epilogue, the bias as given). pair_counts_dmma: float masks' pair
+// counts by opm_pair_scale_dmma_kernel (launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused) {
+    double norm_eps, bool pair_fused, bool pair_counts_dmma) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -226,13 +227,13 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
-                                                      at::Tensor(), d, stream)
+                                                      at::Tensor(), d, stream, pair_counts_dmma)
                                   : at::Tensor();
   // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
   auto finish = [&]() {
     if (!pair || fused) return;
     const at::Tensor scale = launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps, inv_denom, d,
-                                               stream);
+                                               stream, pair_counts_dmma);
     at::Tensor bo_f = bo.to(at::kFloat).contiguous();
     if (reinterpret_cast<uintptr_t>(bo_f.data_ptr()) % 16 != 0) bo_f = bo_f.clone();
     launch_pair_epilogue(out, scale, bo_f, d, stream);

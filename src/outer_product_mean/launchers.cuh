@@ -324,16 +324,12 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
 
-// The pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel) in the forward: not yet
-// run on a GPU, so off (the fp64 FMA kernel runs); opm_pair_scale(..., dmma=True) runs it for tests.
-constexpr bool kPairCountsDmma = false;
-
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
 // tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. dmma: float
-// masks' counts by opm_pair_scale_dmma_kernel on a compute capability 8.0+ device.
+// masks' counts by opm_pair_scale_dmma_kernel on a compute capability 8.0+ device (else the fp64 FMA kernel).
 static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
                                     double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
-                                    bool dmma = kPairCountsDmma) {
+                                    bool dmma) {
   at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
   const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
   const int g = grid_for(std::min<int64_t>(tiles, 4ll * d.sms));

@@ -216,6 +216,10 @@ PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
 # With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
 # (False). Not yet run on a GPU, so False unless OPM_PAIR_G_KERNEL=1 at import (or this attribute set).
 PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
+# The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True) or fp64 FMA
+# (opm_pair_scale_kernel, False). Not yet run on a GPU, so False unless OPM_PAIR_COUNTS_DMMA=1 at import (or this
+# attribute set).
+PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "0") == "1"
 
 
 class _ModuleSetting:
@@ -527,7 +531,8 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
     pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
-    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused")
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
+                                             bool(PAIR_COUNTS_DMMA))
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)
