@@ -1787,13 +1787,17 @@ __global__ void __launch_bounds__(kThreads) opm_pack_a_kernel(const float* __res
 //   buffer u % kWgStages, mbarrier phase parity (u / kWgStages) & 1.
 // Shared memory (dynamic, kWgSmemBytes = 192 KB + 48 B): kWgStages stages of [A0 hi, A0 lo, A1 hi,
 //   A1 lo, P hi, P lo], then full[kWgStages], empty[kWgStages].
+// kPair (a pair mode's scale in this epilogue): out[b,i,j,z] = s2 bo[z] + s1 sum_k ..., (s1, s2) =
+//   pair_scale[(b N + i) N + j] (launch_pair_scale without a row scale); inv_denom is not read. Else
+//   pair_scale is not read.
 // Assumptions: kWgThreads threads; ncols <= NB * 128 < 2^31; At, Pt as opm_pack_a_kernel and the
 //   stage-1 kernel opm_wfirst_proj_wg_kernel write them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
+template <bool kPair>
 __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
     const float* __restrict__ At, const float* __restrict__ Pt, const float* __restrict__ inv_denom,
-    const float* __restrict__ bo, float* __restrict__ out, int64_t B, int64_t N, int64_t MB128, int64_t NB,
-    int64_t KB, int64_t j0, int64_t ncols, int cz, int CZP4) {
+    const float2* __restrict__ pair_scale, const float* __restrict__ bo, float* __restrict__ out, int64_t B,
+    int64_t N, int64_t MB128, int64_t NB, int64_t KB, int64_t j0, int64_t ncols, int cz, int CZP4) {
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
@@ -1864,8 +1868,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
     for (int hr = 0; hr < 2; ++hr) {
       const int64_t i = mblk * 128 + 64 * wg + 16 * w4 + g + 8 * hr;
       if (i >= N) continue;
-      const float inv = inv_denom[b * N + i];
+      const float inv = kPair ? 0.f : inv_denom[b * N + i];
       float* orow = out + ((b * N + i) * N + j0) * cz;
+      // kPair: the scale of pair (i, j0 + sj), loaded when a column first needs another j (n < nc: j < N)
+      const float2* srow = pair_scale + (b * N + i) * N + j0;
+      float2 s = make_float2(0.f, 0.f);
+      int sj = -1;
+      auto scaled = [&](float v, float bz, int jj) {
+        if (!kPair) return bz + inv * v;
+        if (jj != sj) {
+          s = __ldg(srow + jj);
+          sj = jj;
+        }
+        return s.x * v + s.y * bz;
+      };
       int jl = jl0, z = z00;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
@@ -1875,11 +1891,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
           if (pair) {
             if (z < cz)
               *reinterpret_cast<float2*>(orow + static_cast<int64_t>(jl) * cz + z) =
-                  make_float2(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
+                  make_float2(scaled(v0, __ldg(bo + z), jl), scaled(v1, __ldg(bo + z + 1), jl));
           } else {
-            if (z < cz) orow[static_cast<int64_t>(jl) * cz + z] = __ldg(bo + z) + inv * v0;
+            if (z < cz) orow[static_cast<int64_t>(jl) * cz + z] = scaled(v0, __ldg(bo + z), jl);
             const int z1 = z + 1 < CZP4 ? z + 1 : 0, jl1 = z + 1 < CZP4 ? jl : jl + 1;  // column n + 1
-            if (n + 1 < nc && z1 < cz) orow[static_cast<int64_t>(jl1) * cz + z1] = __ldg(bo + z1) + inv * v1;
+            if (n + 1 < nc && z1 < cz) orow[static_cast<int64_t>(jl1) * cz + z1] = scaled(v1, __ldg(bo + z1), jl1);
           }
         }
         z += 8;
@@ -5388,7 +5404,8 @@ static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::T
 
 // w_first_wg2 (Hopper): aT packed into At (opm_pack_a_kernel), then per j-chunk stage 1 writing the
 // tile-order planes (opm_wfirst_proj_wg_kernel) and opm_wfirst_wg_kernel, one block per SM
-// (persistent). Pt holds one chunk (wg_chunk_floats).
+// (persistent). Pt holds one chunk (wg_chunk_floats). pair_scale defined: a pair mode's (s1, s2) per pair,
+// applied in opm_wfirst_wg_kernel's epilogue (kPair; inv_denom not read there).
 static int64_t wg_chunk_floats(int64_t B, int64_t JC, int64_t KB, int CZP4) {
   return B * cdiv(JC * CZP4, kWgBRows) * KB * 2 * kWgBPlane;
 }
@@ -5396,9 +5413,12 @@ template <int CP>
 static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
                              const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& At,
                              at::Tensor& Pt, int64_t JC, int64_t B, int64_t S, int64_t N, int64_t Npad, int cz,
-                             int CZP4, const DevInfo& d, cudaStream_t stream) {
+                             int CZP4, const DevInfo& d, cudaStream_t stream,
+                             const at::Tensor& pair_scale = at::Tensor()) {
   const int64_t K = S * CP, KB = cdiv(K, kWgBK), MB128 = cdiv(N, 128);
-  set_smem(opm_wfirst_wg_kernel, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
+  const bool kpair = pair_scale.defined();
+  if (kpair) set_smem(opm_wfirst_wg_kernel<true>, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
+  else set_smem(opm_wfirst_wg_kernel<false>, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
   const size_t smem1 = kProjWgSmemBytes<CP>;
   set_smem(opm_wfirst_proj_wg_kernel<CP>, smem1, d, "the w_first_wg2 stage-1 kernel");
   const int ga = grid_for(std::min<int64_t>(cdiv(B * KB * (kWgBK / 4) * 2 * MB128 * kWgARows, kThreads), 8ll * d.sms));
@@ -5420,10 +5440,11 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
     }
     const int64_t tiles = B * MB128 * NB;
     const int g2 = grid_for(std::min<int64_t>(tiles, d.sms));  // the kernel loops over the rest
-    opm_wfirst_wg_kernel<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
+    (kpair ? opm_wfirst_wg_kernel<true> : opm_wfirst_wg_kernel<false>)<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
         At.numel() ? At.data_ptr<float>() : aT.data_ptr<float>(), Pt.numel() ? Pt.data_ptr<float>() : aT.data_ptr<float>(),
-        inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(), B, N, MB128, NB, KB, j0,
-        ncols, cz, CZP4);
+        inv_denom.data_ptr<float>(),
+        kpair ? reinterpret_cast<const float2*>(pair_scale.data_ptr<float>()) : nullptr, bo.data_ptr<float>(),
+        out.data_ptr<float>(), B, N, MB128, NB, KB, j0, ncols, cz, CZP4);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -5821,12 +5842,13 @@ static int mask_kind_of(at::ScalarType st) {
 // norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
-// instance (the scale per pair in its own epilogue, the bias as given). pair_counts_dmma: float masks' pair
-// counts by opm_pair_scale_dmma_kernel (launch_pair_scale).
+// instance (the scale per pair in its own epilogue, the bias as given); with pair_fused_wg2, w_first_wg2 does the
+// same (opm_wfirst_wg_kernel<true>). pair_counts_dmma: float masks' pair counts by opm_pair_scale_dmma_kernel
+// (launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, bool pair_counts_dmma) {
+    double norm_eps, bool pair_fused, bool pair_counts_dmma, bool pair_fused_wg2) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -5996,8 +6018,10 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
   const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
   const at::Tensor wo_c = prm(wo);
-  // pair modes: outer_wg's kPair instance with pair_fused, else the kernels add no bias (the epilogue adds s2 bo)
-  const bool pair = norm != kNormRows, fused = pair && pair_fused && used == kOuterWg;
+  // pair modes: outer_wg's kPair instance with pair_fused (w_first_wg2's with pair_fused_wg2), else the kernels add
+  // no bias (the epilogue adds s2 bo)
+  const bool pair = norm != kNormRows;
+  const bool fused = pair && ((pair_fused && used == kOuterWg) || (pair_fused_wg2 && used == kWFirstWg2));
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
@@ -6065,7 +6089,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor At = at::empty({B * 2 * cdiv(N, 128) * KB * 2 * kWgAPlane}, f32);
     at::Tensor Pt = at::empty({wg_chunk_floats(B, JCw, KB, static_cast<int>(CZP4))}, f32);
     OPM_DISPATCH(CP, launch_wfirst_wg<kCP>(aT, bq, inv_denom, wpack, bo_c, out, At, Pt, JCw, B, S, N, Npad,
-                                           static_cast<int>(cz), static_cast<int>(CZP4), d, stream));
+                                           static_cast<int>(cz), static_cast<int>(CZP4), d, stream, pscale));
   } else {
     at::Tensor P = at::empty({B * S * CP * JC * CZP4}, f32);
     OPM_DISPATCH(CP, launch_wfirst<kCP>(aT, bq, inv_denom, wpack, bo_c, out, P, JC, B, S, N, Npad,
@@ -6510,7 +6534,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts_dmma") = false);
+        py::arg("pair_counts_dmma") = false, py::arg("pair_fused_wg2") = false);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6746,6 +6770,9 @@ PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
 # (opm_pair_scale_kernel, False). Not yet run on a GPU, so False unless OPM_PAIR_COUNTS_DMMA=1 at import (or this
 # attribute set).
 PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "0") == "1"
+# With PAIR_EPILOGUE "fused", w_first_wg2 too scales each pair in its own epilogue (True) instead of the pass over
+# the output. Not yet run on a GPU, so False unless OPM_PAIR_FUSED_WG2=1 at import (or this attribute set).
+PAIR_FUSED_WG2 = os.environ.get("OPM_PAIR_FUSED_WG2", "0") == "1"
 
 
 class _ModuleSetting:
@@ -7057,8 +7084,9 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
     pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
-    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             bool(PAIR_COUNTS_DMMA))
+    fused = pair_epilogue.current() == "fused"
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), fused, bool(PAIR_COUNTS_DMMA),
+                                             fused and bool(PAIR_FUSED_WG2))
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

@@ -103,7 +103,8 @@ static void launch_outer(const at::Tensor& aT, const at::Tensor& bq, const at::T
 
 // w_first_wg2 (Hopper): aT packed into At (opm_pack_a_kernel), then per j-chunk stage 1 writing the
 // tile-order planes (opm_wfirst_proj_wg_kernel) and opm_wfirst_wg_kernel, one block per SM
-// (persistent). Pt holds one chunk (wg_chunk_floats).
+// (persistent). Pt holds one chunk (wg_chunk_floats). pair_scale defined: a pair mode's (s1, s2) per pair,
+// applied in opm_wfirst_wg_kernel's epilogue (kPair; inv_denom not read there).
 static int64_t wg_chunk_floats(int64_t B, int64_t JC, int64_t KB, int CZP4) {
   return B * cdiv(JC * CZP4, kWgBRows) * KB * 2 * kWgBPlane;
 }
@@ -111,9 +112,12 @@ template <int CP>
 static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const at::Tensor& inv_denom,
                              const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& At,
                              at::Tensor& Pt, int64_t JC, int64_t B, int64_t S, int64_t N, int64_t Npad, int cz,
-                             int CZP4, const DevInfo& d, cudaStream_t stream) {
+                             int CZP4, const DevInfo& d, cudaStream_t stream,
+                             const at::Tensor& pair_scale = at::Tensor()) {
   const int64_t K = S * CP, KB = cdiv(K, kWgBK), MB128 = cdiv(N, 128);
-  set_smem(opm_wfirst_wg_kernel, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
+  const bool kpair = pair_scale.defined();
+  if (kpair) set_smem(opm_wfirst_wg_kernel<true>, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
+  else set_smem(opm_wfirst_wg_kernel<false>, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
   const size_t smem1 = kProjWgSmemBytes<CP>;
   set_smem(opm_wfirst_proj_wg_kernel<CP>, smem1, d, "the w_first_wg2 stage-1 kernel");
   const int ga = grid_for(std::min<int64_t>(cdiv(B * KB * (kWgBK / 4) * 2 * MB128 * kWgARows, kThreads), 8ll * d.sms));
@@ -135,10 +139,11 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
     }
     const int64_t tiles = B * MB128 * NB;
     const int g2 = grid_for(std::min<int64_t>(tiles, d.sms));  // the kernel loops over the rest
-    opm_wfirst_wg_kernel<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
+    (kpair ? opm_wfirst_wg_kernel<true> : opm_wfirst_wg_kernel<false>)<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
         At.numel() ? At.data_ptr<float>() : aT.data_ptr<float>(), Pt.numel() ? Pt.data_ptr<float>() : aT.data_ptr<float>(),
-        inv_denom.data_ptr<float>(), bo.data_ptr<float>(), out.data_ptr<float>(), B, N, MB128, NB, KB, j0,
-        ncols, cz, CZP4);
+        inv_denom.data_ptr<float>(),
+        kpair ? reinterpret_cast<const float2*>(pair_scale.data_ptr<float>()) : nullptr, bo.data_ptr<float>(),
+        out.data_ptr<float>(), B, N, MB128, NB, KB, j0, ncols, cz, CZP4);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

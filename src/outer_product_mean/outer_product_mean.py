@@ -220,6 +220,9 @@ PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
 # (opm_pair_scale_kernel, False). Not yet run on a GPU, so False unless OPM_PAIR_COUNTS_DMMA=1 at import (or this
 # attribute set).
 PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "0") == "1"
+# With PAIR_EPILOGUE "fused", w_first_wg2 too scales each pair in its own epilogue (True) instead of the pass over
+# the output. Not yet run on a GPU, so False unless OPM_PAIR_FUSED_WG2=1 at import (or this attribute set).
+PAIR_FUSED_WG2 = os.environ.get("OPM_PAIR_FUSED_WG2", "0") == "1"
 
 
 class _ModuleSetting:
@@ -531,8 +534,9 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
     pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
-    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             bool(PAIR_COUNTS_DMMA))
+    fused = pair_epilogue.current() == "fused"
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), fused, bool(PAIR_COUNTS_DMMA),
+                                             fused and bool(PAIR_FUSED_WG2))
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

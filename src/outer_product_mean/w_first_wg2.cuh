@@ -146,13 +146,17 @@ __global__ void __launch_bounds__(kThreads) opm_pack_a_kernel(const float* __res
 //   buffer u % kWgStages, mbarrier phase parity (u / kWgStages) & 1.
 // Shared memory (dynamic, kWgSmemBytes = 192 KB + 48 B): kWgStages stages of [A0 hi, A0 lo, A1 hi,
 //   A1 lo, P hi, P lo], then full[kWgStages], empty[kWgStages].
+// kPair (a pair mode's scale in this epilogue): out[b,i,j,z] = s2 bo[z] + s1 sum_k ..., (s1, s2) =
+//   pair_scale[(b N + i) N + j] (launch_pair_scale without a row scale); inv_denom is not read. Else
+//   pair_scale is not read.
 // Assumptions: kWgThreads threads; ncols <= NB * 128 < 2^31; At, Pt as opm_pack_a_kernel and the
 //   stage-1 kernel opm_wfirst_proj_wg_kernel write them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
+template <bool kPair>
 __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
     const float* __restrict__ At, const float* __restrict__ Pt, const float* __restrict__ inv_denom,
-    const float* __restrict__ bo, float* __restrict__ out, int64_t B, int64_t N, int64_t MB128, int64_t NB,
-    int64_t KB, int64_t j0, int64_t ncols, int cz, int CZP4) {
+    const float2* __restrict__ pair_scale, const float* __restrict__ bo, float* __restrict__ out, int64_t B,
+    int64_t N, int64_t MB128, int64_t NB, int64_t KB, int64_t j0, int64_t ncols, int cz, int CZP4) {
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
@@ -223,8 +227,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
     for (int hr = 0; hr < 2; ++hr) {
       const int64_t i = mblk * 128 + 64 * wg + 16 * w4 + g + 8 * hr;
       if (i >= N) continue;
-      const float inv = inv_denom[b * N + i];
+      const float inv = kPair ? 0.f : inv_denom[b * N + i];
       float* orow = out + ((b * N + i) * N + j0) * cz;
+      // kPair: the scale of pair (i, j0 + sj), loaded when a column first needs another j (n < nc: j < N)
+      const float2* srow = pair_scale + (b * N + i) * N + j0;
+      float2 s = make_float2(0.f, 0.f);
+      int sj = -1;
+      auto scaled = [&](float v, float bz, int jj) {
+        if (!kPair) return bz + inv * v;
+        if (jj != sj) {
+          s = __ldg(srow + jj);
+          sj = jj;
+        }
+        return s.x * v + s.y * bz;
+      };
       int jl = jl0, z = z00;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
@@ -234,11 +250,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) opm_wfirst_wg_kernel(
           if (pair) {
             if (z < cz)
               *reinterpret_cast<float2*>(orow + static_cast<int64_t>(jl) * cz + z) =
-                  make_float2(__ldg(bo + z) + inv * v0, __ldg(bo + z + 1) + inv * v1);
+                  make_float2(scaled(v0, __ldg(bo + z), jl), scaled(v1, __ldg(bo + z + 1), jl));
           } else {
-            if (z < cz) orow[static_cast<int64_t>(jl) * cz + z] = __ldg(bo + z) + inv * v0;
+            if (z < cz) orow[static_cast<int64_t>(jl) * cz + z] = scaled(v0, __ldg(bo + z), jl);
             const int z1 = z + 1 < CZP4 ? z + 1 : 0, jl1 = z + 1 < CZP4 ? jl : jl + 1;  // column n + 1
-            if (n + 1 < nc && z1 < cz) orow[static_cast<int64_t>(jl1) * cz + z1] = __ldg(bo + z1) + inv * v1;
+            if (n + 1 < nc && z1 < cz) orow[static_cast<int64_t>(jl1) * cz + z1] = scaled(v1, __ldg(bo + z1), jl1);
           }
         }
         z += 8;
