@@ -5842,13 +5842,12 @@ static int mask_kind_of(at::ScalarType st) {
 // norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
-// instance (the scale per pair in its own epilogue, the bias as given); with pair_fused_wg2, w_first_wg2 does the
-// same (opm_wfirst_wg_kernel<true>). pair_counts_dmma: float masks' pair counts by opm_pair_scale_dmma_kernel
-// (launch_pair_scale).
+// instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
+// pair_counts_dmma: float masks' pair counts by opm_pair_scale_dmma_kernel (launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, bool pair_counts_dmma, bool pair_fused_wg2) {
+    double norm_eps, bool pair_fused, bool pair_counts_dmma) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -6018,10 +6017,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
   const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
   const at::Tensor wo_c = prm(wo);
-  // pair modes: outer_wg's kPair instance with pair_fused (w_first_wg2's with pair_fused_wg2), else the kernels add
-  // no bias (the epilogue adds s2 bo)
-  const bool pair = norm != kNormRows;
-  const bool fused = pair && ((pair_fused && used == kOuterWg) || (pair_fused_wg2 && used == kWFirstWg2));
+  // pair modes: outer_wg's and w_first_wg2's kPair instances with pair_fused, else the kernels add no bias (the
+  // epilogue adds s2 bo)
+  const bool pair = norm != kNormRows, fused = pair && pair_fused && (used == kOuterWg || used == kWFirstWg2);
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
@@ -6534,7 +6532,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts_dmma") = false, py::arg("pair_fused_wg2") = false);
+        py::arg("pair_counts_dmma") = false);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6754,25 +6752,21 @@ def _ab_kernel_runs(msa, c, c_z, ct):
 NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
 
 
-# The pair modes' epilogue where outer_wg runs: "fused" (its kernel scales each pair itself, where the
-# build has that instance), "unfused" (the row-mode kernel with a zero bias, then opm_pair_epilogue_kernel
-# over the output, as every other variant): OPM_PAIR_EPILOGUE at import, then this module attribute, or
+# The pair modes' epilogue where outer_wg or w_first_wg2 runs: "fused" (its kernel scales each pair itself),
+# "unfused" (the row-mode kernel with a zero bias, then opm_pair_epilogue_kernel over the output, as every
+# other variant): OPM_PAIR_EPILOGUE at import, then this module attribute, or
 # `with pair_epilogue("unfused"):` for a block.
 PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
 # The pair modes' dWo, da and db: "kernels" (the default: the row mode's wgmma kernels, where they run, on s1 g with
 # a row scale of 1; a training step 1.75-3.9x faster than "chunks", NOTES.md), "chunks" (PyTorch ops over chunks of
 # rows i): OPM_PAIR_BACKWARD at import, then this module attribute, or `with pair_backward("chunks"):` for a block.
 PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
-# With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
-# (False). Not yet run on a GPU, so False unless OPM_PAIR_G_KERNEL=1 at import (or this attribute set).
-PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
-# The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True) or fp64 FMA
-# (opm_pair_scale_kernel, False). Not yet run on a GPU, so False unless OPM_PAIR_COUNTS_DMMA=1 at import (or this
-# attribute set).
-PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "0") == "1"
-# With PAIR_EPILOGUE "fused", w_first_wg2 too scales each pair in its own epilogue (True) instead of the pass over
-# the output. Not yet run on a GPU, so False unless OPM_PAIR_FUSED_WG2=1 at import (or this attribute set).
-PAIR_FUSED_WG2 = os.environ.get("OPM_PAIR_FUSED_WG2", "0") == "1"
+# With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True, the default) or by ATen ops
+# in float32 (False): OPM_PAIR_G_KERNEL ("1" / "0") at import, then this module attribute.
+PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "1") == "1"
+# The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True, the default)
+# or in fp64 FMA (opm_pair_scale_kernel, False): OPM_PAIR_COUNTS_DMMA ("1" / "0") at import, then this attribute.
+PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "1") == "1"
 
 
 class _ModuleSetting:
@@ -7084,9 +7078,8 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
     pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
-    fused = pair_epilogue.current() == "fused"
-    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), fused, bool(PAIR_COUNTS_DMMA),
-                                             fused and bool(PAIR_FUSED_WG2))
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
+                                             bool(PAIR_COUNTS_DMMA))
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

@@ -272,8 +272,8 @@ def _opm_backward_case(dtype):
 
 def _opm_pair_case():
     """The pair-count modes (OpenFold: (acc + bo) / (n + eps), Boltz: acc / max(n, 1) + bo): the pair scale and
-    epilogue kernels after each forward order, outer_wg's kPair instances (PAIR_EPILOGUE "fused") and the
-    unfused pass after outer_wg, every mask kind through the pair count, training steps (PAIR_BACKWARD "chunks" and
+    epilogue kernels after each forward order, outer_wg's and w_first_wg2's kPair instances (PAIR_EPILOGUE "fused")
+    and the unfused pass after outer_wg, every mask kind through the pair count, training steps (PAIR_BACKWARD "chunks" and
     "kernels")."""
     calls = [opm_call("opm_pair", dt, 1, 5, 19, 64, 32, 64, family=fam, variant=v, epilogue=e, mask_dtype=md)
              for fam in ("openfold", "boltz")
@@ -290,21 +290,20 @@ def _opm_pair_case():
                        backward="kernels"),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True,
                        backward="kernels"),
-              # and with PAIR_G_KERNEL, opm_backward_pair_g: s1 g in fp16 (OpenFold), in fp32 from bf16 (pair_dim
-              # 12: split TF32, Boltz)
+              # opm_backward_pair_g (PAIR_G_KERNEL): s1 g in fp16 (OpenFold), in fp32 from bf16 (pair_dim 12: split
+              # TF32, Boltz)
               opm_call("opm_pair", F16, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True,
                        backward="kernels", pair_g=True),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 12, family="boltz", variant="outer_wg", train=True,
                        backward="kernels", pair_g=True),
-              # the pair counts on the fp64 tensor cores (off in the forward): partial chunks and tiles, each float mask
+              # the pair counts on the fp64 tensor cores (PAIR_COUNTS_DMMA): partial chunks and tiles, each float mask
               opm_call("opm_pair_counts", F32, 2, 70, 45, 64, 32, 64, mask_dtype=F32),
               opm_call("opm_pair_counts", F32, 1, 130, 64, 64, 32, 64, mask_dtype=BF16),
               opm_call("opm_pair_counts", F32, 1, 3, 7, 64, 32, 64, mask_dtype=F16),
-              # w_first_wg2's kPair epilogue (PAIR_FUSED_WG2, off by default): pair_dim 64 (column pairs), 7 (one
-              # element per store, columns of two j in one pair); 130 residues: two 128-row tiles
-              opm_call("opm_pair", F32, 1, 5, 130, 64, 32, 64, family="openfold", variant="w_first_wg2",
-                       fused_wg2=True),
-              opm_call("opm_pair", F32, 1, 5, 19, 64, 32, 7, family="boltz", variant="w_first_wg2", fused_wg2=True),
+              # w_first_wg2's kPair epilogue: pair_dim 7 (one element per store, columns of two j in one pair);
+              # 130 residues: two 128-row tiles
+              opm_call("opm_pair", F32, 1, 5, 130, 64, 32, 64, family="openfold", variant="w_first_wg2"),
+              opm_call("opm_pair", F32, 1, 5, 19, 64, 32, 7, family="boltz", variant="w_first_wg2"),
               # pair_dim 7: the epilogue's one-element path (multiples of 4 / 8 take 16-byte vectors)
               opm_call("opm_pair", F32, 1, 5, 19, 64, 32, 7, family="openfold", variant="outer_first"),
               opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 7, family="boltz", variant="outer_wg", epilogue="unfused")]
@@ -550,8 +549,7 @@ def _opm_train(torch, mod, call, sms):
 def _opm_pair(torch, mod, call, sms):
     """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
     forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]) (and PAIR_G_KERNEL =
-    call["pair_g"], PAIR_FUSED_WG2 = call["fused_wg2"] where given); a forward under no_grad, or with train a
-    training step."""
+    call["pair_g"] where given); a forward under no_grad, or with train a training step."""
     _, msa, mask, g = _opm_setup(torch, mod, call, sms)
     gen = torch.Generator().manual_seed(_seed(call) + 1)
     fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
@@ -561,9 +559,8 @@ def _opm_pair(torch, mod, call, sms):
             p.copy_(torch.randn(p.shape, generator=gen) * scale + 0.05)
     fam = fam.to(msa.dtype).cuda()
     fam.variant = call["variant"]
-    saved, saved_wg2 = getattr(mod, "PAIR_G_KERNEL", False), getattr(mod, "PAIR_FUSED_WG2", False)
+    saved = getattr(mod, "PAIR_G_KERNEL", False)
     mod.PAIR_G_KERNEL = call.get("pair_g", saved)
-    mod.PAIR_FUSED_WG2 = call.get("fused_wg2", saved_wg2)
     with mod.pair_epilogue(call.get("epilogue", "fused")), mod.pair_backward(call.get("backward", "chunks")):
         if call.get("train"):
             x = msa.detach().requires_grad_(True)
@@ -572,7 +569,7 @@ def _opm_pair(torch, mod, call, sms):
         else:
             with torch.no_grad():
                 _fetch(torch, fam(msa, mask))
-    mod.PAIR_G_KERNEL, mod.PAIR_FUSED_WG2 = saved, saved_wg2
+    mod.PAIR_G_KERNEL = saved
     _expect("last_variant", fam.last_variant, call["variant"])
 
 

@@ -47,13 +47,12 @@ static int mask_kind_of(at::ScalarType st) {
 // norm: kNormRows (the kernels' own row scale), or a pair mode (kNormOpenFold with eps norm_eps, kNormBoltz;
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
-// instance (the scale per pair in its own epilogue, the bias as given); with pair_fused_wg2, w_first_wg2 does the
-// same (opm_wfirst_wg_kernel<true>). pair_counts_dmma: float masks' pair counts by opm_pair_scale_dmma_kernel
-// (launch_pair_scale).
+// instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
+// pair_counts_dmma: float masks' pair counts by opm_pair_scale_dmma_kernel (launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, bool pair_counts_dmma, bool pair_fused_wg2) {
+    double norm_eps, bool pair_fused, bool pair_counts_dmma) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -223,10 +222,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor lw = prm(ln_w), lb = prm(ln_b);
   const at::Tensor wa_c = prm(wa), ba_c = prm(ba), wb_c = prm(wb), bb_c = prm(bb);
   const at::Tensor wo_c = prm(wo);
-  // pair modes: outer_wg's kPair instance with pair_fused (w_first_wg2's with pair_fused_wg2), else the kernels add
-  // no bias (the epilogue adds s2 bo)
-  const bool pair = norm != kNormRows;
-  const bool fused = pair && ((pair_fused && used == kOuterWg) || (pair_fused_wg2 && used == kWFirstWg2));
+  // pair modes: outer_wg's and w_first_wg2's kPair instances with pair_fused, else the kernels add no bias (the
+  // epilogue adds s2 bo)
+  const bool pair = norm != kNormRows, fused = pair && pair_fused && (used == kOuterWg || used == kWFirstWg2);
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,

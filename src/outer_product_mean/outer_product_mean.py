@@ -204,25 +204,21 @@ def _ab_kernel_runs(msa, c, c_z, ct):
 NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
 
 
-# The pair modes' epilogue where outer_wg runs: "fused" (its kernel scales each pair itself, where the
-# build has that instance), "unfused" (the row-mode kernel with a zero bias, then opm_pair_epilogue_kernel
-# over the output, as every other variant): OPM_PAIR_EPILOGUE at import, then this module attribute, or
+# The pair modes' epilogue where outer_wg or w_first_wg2 runs: "fused" (its kernel scales each pair itself),
+# "unfused" (the row-mode kernel with a zero bias, then opm_pair_epilogue_kernel over the output, as every
+# other variant): OPM_PAIR_EPILOGUE at import, then this module attribute, or
 # `with pair_epilogue("unfused"):` for a block.
 PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
 # The pair modes' dWo, da and db: "kernels" (the default: the row mode's wgmma kernels, where they run, on s1 g with
 # a row scale of 1; a training step 1.75-3.9x faster than "chunks", NOTES.md), "chunks" (PyTorch ops over chunks of
 # rows i): OPM_PAIR_BACKWARD at import, then this module attribute, or `with pair_backward("chunks"):` for a block.
 PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
-# With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True) or by ATen ops in float32
-# (False). Not yet run on a GPU, so False unless OPM_PAIR_G_KERNEL=1 at import (or this attribute set).
-PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "0") == "1"
-# The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True) or fp64 FMA
-# (opm_pair_scale_kernel, False). Not yet run on a GPU, so False unless OPM_PAIR_COUNTS_DMMA=1 at import (or this
-# attribute set).
-PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "0") == "1"
-# With PAIR_EPILOGUE "fused", w_first_wg2 too scales each pair in its own epilogue (True) instead of the pass over
-# the output. Not yet run on a GPU, so False unless OPM_PAIR_FUSED_WG2=1 at import (or this attribute set).
-PAIR_FUSED_WG2 = os.environ.get("OPM_PAIR_FUSED_WG2", "0") == "1"
+# With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True, the default) or by ATen ops
+# in float32 (False): OPM_PAIR_G_KERNEL ("1" / "0") at import, then this module attribute.
+PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "1") == "1"
+# The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True, the default)
+# or in fp64 FMA (opm_pair_scale_kernel, False): OPM_PAIR_COUNTS_DMMA ("1" / "0") at import, then this attribute.
+PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "1") == "1"
 
 
 class _ModuleSetting:
@@ -534,9 +530,8 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
     pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
-    fused = pair_epilogue.current() == "fused"
-    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), fused, bool(PAIR_COUNTS_DMMA),
-                                             fused and bool(PAIR_FUSED_WG2))
+    extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
+                                             bool(PAIR_COUNTS_DMMA))
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)
