@@ -5005,7 +5005,8 @@ namespace opm {
 //   kNormRows (0, KernelBench): s1 = 1 / max(sum_s m[b,s,i], 1), s2 = 1 (inv_denom, per row)
 //   kNormOpenFold (1): n = sum_s m[b,s,i] m[b,s,j]; s1 = s2 = 1 / (n + eps) (the bias divided too)
 //   kNormBoltz (2): s1 = 1 / max(n, 1), s2 = 1
-// The pair modes' (s1, s2) per pair: opm_pair_scale_kernel, a float2 (B, N, N) array.
+// The pair modes' (s1, s2) per pair: opm_pair_scale_kernel (bool / integer masks; float masks where DMMA is off
+// or absent) or opm_pair_scale_dmma_kernel (float masks), a float2 (B, N, N) array.
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 constexpr int kPsT = 32, kPsS = 8, kPsSlices = 8;  // opm_pair_scale_kernel: 32 x 32 pairs, 8 s per slice chunk
@@ -5027,7 +5028,7 @@ __device__ __forceinline__ float2 pair_scale_of(double n, int norm, double eps, 
 }
 
 // scale[b, i, j] = (s1 / inv_denom[b, i], s2) where inv_denom is not null (the epilogue after kernels
-// that applied the row scale), else (s1, s2) (outer_wg's fused pair epilogue). The pair count is summed
+// that applied the row scale), else (s1, s2) (outer_wg's and w_first_wg2's fused pair epilogues). The pair count is summed
 // exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
 // integer masks in int64 (Acc long long). Block (kPsThreads = 512): the 32 x 32 pairs of tile t = (b, it,
 // jt) in kPsSlices = 8 slices of 64 threads; of chunk ch (64 s), slice q sums s = 8 (8 ch + q) + 0..7, its
@@ -7076,7 +7077,8 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom as outer_wg's prep or
     fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
-    pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
+    pair mode (PAIR_EPILOGUE "fused": outer_wg and w_first_wg2 scale each pair in their epilogues; otherwise the
+    kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
                                              bool(PAIR_COUNTS_DMMA))

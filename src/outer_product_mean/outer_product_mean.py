@@ -528,7 +528,8 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom as outer_wg's prep or
     fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
-    pair mode (the kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
+    pair mode (PAIR_EPILOGUE "fused": outer_wg and w_first_wg2 scale each pair in their epilogues; otherwise the
+    kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
                                              bool(PAIR_COUNTS_DMMA))
