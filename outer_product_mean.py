@@ -18,9 +18,11 @@ global memory; c is zero-padded to CP = 16, 32, 64 or 128.
 
 Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenFoldOuterProductMean (AlphaFold
 2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
-(acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg scales per pair in
-its epilogue (PAIR_EPILOGUE "fused"; GPU-tested, NOTES), else ("unfused") a zero-bias run,
-then one sweep out * s1 + s2 bo. fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the ref).
+(acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
+scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
+then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA); the backward's s1 g and dbo in one
+sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their definitions.
+fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
   outer_first  O[(i,h),(j,k)] = sum_s a[s,i,h] b[s,j,k] per tile on chip, then out = Wo . O: 2 B N^2 c^2 (S + c_z)
@@ -6748,6 +6750,17 @@ def _ab_kernel_runs(msa, c, c_z, ct):
     return _wo_kernel_runs(msa, c, c_z, ct) and c_z % 4 == 0
 
 
+def _env_flag(name, default):
+    """An on / off setting from the environment variable name: "1" on, "0" off, unset the default; other values
+    raise (a misspelt "true" would otherwise turn the setting off in silence)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"outer_product_mean: {name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # The normalisations (the CUDA source's enum Norm): the row count (KernelBench), the pair count + eps
 # (AlphaFold / OpenFold, the bias divided too), the pair count clamped to 1 (Boltz).
 NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
@@ -6764,10 +6777,10 @@ PAIR_EPILOGUE = os.environ.get("OPM_PAIR_EPILOGUE", "fused")
 PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
 # With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True, the default) or by ATen ops
 # in float32 (False): OPM_PAIR_G_KERNEL ("1" / "0") at import, then this module attribute.
-PAIR_G_KERNEL = os.environ.get("OPM_PAIR_G_KERNEL", "1") == "1"
+PAIR_G_KERNEL = _env_flag("OPM_PAIR_G_KERNEL", True)
 # The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True, the default)
 # or in fp64 FMA (opm_pair_scale_kernel, False): OPM_PAIR_COUNTS_DMMA ("1" / "0") at import, then this attribute.
-PAIR_COUNTS_DMMA = os.environ.get("OPM_PAIR_COUNTS_DMMA", "1") == "1"
+PAIR_COUNTS_DMMA = _env_flag("OPM_PAIR_COUNTS_DMMA", True)
 
 
 class _ModuleSetting:

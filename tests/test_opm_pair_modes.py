@@ -373,6 +373,24 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
     assert code == harness.EXIT_OK, out[-3000:]
 
 
+def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
+    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA): unset -> the default, "1" / "0" -> on / off, any other
+    value raises naming the variable; the two settings default to on."""
+    name = "OPM_TEST_FLAG"
+    monkeypatch.delenv(name, raising=False)
+    assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
+    monkeypatch.setenv(name, "0")
+    assert opm._env_flag(name, True) is False
+    monkeypatch.setenv(name, "1")
+    assert opm._env_flag(name, False) is True
+    for bad in ("true", "", "on", "2"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            opm._env_flag(name, True)
+    if "OPM_PAIR_G_KERNEL" not in os.environ and "OPM_PAIR_COUNTS_DMMA" not in os.environ:
+        assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True
+
+
 def test_kernel_file_maps_the_reference_families(opm):
     """The harness judges outer_product_mean.py's FAMILIES[ref.FAMILY] for the two family references."""
     for refmod in (RO, RB):
