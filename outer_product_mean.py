@@ -5030,8 +5030,8 @@ __device__ __forceinline__ float2 pair_scale_of(double n, int norm, double eps, 
 }
 
 // scale[b, i, j] = (s1 / inv_denom[b, i], s2) where inv_denom is not null (the epilogue after kernels
-// that applied the row scale), else (s1, s2) (outer_wg's and w_first_wg2's fused pair epilogues). The pair count is summed
-// exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
+// that applied the row scale), else (s1, s2) (outer_wg's and w_first_wg2's fused pair epilogues). The pair
+// count is summed exactly: float masks as fp64 products in fp64 (the product of two floats is exact in fp64), bool /
 // integer masks in int64 (Acc long long). Block (kPsThreads = 512): the 32 x 32 pairs of tile t = (b, it,
 // jt) in kPsSlices = 8 slices of 64 threads; of chunk ch (64 s), slice q sums s = 8 (8 ch + q) + 0..7, its
 // thread (ty, tx) = (l / 8, l % 8), l = tid % 64, the pairs (i0 + 4 ty + r, j0 + 4 tx + c), r, c < 4 (8

@@ -273,8 +273,8 @@ def _opm_backward_case(dtype):
 def _opm_pair_case():
     """The pair-count modes (OpenFold: (acc + bo) / (n + eps), Boltz: acc / max(n, 1) + bo): the pair scale and
     epilogue kernels after each forward order, outer_wg's and w_first_wg2's kPair instances (PAIR_EPILOGUE "fused")
-    and the unfused pass after outer_wg, every mask kind through the pair count, training steps (PAIR_BACKWARD "chunks" and
-    "kernels")."""
+    and the unfused pass after outer_wg, every mask kind through the pair count, training steps (PAIR_BACKWARD
+    "chunks" and "kernels")."""
     calls = [opm_call("opm_pair", dt, 1, 5, 19, 64, 32, 64, family=fam, variant=v, epilogue=e, mask_dtype=md)
              for fam in ("openfold", "boltz")
              for dt, v, e, md in ((F32, "outer_wg", "fused", "bool"), (F16, "outer_wg", "fused", F16),
