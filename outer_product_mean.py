@@ -20,8 +20,8 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
-then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA); the backward's s1 g and dbo in one
-sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their definitions.
+then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING); the backward's s1 g
+and dbo in one sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -5011,6 +5011,8 @@ namespace opm {
 // or absent) or opm_pair_scale_dmma_kernel (float masks), a float2 (B, N, N) array.
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
+// How float masks' pair counts are summed (launch_pair_scale): fp64 FMA, DMMA, DMMA fed by a cp.async ring.
+enum PairCounts : int { kCountsFma = 0, kCountsDmma = 1, kCountsRing = 2 };
 constexpr int kPsT = 32, kPsS = 8, kPsSlices = 8;  // opm_pair_scale_kernel: 32 x 32 pairs, 8 s per slice chunk
 constexpr int kPsThreads = 64 * kPsSlices;            // 64 threads (4 x 4 pairs each) per slice
 template <typename T>  // fp32 -> T (float: itself)
@@ -5192,6 +5194,80 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_dmma_kernel(const M
         dmma_m8n8k4(c[1], a, bj[k * kPdLd + 8]);
       }
     }
+    const int64_t i = i0 + wr + fr;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t j = j0 + wc + 8 * n + 2 * fk + e;
+        if (i < N && j < N) scale[(b * N + i) * N + j] = pair_scale_of(c[n][e], norm, eps, inv_denom, b * N + i);
+      }
+  }
+#else
+  __trap();  // built without sm_80: the host launches it only on devices of compute capability 8.0+
+#endif
+}
+
+// opm_pair_scale_dmma_kernel's products in its order (the same sums, bit for bit), the mask's columns brought by
+// 16-byte cp.async into a ring of kPrStages stages of kPrS = 32 s (float: 4 stages, 16-bit: 8; 40 KB either way),
+// up to kPrStages - 1 stages in flight while one is multiplied, where the DMMA kernel holds one 64-s chunk in
+// registers. Stage rows kPrLd = 40 elements apart (the fragment loads conflict-free: word 8 fk + fr (float), 20 fk
+// + fr / 2 (16-bit)); rows past S and columns past N zero-filled. Assumptions: N sizeof(M) % 16 == 0 and a 16-byte
+// aligned mask (launch_pair_scale checks; else the DMMA kernel). Warps, fragments, tiles: as the DMMA kernel.
+constexpr int kPrS = 32, kPrLd = 40, kPrBytes = 40 * 1024;
+template <typename M>
+constexpr int pr_stages() { return kPrBytes / (2 * kPrS * kPrLd * static_cast<int>(sizeof(M))); }
+
+template <typename M>
+__global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M* __restrict__ mask, int64_t B,
+                                                                         int64_t S, int64_t N, int norm, double eps,
+                                                                         const float* __restrict__ inv_denom,
+                                                                         float2* __restrict__ scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kStages = pr_stages<M>(), kSide = kPrS * kPrLd;  // stages; elements per side of a stage
+  constexpr int kVe = 16 / static_cast<int>(sizeof(M)), kVpr = kPsT / kVe;  // elements per copy; copies per row
+  constexpr int kCopies = 2 * kPrS * kVpr / kPdThreads;                     // per thread per stage (float 2, 16-bit 1)
+  static_assert(kStages >= 2 && kCopies >= 1 && 2 * kPrS * kVpr == kCopies * kPdThreads, "ring shape");
+  __shared__ __align__(16) M ring[kStages][2][kSide];  // [stage][0: columns i, 1: columns j][row s * kPrLd + column]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = 8 * (warp >> 1), wc = 16 * (warp & 1), fr = lane >> 2, fk = lane & 3;
+  const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt, nst = cdiv(S, kPrS);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t jt = t % nt, it = t / nt % nt, b = t / nt / nt;
+    const int64_t i0 = it * kPsT, j0 = jt * kPsT;
+    // stage st into slot st % kStages: copy v of this thread is side v / (kPrS kVpr), row v / kVpr % kPrS,
+    // columns kVe (v % kVpr).. (one commit group per stage, empty past the last)
+    auto issue = [&](int64_t st) {
+      if (st < nst) {
+#pragma unroll
+        for (int u = 0; u < kCopies; ++u) {
+          const int v = tid + kPdThreads * u, side = v / (kPrS * kVpr), r = v / kVpr % kPrS, q = v % kVpr;
+          const int64_t s = st * kPrS + r, col = (side ? j0 : i0) + kVe * q;
+          const bool ok = s < S && col < N;
+          cp_async<16>(&ring[st % kStages][side][r * kPrLd + kVe * q], ok ? mask + (b * S + s) * N + col : mask,
+                       ok ? 16 : 0);
+        }
+      }
+      cp_async_commit();
+    };
+    __syncthreads();  // the previous tile's fragment loads are done before its slots are refilled
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) issue(st);
+    double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
+    for (int64_t st = 0; st < nst; ++st) {
+      cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
+      __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
+      issue(st + kStages - 1);       // into stage st - 1's slot
+      const M* ai = &ring[st % kStages][0][fk * kPrLd + wr + fr];
+      const M* bj = &ring[st % kStages][1][fk * kPrLd + wc + fr];
+#pragma unroll
+      for (int k = 0; k < kPrS; k += 4) {
+        const double a = static_cast<double>(to_float(ai[k * kPrLd]));
+        dmma_m8n8k4(c[0], a, static_cast<double>(to_float(bj[k * kPrLd])));
+        dmma_m8n8k4(c[1], a, static_cast<double>(to_float(bj[k * kPrLd + 8])));
+      }
+    }
+    cp_async_wait<0>();  // (only empty groups remain)
     const int64_t i = i0 + wr + fr;
 #pragma unroll
     for (int n = 0; n < 2; ++n)
@@ -5634,26 +5710,30 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
-// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. dmma: float
-// masks' counts by opm_pair_scale_dmma_kernel on a compute capability 8.0+ device (else the fp64 FMA kernel).
+// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. counts: how
+// float masks' counts are summed on a compute capability 8.0+ device: kCountsDmma by opm_pair_scale_dmma_kernel,
+// kCountsRing by opm_pair_scale_ring_kernel where its copies' alignment holds (else the DMMA kernel), kCountsFma
+// (and older devices) by the fp64 FMA kernel.
 static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
                                     double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
-                                    bool dmma) {
+                                    int counts) {
   at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
   const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
   const int g = grid_for(std::min<int64_t>(tiles, 4ll * d.sms));
   if (g == 0) return scale;
   const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
   float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
-  if (dmma && mask_is_float(mask_kind) && d.major >= 8) {
-    if (mask_kind == kF32)
-      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(mask.data_ptr<float>(), B, S, N, norm, eps, inv, sp);
-    else if (mask_kind == kF16)
-      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(reinterpret_cast<const __half*>(mask.data_ptr()), B, S,
-                                                                N, norm, eps, inv, sp);
-    else
-      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(
-          reinterpret_cast<const __nv_bfloat16*>(mask.data_ptr()), B, S, N, norm, eps, inv, sp);
+  if (counts != kCountsFma && mask_is_float(mask_kind) && d.major >= 8) {
+    const bool ring = counts == kCountsRing && N * mask.element_size() % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(mask.data_ptr()) % 16 == 0;
+    auto run = [&](auto* m) {
+      using M = std::remove_const_t<std::remove_pointer_t<decltype(m)>>;
+      if (ring) opm_pair_scale_ring_kernel<M><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
+      else opm_pair_scale_dmma_kernel<M><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
+    };
+    if (mask_kind == kF32) run(mask.data_ptr<float>());
+    else if (mask_kind == kF16) run(reinterpret_cast<const __half*>(mask.data_ptr()));
+    else run(reinterpret_cast<const __nv_bfloat16*>(mask.data_ptr()));
   } else if (mask_is_float(mask_kind))
     opm_pair_scale_kernel<double><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
   else
@@ -5846,11 +5926,12 @@ static int mask_kind_of(at::ScalarType st) {
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
-// pair_counts_dmma: float masks' pair counts by opm_pair_scale_dmma_kernel (launch_pair_scale).
+// pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
+// ring; launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, bool pair_counts_dmma) {
+    double norm_eps, bool pair_fused, int64_t pair_counts) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -5890,6 +5971,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                 p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
   TORCH_CHECK(norm >= kNormRows && norm <= kNormBoltz, "outer_product_mean: norm code must be 0-2, got ", num(norm));
+  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsRing, "outer_product_mean: pair_counts must be 0-2, got ",
+              num(pair_counts));
+  const int counts = static_cast<int>(pair_counts);
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));
   TORCH_CHECK(variant != kFusedSmall || c <= kFsCP, "outer_product_mean: variant fused_small needs hidden_dim <= ",
@@ -6026,13 +6110,13 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
-                                                      at::Tensor(), d, stream, pair_counts_dmma)
+                                                      at::Tensor(), d, stream, counts)
                                   : at::Tensor();
   // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
   auto finish = [&]() {
     if (!pair || fused) return;
     const at::Tensor scale = launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps, inv_denom, d,
-                                               stream, pair_counts_dmma);
+                                               stream, counts);
     at::Tensor bo_f = bo.to(at::kFloat).contiguous();
     if (reinterpret_cast<uintptr_t>(bo_f.data_ptr()) % 16 != 0) bo_f = bo_f.clone();
     launch_pair_epilogue(out, scale, bo_f, d, stream);
@@ -6103,18 +6187,22 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
 }
 
 // A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a
-// dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); dmma: float masks' counts on the fp64 tensor
-// cores where the device has them. Returns float32 (B, N, N, 2).
-at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, bool dmma) {
+// dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); counts: PairCounts (0 fp64 FMA, 1 DMMA, 2 DMMA
+// fed by a cp.async ring; True / False read as 1 / 0), for float masks where the device has DMMA. Returns float32
+// (B, N, N, 2).
+at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, int64_t counts) {
   TORCH_CHECK(mask.is_cuda() && mask.dim() == 3 && mask_kind_of(mask.scalar_type()) >= 0,
               "outer_product_mean: opm_pair_scale takes a (B, S, N) CUDA mask of a float, bool or integer dtype, got ",
               dtype_str(mask), " ", shape_str(mask), " on ", dev_str(mask));
   TORCH_CHECK(norm == kNormOpenFold || norm == kNormBoltz, "outer_product_mean: opm_pair_scale: norm 1 or 2, got ",
               norm);
+  TORCH_CHECK(counts >= kCountsFma && counts <= kCountsRing, "outer_product_mean: opm_pair_scale: counts 0-2, got ",
+              counts);
   const c10::cuda::CUDAGuard guard(mask.device());
   const at::Tensor m = mask.contiguous();
   return launch_pair_scale(m, mask_kind_of(m.scalar_type()), m.size(0), m.size(1), m.size(2), static_cast<int>(norm),
-                           eps, at::Tensor(), dev_info(m.get_device()), c10::cuda::getCurrentCUDAStream(), dmma);
+                           eps, at::Tensor(), dev_info(m.get_device()), c10::cuda::getCurrentCUDAStream(),
+                           static_cast<int>(counts));
 }
 
 }  // namespace opm
@@ -6535,7 +6623,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts_dmma") = false);
+        py::arg("pair_counts") = 0);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6546,7 +6634,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "backward: (a, b, inv_denom) as the forward computes them");
   m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
   m.def("opm_pair_scale", torch::wrap_pybind_function(opm::opm_pair_scale),
-        "a pair mode's (s1, s2) per pair as the forward computes them; dmma: float masks' counts on DMMA");
+        "a pair mode's (s1, s2) per pair as the forward computes them; counts: 0 fp64 FMA, 1 DMMA, 2 DMMA by a ring");
   m.def("opm_backward_pair_g", torch::wrap_pybind_function(opm::opm_backward_pair_g),
         "backward, pair modes: (s1 g in float32 or g's type, d bo: the sum of s1 g or of g)");
 }
@@ -6781,6 +6869,15 @@ PAIR_G_KERNEL = _env_flag("OPM_PAIR_G_KERNEL", True)
 # The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True, the default)
 # or in fp64 FMA (opm_pair_scale_kernel, False): OPM_PAIR_COUNTS_DMMA ("1" / "0") at import, then this attribute.
 PAIR_COUNTS_DMMA = _env_flag("OPM_PAIR_COUNTS_DMMA", True)
+# With DMMA: the mask's columns brought by a cp.async ring of stages (opm_pair_scale_ring_kernel: the same sums, more
+# of the mask in flight; where N times the mask's element size is a multiple of 16 bytes) rather than one chunk at a
+# time through registers (False, the default): OPM_PAIR_COUNTS_RING ("1" / "0") at import, then this attribute.
+PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", False)
+
+
+def _pair_counts():
+    """The pair-count kernel code launch_pair_scale takes (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA by the ring)."""
+    return (2 if PAIR_COUNTS_RING else 1) if PAIR_COUNTS_DMMA else 0
 
 
 class _ModuleSetting:
@@ -7094,7 +7191,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             bool(PAIR_COUNTS_DMMA))
+                                             _pair_counts())
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

@@ -374,8 +374,9 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
 
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
-    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA): unset -> the default, "1" / "0" -> on / off, any other
-    value raises naming the variable; the two settings default to on."""
+    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING): unset -> the default, "1" / "0" ->
+    on / off, any other value raises naming the variable; the first two default to on, the ring to off; _pair_counts
+    maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring)."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -387,8 +388,12 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             opm._env_flag(name, True)
-    if "OPM_PAIR_G_KERNEL" not in os.environ and "OPM_PAIR_COUNTS_DMMA" not in os.environ:
-        assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True
+    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING"} & set(os.environ):
+        assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is False
+    for dmma, ring, code in ((False, False, 0), (False, True, 0), (True, False, 1), (True, True, 2)):
+        monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
+        monkeypatch.setattr(opm, "PAIR_COUNTS_RING", ring)
+        assert opm._pair_counts() == code
 
 
 def test_kernel_file_maps_the_reference_families(opm):
@@ -494,6 +499,40 @@ def test_pair_counts_on_dmma_against_fp64(opm, family, norm, mask_dtype):
         ones = torch.ones(B, S, N, dtype=mask_dtype, device="cuda")
         assert torch.equal(opm._ext.opm_pair_scale(ones, norm, 1e-3, True),
                            opm._ext.opm_pair_scale(ones, norm, 1e-3, False))
+
+
+def _kernels_of(fn):
+    """The names of the CUDA kernels fn() launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@gpu
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pair_counts_ring_equal_to_dmma(opm, mask_dtype):
+    """opm_pair_scale(..., 2): the DMMA kernel's sums fed by the cp.async ring, bit-equal to opm_pair_scale(..., 1) for
+    fractional masks with zero columns; the ring kernel runs where N times the element size is a multiple of 16
+    bytes (partial stages, partial tiles, S = 0, several tiles per block at N = 768), the DMMA kernel elsewhere (N =
+    45, and a mask at an odd element offset)."""
+    gen = torch.Generator().manual_seed(7)
+    ve = 16 // torch.empty((), dtype=mask_dtype).element_size()
+    for B, S, N in ((2, 70, 48), (1, 130, 64), (1, 3, 8), (1, 0, 16), (1, 5, 768), (2, 70, 45)):
+        m = torch.rand(B, S, N, generator=gen)
+        m[:, :, :1] = 0.0
+        m = m.to("cuda", mask_dtype)
+        want = opm._ext.opm_pair_scale(m, 1, 1e-3, 1)
+        names = _kernels_of(lambda: opm._ext.opm_pair_scale(m, 1, 1e-3, 2))
+        got = opm._ext.opm_pair_scale(m, 1, 1e-3, 2)
+        assert torch.equal(got, want), (B, S, N)
+        ring = any("opm_pair_scale_ring_kernel" in n for n in names)
+        assert ring == (N % ve == 0), (B, S, N, names)
+    store = torch.rand(1 + 2 * 40 * 64, generator=gen).to("cuda", mask_dtype)
+    m = store[1:].view(2, 40, 64)  # one element off the storage's 16-byte alignment
+    names = _kernels_of(lambda: opm._ext.opm_pair_scale(m, 2, 1e-3, 2))
+    assert not any("ring" in n for n in names) and any("opm_pair_scale_dmma_kernel" in n for n in names), names
+    assert torch.equal(opm._ext.opm_pair_scale(m, 2, 1e-3, 2), opm._ext.opm_pair_scale(m, 2, 1e-3, 1))
 
 
 @gpu

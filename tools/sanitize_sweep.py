@@ -300,6 +300,12 @@ def _opm_pair_case():
               opm_call("opm_pair_counts", F32, 2, 70, 45, 64, 32, 64, mask_dtype=F32),
               opm_call("opm_pair_counts", F32, 1, 130, 64, 64, 32, 64, mask_dtype=BF16),
               opm_call("opm_pair_counts", F32, 1, 3, 7, 64, 32, 64, mask_dtype=F16),
+              # the same sums fed by the cp.async ring (PAIR_COUNTS_RING): partial stages and tiles; 576 tiles (more
+              # than 4 per SM: a block's second tile refills the ring)
+              opm_call("opm_pair_counts", F32, 2, 70, 48, 64, 32, 64, mask_dtype=F32, counts=2),
+              opm_call("opm_pair_counts", F32, 1, 130, 64, 64, 32, 64, mask_dtype=BF16, counts=2),
+              opm_call("opm_pair_counts", F32, 1, 3, 8, 64, 32, 64, mask_dtype=F16, counts=2),
+              opm_call("opm_pair_counts", F32, 1, 5, 768, 64, 32, 64, mask_dtype=BF16, counts=2),
               # w_first_wg2's kPair epilogue: pair_dim 7 (one element per store, columns of two j in one pair);
               # 130 residues: two 128-row tiles
               opm_call("opm_pair", F32, 1, 5, 130, 64, 32, 64, family="openfold", variant="w_first_wg2"),
@@ -372,7 +378,7 @@ def describe_call(call):
     keys = ("B", "N", "C", "H") if call["op"].startswith("cm_") else ("B", "S", "N", "cm", "c", "cz")
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
     extra = [f"{k}={call[k]}" for k in ("variant", "mask", "mask_dtype", "offset", "params_dtype", "split",
-                                        "block_tiles")
+                                        "block_tiles", "counts")
              if k in call and call[k] not in (None, False) and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
@@ -574,9 +580,10 @@ def _opm_pair(torch, mod, call, sms):
 
 
 def _opm_pair_counts(torch, mod, call, sms):
-    """The pair counts of the call's mask on the fp64 tensor cores (opm_pair_scale with dmma), OpenFold's (s1, s2)."""
+    """The pair counts of the call's mask on the fp64 tensor cores (opm_pair_scale with counts 1, DMMA, or the call's
+    "counts": 2, DMMA fed by the ring), OpenFold's (s1, s2)."""
     _, _, mask, _ = _opm_setup(torch, mod, call, sms)
-    _fetch(torch, mod._ext.opm_pair_scale(mask, 1, 1e-3, True))
+    _fetch(torch, mod._ext.opm_pair_scale(mask, 1, 1e-3, call.get("counts", 1)))
 
 
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,

@@ -48,11 +48,12 @@ static int mask_kind_of(at::ScalarType st) {
 // see "Normalisations"): the variant runs with a zero bias, then opm_pair_scale_kernel and
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
-// pair_counts_dmma: float masks' pair counts by opm_pair_scale_dmma_kernel (launch_pair_scale).
+// pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
+// ring; launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, bool pair_counts_dmma) {
+    double norm_eps, bool pair_fused, int64_t pair_counts) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -92,6 +93,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                 p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
   TORCH_CHECK(norm >= kNormRows && norm <= kNormBoltz, "outer_product_mean: norm code must be 0-2, got ", num(norm));
+  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsRing, "outer_product_mean: pair_counts must be 0-2, got ",
+              num(pair_counts));
+  const int counts = static_cast<int>(pair_counts);
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));
   TORCH_CHECK(variant != kFusedSmall || c <= kFsCP, "outer_product_mean: variant fused_small needs hidden_dim <= ",
@@ -228,13 +232,13 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
-                                                      at::Tensor(), d, stream, pair_counts_dmma)
+                                                      at::Tensor(), d, stream, counts)
                                   : at::Tensor();
   // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
   auto finish = [&]() {
     if (!pair || fused) return;
     const at::Tensor scale = launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps, inv_denom, d,
-                                               stream, pair_counts_dmma);
+                                               stream, counts);
     at::Tensor bo_f = bo.to(at::kFloat).contiguous();
     if (reinterpret_cast<uintptr_t>(bo_f.data_ptr()) % 16 != 0) bo_f = bo_f.clone();
     launch_pair_epilogue(out, scale, bo_f, d, stream);
@@ -305,18 +309,22 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
 }
 
 // A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a
-// dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); dmma: float masks' counts on the fp64 tensor
-// cores where the device has them. Returns float32 (B, N, N, 2).
-at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, bool dmma) {
+// dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); counts: PairCounts (0 fp64 FMA, 1 DMMA, 2 DMMA
+// fed by a cp.async ring; True / False read as 1 / 0), for float masks where the device has DMMA. Returns float32
+// (B, N, N, 2).
+at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, int64_t counts) {
   TORCH_CHECK(mask.is_cuda() && mask.dim() == 3 && mask_kind_of(mask.scalar_type()) >= 0,
               "outer_product_mean: opm_pair_scale takes a (B, S, N) CUDA mask of a float, bool or integer dtype, got ",
               dtype_str(mask), " ", shape_str(mask), " on ", dev_str(mask));
   TORCH_CHECK(norm == kNormOpenFold || norm == kNormBoltz, "outer_product_mean: opm_pair_scale: norm 1 or 2, got ",
               norm);
+  TORCH_CHECK(counts >= kCountsFma && counts <= kCountsRing, "outer_product_mean: opm_pair_scale: counts 0-2, got ",
+              counts);
   const c10::cuda::CUDAGuard guard(mask.device());
   const at::Tensor m = mask.contiguous();
   return launch_pair_scale(m, mask_kind_of(m.scalar_type()), m.size(0), m.size(1), m.size(2), static_cast<int>(norm),
-                           eps, at::Tensor(), dev_info(m.get_device()), c10::cuda::getCurrentCUDAStream(), dmma);
+                           eps, at::Tensor(), dev_info(m.get_device()), c10::cuda::getCurrentCUDAStream(),
+                           static_cast<int>(counts));
 }
 
 }  // namespace opm

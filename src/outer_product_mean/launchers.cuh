@@ -330,26 +330,30 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
-// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. dmma: float
-// masks' counts by opm_pair_scale_dmma_kernel on a compute capability 8.0+ device (else the fp64 FMA kernel).
+// tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. counts: how
+// float masks' counts are summed on a compute capability 8.0+ device: kCountsDmma by opm_pair_scale_dmma_kernel,
+// kCountsRing by opm_pair_scale_ring_kernel where its copies' alignment holds (else the DMMA kernel), kCountsFma
+// (and older devices) by the fp64 FMA kernel.
 static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
                                     double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
-                                    bool dmma) {
+                                    int counts) {
   at::Tensor scale = at::empty({B, N, N, 2}, mask.options().dtype(at::kFloat));
   const int64_t tiles = B * cdiv(N, kPsT) * cdiv(N, kPsT);
   const int g = grid_for(std::min<int64_t>(tiles, 4ll * d.sms));
   if (g == 0) return scale;
   const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
   float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
-  if (dmma && mask_is_float(mask_kind) && d.major >= 8) {
-    if (mask_kind == kF32)
-      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(mask.data_ptr<float>(), B, S, N, norm, eps, inv, sp);
-    else if (mask_kind == kF16)
-      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(reinterpret_cast<const __half*>(mask.data_ptr()), B, S,
-                                                                N, norm, eps, inv, sp);
-    else
-      opm_pair_scale_dmma_kernel<<<g, kPdThreads, 0, stream>>>(
-          reinterpret_cast<const __nv_bfloat16*>(mask.data_ptr()), B, S, N, norm, eps, inv, sp);
+  if (counts != kCountsFma && mask_is_float(mask_kind) && d.major >= 8) {
+    const bool ring = counts == kCountsRing && N * mask.element_size() % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(mask.data_ptr()) % 16 == 0;
+    auto run = [&](auto* m) {
+      using M = std::remove_const_t<std::remove_pointer_t<decltype(m)>>;
+      if (ring) opm_pair_scale_ring_kernel<M><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
+      else opm_pair_scale_dmma_kernel<M><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
+    };
+    if (mask_kind == kF32) run(mask.data_ptr<float>());
+    else if (mask_kind == kF16) run(reinterpret_cast<const __half*>(mask.data_ptr()));
+    else run(reinterpret_cast<const __nv_bfloat16*>(mask.data_ptr()));
   } else if (mask_is_float(mask_kind))
     opm_pair_scale_kernel<double><<<g, kPsThreads, 0, stream>>>(mask.data_ptr(), mask_kind, B, S, N, norm, eps, inv, sp);
   else

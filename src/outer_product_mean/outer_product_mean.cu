@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts_dmma") = false);
+        py::arg("pair_counts") = 0);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -43,7 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "backward: (a, b, inv_denom) as the forward computes them");
   m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
   m.def("opm_pair_scale", torch::wrap_pybind_function(opm::opm_pair_scale),
-        "a pair mode's (s1, s2) per pair as the forward computes them; dmma: float masks' counts on DMMA");
+        "a pair mode's (s1, s2) per pair as the forward computes them; counts: 0 fp64 FMA, 1 DMMA, 2 DMMA by a ring");
   m.def("opm_backward_pair_g", torch::wrap_pybind_function(opm::opm_backward_pair_g),
         "backward, pair modes: (s1 g in float32 or g's type, d bo: the sum of s1 g or of g)");
 }

@@ -18,8 +18,8 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
-then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA); the backward's s1 g and dbo in one
-sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their definitions.
+then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING); the backward's s1 g
+and dbo in one sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -232,6 +232,15 @@ PAIR_G_KERNEL = _env_flag("OPM_PAIR_G_KERNEL", True)
 # The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True, the default)
 # or in fp64 FMA (opm_pair_scale_kernel, False): OPM_PAIR_COUNTS_DMMA ("1" / "0") at import, then this attribute.
 PAIR_COUNTS_DMMA = _env_flag("OPM_PAIR_COUNTS_DMMA", True)
+# With DMMA: the mask's columns brought by a cp.async ring of stages (opm_pair_scale_ring_kernel: the same sums, more
+# of the mask in flight; where N times the mask's element size is a multiple of 16 bytes) rather than one chunk at a
+# time through registers (False, the default): OPM_PAIR_COUNTS_RING ("1" / "0") at import, then this attribute.
+PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", False)
+
+
+def _pair_counts():
+    """The pair-count kernel code launch_pair_scale takes (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA by the ring)."""
+    return (2 if PAIR_COUNTS_RING else 1) if PAIR_COUNTS_DMMA else 0
 
 
 class _ModuleSetting:
@@ -545,7 +554,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             bool(PAIR_COUNTS_DMMA))
+                                             _pair_counts())
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

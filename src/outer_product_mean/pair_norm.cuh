@@ -15,6 +15,8 @@ namespace opm {
 // or absent) or opm_pair_scale_dmma_kernel (float masks), a float2 (B, N, N) array.
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
+// How float masks' pair counts are summed (launch_pair_scale): fp64 FMA, DMMA, DMMA fed by a cp.async ring.
+enum PairCounts : int { kCountsFma = 0, kCountsDmma = 1, kCountsRing = 2 };
 constexpr int kPsT = 32, kPsS = 8, kPsSlices = 8;  // opm_pair_scale_kernel: 32 x 32 pairs, 8 s per slice chunk
 constexpr int kPsThreads = 64 * kPsSlices;            // 64 threads (4 x 4 pairs each) per slice
 template <typename T>  // fp32 -> T (float: itself)
@@ -196,6 +198,80 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_dmma_kernel(const M
         dmma_m8n8k4(c[1], a, bj[k * kPdLd + 8]);
       }
     }
+    const int64_t i = i0 + wr + fr;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t j = j0 + wc + 8 * n + 2 * fk + e;
+        if (i < N && j < N) scale[(b * N + i) * N + j] = pair_scale_of(c[n][e], norm, eps, inv_denom, b * N + i);
+      }
+  }
+#else
+  __trap();  // built without sm_80: the host launches it only on devices of compute capability 8.0+
+#endif
+}
+
+// opm_pair_scale_dmma_kernel's products in its order (the same sums, bit for bit), the mask's columns brought by
+// 16-byte cp.async into a ring of kPrStages stages of kPrS = 32 s (float: 4 stages, 16-bit: 8; 40 KB either way),
+// up to kPrStages - 1 stages in flight while one is multiplied, where the DMMA kernel holds one 64-s chunk in
+// registers. Stage rows kPrLd = 40 elements apart (the fragment loads conflict-free: word 8 fk + fr (float), 20 fk
+// + fr / 2 (16-bit)); rows past S and columns past N zero-filled. Assumptions: N sizeof(M) % 16 == 0 and a 16-byte
+// aligned mask (launch_pair_scale checks; else the DMMA kernel). Warps, fragments, tiles: as the DMMA kernel.
+constexpr int kPrS = 32, kPrLd = 40, kPrBytes = 40 * 1024;
+template <typename M>
+constexpr int pr_stages() { return kPrBytes / (2 * kPrS * kPrLd * static_cast<int>(sizeof(M))); }
+
+template <typename M>
+__global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M* __restrict__ mask, int64_t B,
+                                                                         int64_t S, int64_t N, int norm, double eps,
+                                                                         const float* __restrict__ inv_denom,
+                                                                         float2* __restrict__ scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kStages = pr_stages<M>(), kSide = kPrS * kPrLd;  // stages; elements per side of a stage
+  constexpr int kVe = 16 / static_cast<int>(sizeof(M)), kVpr = kPsT / kVe;  // elements per copy; copies per row
+  constexpr int kCopies = 2 * kPrS * kVpr / kPdThreads;                     // per thread per stage (float 2, 16-bit 1)
+  static_assert(kStages >= 2 && kCopies >= 1 && 2 * kPrS * kVpr == kCopies * kPdThreads, "ring shape");
+  __shared__ __align__(16) M ring[kStages][2][kSide];  // [stage][0: columns i, 1: columns j][row s * kPrLd + column]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = 8 * (warp >> 1), wc = 16 * (warp & 1), fr = lane >> 2, fk = lane & 3;
+  const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt, nst = cdiv(S, kPrS);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t jt = t % nt, it = t / nt % nt, b = t / nt / nt;
+    const int64_t i0 = it * kPsT, j0 = jt * kPsT;
+    // stage st into slot st % kStages: copy v of this thread is side v / (kPrS kVpr), row v / kVpr % kPrS,
+    // columns kVe (v % kVpr).. (one commit group per stage, empty past the last)
+    auto issue = [&](int64_t st) {
+      if (st < nst) {
+#pragma unroll
+        for (int u = 0; u < kCopies; ++u) {
+          const int v = tid + kPdThreads * u, side = v / (kPrS * kVpr), r = v / kVpr % kPrS, q = v % kVpr;
+          const int64_t s = st * kPrS + r, col = (side ? j0 : i0) + kVe * q;
+          const bool ok = s < S && col < N;
+          cp_async<16>(&ring[st % kStages][side][r * kPrLd + kVe * q], ok ? mask + (b * S + s) * N + col : mask,
+                       ok ? 16 : 0);
+        }
+      }
+      cp_async_commit();
+    };
+    __syncthreads();  // the previous tile's fragment loads are done before its slots are refilled
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) issue(st);
+    double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
+    for (int64_t st = 0; st < nst; ++st) {
+      cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
+      __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
+      issue(st + kStages - 1);       // into stage st - 1's slot
+      const M* ai = &ring[st % kStages][0][fk * kPrLd + wr + fr];
+      const M* bj = &ring[st % kStages][1][fk * kPrLd + wc + fr];
+#pragma unroll
+      for (int k = 0; k < kPrS; k += 4) {
+        const double a = static_cast<double>(to_float(ai[k * kPrLd]));
+        dmma_m8n8k4(c[0], a, static_cast<double>(to_float(bj[k * kPrLd])));
+        dmma_m8n8k4(c[1], a, static_cast<double>(to_float(bj[k * kPrLd + 8])));
+      }
+    }
+    cp_async_wait<0>();  // (only empty groups remain)
     const int64_t i = i0 + wr + fr;
 #pragma unroll
     for (int n = 0; n < 2; ++n)
