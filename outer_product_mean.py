@@ -5148,6 +5148,20 @@ __device__ __forceinline__ void dmma_m8n8k4(double (&c)[2], double a, double b) 
 #endif
 }
 
+// A warp's two 8 x 8 DMMA accumulators (C fragments) as (s1, s2): c[n][e] is the count of pair (i, j0 + 8 n + e),
+// i this lane's row, j0 its first column.
+__device__ __forceinline__ void pd_store_scales(const double (&c)[2][2], int64_t b, int64_t i, int64_t j0, int64_t N,
+                                                int norm, double eps, const float* __restrict__ inv_denom,
+                                                float2* __restrict__ scale) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t j = j0 + 8 * n + e;
+      if (i < N && j < N) scale[(b * N + i) * N + j] = pair_scale_of(c[n][e], norm, eps, inv_denom, b * N + i);
+    }
+}
+
 template <typename M>
 __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_dmma_kernel(const M* __restrict__ mask, int64_t B,
                                                                          int64_t S, int64_t N, int norm, double eps,
@@ -5194,14 +5208,7 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_dmma_kernel(const M
         dmma_m8n8k4(c[1], a, bj[k * kPdLd + 8]);
       }
     }
-    const int64_t i = i0 + wr + fr;
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t j = j0 + wc + 8 * n + 2 * fk + e;
-        if (i < N && j < N) scale[(b * N + i) * N + j] = pair_scale_of(c[n][e], norm, eps, inv_denom, b * N + i);
-      }
+    pd_store_scales(c, b, i0 + wr + fr, j0 + wc + 2 * fk, N, norm, eps, inv_denom, scale);
   }
 #else
   __trap();  // built without sm_80: the host launches it only on devices of compute capability 8.0+
@@ -5268,14 +5275,7 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M
       }
     }
     cp_async_wait<0>();  // (only empty groups remain)
-    const int64_t i = i0 + wr + fr;
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t j = j0 + wc + 8 * n + 2 * fk + e;
-        if (i < N && j < N) scale[(b * N + i) * N + j] = pair_scale_of(c[n][e], norm, eps, inv_denom, b * N + i);
-      }
+    pd_store_scales(c, b, i0 + wr + fr, j0 + wc + 2 * fk, N, norm, eps, inv_denom, scale);
   }
 #else
   __trap();  // built without sm_80: the host launches it only on devices of compute capability 8.0+
