@@ -375,7 +375,7 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING): unset -> the default, "1" / "0" ->
-    on / off, any other value raises naming the variable; the first two default to on, the ring to off; _pair_counts
+    on / off, any other value raises naming the variable; the three default to on; _pair_counts
     maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring)."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
@@ -389,7 +389,7 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         with pytest.raises(ValueError, match=name):
             opm._env_flag(name, True)
     if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING"} & set(os.environ):
-        assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is False
+        assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
     for dmma, ring, code in ((False, False, 0), (False, True, 0), (True, False, 1), (True, True, 2)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
         monkeypatch.setattr(opm, "PAIR_COUNTS_RING", ring)

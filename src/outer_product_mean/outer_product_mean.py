@@ -232,10 +232,10 @@ PAIR_G_KERNEL = _env_flag("OPM_PAIR_G_KERNEL", True)
 # The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True, the default)
 # or in fp64 FMA (opm_pair_scale_kernel, False): OPM_PAIR_COUNTS_DMMA ("1" / "0") at import, then this attribute.
 PAIR_COUNTS_DMMA = _env_flag("OPM_PAIR_COUNTS_DMMA", True)
-# With DMMA: the mask's columns brought by a cp.async ring of stages (opm_pair_scale_ring_kernel: the same sums, more
-# of the mask in flight; where N times the mask's element size is a multiple of 16 bytes) rather than one chunk at a
-# time through registers (False, the default): OPM_PAIR_COUNTS_RING ("1" / "0") at import, then this attribute.
-PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", False)
+# With DMMA: the mask's columns brought by a cp.async ring of stages (opm_pair_scale_ring_kernel, True, the default:
+# the same sums, more of the mask in flight; where N times the mask's element size is a multiple of 16 bytes) or one
+# chunk at a time through registers (False): OPM_PAIR_COUNTS_RING ("1" / "0") at import, then this attribute.
+PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 
 
 def _pair_counts():
