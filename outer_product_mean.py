@@ -2821,7 +2821,7 @@ namespace opm {
 //   the output written in T (one rounding).
 // kPair (the pair modes, "Normalisations"): inv_denom points at the float2 (s1, s2)
 //   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
-//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o starts from s2 bo, and the
+//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o is s2 bo at q = 0's phase B, and the
 //   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
 //   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
 //   unchanged.
@@ -2938,6 +2938,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   [[maybe_unused]] const uint64_t dA0 = wg_desc(sm + wg * kOwABlk16 / 2, 512), dB0 = wg_desc(sm + kOwABlk16, 512);
   float acc[64], d[64], o[32], d2[32];
   [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of this thread's phase-B rows, loaded with the tile
+  [[maybe_unused]] float s2p[2];         // 16-bit kPair: s2 of this thread's output pairs (rows hr), likewise
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t it = t % nit, jt = t / nit % nbb, zc = t / nit / nbb % nz, b = t / nit / nbb / nz;
     if constexpr (kSplit) {
@@ -2951,9 +2952,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else {  // 16-bit pair modes: o starts from s2 bo, s2 of this thread's pairs 16 w4 + g + 8 hr; s1 of the
-      // rows (8 wg + 2 w4 + hr, jl) that this thread scales before phase B, loaded here so that phase A
-      // hides their latency
+    } else {  // 16-bit pair modes: o starts from the bias as in the row mode, and becomes s2 bo before q = 0's
+      // phase B (s2 of this thread's pairs 16 w4 + g + 8 hr), so that no instruction before phase A waits on
+      // these loads; s1 of the rows (8 wg + 2 w4 + hr, jl) that this thread scales before phase B. Phase A
+      // hides the latency of all of them.
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
@@ -2961,21 +2963,18 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr, j = jt * kOwTJ + jl;
           s1p[hr][jl] = i < N && j < N ? pscale[(b * N + i) * N + j].x : 0.f;
         }
-      float s2[2];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int p = 16 * w4 + g + 8 * hr;
         const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
-        s2[hr] = i < N && j < N ? pscale[(b * N + i) * N + j].y : 0.f;
+        s2p[hr] = i < N && j < N ? pscale[(b * N + i) * N + j].y : 0.f;
       }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
-          const float bz = z < cz ? __ldg(bo + z) : 0.f;
-          o[4 * jj + e] = s2[0] * bz;
-          o[4 * jj + 2 + e] = s2[1] * bz;
+          o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
     }
     for (int q = 0; q < kOwNQ; ++q) {
@@ -3137,6 +3136,12 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           }
         consumers_sync();  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
+        if constexpr (kPair) {
+          if (q == 0) {  // o = s2 bo (o[4 jj + 2 hr + e]: row hr)
+#pragma unroll
+            for (int e = 0; e < 32; ++e) o[e] *= s2p[(e / 2) % 2];
+          }
+        }
         // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
         //      Wo blocks (hl, hl + 1) per slot, one accumulator over the q's four slots; a slot's wgmmas
         //      stay in flight while the next slot's are issued, so its A fragments (af[sl % 2]) and the
