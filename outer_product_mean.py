@@ -6943,7 +6943,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
-    out = s1 (O Wo^T) + s2 bo with pair_scales' s1, s2 (B, N, N): then dWo = sum (s1 g)^T O,
+    out = s1 (O Wo^T) + s2 bo with pair_scales' s1, s2 (B, N, N) (on CUDA in float32: opm_pair_scale's, as the
+    forward computes them, by the kernel _pair_counts names): then dWo = sum (s1 g)^T O,
     G = (s1 g) Wo, dbo = sum s2 g (the divided bias's gradient for OpenFold): in the chunks below, or
     with pair_kernels (None: PAIR_BACKWARD == "kernels") by the dWo and da, db kernels where they run,
     handed s1 g as grad_out and a row scale of 1 (s1 g and dbo in one sweep over grad_out by
@@ -7022,7 +7023,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     mask_k = mask.float() if mask.is_floating_point() and mask.dtype != torch.float32 else mask
     if not (rows_in_kernel and ln_in_kernel):
         m_rows = mask.to(ct).reshape(R, 1)
-    if pair:
+    if pair and mask.is_cuda and ct == torch.float32:  # (s1, s2) as the forward computed them, one launch
+        scale = _ext.opm_pair_scale(mask, norm, norm_eps, _pair_counts())              # (B, N, N, 2)
+        s1, s2 = scale[..., 0], scale[..., 1]
+    elif pair:
         s1, s2 = (t.to(ct) for t in pair_scales(mask, norm, norm_eps))                 # (B, N, N)
     elif not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
         acc = torch.float64 if mask.is_floating_point() else torch.int64
