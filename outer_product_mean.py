@@ -21,7 +21,8 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
 then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING); the backward's s1 g
-and dbo in one sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their definitions.
+and dbo in one sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their
+definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -5013,7 +5014,8 @@ namespace opm {
 //   kNormOpenFold (1): n = sum_s m[b,s,i] m[b,s,j]; s1 = s2 = 1 / (n + eps) (the bias divided too)
 //   kNormBoltz (2): s1 = 1 / max(n, 1), s2 = 1
 // The pair modes' (s1, s2) per pair: opm_pair_scale_kernel (bool / integer masks; float masks where DMMA is off
-// or absent) or opm_pair_scale_dmma_kernel (float masks), a float2 (B, N, N) array.
+// or absent), opm_pair_scale_ring_kernel (float masks, PairCounts kCountsRing, 16-byte aligned rows) or
+// opm_pair_scale_dmma_kernel (the other float masks), a float2 (B, N, N) array.
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 // How float masks' pair counts are summed (launch_pair_scale): fp64 FMA, DMMA, DMMA fed by a cp.async ring.
@@ -5976,8 +5978,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                 p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
   TORCH_CHECK(norm >= kNormRows && norm <= kNormBoltz, "outer_product_mean: norm code must be 0-2, got ", num(norm));
-  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsRing, "outer_product_mean: pair_counts must be 0-2, got ",
-              num(pair_counts));
+  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsRing,
+              "outer_product_mean: pair_counts must be 0-2, got ", num(pair_counts));
   const int counts = static_cast<int>(pair_counts);
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));

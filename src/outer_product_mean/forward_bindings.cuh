@@ -93,8 +93,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                 p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
   TORCH_CHECK(norm >= kNormRows && norm <= kNormBoltz, "outer_product_mean: norm code must be 0-2, got ", num(norm));
-  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsRing, "outer_product_mean: pair_counts must be 0-2, got ",
-              num(pair_counts));
+  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsRing,
+              "outer_product_mean: pair_counts must be 0-2, got ", num(pair_counts));
   const int counts = static_cast<int>(pair_counts);
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));

@@ -12,7 +12,8 @@ namespace opm {
 //   kNormOpenFold (1): n = sum_s m[b,s,i] m[b,s,j]; s1 = s2 = 1 / (n + eps) (the bias divided too)
 //   kNormBoltz (2): s1 = 1 / max(n, 1), s2 = 1
 // The pair modes' (s1, s2) per pair: opm_pair_scale_kernel (bool / integer masks; float masks where DMMA is off
-// or absent) or opm_pair_scale_dmma_kernel (float masks), a float2 (B, N, N) array.
+// or absent), opm_pair_scale_ring_kernel (float masks, PairCounts kCountsRing, 16-byte aligned rows) or
+// opm_pair_scale_dmma_kernel (the other float masks), a float2 (B, N, N) array.
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 // How float masks' pair counts are summed (launch_pair_scale): fp64 FMA, DMMA, DMMA fed by a cp.async ring.
