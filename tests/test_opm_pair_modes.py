@@ -376,7 +376,7 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING): unset -> the default, "1" / "0" ->
     on / off, any other value raises naming the variable; the three default to on; _pair_counts
-    maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring)."""
+    maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring); an attribute set to anything but True / False raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -394,6 +394,14 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
         monkeypatch.setattr(opm, "PAIR_COUNTS_RING", ring)
         assert opm._pair_counts() == code
+    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_G_KERNEL"):
+        monkeypatch.setattr(opm, attr, "0")  # a string, not a bool: raises rather than reading as on
+        with pytest.raises(ValueError, match=attr):
+            opm._flag(attr)
+        monkeypatch.setattr(opm, attr, True)
+    monkeypatch.setattr(opm, "PAIR_COUNTS_RING", 1)
+    with pytest.raises(ValueError, match="PAIR_COUNTS_RING"):
+        opm._pair_counts()
 
 
 def test_kernel_file_maps_the_reference_families(opm):

@@ -192,7 +192,7 @@ def _pair_g_kernel_runs(grad_out, ct, k_dtype):
     type, grad_out float32 / float16 / bfloat16 on a CUDA device with c_z % 4 == 0 up to 1024, k_dtype float32 or
     grad_out's."""
     c_z = grad_out.shape[-1]
-    return (PAIR_G_KERNEL and ct == torch.float32 and grad_out.is_cuda and grad_out.dtype in _FLOAT_DTYPES
+    return (_flag("PAIR_G_KERNEL") and ct == torch.float32 and grad_out.is_cuda and grad_out.dtype in _FLOAT_DTYPES
             and c_z % 4 == 0 and 4 <= c_z <= 1024 and k_dtype in (torch.float32, grad_out.dtype))
 
 
@@ -213,6 +213,15 @@ def _env_flag(name, default):
     return value == "1"
 
 
+def _flag(name):
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING), which must be True or
+    False: an assigned "0" would otherwise read as on."""
+    value = globals()[name]
+    if not isinstance(value, bool):
+        raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
+    return value
+
+
 # The normalisations (the CUDA source's enum Norm): the row count (KernelBench), the pair count + eps
 # (AlphaFold / OpenFold, the bias divided too), the pair count clamped to 1 (Boltz).
 NORM_ROWS, NORM_OPENFOLD, NORM_BOLTZ = 0, 1, 2
@@ -230,18 +239,20 @@ PAIR_BACKWARD = os.environ.get("OPM_PAIR_BACKWARD", "kernels")
 # With "kernels": s1 g and dbo in one sweep over grad_out by opm_backward_pair_g (True, the default) or by ATen ops
 # in float32 (False): OPM_PAIR_G_KERNEL ("1" / "0") at import, then this module attribute.
 PAIR_G_KERNEL = _env_flag("OPM_PAIR_G_KERNEL", True)
-# The forward's pair counts of float masks on the fp64 tensor cores (opm_pair_scale_dmma_kernel, True, the default)
-# or in fp64 FMA (opm_pair_scale_kernel, False): OPM_PAIR_COUNTS_DMMA ("1" / "0") at import, then this attribute.
+# The pair counts of float masks (the forward's, and the backward's on CUDA) on the fp64 tensor cores (sm_80+;
+# opm_pair_scale_dmma_kernel, True, the default) or in fp64 FMA (opm_pair_scale_kernel, False; bool and integer masks
+# always, in int64): OPM_PAIR_COUNTS_DMMA ("1" / "0") at import, then this attribute (True / False).
 PAIR_COUNTS_DMMA = _env_flag("OPM_PAIR_COUNTS_DMMA", True)
 # With DMMA: the mask's columns brought by a cp.async ring of stages (opm_pair_scale_ring_kernel, True, the default:
 # the same sums, more of the mask in flight; where N times the mask's element size is a multiple of 16 bytes) or one
 # chunk at a time through registers (False): OPM_PAIR_COUNTS_RING ("1" / "0") at import, then this attribute.
+# Each of the three on / off attributes takes only True or False (others raise at the next call that reads it).
 PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 
 
 def _pair_counts():
     """The pair-count kernel code launch_pair_scale takes (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA by the ring)."""
-    return (2 if PAIR_COUNTS_RING else 1) if PAIR_COUNTS_DMMA else 0
+    return (2 if _flag("PAIR_COUNTS_RING") else 1) if _flag("PAIR_COUNTS_DMMA") else 0
 
 
 class _ModuleSetting:
