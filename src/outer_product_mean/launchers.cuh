@@ -116,8 +116,8 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
                              const at::Tensor& pair_scale = at::Tensor()) {
   const int64_t K = S * CP, KB = cdiv(K, kWgBK), MB128 = cdiv(N, 128);
   const bool kpair = pair_scale.defined();
-  if (kpair) set_smem(opm_wfirst_wg_kernel<true>, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
-  else set_smem(opm_wfirst_wg_kernel<false>, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
+  const auto wg_kernel = kpair ? opm_wfirst_wg_kernel<true> : opm_wfirst_wg_kernel<false>;
+  set_smem(wg_kernel, kWgSmemBytes, d, "the wgmma w-first GEMM kernel");
   const size_t smem1 = kProjWgSmemBytes<CP>;
   set_smem(opm_wfirst_proj_wg_kernel<CP>, smem1, d, "the w_first_wg2 stage-1 kernel");
   const int ga = grid_for(std::min<int64_t>(cdiv(B * KB * (kWgBK / 4) * 2 * MB128 * kWgARows, kThreads), 8ll * d.sms));
@@ -139,7 +139,7 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
     }
     const int64_t tiles = B * MB128 * NB;
     const int g2 = grid_for(std::min<int64_t>(tiles, d.sms));  // the kernel loops over the rest
-    (kpair ? opm_wfirst_wg_kernel<true> : opm_wfirst_wg_kernel<false>)<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
+    wg_kernel<<<g2, kWgThreads, kWgSmemBytes, stream>>>(
         At.numel() ? At.data_ptr<float>() : aT.data_ptr<float>(), Pt.numel() ? Pt.data_ptr<float>() : aT.data_ptr<float>(),
         inv_denom.data_ptr<float>(),
         kpair ? reinterpret_cast<const float2*>(pair_scale.data_ptr<float>()) : nullptr, bo.data_ptr<float>(),
