@@ -20,9 +20,9 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
-then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING); the backward's s1 g
-and dbo in one sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their
-definitions.
+then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING; 16-bit
+masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and
+their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -5019,7 +5019,8 @@ namespace opm {
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 // How float masks' pair counts are summed (launch_pair_scale): fp64 FMA, DMMA, DMMA fed by a cp.async ring.
-enum PairCounts : int { kCountsFma = 0, kCountsDmma = 1, kCountsRing = 2 };
+// kCountsHmma: 16-bit masks by the ring on HMMA (fp32 sums), float32 masks as kCountsRing.
+enum PairCounts : int { kCountsFma = 0, kCountsDmma = 1, kCountsRing = 2, kCountsHmma = 3 };
 constexpr int kPsT = 32, kPsS = 8, kPsSlices = 8;  // opm_pair_scale_kernel: 32 x 32 pairs, 8 s per slice chunk
 constexpr int kPsThreads = 64 * kPsSlices;            // 64 threads (4 x 4 pairs each) per slice
 template <typename T>  // fp32 -> T (float: itself)
@@ -5228,11 +5229,45 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_dmma_kernel(const M
 // registers. Stage rows kPrLd = 40 elements apart (the fragment loads conflict-free: word 8 fk + fr (float), 20 fk
 // + fr / 2 (16-bit)); rows past S and columns past N zero-filled. Assumptions: N sizeof(M) % 16 == 0 and a 16-byte
 // aligned mask (launch_pair_scale checks; else the DMMA kernel). Warps, fragments, tiles: as the DMMA kernel.
+// kHmma (16-bit M, PairCounts kCountsHmma): the same ring, the products on mma.sync m16n8k16 in M with fp32
+// accumulation instead: each product exact in fp32 (two 8- or 11-bit significands), the sum rounded to fp32 at
+// each k step of 16 (exact for 0 / 1 masks up to 2^24 sequences; fractional weights to about S 2^-24 relative).
+// Warp w the rows 16 (w / 4).. and columns 8 (w % 4).. (one m16n8 accumulator); per stage two k steps, A (rows i,
+// k = s) and B (k = s, columns j) by ldmatrix .trans from the stage's [s][column] rows (80-byte rows: the 8 row
+// addresses of each 8 x 8 matrix fall in distinct banks). One HMMA per warp per 16 s against 8 DMMAs and their
+// 24 fp64 conversions.
 constexpr int kPrS = 32, kPrLd = 40, kPrBytes = 40 * 1024;
 template <typename M>
 constexpr int pr_stages() { return kPrBytes / (2 * kPrS * kPrLd * static_cast<int>(sizeof(M))); }
 
+// r = the four 8 x 8 16-bit matrices whose rows lane l's row addresses name (lanes 8 q.. matrix q), transposed:
+// lane (g, t) = (l / 4, l % 4) gets rows 2 t, 2 t + 1 of column g of each (PTX ISA, ldmatrix .trans).
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+// d += a b, one m16n8k16 step in M (__half or __nv_bfloat16) with fp32 accumulation (mma's fragment layouts).
 template <typename M>
+__device__ __forceinline__ void hmma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<M, __half>)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <typename M, bool kHmma = false>
 __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M* __restrict__ mask, int64_t B,
                                                                          int64_t S, int64_t N, int norm, double eps,
                                                                          const float* __restrict__ inv_denom,
@@ -5242,6 +5277,7 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M
   constexpr int kVe = 16 / static_cast<int>(sizeof(M)), kVpr = kPsT / kVe;  // elements per copy; copies per row
   constexpr int kCopies = 2 * kPrS * kVpr / kPdThreads;                     // per thread per stage (float 2, 16-bit 1)
   static_assert(kStages >= 2 && kCopies >= 1 && 2 * kPrS * kVpr == kCopies * kPdThreads, "ring shape");
+  static_assert(!kHmma || sizeof(M) == 2, "HMMA counts take 16-bit masks");
   __shared__ __align__(16) M ring[kStages][2][kSide];  // [stage][0: columns i, 1: columns j][row s * kPrLd + column]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wr = 8 * (warp >> 1), wc = 16 * (warp & 1), fr = lane >> 2, fk = lane & 3;
@@ -5267,22 +5303,49 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M
     __syncthreads();  // the previous tile's fragment loads are done before its slots are refilled
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) issue(st);
-    double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
-    for (int64_t st = 0; st < nst; ++st) {
-      cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
-      __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
-      issue(st + kStages - 1);       // into stage st - 1's slot
-      const M* ai = &ring[st % kStages][0][fk * kPrLd + wr + fr];
-      const M* bj = &ring[st % kStages][1][fk * kPrLd + wc + fr];
+    if constexpr (kHmma) {
+      // lane l's ldmatrix rows: A (k step at s 16 h) matrix q = l / 8: s 16 h + l % 8 + 8 (q / 2), columns
+      // i 16 (warp / 4) + 8 (q % 2)..; B matrix q: s 8 q + l % 8, columns j 8 (warp % 4)..
+      const int q = lane >> 3, rr = lane & 7, hr = 16 * (warp >> 2), hc = 8 * (warp & 3);
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int64_t st = 0; st < nst; ++st) {
+        cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
+        __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
+        issue(st + kStages - 1);       // into stage st - 1's slot
+        uint32_t bf[4], af[2][4];
+        ldsm_x4_trans(bf, &ring[st % kStages][1][(8 * q + rr) * kPrLd + hc]);
 #pragma unroll
-      for (int k = 0; k < kPrS; k += 4) {
-        const double a = static_cast<double>(to_float(ai[k * kPrLd]));
-        dmma_m8n8k4(c[0], a, static_cast<double>(to_float(bj[k * kPrLd])));
-        dmma_m8n8k4(c[1], a, static_cast<double>(to_float(bj[k * kPrLd + 8])));
+        for (int h = 0; h < 2; ++h)
+          ldsm_x4_trans(af[h], &ring[st % kStages][0][(16 * h + rr + 8 * (q >> 1)) * kPrLd + hr + 8 * (q & 1)]);
+        hmma_m16n8k16<M>(c, af[0], bf[0], bf[1]);
+        hmma_m16n8k16<M>(c, af[1], bf[2], bf[3]);
       }
+      cp_async_wait<0>();  // (only empty groups remain)
+      // c: rows g, g + 8 (c[0..1], c[2..3]), columns 2 t, 2 t + 1 of the warp's 16 x 8
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = i0 + hr + fr + 8 * (e >> 1), j = j0 + hc + 2 * fk + (e & 1);
+        if (i < N && j < N)
+          scale[(b * N + i) * N + j] = pair_scale_of(static_cast<double>(c[e]), norm, eps, inv_denom, b * N + i);
+      }
+    } else {
+      double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
+      for (int64_t st = 0; st < nst; ++st) {
+        cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
+        __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
+        issue(st + kStages - 1);       // into stage st - 1's slot
+        const M* ai = &ring[st % kStages][0][fk * kPrLd + wr + fr];
+        const M* bj = &ring[st % kStages][1][fk * kPrLd + wc + fr];
+#pragma unroll
+        for (int k = 0; k < kPrS; k += 4) {
+          const double a = static_cast<double>(to_float(ai[k * kPrLd]));
+          dmma_m8n8k4(c[0], a, static_cast<double>(to_float(bj[k * kPrLd])));
+          dmma_m8n8k4(c[1], a, static_cast<double>(to_float(bj[k * kPrLd + 8])));
+        }
+      }
+      cp_async_wait<0>();  // (only empty groups remain)
+      pd_store_scales(c, b, i0 + wr + fr, j0 + wc + 2 * fk, N, norm, eps, inv_denom, scale);
     }
-    cp_async_wait<0>();  // (only empty groups remain)
-    pd_store_scales(c, b, i0 + wr + fr, j0 + wc + 2 * fk, N, norm, eps, inv_denom, scale);
   }
 #else
   __trap();  // built without sm_80: the host launches it only on devices of compute capability 8.0+
@@ -5719,8 +5782,8 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
 // tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. counts: how
 // float masks' counts are summed on a compute capability 8.0+ device: kCountsDmma by opm_pair_scale_dmma_kernel,
-// kCountsRing by opm_pair_scale_ring_kernel where its copies' alignment holds (else the DMMA kernel), kCountsFma
-// (and older devices) by the fp64 FMA kernel.
+// kCountsRing by opm_pair_scale_ring_kernel where its copies' alignment holds (else the DMMA kernel), kCountsHmma as
+// kCountsRing but 16-bit masks by its HMMA instance, kCountsFma (and older devices) by the fp64 FMA kernel.
 static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
                                     double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
                                     int counts) {
@@ -5731,10 +5794,16 @@ static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64
   const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
   float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
   if (counts != kCountsFma && mask_is_float(mask_kind) && d.major >= 8) {
-    const bool ring = counts == kCountsRing && N * mask.element_size() % 16 == 0 &&
+    const bool ring = counts >= kCountsRing && N * mask.element_size() % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(mask.data_ptr()) % 16 == 0;
     auto run = [&](auto* m) {
       using M = std::remove_const_t<std::remove_pointer_t<decltype(m)>>;
+      if constexpr (sizeof(M) == 2) {
+        if (ring && counts == kCountsHmma) {
+          opm_pair_scale_ring_kernel<M, true><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
+          return;
+        }
+      }
       if (ring) opm_pair_scale_ring_kernel<M><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
       else opm_pair_scale_dmma_kernel<M><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
     };
@@ -5934,7 +6003,7 @@ static int mask_kind_of(at::ScalarType st) {
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
-// ring; launch_pair_scale).
+// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
@@ -5978,8 +6047,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                 p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
   TORCH_CHECK(norm >= kNormRows && norm <= kNormBoltz, "outer_product_mean: norm code must be 0-2, got ", num(norm));
-  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsRing,
-              "outer_product_mean: pair_counts must be 0-2, got ", num(pair_counts));
+  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsHmma,
+              "outer_product_mean: pair_counts must be 0-3, got ", num(pair_counts));
   const int counts = static_cast<int>(pair_counts);
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));
@@ -6195,7 +6264,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
 
 // A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a
 // dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); counts: PairCounts (0 fp64 FMA, 1 DMMA, 2 DMMA
-// fed by a cp.async ring; True / False read as 1 / 0), for float masks where the device has DMMA. Returns float32
+// fed by a cp.async ring, 3 the ring on HMMA for 16-bit masks; True / False read as 1 / 0), for float masks where the device has DMMA. Returns float32
 // (B, N, N, 2).
 at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, int64_t counts) {
   TORCH_CHECK(mask.is_cuda() && mask.dim() == 3 && mask_kind_of(mask.scalar_type()) >= 0,
@@ -6203,7 +6272,7 @@ at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, int64_t cou
               dtype_str(mask), " ", shape_str(mask), " on ", dev_str(mask));
   TORCH_CHECK(norm == kNormOpenFold || norm == kNormBoltz, "outer_product_mean: opm_pair_scale: norm 1 or 2, got ",
               norm);
-  TORCH_CHECK(counts >= kCountsFma && counts <= kCountsRing, "outer_product_mean: opm_pair_scale: counts 0-2, got ",
+  TORCH_CHECK(counts >= kCountsFma && counts <= kCountsHmma, "outer_product_mean: opm_pair_scale: counts 0-3, got ",
               counts);
   const c10::cuda::CUDAGuard guard(mask.device());
   const at::Tensor m = mask.contiguous();
@@ -6857,8 +6926,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING), which must be True or
-    False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
+    which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -6889,13 +6958,22 @@ PAIR_COUNTS_DMMA = _env_flag("OPM_PAIR_COUNTS_DMMA", True)
 # With DMMA: the mask's columns brought by a cp.async ring of stages (opm_pair_scale_ring_kernel, True, the default:
 # the same sums, more of the mask in flight; where N times the mask's element size is a multiple of 16 bytes) or one
 # chunk at a time through registers (False): OPM_PAIR_COUNTS_RING ("1" / "0") at import, then this attribute.
-# Each of the three on / off attributes takes only True or False (others raise at the next call that reads it).
 PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
+# With the ring: float16 / bfloat16 masks' products on the 16-bit tensor cores with fp32 sums (the ring kernel's HMMA
+# instance: exact for 0 / 1 masks, fractional weights' sums rounded to fp32; True) or in fp64 on DMMA (False, the
+# default): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks stay on DMMA.
+PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", False)
+# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
-    """The pair-count kernel code launch_pair_scale takes (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA by the ring)."""
-    return (2 if _flag("PAIR_COUNTS_RING") else 1) if _flag("PAIR_COUNTS_DMMA") else 0
+    """The pair-count kernel code launch_pair_scale takes (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA by the ring, 3
+    the ring with 16-bit masks on HMMA)."""
+    if not _flag("PAIR_COUNTS_DMMA"):
+        return 0
+    if not _flag("PAIR_COUNTS_RING"):
+        return 1
+    return 3 if _flag("PAIR_COUNTS_HMMA") else 2
 
 
 class _ModuleSetting:

@@ -374,9 +374,10 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
 
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
-    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING): unset -> the default, "1" / "0" ->
-    on / off, any other value raises naming the variable; the three default to on; _pair_counts
-    maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring); an attribute set to anything but True / False raises."""
+    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA): unset -> the
+    default, "1" / "0" -> on / off, any other value raises naming the variable; the first three default to on, HMMA
+    to off; _pair_counts maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute
+    set to anything but True / False raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -388,13 +389,16 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             opm._env_flag(name, True)
-    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING"} & set(os.environ):
+    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA"} & set(os.environ):
         assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
-    for dmma, ring, code in ((False, False, 0), (False, True, 0), (True, False, 1), (True, True, 2)):
+        assert opm.PAIR_COUNTS_HMMA is False
+    for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
+                                   (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
         monkeypatch.setattr(opm, "PAIR_COUNTS_RING", ring)
+        monkeypatch.setattr(opm, "PAIR_COUNTS_HMMA", hmma)
         assert opm._pair_counts() == code
-    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_G_KERNEL"):
+    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_G_KERNEL"):
         monkeypatch.setattr(opm, attr, "0")  # a string, not a bool: raises rather than reading as on
         with pytest.raises(ValueError, match=attr):
             opm._flag(attr)
@@ -541,6 +545,45 @@ def test_pair_counts_ring_equal_to_dmma(opm, mask_dtype):
     names = _kernels_of(lambda: opm._ext.opm_pair_scale(m, 2, 1e-3, 2))
     assert not any("ring" in n for n in names) and any("opm_pair_scale_dmma_kernel" in n for n in names), names
     assert torch.equal(opm._ext.opm_pair_scale(m, 2, 1e-3, 2), opm._ext.opm_pair_scale(m, 2, 1e-3, 1))
+
+
+@gpu
+@pytest.mark.parametrize("mask_dtype", [torch.float16, torch.bfloat16])
+def test_pair_counts_hmma_against_dmma(opm, mask_dtype):
+    """opm_pair_scale(..., 3): 16-bit masks' counts on HMMA (the ring kernel's HMMA instance) equal to the DMMA
+    kernel's for 0 / 1 masks with zero columns (their sums are exact) and within fp32 summation error ((S + 4) 2^-24
+    relative in s1) for fractional masks, OpenFold and Boltz, partial tiles and stages, S = 0 and grid-strided tiles
+    (N = 768); the DMMA kernel where the ring cannot run (N = 45, a mask off 16-byte alignment); float32 masks on the
+    ring's DMMA instance, bit-equal to opm_pair_scale(..., 2)."""
+    gen = torch.Generator().manual_seed(11)
+    for B, S, N in ((2, 70, 48), (1, 130, 64), (1, 3, 8), (1, 0, 16), (1, 517, 768), (2, 70, 45)):
+        for binary in (True, False):
+            m = torch.rand(B, S, N, generator=gen)
+            m = (m < 0.7).float() if binary else m
+            m[:, :, :1] = 0.0
+            m = m.to("cuda", mask_dtype)
+            for norm in (1, 2):
+                want = opm._ext.opm_pair_scale(m, norm, 1e-3, 1)
+                names = _kernels_of(lambda: opm._ext.opm_pair_scale(m, norm, 1e-3, 3))
+                got = opm._ext.opm_pair_scale(m, norm, 1e-3, 3)
+                hmma = any("opm_pair_scale_ring_kernel<" in n and ", true>" in n for n in names)
+                assert hmma == (N % 8 == 0), (B, S, N, names)
+                if binary or not hmma:
+                    assert torch.equal(got, want), (B, S, N, binary, norm)
+                    continue
+                for k in (0, 1) if norm == 1 else (0,):  # OpenFold: s2 = s1; Boltz: s2 = 1
+                    err = ((got[..., k] - want[..., k]).abs() / want[..., k]).max().item()
+                    assert err <= (S + 4) * 2.0 ** -24, (B, S, N, norm, k, err)
+                if norm == 2:
+                    assert bool((got[..., 1] == 1).all())
+    store = torch.rand(1 + 2 * 40 * 64, generator=gen).to("cuda", mask_dtype)
+    m = store[1:].view(2, 40, 64)  # one element off the storage's 16-byte alignment
+    names = _kernels_of(lambda: opm._ext.opm_pair_scale(m, 2, 1e-3, 3))
+    assert not any("ring" in n for n in names) and any("opm_pair_scale_dmma_kernel" in n for n in names), names
+    m = torch.rand(1, 70, 64, generator=gen).cuda()
+    names = _kernels_of(lambda: opm._ext.opm_pair_scale(m, 1, 1e-3, 3))
+    assert any("opm_pair_scale_ring_kernel<float, false>" in n for n in names), names
+    assert torch.equal(opm._ext.opm_pair_scale(m, 1, 1e-3, 3), opm._ext.opm_pair_scale(m, 1, 1e-3, 2))
 
 
 @gpu

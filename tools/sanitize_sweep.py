@@ -306,6 +306,10 @@ def _opm_pair_case():
               opm_call("opm_pair_counts", F32, 1, 130, 64, 64, 32, 64, mask_dtype=BF16, counts=2),
               opm_call("opm_pair_counts", F32, 1, 3, 8, 64, 32, 64, mask_dtype=F16, counts=2),
               opm_call("opm_pair_counts", F32, 1, 5, 768, 64, 32, 64, mask_dtype=BF16, counts=2),
+              # the ring's HMMA instance (PAIR_COUNTS_HMMA): partial stages and tiles, both 16-bit masks, 576 tiles
+              opm_call("opm_pair_counts", F32, 1, 130, 64, 64, 32, 64, mask_dtype=BF16, counts=3),
+              opm_call("opm_pair_counts", F32, 1, 3, 8, 64, 32, 64, mask_dtype=F16, counts=3),
+              opm_call("opm_pair_counts", F32, 1, 37, 768, 64, 32, 64, mask_dtype=F16, counts=3),
               # w_first_wg2's kPair epilogue: pair_dim 7 (one element per store, columns of two j in one pair);
               # 130 residues: two 128-row tiles
               opm_call("opm_pair", F32, 1, 5, 130, 64, 32, 64, family="openfold", variant="w_first_wg2"),
@@ -581,7 +585,7 @@ def _opm_pair(torch, mod, call, sms):
 
 def _opm_pair_counts(torch, mod, call, sms):
     """The pair counts of the call's mask on the fp64 tensor cores (opm_pair_scale with counts 1, DMMA, or the call's
-    "counts": 2, DMMA fed by the ring), OpenFold's (s1, s2)."""
+    "counts": 2, DMMA fed by the ring; 3, 16-bit masks on HMMA fed by the ring), OpenFold's (s1, s2)."""
     _, _, mask, _ = _opm_setup(torch, mod, call, sms)
     _fetch(torch, mod._ext.opm_pair_scale(mask, 1, 1e-3, call.get("counts", 1)))
 

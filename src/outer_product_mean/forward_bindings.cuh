@@ -49,7 +49,7 @@ static int mask_kind_of(at::ScalarType st) {
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
-// ring; launch_pair_scale).
+// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
@@ -93,8 +93,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                 p16 ? "all " : "", p16 ? dtype_str(msa) : std::string("float32"), p16 ? " like msa_repr" : "", ", got ",
                 dtype_str(*p));
   TORCH_CHECK(norm >= kNormRows && norm <= kNormBoltz, "outer_product_mean: norm code must be 0-2, got ", num(norm));
-  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsRing,
-              "outer_product_mean: pair_counts must be 0-2, got ", num(pair_counts));
+  TORCH_CHECK(pair_counts >= kCountsFma && pair_counts <= kCountsHmma,
+              "outer_product_mean: pair_counts must be 0-3, got ", num(pair_counts));
   const int counts = static_cast<int>(pair_counts);
   TORCH_CHECK(variant >= 0 && variant < kNumVariants, "outer_product_mean: variant code must be 0-",
               num(kNumVariants - 1), ", got ", num(variant));
@@ -310,7 +310,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
 
 // A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a
 // dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); counts: PairCounts (0 fp64 FMA, 1 DMMA, 2 DMMA
-// fed by a cp.async ring; True / False read as 1 / 0), for float masks where the device has DMMA. Returns float32
+// fed by a cp.async ring, 3 the ring on HMMA for 16-bit masks; True / False read as 1 / 0), for float masks where the device has DMMA. Returns float32
 // (B, N, N, 2).
 at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, int64_t counts) {
   TORCH_CHECK(mask.is_cuda() && mask.dim() == 3 && mask_kind_of(mask.scalar_type()) >= 0,
@@ -318,7 +318,7 @@ at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, int64_t cou
               dtype_str(mask), " ", shape_str(mask), " on ", dev_str(mask));
   TORCH_CHECK(norm == kNormOpenFold || norm == kNormBoltz, "outer_product_mean: opm_pair_scale: norm 1 or 2, got ",
               norm);
-  TORCH_CHECK(counts >= kCountsFma && counts <= kCountsRing, "outer_product_mean: opm_pair_scale: counts 0-2, got ",
+  TORCH_CHECK(counts >= kCountsFma && counts <= kCountsHmma, "outer_product_mean: opm_pair_scale: counts 0-3, got ",
               counts);
   const c10::cuda::CUDAGuard guard(mask.device());
   const at::Tensor m = mask.contiguous();

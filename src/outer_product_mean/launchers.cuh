@@ -332,8 +332,8 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
 // tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. counts: how
 // float masks' counts are summed on a compute capability 8.0+ device: kCountsDmma by opm_pair_scale_dmma_kernel,
-// kCountsRing by opm_pair_scale_ring_kernel where its copies' alignment holds (else the DMMA kernel), kCountsFma
-// (and older devices) by the fp64 FMA kernel.
+// kCountsRing by opm_pair_scale_ring_kernel where its copies' alignment holds (else the DMMA kernel), kCountsHmma as
+// kCountsRing but 16-bit masks by its HMMA instance, kCountsFma (and older devices) by the fp64 FMA kernel.
 static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64_t B, int64_t S, int64_t N, int norm,
                                     double eps, const at::Tensor& inv_denom, const DevInfo& d, cudaStream_t stream,
                                     int counts) {
@@ -344,10 +344,16 @@ static at::Tensor launch_pair_scale(const at::Tensor& mask, int mask_kind, int64
   const float* inv = inv_denom.defined() ? inv_denom.data_ptr<float>() : nullptr;
   float2* sp = reinterpret_cast<float2*>(scale.data_ptr<float>());
   if (counts != kCountsFma && mask_is_float(mask_kind) && d.major >= 8) {
-    const bool ring = counts == kCountsRing && N * mask.element_size() % 16 == 0 &&
+    const bool ring = counts >= kCountsRing && N * mask.element_size() % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(mask.data_ptr()) % 16 == 0;
     auto run = [&](auto* m) {
       using M = std::remove_const_t<std::remove_pointer_t<decltype(m)>>;
+      if constexpr (sizeof(M) == 2) {
+        if (ring && counts == kCountsHmma) {
+          opm_pair_scale_ring_kernel<M, true><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
+          return;
+        }
+      }
       if (ring) opm_pair_scale_ring_kernel<M><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
       else opm_pair_scale_dmma_kernel<M><<<g, kPdThreads, 0, stream>>>(m, B, S, N, norm, eps, inv, sp);
     };

@@ -18,9 +18,9 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 2 / 3, OpenFold(3), Protenix: (acc + bo) / (n + eps), acc the sum above without 1 / denom), BoltzOuterProductMean
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
-then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING); the backward's s1 g
-and dbo in one sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments at their
-definitions.
+then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING; 16-bit
+masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and
+their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -214,8 +214,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING), which must be True or
-    False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
+    which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -246,13 +246,22 @@ PAIR_COUNTS_DMMA = _env_flag("OPM_PAIR_COUNTS_DMMA", True)
 # With DMMA: the mask's columns brought by a cp.async ring of stages (opm_pair_scale_ring_kernel, True, the default:
 # the same sums, more of the mask in flight; where N times the mask's element size is a multiple of 16 bytes) or one
 # chunk at a time through registers (False): OPM_PAIR_COUNTS_RING ("1" / "0") at import, then this attribute.
-# Each of the three on / off attributes takes only True or False (others raise at the next call that reads it).
 PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
+# With the ring: float16 / bfloat16 masks' products on the 16-bit tensor cores with fp32 sums (the ring kernel's HMMA
+# instance: exact for 0 / 1 masks, fractional weights' sums rounded to fp32; True) or in fp64 on DMMA (False, the
+# default): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks stay on DMMA.
+PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", False)
+# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
-    """The pair-count kernel code launch_pair_scale takes (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA by the ring)."""
-    return (2 if _flag("PAIR_COUNTS_RING") else 1) if _flag("PAIR_COUNTS_DMMA") else 0
+    """The pair-count kernel code launch_pair_scale takes (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA by the ring, 3
+    the ring with 16-bit masks on HMMA)."""
+    if not _flag("PAIR_COUNTS_DMMA"):
+        return 0
+    if not _flag("PAIR_COUNTS_RING"):
+        return 1
+    return 3 if _flag("PAIR_COUNTS_HMMA") else 2
 
 
 class _ModuleSetting:

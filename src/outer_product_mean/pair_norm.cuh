@@ -17,7 +17,8 @@ namespace opm {
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 // How float masks' pair counts are summed (launch_pair_scale): fp64 FMA, DMMA, DMMA fed by a cp.async ring.
-enum PairCounts : int { kCountsFma = 0, kCountsDmma = 1, kCountsRing = 2 };
+// kCountsHmma: 16-bit masks by the ring on HMMA (fp32 sums), float32 masks as kCountsRing.
+enum PairCounts : int { kCountsFma = 0, kCountsDmma = 1, kCountsRing = 2, kCountsHmma = 3 };
 constexpr int kPsT = 32, kPsS = 8, kPsSlices = 8;  // opm_pair_scale_kernel: 32 x 32 pairs, 8 s per slice chunk
 constexpr int kPsThreads = 64 * kPsSlices;            // 64 threads (4 x 4 pairs each) per slice
 template <typename T>  // fp32 -> T (float: itself)
@@ -226,11 +227,45 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_dmma_kernel(const M
 // registers. Stage rows kPrLd = 40 elements apart (the fragment loads conflict-free: word 8 fk + fr (float), 20 fk
 // + fr / 2 (16-bit)); rows past S and columns past N zero-filled. Assumptions: N sizeof(M) % 16 == 0 and a 16-byte
 // aligned mask (launch_pair_scale checks; else the DMMA kernel). Warps, fragments, tiles: as the DMMA kernel.
+// kHmma (16-bit M, PairCounts kCountsHmma): the same ring, the products on mma.sync m16n8k16 in M with fp32
+// accumulation instead: each product exact in fp32 (two 8- or 11-bit significands), the sum rounded to fp32 at
+// each k step of 16 (exact for 0 / 1 masks up to 2^24 sequences; fractional weights to about S 2^-24 relative).
+// Warp w the rows 16 (w / 4).. and columns 8 (w % 4).. (one m16n8 accumulator); per stage two k steps, A (rows i,
+// k = s) and B (k = s, columns j) by ldmatrix .trans from the stage's [s][column] rows (80-byte rows: the 8 row
+// addresses of each 8 x 8 matrix fall in distinct banks). One HMMA per warp per 16 s against 8 DMMAs and their
+// 24 fp64 conversions.
 constexpr int kPrS = 32, kPrLd = 40, kPrBytes = 40 * 1024;
 template <typename M>
 constexpr int pr_stages() { return kPrBytes / (2 * kPrS * kPrLd * static_cast<int>(sizeof(M))); }
 
+// r = the four 8 x 8 16-bit matrices whose rows lane l's row addresses name (lanes 8 q.. matrix q), transposed:
+// lane (g, t) = (l / 4, l % 4) gets rows 2 t, 2 t + 1 of column g of each (PTX ISA, ldmatrix .trans).
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+// d += a b, one m16n8k16 step in M (__half or __nv_bfloat16) with fp32 accumulation (mma's fragment layouts).
 template <typename M>
+__device__ __forceinline__ void hmma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<M, __half>)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <typename M, bool kHmma = false>
 __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M* __restrict__ mask, int64_t B,
                                                                          int64_t S, int64_t N, int norm, double eps,
                                                                          const float* __restrict__ inv_denom,
@@ -240,6 +275,7 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M
   constexpr int kVe = 16 / static_cast<int>(sizeof(M)), kVpr = kPsT / kVe;  // elements per copy; copies per row
   constexpr int kCopies = 2 * kPrS * kVpr / kPdThreads;                     // per thread per stage (float 2, 16-bit 1)
   static_assert(kStages >= 2 && kCopies >= 1 && 2 * kPrS * kVpr == kCopies * kPdThreads, "ring shape");
+  static_assert(!kHmma || sizeof(M) == 2, "HMMA counts take 16-bit masks");
   __shared__ __align__(16) M ring[kStages][2][kSide];  // [stage][0: columns i, 1: columns j][row s * kPrLd + column]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wr = 8 * (warp >> 1), wc = 16 * (warp & 1), fr = lane >> 2, fk = lane & 3;
@@ -265,22 +301,49 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M
     __syncthreads();  // the previous tile's fragment loads are done before its slots are refilled
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) issue(st);
-    double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
-    for (int64_t st = 0; st < nst; ++st) {
-      cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
-      __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
-      issue(st + kStages - 1);       // into stage st - 1's slot
-      const M* ai = &ring[st % kStages][0][fk * kPrLd + wr + fr];
-      const M* bj = &ring[st % kStages][1][fk * kPrLd + wc + fr];
+    if constexpr (kHmma) {
+      // lane l's ldmatrix rows: A (k step at s 16 h) matrix q = l / 8: s 16 h + l % 8 + 8 (q / 2), columns
+      // i 16 (warp / 4) + 8 (q % 2)..; B matrix q: s 8 q + l % 8, columns j 8 (warp % 4)..
+      const int q = lane >> 3, rr = lane & 7, hr = 16 * (warp >> 2), hc = 8 * (warp & 3);
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int64_t st = 0; st < nst; ++st) {
+        cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
+        __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
+        issue(st + kStages - 1);       // into stage st - 1's slot
+        uint32_t bf[4], af[2][4];
+        ldsm_x4_trans(bf, &ring[st % kStages][1][(8 * q + rr) * kPrLd + hc]);
 #pragma unroll
-      for (int k = 0; k < kPrS; k += 4) {
-        const double a = static_cast<double>(to_float(ai[k * kPrLd]));
-        dmma_m8n8k4(c[0], a, static_cast<double>(to_float(bj[k * kPrLd])));
-        dmma_m8n8k4(c[1], a, static_cast<double>(to_float(bj[k * kPrLd + 8])));
+        for (int h = 0; h < 2; ++h)
+          ldsm_x4_trans(af[h], &ring[st % kStages][0][(16 * h + rr + 8 * (q >> 1)) * kPrLd + hr + 8 * (q & 1)]);
+        hmma_m16n8k16<M>(c, af[0], bf[0], bf[1]);
+        hmma_m16n8k16<M>(c, af[1], bf[2], bf[3]);
       }
+      cp_async_wait<0>();  // (only empty groups remain)
+      // c: rows g, g + 8 (c[0..1], c[2..3]), columns 2 t, 2 t + 1 of the warp's 16 x 8
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = i0 + hr + fr + 8 * (e >> 1), j = j0 + hc + 2 * fk + (e & 1);
+        if (i < N && j < N)
+          scale[(b * N + i) * N + j] = pair_scale_of(static_cast<double>(c[e]), norm, eps, inv_denom, b * N + i);
+      }
+    } else {
+      double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
+      for (int64_t st = 0; st < nst; ++st) {
+        cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
+        __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
+        issue(st + kStages - 1);       // into stage st - 1's slot
+        const M* ai = &ring[st % kStages][0][fk * kPrLd + wr + fr];
+        const M* bj = &ring[st % kStages][1][fk * kPrLd + wc + fr];
+#pragma unroll
+        for (int k = 0; k < kPrS; k += 4) {
+          const double a = static_cast<double>(to_float(ai[k * kPrLd]));
+          dmma_m8n8k4(c[0], a, static_cast<double>(to_float(bj[k * kPrLd])));
+          dmma_m8n8k4(c[1], a, static_cast<double>(to_float(bj[k * kPrLd + 8])));
+        }
+      }
+      cp_async_wait<0>();  // (only empty groups remain)
+      pd_store_scales(c, b, i0 + wr + fr, j0 + wc + 2 * fk, N, norm, eps, inv_denom, scale);
     }
-    cp_async_wait<0>();  // (only empty groups remain)
-    pd_store_scales(c, b, i0 + wr + fr, j0 + wc + 2 * fk, N, norm, eps, inv_denom, scale);
   }
 #else
   __trap();  // built without sm_80: the host launches it only on devices of compute capability 8.0+
