@@ -2825,7 +2825,9 @@ namespace opm {
 //   s1 scales each pair's row of O before its rounding (as 1 / denom does), o is s2 bo at q = 0's phase B, and the
 //   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
 //   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
-//   unchanged.
+//   unchanged. pf (16-bit kPair): warp 0 prefetches the block's next tile's (s1, s2) rows into L1 at each tile's
+//   start (prefetch.global.L1, 16 lines), so that the next tile's loads of them hit L1 as the row mode's inv_denom
+//   loads do (phase A is too short to hide an L2 round trip where S is small: shallow's 32 sequences).
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
@@ -2833,7 +2835,7 @@ template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
-    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz) {
+    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz, int pf) {
 #if defined(OPM_WG_DEVICE)
   constexpr bool kSplit = std::is_same_v<T, float>;
   constexpr int kSlot = kSplit ? kOwStage : kOwSlot16, kStages = kSplit ? kOwStages : kOwStages16;
@@ -2969,6 +2971,12 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         const int p = 16 * w4 + g + 8 * hr;
         const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
         s2p[hr] = i < N && j < N ? pscale[(b * N + i) * N + j].y : 0.f;
+      }
+      const uint32_t tn = t + gridDim.x;  // the block's next tile: lane l < kOwTI of warp 0 its row l
+      if (pf && tid < kOwTI && tn < total) {
+        const int64_t itn = tn % nit, jtn = tn / nit % nbb, bn = tn / nit / nbb / nz;
+        const int64_t i = itn * kOwTI + tid, j = jtn * kOwTJ;
+        if (i < N && j < N) asm volatile("prefetch.global.L1 [%0];" ::"l"(pscale + (bn * N + i) * N + j));
       }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
@@ -5624,10 +5632,11 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 // out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
-// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom; pf 1: its 16-bit
+// instances prefetch each next tile's scales into L1 (opm_outer_wg_kernel).
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
-                                  const at::Tensor& pair_scale) {
+                                  const at::Tensor& pair_scale, int pf) {
   const bool kp = pair_scale.defined();
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
@@ -5635,7 +5644,7 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
     const int g = grid_for(std::min<int64_t>(tiles, d.sms));
     kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
                                             (kp ? pair_scale : inv_denom).data_ptr<float>(), bo, outp, B, N, od.KB,
-                                            od.NIT, od.NBB, od.nzc, cz);
+                                            od.NIT, od.NBB, od.nzc, cz, kp ? pf : 0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (out.scalar_type() == at::kBFloat16)
@@ -5759,13 +5768,13 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   }
 }
 // x and out: float32 (split TF32), or both bfloat16 / float16 (the prep reads x as it is, phase A on the
-// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale: see launch_outer_wg_fused.
+// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale, pf: see launch_outer_wg_fused.
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
-                            const at::Tensor& pair_scale = at::Tensor()) {
+                            const at::Tensor& pair_scale = at::Tensor(), int pf = 0) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -5776,7 +5785,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale, pf);
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
@@ -6003,11 +6012,12 @@ static int mask_kind_of(at::ScalarType st) {
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
-// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
+// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale). pair_prefetch: outer_wg's 16-bit kPair instance
+// prefetches each next tile's scales into L1.
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, int64_t pair_counts) {
+    double norm_eps, bool pair_fused, int64_t pair_counts, bool pair_prefetch) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -6206,7 +6216,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream, pscale);
+                    d, stream, pscale, pair_prefetch ? 1 : 0);
     finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};
@@ -6699,7 +6709,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts") = 0);
+        py::arg("pair_counts") = 0, py::arg("pair_prefetch") = false);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6926,8 +6936,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
-    which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
+    PAIR_PREFETCH), which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -6963,7 +6973,10 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # instance: exact for 0 / 1 masks, fractional weights' sums rounded to fp32; True) or in fp64 on DMMA (False, the
 # default): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", False)
-# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
+# With the "fused" epilogue: outer_wg's 16-bit kPair instance prefetches each next tile's (s1, s2) into L1 (True) or
+# loads them from L2 at the tile (False, the default): OPM_PAIR_PREFETCH ("1" / "0") at import, then this attribute.
+PAIR_PREFETCH = _env_flag("OPM_PAIR_PREFETCH", False)
+# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7291,7 +7304,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             _pair_counts())
+                                             _pair_counts(), _flag("PAIR_PREFETCH"))
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

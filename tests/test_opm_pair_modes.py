@@ -374,9 +374,9 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
 
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
-    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA): unset -> the
-    default, "1" / "0" -> on / off, any other value raises naming the variable; the first three default to on, HMMA
-    to off; _pair_counts maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute
+    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA,
+    OPM_PAIR_PREFETCH): unset -> the default, "1" / "0" -> on / off, any other value raises naming the variable; the
+    first three default to on, HMMA and PREFETCH to off; _pair_counts maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute
     set to anything but True / False raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
@@ -389,16 +389,17 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             opm._env_flag(name, True)
-    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA"} & set(os.environ):
+    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA",
+            "OPM_PAIR_PREFETCH"} & set(os.environ):
         assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
-        assert opm.PAIR_COUNTS_HMMA is False
+        assert opm.PAIR_COUNTS_HMMA is False and opm.PAIR_PREFETCH is False
     for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
                                    (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
         monkeypatch.setattr(opm, "PAIR_COUNTS_RING", ring)
         monkeypatch.setattr(opm, "PAIR_COUNTS_HMMA", hmma)
         assert opm._pair_counts() == code
-    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_G_KERNEL"):
+    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_PREFETCH", "PAIR_G_KERNEL"):
         monkeypatch.setattr(opm, attr, "0")  # a string, not a bool: raises rather than reading as on
         with pytest.raises(ValueError, match=attr):
             opm._flag(attr)
@@ -485,6 +486,34 @@ def test_every_variant_against_fp64(opm, family, kind, dtype, case):
             assert v == "auto" or new.last_variant == v
             _judge(got, want, want64, dtype, f"{family} {kind} {v} fused={fused} {case}")
     assert torch.equal(msa, msa0) and torch.equal(mask, mask0), "inputs changed"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("family", ["openfold", "boltz"])
+def test_pair_prefetch_changes_no_output(opm, monkeypatch, family, dtype):
+    """PAIR_PREFETCH (outer_wg's 16-bit kPair instance prefetching each next tile's scales into L1): the outputs
+    bit-equal to those without it, and within the fp64 bounds of test_every_variant_against_fp64, at N = 300 (partial
+    i and j tiles, several tiles per block) and N = 17, with fractional masks; outer_wg ran."""
+    for B, S, N in ((1, 9, 300), (2, 33, 17)):
+        ref, new = models(opm, family, 64, 24, 32, S)
+        ref, new = ref.to("cuda", dtype), new.to("cuda", dtype)
+        msa, mask = inputs(B, S, N, 64, "fractional", N)
+        msa, mask = msa.to("cuda", dtype), mask.to("cuda", dtype)
+        want64 = _ref64(ref, msa, mask)
+        with torch.no_grad():
+            want = ref(msa, mask)
+        new.variant = "outer_wg"
+        got = {}
+        for pf in (False, True):
+            monkeypatch.setattr(opm, "PAIR_PREFETCH", pf)
+            _poison(2 * want64.numel() * 8)
+            with torch.no_grad():
+                got[pf] = new(msa, mask)
+            torch.cuda.synchronize()
+            assert new.last_variant == "outer_wg"
+        assert torch.equal(got[True], got[False]), (B, S, N)
+        _judge(got[True], want, want64, dtype, f"{family} prefetch {(B, S, N)}")
 
 
 @gpu

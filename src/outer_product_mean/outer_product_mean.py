@@ -214,8 +214,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
-    which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
+    PAIR_PREFETCH), which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -251,7 +251,10 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # instance: exact for 0 / 1 masks, fractional weights' sums rounded to fp32; True) or in fp64 on DMMA (False, the
 # default): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", False)
-# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
+# With the "fused" epilogue: outer_wg's 16-bit kPair instance prefetches each next tile's (s1, s2) into L1 (True) or
+# loads them from L2 at the tile (False, the default): OPM_PAIR_PREFETCH ("1" / "0") at import, then this attribute.
+PAIR_PREFETCH = _env_flag("OPM_PAIR_PREFETCH", False)
+# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -579,7 +582,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             _pair_counts())
+                                             _pair_counts(), _flag("PAIR_PREFETCH"))
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)
