@@ -156,6 +156,11 @@ def min_bytes(shape):
 # ---------------------------------------------------------------------------------------------
 FAMILY = "boltz"
 """The normalisation family: a solution file's FAMILIES["boltz"], where it has one, is judged in ModelNew's place."""
+OUTPUT_FP64X2 = True
+"""Not a KernelBench problem: in fp16 / bf16 the harness passes an output element outside KernelBench's allclose
+where its error against fp64 is at most 2x this reference's own there. In bf16 this reference's own max error
+against fp64 is 2.5e-2 at shallow and up to 3.3e-2 at seed, past allclose's 1e-2 where two roundings go apart."""
+
 
 INPUT_ROLES = ("x", "mask")
 """What each forward input is, in call order: "x" = activations (drawn from several distributions),

@@ -161,6 +161,12 @@ def min_bytes(shape):
 # ---------------------------------------------------------------------------------------------
 FAMILY = "openfold"
 """The normalisation family: a solution file's FAMILIES["openfold"], where it has one, is judged in ModelNew's place."""
+OUTPUT_FP64X2 = True
+"""Not a KernelBench problem: in fp16 / bf16 the harness passes an output element outside KernelBench's allclose
+where its error against fp64 is at most 2x this reference's own there. Dividing by the pair count + eps magnifies
+the 16-bit roundings: in bf16 this reference's own max error against fp64 is 2.9e-2 at shallow and up to 3.8 at seed
+(a pair with no count: bias / 1e-3), past allclose's 1e-2 where two roundings go apart."""
+
 
 INPUT_ROLES = ("x", "mask")
 """What each forward input is, in call order: "x" = activations (drawn from several distributions),

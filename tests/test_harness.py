@@ -577,6 +577,32 @@ def test_compare_grad():
     assert "NaN/Inf" in harness.compare_grad(bad, ref, ref64, 1e-4, 1e-4)["failures"][0]
 
 
+def test_compare_fp64x2_outputs():
+    """compare(..., fp64x2=True): an element outside allclose passes where its fp64 error is at most 2x the
+    reference's own there (held "fp64x2"), fails beyond it (only those listed); without fp64x2 KernelBench's
+    allclose alone decides. Only the family references ask for it, only in fp16 / bf16."""
+    ref64 = torch.linspace(-1, 1, 64, dtype=torch.float64)
+    ref = ref64.to(torch.bfloat16)
+    ref[5] = ref64[5] + 0.02  # the reference 0.02 off at element 5
+    new = ref64.to(torch.bfloat16)  # the solution rounds once
+    new[5] = ref64[5] - 0.01  # 0.03 from the reference, 0.01 from fp64
+    kb = harness.compare(new, ref, ref64, 1e-2, 1e-2)
+    assert not kb["ok"] and kb["held"] is None and kb["mismatches"] == 1
+    r = harness.compare(new, ref, ref64, 1e-2, 1e-2, fp64x2=True)
+    assert r["ok"] and r["held"] == "fp64x2" and r["mismatches"] == 1
+    assert harness.compare(ref.clone(), ref, ref64, 1e-2, 1e-2, fp64x2=True)["held"] == "allclose"
+    new[9] = ref64[9] + 0.05  # 0.05 from fp64 where the reference rounds once: beyond 2x its own
+    r = harness.compare(new, ref, ref64, 1e-2, 1e-2, fp64x2=True)
+    assert not r["ok"] and r["held"] is None and r["mismatches"] == 2
+    assert [m[0] for m in r["first_mismatches"]] == [(9,)] and "1 of them also beyond 2 x" in r["failures"][0]
+    ro, rb, kb_ref = (harness.load_module(os.path.join(ROOT, "reference", f"outer_product_mean{s}.py"))
+                      for s in ("_openfold", "_boltz", ""))
+    for dt in (torch.float16, torch.bfloat16):
+        assert harness._fp64x2_outputs(ro, dt) and harness._fp64x2_outputs(rb, dt)
+        assert not harness._fp64x2_outputs(kb_ref, dt)
+    assert not harness._fp64x2_outputs(ro, torch.float32)
+
+
 def test_backward_cpu_timing_and_reference_may_oom(run_harness, tmp_path):
     """--backward --cpu-timing: forward + backward timed per variant, eager too; peak memory n/a on the
     CPU. A reference_may_oom shape is not checked for gradients (said so), and still passes."""
