@@ -5027,7 +5027,7 @@ namespace opm {
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 // How float masks' pair counts are summed (launch_pair_scale): fp64 FMA, DMMA, DMMA fed by a cp.async ring.
-// kCountsHmma: 16-bit masks by the ring on HMMA (fp32 sums), float32 masks as kCountsRing.
+// kCountsHmma (Python's default): 16-bit masks by the ring on HMMA (fp32 sums), float32 masks as kCountsRing.
 enum PairCounts : int { kCountsFma = 0, kCountsDmma = 1, kCountsRing = 2, kCountsHmma = 3 };
 constexpr int kPsT = 32, kPsS = 8, kPsSlices = 8;  // opm_pair_scale_kernel: 32 x 32 pairs, 8 s per slice chunk
 constexpr int kPsThreads = 64 * kPsSlices;            // 64 threads (4 x 4 pairs each) per slice
@@ -6970,9 +6970,10 @@ PAIR_COUNTS_DMMA = _env_flag("OPM_PAIR_COUNTS_DMMA", True)
 # chunk at a time through registers (False): OPM_PAIR_COUNTS_RING ("1" / "0") at import, then this attribute.
 PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # With the ring: float16 / bfloat16 masks' products on the 16-bit tensor cores with fp32 sums (the ring kernel's HMMA
-# instance: exact for 0 / 1 masks, fractional weights' sums rounded to fp32; True) or in fp64 on DMMA (False, the
-# default): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks stay on DMMA.
-PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", False)
+# instance, True, the default: exact for 0 / 1 masks, fractional weights' sums rounded to fp32; crop's counts 8.5 ->
+# 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
+# stay on DMMA.
+PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # With the "fused" epilogue: outer_wg's 16-bit kPair instance prefetches each next tile's (s1, s2) into L1 (True) or
 # loads them from L2 at the tile (False, the default): OPM_PAIR_PREFETCH ("1" / "0") at import, then this attribute.
 PAIR_PREFETCH = _env_flag("OPM_PAIR_PREFETCH", False)

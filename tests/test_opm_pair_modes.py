@@ -376,8 +376,8 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA,
     OPM_PAIR_PREFETCH): unset -> the default, "1" / "0" -> on / off, any other value raises naming the variable; the
-    first three default to on, HMMA and PREFETCH to off; _pair_counts maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute
-    set to anything but True / False raises."""
+    first four default to on, PREFETCH to off; _pair_counts maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring,
+    3 the ring on HMMA); an attribute set to anything but True / False raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -392,7 +392,7 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA",
             "OPM_PAIR_PREFETCH"} & set(os.environ):
         assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
-        assert opm.PAIR_COUNTS_HMMA is False and opm.PAIR_PREFETCH is False
+        assert opm.PAIR_COUNTS_HMMA is True and opm.PAIR_PREFETCH is False
     for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
                                    (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)

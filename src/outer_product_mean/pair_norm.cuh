@@ -17,7 +17,7 @@ namespace opm {
 // ---------------------------------------------------------------------------------------------
 enum Norm : int { kNormRows = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 // How float masks' pair counts are summed (launch_pair_scale): fp64 FMA, DMMA, DMMA fed by a cp.async ring.
-// kCountsHmma: 16-bit masks by the ring on HMMA (fp32 sums), float32 masks as kCountsRing.
+// kCountsHmma (Python's default): 16-bit masks by the ring on HMMA (fp32 sums), float32 masks as kCountsRing.
 enum PairCounts : int { kCountsFma = 0, kCountsDmma = 1, kCountsRing = 2, kCountsHmma = 3 };
 constexpr int kPsT = 32, kPsS = 8, kPsSlices = 8;  // opm_pair_scale_kernel: 32 x 32 pairs, 8 s per slice chunk
 constexpr int kPsThreads = 64 * kPsSlices;            // 64 threads (4 x 4 pairs each) per slice
