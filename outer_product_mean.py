@@ -6274,8 +6274,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
 
 // A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a
 // dtype mask_kind_of takes, CUDA; norm 1 (OpenFold, eps) or 2 (Boltz); counts: PairCounts (0 fp64 FMA, 1 DMMA, 2 DMMA
-// fed by a cp.async ring, 3 the ring on HMMA for 16-bit masks; True / False read as 1 / 0), for float masks where the device has DMMA. Returns float32
-// (B, N, N, 2).
+// fed by a cp.async ring, 3 the ring on HMMA for 16-bit masks; True / False read as 1 / 0), for float masks where the
+// device has DMMA. Returns float32 (B, N, N, 2).
 at::Tensor opm_pair_scale(at::Tensor mask, int64_t norm, double eps, int64_t counts) {
   TORCH_CHECK(mask.is_cuda() && mask.dim() == 3 && mask_kind_of(mask.scalar_type()) >= 0,
               "outer_product_mean: opm_pair_scale takes a (B, S, N) CUDA mask of a float, bool or integer dtype, got ",
