@@ -1319,6 +1319,17 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
   __trap();  // f16 mma needs sm_80+
 #endif
 }
+// The same step in bfloat16 (opm_pair_scale_ring_kernel's HMMA counts).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // bf16 mma needs sm_80+
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // opm_wfirst_tc_kernel: opm_wfirst_gemm_kernel's product (w_first stage 2 for the j-chunk
@@ -5251,28 +5262,10 @@ constexpr int pr_stages() { return kPrBytes / (2 * kPrS * kPrLd * static_cast<in
 // r = the four 8 x 8 16-bit matrices whose rows lane l's row addresses name (lanes 8 q.. matrix q), transposed:
 // lane (g, t) = (l / 4, l % 4) gets rows 2 t, 2 t + 1 of column g of each (PTX ISA, ldmatrix .trans).
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row)))
                : "memory");
-}
-
-// d += a b, one m16n8k16 step in M (__half or __nv_bfloat16) with fp32 accumulation (mma's fragment layouts).
-template <typename M>
-__device__ __forceinline__ void hmma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<M, __half>)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
 }
 
 template <typename M, bool kHmma = false>
@@ -5289,6 +5282,7 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M
   __shared__ __align__(16) M ring[kStages][2][kSide];  // [stage][0: columns i, 1: columns j][row s * kPrLd + column]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wr = 8 * (warp >> 1), wc = 16 * (warp & 1), fr = lane >> 2, fk = lane & 3;
+  [[maybe_unused]] const int mq = lane >> 3, rr = lane & 7, hr = 16 * (warp >> 2), hc = 8 * (warp & 3);  // (kHmma)
   const int64_t nt = cdiv(N, kPsT), tiles = B * nt * nt, nst = cdiv(S, kPrS);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t jt = t % nt, it = t / nt % nt, b = t / nt / nt;
@@ -5311,37 +5305,25 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M
     __syncthreads();  // the previous tile's fragment loads are done before its slots are refilled
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) issue(st);
-    if constexpr (kHmma) {
-      // lane l's ldmatrix rows: A (k step at s 16 h) matrix q = l / 8: s 16 h + l % 8 + 8 (q / 2), columns
-      // i 16 (warp / 4) + 8 (q % 2)..; B matrix q: s 8 q + l % 8, columns j 8 (warp % 4)..
-      const int q = lane >> 3, rr = lane & 7, hr = 16 * (warp >> 2), hc = 8 * (warp & 3);
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int64_t st = 0; st < nst; ++st) {
-        cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
-        __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
-        issue(st + kStages - 1);       // into stage st - 1's slot
-        uint32_t bf[4], af[2][4];
-        ldsm_x4_trans(bf, &ring[st % kStages][1][(8 * q + rr) * kPrLd + hc]);
+    // DMMA: two 8 x 8 fp64 accumulators per warp (c); kHmma: one m16n8 fp32 accumulator (ch), fed by ldmatrix
+    // rows of lane l: A (k step at s 16 h) matrix mq = l / 8: s 16 h + l % 8 + 8 (mq / 2), columns i hr + 8 (mq % 2)..;
+    // B matrix mq: s 8 mq + l % 8, columns j hc..
+    double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
+    float ch[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t st = 0; st < nst; ++st) {
+      cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
+      __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
+      issue(st + kStages - 1);       // into stage st - 1's slot
+      if constexpr (kHmma) {
+        uint32_t bf[4], af[4];
+        ldsm_x4_trans(bf, &ring[st % kStages][1][(8 * mq + rr) * kPrLd + hc]);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          ldsm_x4_trans(af[h], &ring[st % kStages][0][(16 * h + rr + 8 * (q >> 1)) * kPrLd + hr + 8 * (q & 1)]);
-        hmma_m16n8k16<M>(c, af[0], bf[0], bf[1]);
-        hmma_m16n8k16<M>(c, af[1], bf[2], bf[3]);
-      }
-      cp_async_wait<0>();  // (only empty groups remain)
-      // c: rows g, g + 8 (c[0..1], c[2..3]), columns 2 t, 2 t + 1 of the warp's 16 x 8
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t i = i0 + hr + fr + 8 * (e >> 1), j = j0 + hc + 2 * fk + (e & 1);
-        if (i < N && j < N)
-          scale[(b * N + i) * N + j] = pair_scale_of(static_cast<double>(c[e]), norm, eps, inv_denom, b * N + i);
-      }
-    } else {
-      double c[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
-      for (int64_t st = 0; st < nst; ++st) {
-        cp_async_wait<kStages - 2>();  // this thread's copies of stage st have landed
-        __syncthreads();               // everyone's; and every fragment load of stage st - 1 is done
-        issue(st + kStages - 1);       // into stage st - 1's slot
+        for (int h = 0; h < 2; ++h) {
+          ldsm_x4_trans(af, &ring[st % kStages][0][(16 * h + rr + 8 * (mq >> 1)) * kPrLd + hr + 8 * (mq & 1)]);
+          if constexpr (std::is_same_v<M, __half>) mma_f16(ch, af, bf[2 * h], bf[2 * h + 1]);
+          else mma_bf16(ch, af, bf[2 * h], bf[2 * h + 1]);
+        }
+      } else {
         const M* ai = &ring[st % kStages][0][fk * kPrLd + wr + fr];
         const M* bj = &ring[st % kStages][1][fk * kPrLd + wc + fr];
 #pragma unroll
@@ -5351,7 +5333,16 @@ __global__ void __launch_bounds__(kPdThreads) opm_pair_scale_ring_kernel(const M
           dmma_m8n8k4(c[1], a, static_cast<double>(to_float(bj[k * kPrLd + 8])));
         }
       }
-      cp_async_wait<0>();  // (only empty groups remain)
+    }
+    cp_async_wait<0>();  // (only empty groups remain)
+    if constexpr (kHmma) {  // ch: rows g, g + 8 (ch[0..1], ch[2..3]), columns 2 t, 2 t + 1 of the warp's 16 x 8
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = i0 + hr + fr + 8 * (e >> 1), j = j0 + hc + 2 * fk + (e & 1);
+        if (i < N && j < N)
+          scale[(b * N + i) * N + j] = pair_scale_of(static_cast<double>(ch[e]), norm, eps, inv_denom, b * N + i);
+      }
+    } else {
       pd_store_scales(c, b, i0 + wr + fr, j0 + wc + 2 * fk, N, norm, eps, inv_denom, scale);
     }
   }
