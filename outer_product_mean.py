@@ -21,9 +21,8 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
 then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING; 16-bit
-masks' on HMMA with PAIR_COUNTS_HMMA; with PAIR_OVERLAP on a side stream beside the params and prep kernels); the
-backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments
-at their definitions.
+masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and
+their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -122,12 +121,10 @@ _CUDA_SRC = r"""
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
-#include <array>
 #include <cstdint>
 #include <type_traits>
 #include <tuple>
 #include <sstream>
-#include <vector>
 #include <algorithm>
 #include <cmath>
 
@@ -2839,9 +2836,7 @@ namespace opm {
 //   s1 scales each pair's row of O before its rounding (as 1 / denom does), o is s2 bo at q = 0's phase B, and the
 //   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
 //   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
-//   unchanged. pf (16-bit kPair): warp 0 prefetches the block's next tile's (s1, s2) rows into L1 at each tile's
-//   start (prefetch.global.L1, 16 lines), so that the next tile's loads of them hit L1 as the row mode's inv_denom
-//   loads do (phase A is too short to hide an L2 round trip where S is small: shallow's 32 sequences).
+//   unchanged.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
@@ -2849,7 +2844,7 @@ template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
-    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz, int pf) {
+    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz) {
 #if defined(OPM_WG_DEVICE)
   constexpr bool kSplit = std::is_same_v<T, float>;
   constexpr int kSlot = kSplit ? kOwStage : kOwSlot16, kStages = kSplit ? kOwStages : kOwStages16;
@@ -2985,12 +2980,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         const int p = 16 * w4 + g + 8 * hr;
         const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
         s2p[hr] = i < N && j < N ? pscale[(b * N + i) * N + j].y : 0.f;
-      }
-      const uint32_t tn = t + gridDim.x;  // the block's next tile: lane l < kOwTI of warp 0 its row l
-      if (pf && tid < kOwTI && tn < total) {
-        const int64_t itn = tn % nit, jtn = tn / nit % nbb, bn = tn / nit / nbb / nz;
-        const int64_t i = itn * kOwTI + tid, j = jtn * kOwTJ;
-        if (i < N && j < N) asm volatile("prefetch.global.L1 [%0];" ::"l"(pscale + (bn * N + i) * N + j));
       }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
@@ -5626,11 +5615,10 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 // out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
-// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom; pf 1: its 16-bit
-// instances prefetch each next tile's scales into L1 (opm_outer_wg_kernel).
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
-                                  const at::Tensor& pair_scale, int pf) {
+                                  const at::Tensor& pair_scale) {
   const bool kp = pair_scale.defined();
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
@@ -5638,7 +5626,7 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
     const int g = grid_for(std::min<int64_t>(tiles, d.sms));
     kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
                                             (kp ? pair_scale : inv_denom).data_ptr<float>(), bo, outp, B, N, od.KB,
-                                            od.NIT, od.NBB, od.nzc, cz, kp ? pf : 0);
+                                            od.NIT, od.NBB, od.nzc, cz);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (out.scalar_type() == at::kBFloat16)
@@ -5762,15 +5750,13 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   }
 }
 // x and out: float32 (split TF32), or both bfloat16 / float16 (the prep reads x as it is, phase A on the
-// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale, pf: see launch_outer_wg_fused;
-// pair_ready: an event the fused kernel's stream waits for first (SideFork::ready; the scales' kernel).
+// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale: see launch_outer_wg_fused.
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
-                            const at::Tensor& pair_scale = at::Tensor(), int pf = 0,
-                            cudaEvent_t pair_ready = nullptr) {
+                            const at::Tensor& pair_scale = at::Tensor()) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -5781,55 +5767,8 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  if (pair_ready != nullptr) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, pair_ready, 0));  // (SideFork)
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale, pf);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
-
-// A fork of the caller's stream for the fused pair modes' count kernel (pair_overlap), which reads only the mask:
-// on, stream() is a pool stream that waits (event fork) for the work queued so far, and the params and prep kernels
-// queued next on the caller's stream run beside the counts. done() records the side's work (event join); ready()
-// hands that event to a launcher that makes the caller's stream wait for it before the scales' first reader
-// (cudaStreamWaitEvent), join() waits here; the destructor joins what was not joined (an error path). Off: stream()
-// is the caller's and nothing is recorded. Under CUDA-graph capture the fork and join become the graph's edges. The
-// two events per device are reused by each call on this thread (a wait takes the event's latest record).
-class SideFork {
- public:
-  SideFork(bool on, cudaStream_t main, int device) : main_(main) {
-    if (!on) return;
-    static thread_local std::vector<std::array<cudaEvent_t, 2>> events;
-    if (events.size() <= static_cast<size_t>(device)) events.resize(device + 1, {nullptr, nullptr});
-    for (cudaEvent_t& e : events[device])
-      if (e == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    ev_ = events[device];
-    side_ = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device)).stream();
-    C10_CUDA_CHECK(cudaEventRecord(ev_[0], main_));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(side_, ev_[0], 0));
-  }
-  SideFork(const SideFork&) = delete;
-  SideFork& operator=(const SideFork&) = delete;
-  ~SideFork() {
-    if (side_ != nullptr && recorded_ && !joined_) cudaStreamWaitEvent(main_, ev_[1], 0);  // (no throw here)
-  }
-  cudaStream_t stream() const { return side_ != nullptr ? side_ : main_; }
-  void done() {
-    if (side_ == nullptr) return;
-    C10_CUDA_CHECK(cudaEventRecord(ev_[1], side_));
-    recorded_ = true;
-  }
-  cudaEvent_t ready() {
-    if (side_ == nullptr || !recorded_ || joined_) return nullptr;
-    joined_ = true;
-    return ev_[1];
-  }
-  void join() {
-    if (cudaEvent_t e = ready()) C10_CUDA_CHECK(cudaStreamWaitEvent(main_, e, 0));
-  }
-
- private:
-  cudaStream_t main_, side_ = nullptr;
-  std::array<cudaEvent_t, 2> ev_{nullptr, nullptr};
-  bool recorded_ = false, joined_ = false;
-};
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
 // tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. counts: how
@@ -6055,13 +5994,11 @@ static int mask_kind_of(at::ScalarType st) {
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
-// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale). pair_prefetch: outer_wg's 16-bit kPair instance
-// prefetches each next tile's scales into L1. pair_overlap: with pair_fused, the count kernel runs on a side stream
-// (SideFork) beside the kernels before the one that reads its scales.
+// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, int64_t pair_counts, bool pair_prefetch, bool pair_overlap) {
+    double norm_eps, bool pair_fused, int64_t pair_counts) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -6239,12 +6176,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const bool pair = norm != kNormRows, fused = pair && pair_fused && (used == kOuterWg || used == kWFirstWg2);
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
-  // pair_overlap: the counts on a side stream from here, joined back (side.join) before their first reader
-  SideFork side(fused && pair_overlap, stream, msa.get_device());
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
-                                                      at::Tensor(), d, side.stream(), counts)
+                                                      at::Tensor(), d, stream, counts)
                                   : at::Tensor();
-  side.done();
   // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
   auto finish = [&]() {
     if (!pair || fused) return;
@@ -6263,7 +6197,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream, pscale, pair_prefetch ? 1 : 0, side.ready());
+                    d, stream, pscale);
     finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};
@@ -6306,7 +6240,6 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   } else if (used == kWFirstWg2) {
     at::Tensor At = at::empty({B * 2 * cdiv(N, 128) * KB * 2 * kWgAPlane}, f32);
     at::Tensor Pt = at::empty({wg_chunk_floats(B, JCw, KB, static_cast<int>(CZP4))}, f32);
-    side.join();  // (the stage-1 kernels before the first reader of pscale wait too)
     OPM_DISPATCH(CP, launch_wfirst_wg<kCP>(aT, bq, inv_denom, wpack, bo_c, out, At, Pt, JCw, B, S, N, Npad,
                                            static_cast<int>(cz), static_cast<int>(CZP4), d, stream, pscale));
   } else {
@@ -6757,7 +6690,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts") = 0, py::arg("pair_prefetch") = false, py::arg("pair_overlap") = false);
+        py::arg("pair_counts") = 0);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6984,8 +6917,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    PAIR_PREFETCH, PAIR_OVERLAP), which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
+    which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -7022,14 +6955,7 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# With the "fused" epilogue: outer_wg's 16-bit kPair instance prefetches each next tile's (s1, s2) into L1 (True) or
-# loads them from L2 at the tile (False, the default): OPM_PAIR_PREFETCH ("1" / "0") at import, then this attribute.
-PAIR_PREFETCH = _env_flag("OPM_PAIR_PREFETCH", False)
-# With the "fused" epilogue: the pair-count kernel on a side stream, beside the params and prep kernels that precede
-# the scales' reader (True), or before them on the caller's stream (False, the default): OPM_PAIR_OVERLAP ("1" / "0")
-# at import, then this attribute.
-PAIR_OVERLAP = _env_flag("OPM_PAIR_OVERLAP", False)
-# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
+# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7357,7 +7283,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             _pair_counts(), _flag("PAIR_PREFETCH"), _flag("PAIR_OVERLAP"))
+                                             _pair_counts())
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

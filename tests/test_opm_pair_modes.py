@@ -374,10 +374,10 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
 
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
-    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA,
-    OPM_PAIR_PREFETCH, OPM_PAIR_OVERLAP): unset -> the default, "1" / "0" -> on / off, any other value raises naming
-    the variable; the first four default to on, PREFETCH and OVERLAP to off; _pair_counts maps them to the kernel code
-    (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but True / False raises."""
+    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA): unset -> the
+    default, "1" / "0" -> on / off, any other value raises naming the variable; all four default to on; _pair_counts
+    maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but
+    True / False raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -389,18 +389,16 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             opm._env_flag(name, True)
-    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA",
-            "OPM_PAIR_PREFETCH", "OPM_PAIR_OVERLAP"} & set(os.environ):
+    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA"} & set(os.environ):
         assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
-        assert opm.PAIR_COUNTS_HMMA is True and opm.PAIR_PREFETCH is False and opm.PAIR_OVERLAP is False
+        assert opm.PAIR_COUNTS_HMMA is True
     for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
                                    (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
         monkeypatch.setattr(opm, "PAIR_COUNTS_RING", ring)
         monkeypatch.setattr(opm, "PAIR_COUNTS_HMMA", hmma)
         assert opm._pair_counts() == code
-    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_PREFETCH", "PAIR_OVERLAP",
-                 "PAIR_G_KERNEL"):
+    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_G_KERNEL"):
         monkeypatch.setattr(opm, attr, "0")  # a string, not a bool: raises rather than reading as on
         with pytest.raises(ValueError, match=attr):
             opm._flag(attr)
@@ -487,87 +485,6 @@ def test_every_variant_against_fp64(opm, family, kind, dtype, case):
             assert v == "auto" or new.last_variant == v
             _judge(got, want, want64, dtype, f"{family} {kind} {v} fused={fused} {case}")
     assert torch.equal(msa, msa0) and torch.equal(mask, mask0), "inputs changed"
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("family", ["openfold", "boltz"])
-def test_pair_prefetch_changes_no_output(opm, monkeypatch, family, dtype):
-    """PAIR_PREFETCH (outer_wg's 16-bit kPair instance prefetching each next tile's scales into L1): the outputs
-    bit-equal to those without it, and within the fp64 bounds of test_every_variant_against_fp64, at N = 300 (partial
-    i and j tiles, several tiles per block) and N = 17, with fractional masks; outer_wg ran."""
-    for B, S, N in ((1, 9, 300), (2, 33, 17)):
-        ref, new = models(opm, family, 64, 24, 32, S)
-        ref, new = ref.to("cuda", dtype), new.to("cuda", dtype)
-        msa, mask = inputs(B, S, N, 64, "fractional", N)
-        msa, mask = msa.to("cuda", dtype), mask.to("cuda", dtype)
-        want64 = _ref64(ref, msa, mask)
-        with torch.no_grad():
-            want = ref(msa, mask)
-        new.variant = "outer_wg"
-        got = {}
-        for pf in (False, True):
-            monkeypatch.setattr(opm, "PAIR_PREFETCH", pf)
-            _poison(2 * want64.numel() * 8)
-            with torch.no_grad():
-                got[pf] = new(msa, mask)
-            torch.cuda.synchronize()
-            assert new.last_variant == "outer_wg"
-        assert torch.equal(got[True], got[False]), (B, S, N)
-        _judge(got[True], want, want64, dtype, f"{family} prefetch {(B, S, N)}")
-
-
-@gpu
-@pytest.mark.parametrize("variant, dtype", [("outer_wg", torch.bfloat16), ("outer_wg", torch.float16),
-                                            ("outer_wg", torch.float32), ("w_first_wg2", torch.float32)],
-                         ids=["outer_wg-bf16", "outer_wg-fp16", "outer_wg-fp32", "w_first_wg2-fp32"])
-@pytest.mark.parametrize("family", ["openfold", "boltz"])
-def test_pair_overlap_changes_no_output(opm, monkeypatch, family, variant, dtype):
-    """PAIR_OVERLAP (the count kernel on a side stream, joined back before the scales' reader): the outputs bit-equal
-    to those without it, called plainly and replayed from a CUDA graph captured with it on (fresh inputs copied in
-    before the replay), and within the fp64 bounds of test_every_variant_against_fp64, at N = 300 (several tiles per
-    block) and N = 17, with fractional masks; the variant ran."""
-    if variant not in opm.ModelNew.VARIANTS:
-        pytest.skip(f"{variant} does not run on this GPU")
-    for B, S, N in ((1, 9, 300), (2, 33, 17)):
-        ref, new = models(opm, family, 64, 24, 32, S)
-        ref, new = ref.to("cuda", dtype), new.to("cuda", dtype)
-        new.variant = variant
-        got = {}
-        for trial in range(2):  # 0: plain calls, off and on; 1: a graph replay with it on against a call with it off
-            msa, mask = inputs(B, S, N, 64, "fractional", 100 * trial + N)
-            msa, mask = msa.to("cuda", dtype), mask.to("cuda", dtype)
-            monkeypatch.setattr(opm, "PAIR_OVERLAP", False)
-            _poison(2 * B * N * N * 24 * 8)
-            with torch.no_grad():
-                got[False] = new(msa, mask)
-            monkeypatch.setattr(opm, "PAIR_OVERLAP", True)
-            if trial == 0:
-                _poison(2 * B * N * N * 24 * 8)
-                with torch.no_grad():
-                    got[True] = new(msa, mask)
-            else:
-                x, m = torch.randn_like(msa), torch.rand_like(mask)  # captured on other values, then refilled
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side), torch.no_grad():
-                    new(x, m)  # warm-up outside the capture
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph), torch.no_grad():
-                    out = new(x, m)
-                x.copy_(msa)
-                m.copy_(mask)
-                out.fill_(float("nan"))
-                graph.replay()
-                got[True] = out.clone()
-            torch.cuda.synchronize()
-            assert new.last_variant == variant
-            assert torch.equal(got[True], got[False]), (B, S, N, trial)
-        want64 = _ref64(ref, msa, mask)
-        with torch.no_grad():
-            want = ref(msa, mask)
-        _judge(got[True], want, want64, dtype, f"{family} {variant} overlap {(B, S, N)}")
 
 
 @gpu

@@ -6,12 +6,10 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
-#include <array>
 #include <cstdint>
 #include <type_traits>
 #include <tuple>
 #include <sstream>
-#include <vector>
 #include <algorithm>
 #include <cmath>
 

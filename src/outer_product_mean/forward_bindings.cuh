@@ -49,13 +49,11 @@ static int mask_kind_of(at::ScalarType st) {
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
-// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale). pair_prefetch: outer_wg's 16-bit kPair instance
-// prefetches each next tile's scales into L1. pair_overlap: with pair_fused, the count kernel runs on a side stream
-// (SideFork) beside the kernels before the one that reads its scales.
+// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, int64_t pair_counts, bool pair_prefetch, bool pair_overlap) {
+    double norm_eps, bool pair_fused, int64_t pair_counts) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -233,12 +231,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   const bool pair = norm != kNormRows, fused = pair && pair_fused && (used == kOuterWg || used == kWFirstWg2);
   const at::Tensor bo_c = pair && !fused ? at::zeros_like(prm(bo)) : prm(bo);
   at::Tensor inv_denom = at::empty({B, N}, f32);
-  // pair_overlap: the counts on a side stream from here, joined back (side.join) before their first reader
-  SideFork side(fused && pair_overlap, stream, msa.get_device());
   const at::Tensor pscale = fused ? launch_pair_scale(m, mask_kind, B, S, N, static_cast<int>(norm), norm_eps,
-                                                      at::Tensor(), d, side.stream(), counts)
+                                                      at::Tensor(), d, stream, counts)
                                   : at::Tensor();
-  side.done();
   // the pair modes' epilogue over out, after the kernels (which applied the row scale inv_denom)
   auto finish = [&]() {
     if (!pair || fused) return;
@@ -257,7 +252,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream, pscale, pair_prefetch ? 1 : 0, side.ready());
+                    d, stream, pscale);
     finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};
@@ -300,7 +295,6 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   } else if (used == kWFirstWg2) {
     at::Tensor At = at::empty({B * 2 * cdiv(N, 128) * KB * 2 * kWgAPlane}, f32);
     at::Tensor Pt = at::empty({wg_chunk_floats(B, JCw, KB, static_cast<int>(CZP4))}, f32);
-    side.join();  // (the stage-1 kernels before the first reader of pscale wait too)
     OPM_DISPATCH(CP, launch_wfirst_wg<kCP>(aT, bq, inv_denom, wpack, bo_c, out, At, Pt, JCw, B, S, N, Npad,
                                            static_cast<int>(cz), static_cast<int>(CZP4), d, stream, pscale));
   } else {

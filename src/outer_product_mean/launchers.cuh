@@ -174,11 +174,10 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 // out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
-// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom; pf 1: its 16-bit
-// instances prefetch each next tile's scales into L1 (opm_outer_wg_kernel).
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
-                                  const at::Tensor& pair_scale, int pf) {
+                                  const at::Tensor& pair_scale) {
   const bool kp = pair_scale.defined();
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
@@ -186,7 +185,7 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
     const int g = grid_for(std::min<int64_t>(tiles, d.sms));
     kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
                                             (kp ? pair_scale : inv_denom).data_ptr<float>(), bo, outp, B, N, od.KB,
-                                            od.NIT, od.NBB, od.nzc, cz, kp ? pf : 0);
+                                            od.NIT, od.NBB, od.nzc, cz);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (out.scalar_type() == at::kBFloat16)
@@ -310,15 +309,13 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   }
 }
 // x and out: float32 (split TF32), or both bfloat16 / float16 (the prep reads x as it is, phase A on the
-// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale, pf: see launch_outer_wg_fused;
-// pair_ready: an event the fused kernel's stream waits for first (SideFork::ready; the scales' kernel).
+// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale: see launch_outer_wg_fused.
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
-                            const at::Tensor& pair_scale = at::Tensor(), int pf = 0,
-                            cudaEvent_t pair_ready = nullptr) {
+                            const at::Tensor& pair_scale = at::Tensor()) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -329,55 +326,8 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  if (pair_ready != nullptr) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, pair_ready, 0));  // (SideFork)
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale, pf);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
-
-// A fork of the caller's stream for the fused pair modes' count kernel (pair_overlap), which reads only the mask:
-// on, stream() is a pool stream that waits (event fork) for the work queued so far, and the params and prep kernels
-// queued next on the caller's stream run beside the counts. done() records the side's work (event join); ready()
-// hands that event to a launcher that makes the caller's stream wait for it before the scales' first reader
-// (cudaStreamWaitEvent), join() waits here; the destructor joins what was not joined (an error path). Off: stream()
-// is the caller's and nothing is recorded. Under CUDA-graph capture the fork and join become the graph's edges. The
-// two events per device are reused by each call on this thread (a wait takes the event's latest record).
-class SideFork {
- public:
-  SideFork(bool on, cudaStream_t main, int device) : main_(main) {
-    if (!on) return;
-    static thread_local std::vector<std::array<cudaEvent_t, 2>> events;
-    if (events.size() <= static_cast<size_t>(device)) events.resize(device + 1, {nullptr, nullptr});
-    for (cudaEvent_t& e : events[device])
-      if (e == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    ev_ = events[device];
-    side_ = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device)).stream();
-    C10_CUDA_CHECK(cudaEventRecord(ev_[0], main_));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(side_, ev_[0], 0));
-  }
-  SideFork(const SideFork&) = delete;
-  SideFork& operator=(const SideFork&) = delete;
-  ~SideFork() {
-    if (side_ != nullptr && recorded_ && !joined_) cudaStreamWaitEvent(main_, ev_[1], 0);  // (no throw here)
-  }
-  cudaStream_t stream() const { return side_ != nullptr ? side_ : main_; }
-  void done() {
-    if (side_ == nullptr) return;
-    C10_CUDA_CHECK(cudaEventRecord(ev_[1], side_));
-    recorded_ = true;
-  }
-  cudaEvent_t ready() {
-    if (side_ == nullptr || !recorded_ || joined_) return nullptr;
-    joined_ = true;
-    return ev_[1];
-  }
-  void join() {
-    if (cudaEvent_t e = ready()) C10_CUDA_CHECK(cudaStreamWaitEvent(main_, e, 0));
-  }
-
- private:
-  cudaStream_t main_, side_ = nullptr;
-  std::array<cudaEvent_t, 2> ev_{nullptr, nullptr};
-  bool recorded_ = false, joined_ = false;
-};
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
 // tensor (as float32 (B, N, N, 2)); with inv_denom defined, s1 over the row scale the kernels applied. counts: how

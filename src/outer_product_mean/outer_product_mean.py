@@ -19,9 +19,8 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
 then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING; 16-bit
-masks' on HMMA with PAIR_COUNTS_HMMA; with PAIR_OVERLAP on a side stream beside the params and prep kernels); the
-backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and their OPM_* environment variables: the comments
-at their definitions.
+masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and
+their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -215,8 +214,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    PAIR_PREFETCH, PAIR_OVERLAP), which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
+    which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -253,14 +252,7 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# With the "fused" epilogue: outer_wg's 16-bit kPair instance prefetches each next tile's (s1, s2) into L1 (True) or
-# loads them from L2 at the tile (False, the default): OPM_PAIR_PREFETCH ("1" / "0") at import, then this attribute.
-PAIR_PREFETCH = _env_flag("OPM_PAIR_PREFETCH", False)
-# With the "fused" epilogue: the pair-count kernel on a side stream, beside the params and prep kernels that precede
-# the scales' reader (True), or before them on the caller's stream (False, the default): OPM_PAIR_OVERLAP ("1" / "0")
-# at import, then this attribute.
-PAIR_OVERLAP = _env_flag("OPM_PAIR_OVERLAP", False)
-# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
+# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -588,7 +580,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
     half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             _pair_counts(), _flag("PAIR_PREFETCH"), _flag("PAIR_OVERLAP"))
+                                             _pair_counts())
     out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
                                              *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
                                              *extra)

@@ -35,9 +35,7 @@ namespace opm {
 //   s1 scales each pair's row of O before its rounding (as 1 / denom does), o is s2 bo at q = 0's phase B, and the
 //   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
 //   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
-//   unchanged. pf (16-bit kPair): warp 0 prefetches the block's next tile's (s1, s2) rows into L1 at each tile's
-//   start (prefetch.global.L1, 16 lines), so that the next tile's loads of them hit L1 as the row mode's inv_denom
-//   loads do (phase A is too short to hide an L2 round trip where S is small: shallow's 32 sequences).
+//   unchanged.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
@@ -45,7 +43,7 @@ template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
-    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz, int pf) {
+    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz) {
 #if defined(OPM_WG_DEVICE)
   constexpr bool kSplit = std::is_same_v<T, float>;
   constexpr int kSlot = kSplit ? kOwStage : kOwSlot16, kStages = kSplit ? kOwStages : kOwStages16;
@@ -181,12 +179,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         const int p = 16 * w4 + g + 8 * hr;
         const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
         s2p[hr] = i < N && j < N ? pscale[(b * N + i) * N + j].y : 0.f;
-      }
-      const uint32_t tn = t + gridDim.x;  // the block's next tile: lane l < kOwTI of warp 0 its row l
-      if (pf && tid < kOwTI && tn < total) {
-        const int64_t itn = tn % nit, jtn = tn / nit % nbb, bn = tn / nit / nbb / nz;
-        const int64_t i = itn * kOwTI + tid, j = jtn * kOwTJ;
-        if (i < N && j < N) asm volatile("prefetch.global.L1 [%0];" ::"l"(pscale + (bn * N + i) * N + j));
       }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
