@@ -237,3 +237,16 @@ def test_kernelbench_eval_stand_ins_serve_its_result_record():
     with pytest.raises(RuntimeError, match="stand-in"):
         made["openai"].OpenAI()
     assert tool.stand_ins(importable=lambda name: True) == {}
+
+
+def test_kernelbench_eval_build_dir():
+    """tools/kernelbench_eval.py's build folder: --build-dir where given, else TORCH_EXTENSIONS_DIR (the extensions
+    built there are reused), else a new empty folder for each call."""
+    tool = _kernelbench_eval_tool()
+    assert tool.build_dir_for("/given", {"TORCH_EXTENSIONS_DIR": "/env"}) == "/given"
+    assert tool.build_dir_for(None, {"TORCH_EXTENSIONS_DIR": "/env"}) == "/env"
+    first, second = tool.build_dir_for(None, {}), tool.build_dir_for(None, {"TORCH_EXTENSIONS_DIR": ""})
+    assert first != second and os.path.isdir(first) and os.path.isdir(second)
+    assert os.listdir(first) == [] and os.listdir(second) == []
+    os.rmdir(first)
+    os.rmdir(second)

@@ -2,6 +2,7 @@
 
     python tools/kernelbench_eval.py --kernelbench PATH [--ops contact_map,outer_product_mean]
                                      [--precisions fp32,fp16,bf16] [--trials 5] [--perf-trials 100]
+                                     [--build-dir DIR]
 
 PATH: a checkout of ScalingIntelligence/KernelBench (its src/ holds the package `kernelbench`; written against
 423217d). For each op and precision: the reference (reference/<op>.py) and the kernel file (<op>.py) as source
@@ -75,6 +76,15 @@ def stand_ins(importable=None):
     return made
 
 
+def build_dir_for(given, environ):
+    """The build folder handed to eval_kernel_against_ref, which points TORCH_EXTENSIONS_DIR at it: given, else
+    environ's TORCH_EXTENSIONS_DIR (extensions already built there load without a rebuild, which on a fresh folder
+    takes minutes per file and per precision's process), else a new temporary folder."""
+    if given:
+        return given
+    return environ.get("TORCH_EXTENSIONS_DIR") or tempfile.mkdtemp(prefix="kernelbench_eval_")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernelbench", required=True, help="a KernelBench checkout (the folder holding src/kernelbench)")
@@ -83,7 +93,9 @@ def main(argv=None):
     p.add_argument("--precisions", default="fp32,fp16,bf16", help="comma-separated (default: fp32,fp16,bf16)")
     p.add_argument("--trials", type=int, default=5, help="correctness trials (default 5)")
     p.add_argument("--perf-trials", type=int, default=100, help="timed trials (default 100, KernelBench's)")
-    p.add_argument("--build-dir", default=None, help="TORCH_EXTENSIONS_DIR for the builds (default: a new folder)")
+    p.add_argument("--build-dir", default=None,
+                   help="TORCH_EXTENSIONS_DIR for the builds (default: $TORCH_EXTENSIONS_DIR where set, so that "
+                        "extensions built there are reused, else a new folder)")
     args = p.parse_args(argv)
     src = os.path.join(os.path.abspath(args.kernelbench), "src")
     if not os.path.isdir(os.path.join(src, "kernelbench")):
@@ -93,7 +105,7 @@ def main(argv=None):
     import torch
     from kernelbench import eval as kb_eval
 
-    build_dir = args.build_dir or tempfile.mkdtemp(prefix="kernelbench_eval_")
+    build_dir = build_dir_for(args.build_dir, os.environ)
     rows, ok = [], True
     for op in args.ops.split(","):
         ref_src = open(os.path.join(ROOT, "reference", f"{op}.py")).read()
