@@ -76,7 +76,7 @@ s1 g (PAIR_BACKWARD "kernels", the default; "chunks": PyTorch ops). `model.last_
 run in kernels. Gradients for msa_repr and every parameter, none for the mask; double backward raises.
 
 Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST,
-else the visible GPUs', else 9.0 (as sm_90a), ~100 s on 2 cores; OPM_VERBOSE=1: nvcc commands, `-Xptxas -v`.
+else the visible GPUs', else 9.0 (as sm_90a), ~2.5 min on 2 cores; OPM_VERBOSE=1: nvcc commands, `-Xptxas -v`.
 """
 import hashlib
 import importlib.util
@@ -123,7 +123,7 @@ def _extension_name():
     return _hashed_name("outer_product_mean_", _CUDA_SRC, _CUDA_FLAGS)
 
 
-_ext = _load(_extension_name(), "outer_product_mean", "about 100 s", _CUDA_SRC, _CUDA_FLAGS, _VERBOSE)
+_ext = _load(_extension_name(), "outer_product_mean", "about 2.5 minutes", _CUDA_SRC, _CUDA_FLAGS, _VERBOSE)
 
 # The Hopper-only variants and the index of their flag in opm_device_caps (tc_ok, wg_ok, ow_ok).
 _HOPPER_CAP = {"w_first_wg2": 1, "outer_wg": 2}
