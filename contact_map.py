@@ -4151,18 +4151,21 @@ def _dtype_name(dtype):
 
 
 def _output_dtype(pair, params):
-    """The dtype the reference returns for these tensors: under CUDA autocast the autocast dtype, else the
-    one dtype of pair_repr and every parameter (float32, float16 or bfloat16; others raise)."""
-    if pair.dtype not in _FLOAT_DTYPES:
-        raise RuntimeError(f"contact_map: pair_repr must be float32, float16 or bfloat16, got {_dtype_name(pair.dtype)}")
+    """(out_dtype, mixed): the dtype the reference returns for these tensors, under CUDA autocast the autocast dtype,
+    else the one dtype of pair_repr and every parameter (float32, float16 or bfloat16; others raise); mixed: under
+    autocast, whether pair_repr or a parameter differs from it (the kernels then take float32 copies)."""
+    dtype = pair.dtype
+    if dtype not in _FLOAT_DTYPES:
+        raise RuntimeError(f"contact_map: pair_repr must be float32, float16 or bfloat16, got {_dtype_name(dtype)}")
     if pair.is_cuda and torch.is_autocast_enabled("cuda"):
-        return torch.get_autocast_dtype("cuda")
+        out_dtype = torch.get_autocast_dtype("cuda")
+        return out_dtype, dtype != out_dtype or any(p.dtype != dtype for p in params)
     for name, p in zip(_PARAM_NAMES, params):
-        if p.dtype != pair.dtype:
-            raise RuntimeError(f"contact_map: parameter {name} must be {_dtype_name(pair.dtype)} like pair_repr, got "
+        if p.dtype != dtype:
+            raise RuntimeError(f"contact_map: parameter {name} must be {_dtype_name(dtype)} like pair_repr, got "
                                f"{_dtype_name(p.dtype)} (cast the module and its input to one of float32, float16, "
                                "bfloat16)")
-    return pair.dtype
+    return dtype, False
 
 
 def _f32(t):
@@ -4170,12 +4173,12 @@ def _f32(t):
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _run_kernel(model, pair, params, eps, vid, out_dtype):
+def _run_kernel(model, pair, params, eps, vid, out_dtype, mixed):
     """The CUDA forward: input and parameters of one dtype go in as they are (fp16 / bf16: the 16-bit wgmma
     build where it runs, else the extension converts to float32); mixed dtypes (CUDA autocast) in float32.
     The output is returned in out_dtype. Records the kernel that ran in model.last_variant (None after an
     empty input)."""
-    if pair.dtype != out_dtype or any(p.dtype != pair.dtype for p in params):
+    if mixed:
         pair, params = _f32(pair), [_f32(p) for p in params]
     out, kernel = _ext.forward(pair, params[0], params[1], eps, *params[2:], vid)
     # a plain attribute: skips nn.Module.__setattr__ (~1 us)
@@ -4189,10 +4192,11 @@ class _ContactMap(torch.autograd.Function):
     model.last_backward ("fused" / "ops"). Double backward raises."""
 
     @staticmethod
-    def forward(ctx, model, eps, vid, out_dtype, pair, *params):
-        ctx.eps, ctx.model = eps, model
+    def forward(ctx, call, pair, *params):
+        # call: (model, eps, variant id, out_dtype, mixed) in one argument (each argument costs apply time)
+        ctx.call = call
         ctx.save_for_backward(pair, *params)
-        return _run_kernel(model, pair, params, eps, vid, out_dtype)
+        return _run_kernel(call[0], pair, params, *call[1:])
 
     @staticmethod
     @once_differentiable
@@ -4200,9 +4204,10 @@ class _ContactMap(torch.autograd.Function):
         pair, *params = ctx.saved_tensors
         fused = fused_backward_runs(pair, params[2])
         run = contact_map_backward_fused if fused else contact_map_backward
-        grads = run(pair, params[0], params[1], ctx.eps, *params[2:], grad_out)
-        object.__setattr__(ctx.model, "last_backward", "fused" if fused else "ops")
-        return (None, None, None, None) + tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[4:]))
+        model, eps = ctx.call[:2]
+        grads = run(pair, params[0], params[1], eps, *params[2:], grad_out)
+        object.__setattr__(model, "last_backward", "fused" if fused else "ops")
+        return (None,) + tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[1:]))
 
 
 def _small_fits(pair_dim, hidden_dim):
@@ -4277,10 +4282,16 @@ class ModelNew(nn.Module):
         those dicts: then the attribute path."""
         ln, mlp = self._modules.get("layer_norm"), self._modules.get("mlp")
         if ln is not None and mlp is not None:
-            layers = [ln] + [mlp._modules.get(k) for k in ("0", "2", "4")]
-            if all(m is not None for m in layers):
-                params = tuple(m._parameters.get(k) for m in layers for k in ("weight", "bias"))
-                if all(p is not None for p in params):
+            sub = mlp._modules
+            l1, l2, l3 = sub.get("0"), sub.get("2"), sub.get("4")
+            if l1 is not None and l2 is not None and l3 is not None:
+                p0, p1, p2, p3 = ln._parameters, l1._parameters, l2._parameters, l3._parameters
+                params = (p0.get("weight"), p0.get("bias"), p1.get("weight"), p1.get("bias"), p2.get("weight"),
+                          p2.get("bias"), p3.get("weight"), p3.get("bias"))
+                for p in params:  # (a loop, not all() over a generator: ~1 us less per call)
+                    if p is None:
+                        break
+                else:
                     return ln, params
         ln, l1, l2, l3 = self.layer_norm, self.mlp[0], self.mlp[2], self.mlp[4]
         return ln, (ln.weight, ln.bias, l1.weight, l1.bias, l2.weight, l2.bias, l3.weight, l3.bias)
@@ -4291,7 +4302,7 @@ class ModelNew(nn.Module):
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {self.VARIANTS}")
         ln, params = self._parameters_in_order()
         eps = float(ln.eps)
-        out_dtype = _output_dtype(pair_repr, params)
+        out_dtype, mixed = _output_dtype(pair_repr, params)
         if torch.is_grad_enabled() and (pair_repr.requires_grad or any(p.requires_grad for p in params)):
-            return _ContactMap.apply(self, eps, vid, out_dtype, pair_repr, *params)
-        return _run_kernel(self, pair_repr, params, eps, vid, out_dtype)
+            return _ContactMap.apply((self, eps, vid, out_dtype, mixed), pair_repr, *params)
+        return _run_kernel(self, pair_repr, params, eps, vid, out_dtype, mixed)
