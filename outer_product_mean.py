@@ -7250,19 +7250,21 @@ def _dtype_name(dtype):
 
 
 def _output_dtype(msa, params, names=_PARAM_NAMES):
-    """The dtype the reference returns for these tensors: under CUDA autocast the autocast dtype, else
-    the one dtype of msa_repr and every parameter (float32, float16 or bfloat16; others raise)."""
-    if msa.dtype not in _FLOAT_DTYPES:
+    """(out_dtype, same): the dtype the reference returns for these tensors, under CUDA autocast the autocast dtype,
+    else the one dtype of msa_repr and every parameter (float32, float16 or bfloat16; others raise); same: whether
+    every parameter has msa_repr's dtype (always outside autocast, where a mismatch raises)."""
+    dtype = msa.dtype
+    if dtype not in _FLOAT_DTYPES:
         raise RuntimeError(f"outer_product_mean: msa_repr must be float32, float16 or bfloat16, got "
-                           f"{_dtype_name(msa.dtype)}")
+                           f"{_dtype_name(dtype)}")
     if msa.is_cuda and torch.is_autocast_enabled("cuda"):
-        return torch.get_autocast_dtype("cuda")
+        return torch.get_autocast_dtype("cuda"), all(p.dtype == dtype for p in params)
     for name, p in zip(names, params):
-        if p.dtype != msa.dtype:
-            raise RuntimeError(f"outer_product_mean: parameter {name} must be {_dtype_name(msa.dtype)} like "
+        if p.dtype != dtype:
+            raise RuntimeError(f"outer_product_mean: parameter {name} must be {_dtype_name(dtype)} like "
                                f"msa_repr, got {_dtype_name(p.dtype)} (cast the module and its inputs to one of "
                                "float32, float16, bfloat16)")
-    return msa.dtype
+    return dtype, True
 
 
 def _f32(t):
@@ -7270,7 +7272,7 @@ def _f32(t):
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, norm=(NORM_ROWS, 0.0)):
+def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=False, norm=(NORM_ROWS, 0.0)):
     """The CUDA forward, returned in out_dtype. Where msa and every parameter are float16 / bfloat16 of one
     dtype they go to the extension as they are: outer_wg reads them and runs both products on the
     16-bit tensor cores (module docstring), fused_small reads them in fp32 FMA, the other variants
@@ -7280,13 +7282,13 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=False, 
     fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then
     takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
     pair mode (PAIR_EPILOGUE "fused": outer_wg and w_first_wg2 scale each pair in their epilogues; otherwise the
-    kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel)."""
-    half = msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in params)
+    kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel). same: _output_dtype's (every
+    parameter in msa's dtype)."""
+    if not same:  # mixed dtypes (CUDA autocast): float32 copies
+        msa, params = _f32(msa), [_f32(p) for p in params]
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
                                              _pair_counts())
-    out, ran, a, b, inv_d = _ext.opm_forward(msa if half else _f32(msa), mask,
-                                             *(params if half else (_f32(p) for p in params)), eps, code, keep_ab,
-                                             *extra)
+    out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not keep_ab:
@@ -7301,9 +7303,11 @@ class _OuterProductMean(torch.autograd.Function):
     the mask; double backward raises. norm: (mode, eps) as _run_kernels takes it."""
 
     @staticmethod
-    def forward(ctx, model, code, eps, out_dtype, norm, msa, mask, *params):
+    def forward(ctx, call, msa, mask, *params):
+        # call: (model, variant code, eps, out_dtype, same, norm) in one argument (each argument costs apply time)
+        model, code, eps, out_dtype, same, norm = call
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
-        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, keep_ab=True, norm=norm)
+        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm)
         ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
         return out
 
@@ -7317,24 +7321,24 @@ class _OuterProductMean(torch.autograd.Function):
                                             ab=None if ab[0] is None else tuple(ab), parts=parts,
                                             norm=ctx.norm[0], norm_eps=ctx.norm[1])
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
-        need = ctx.needs_input_grad[5:6] + ctx.needs_input_grad[7:]
+        need = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[3:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
-        return (None, None, None, None, None, grads[0], None) + grads[1:]
+        return (None, grads[0], None) + grads[1:]
 
 
 def _opm(model, msa, mask, params, names, ln_eps, norm=(NORM_ROWS, 0.0)):
     """The forward of ModelNew and the family modules: params in ModelNew's order (absent projection
     biases as zeros that need no gradient), names for the dtype errors."""
     code = model._variant_code()
-    out_dtype = _output_dtype(msa, params, names)
+    out_dtype, same = _output_dtype(msa, params, names)
     if not torch.is_grad_enabled():
-        return _run_kernels(model, code, msa, mask, params, ln_eps, out_dtype, norm=norm)
+        return _run_kernels(model, code, msa, mask, params, ln_eps, out_dtype, same, norm=norm)
     if mask.requires_grad:
         raise RuntimeError("outer_product_mean: no gradient for msa_mask (the mask is data here); "
                            "use msa_mask.detach()")
     if msa.requires_grad or any(p.requires_grad for p in params):
-        return _OuterProductMean.apply(model, code, ln_eps, out_dtype, norm, msa, mask, *params)
-    return _run_kernels(model, code, msa, mask, params, ln_eps, out_dtype, norm=norm)
+        return _OuterProductMean.apply((model, code, ln_eps, out_dtype, same, norm), msa, mask, *params)
+    return _run_kernels(model, code, msa, mask, params, ln_eps, out_dtype, same, norm=norm)
 
 
 class _Variants:
@@ -7379,10 +7383,29 @@ class ModelNew(_Variants, nn.Module):
         self.out_proj = nn.Linear(hidden_dim * hidden_dim, pair_dim)
         self._init_variants()
 
+    def _parameters_in_order(self):
+        """(layer_norm, its parameters and the projections' in the reference's order), read at every call through
+        the modules' `_modules` / `_parameters` dicts: that is what nn.Module.__getattr__ looks up, at a fraction of
+        its cost (16 attribute lookups were ~5 us of a call's host time on the CPU). A weight that is not a plain
+        parameter (a parametrization) is not in those dicts: then the attribute path."""
+        mods = self._modules
+        ln, pa, pb, po = mods.get("layer_norm"), mods.get("proj_a"), mods.get("proj_b"), mods.get("out_proj")
+        if ln is not None and pa is not None and pb is not None and po is not None:
+            d0, d1, d2, d3 = ln._parameters, pa._parameters, pb._parameters, po._parameters
+            params = (d0.get("weight"), d0.get("bias"), d1.get("weight"), d1.get("bias"), d2.get("weight"),
+                      d2.get("bias"), d3.get("weight"), d3.get("bias"))
+            for p in params:  # (a loop, not all() over a generator)
+                if p is None:
+                    break
+            else:
+                return ln, params
+        ln = self.layer_norm
+        return ln, (ln.weight, ln.bias, self.proj_a.weight, self.proj_a.bias, self.proj_b.weight, self.proj_b.bias,
+                    self.out_proj.weight, self.out_proj.bias)
+
     def forward(self, msa_repr, msa_mask):
-        params = (self.layer_norm.weight, self.layer_norm.bias, self.proj_a.weight, self.proj_a.bias,
-                  self.proj_b.weight, self.proj_b.bias, self.out_proj.weight, self.out_proj.bias)
-        return _opm(self, msa_repr, msa_mask, params, _PARAM_NAMES, float(self.layer_norm.eps))
+        ln, params = self._parameters_in_order()
+        return _opm(self, msa_repr, msa_mask, params, _PARAM_NAMES, float(ln.eps))
 
 
 _ZERO_BIAS = {}  # (features, dtype, device) -> zeros, made once (no fill launch per call); never written
