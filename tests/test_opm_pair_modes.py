@@ -374,8 +374,9 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
 
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
-    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA): unset -> the
-    default, "1" / "0" -> on / off, any other value raises naming the variable; all four default to on; _pair_counts
+    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA, OPM_PAIR_HOIST):
+    unset -> the default, "1" / "0" -> on / off, any other value raises naming the variable; the first four default
+    to on, PAIR_HOIST (not yet checked on a GPU) to off; _pair_counts
     maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but
     True / False raises."""
     name = "OPM_TEST_FLAG"
@@ -389,16 +390,17 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             opm._env_flag(name, True)
-    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA"} & set(os.environ):
+    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA",
+            "OPM_PAIR_HOIST"} & set(os.environ):
         assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
-        assert opm.PAIR_COUNTS_HMMA is True
+        assert opm.PAIR_COUNTS_HMMA is True and opm.PAIR_HOIST is False
     for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
                                    (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
         monkeypatch.setattr(opm, "PAIR_COUNTS_RING", ring)
         monkeypatch.setattr(opm, "PAIR_COUNTS_HMMA", hmma)
         assert opm._pair_counts() == code
-    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_G_KERNEL"):
+    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_G_KERNEL", "PAIR_HOIST"):
         monkeypatch.setattr(opm, attr, "0")  # a string, not a bool: raises rather than reading as on
         with pytest.raises(ValueError, match=attr):
             opm._flag(attr)
@@ -653,12 +655,49 @@ def test_backward_against_fp64(opm, family, kind, dtype, pb):
                 f"{n}: err {err:.3e} vs the reference's {e_ref:.3e} (largest {scale:.3e})"
 
 
+HOIST_CASES = [(1, 40, 37, 64, 128, 32), (2, 7, 21, 20, 24, 32), (3, 5, 200, 64, 128, 32), (1, 130, 45, 64, 200, 32)]
+
+
 @gpu
-@pytest.mark.parametrize("fused", [False, True])
-def test_fp16_overflow_of_a_fully_masked_pair(opm, fused):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kind", ["dead", "fractional"])
+@pytest.mark.parametrize("family", ["openfold", "boltz"])
+@pytest.mark.parametrize("case", HOIST_CASES, ids=[f"B{c[0]}_S{c[1]}_N{c[2]}_cz{c[4]}" for c in HOIST_CASES])
+def test_pair_hoist_bit_equal_to_the_default(opm, monkeypatch, family, kind, dtype, case):
+    """PAIR_HOIST (outer_wg's 16-bit kPair instance with each tile's scales loaded a tile ahead, the caps once per
+    tile, s2 bo formed during q = 0's phase B) returns the default instance's output bit for bit: one tile per
+    block, blocks walking several tiles (N 200, B 3: ~14 tiles per block on 132 SMs, the next tile's loads), two
+    z chunks (pair_dim 200), S 130 (five phase-A stages); and within the fp64 check of
+    test_every_variant_against_fp64."""
+    B, S, N, cm, cz, c = case
+    ref, new = models(opm, family, cm, cz, c, 60 + S)
+    ref, new = ref.to("cuda", dtype), new.to("cuda", dtype)
+    new.variant = "outer_wg"
+    msa, mask = inputs(B, S, N, cm, kind, 61 + N)
+    msa, mask = msa.to("cuda", dtype), mask.to("cuda", dtype)
+    want64 = _ref64(ref, msa, mask)
+    with torch.no_grad():
+        want = ref(msa, mask)
+    got = {}
+    for hoist in (False, True):
+        monkeypatch.setattr(opm, "PAIR_HOIST", hoist)
+        _poison(2 * want64.numel() * 8)
+        with torch.no_grad(), opm.pair_epilogue("fused"):
+            got[hoist] = new(msa, mask)
+        torch.cuda.synchronize()
+        assert new.last_variant == "outer_wg"
+    _judge(got[True], want, want64, dtype, f"{family} {kind} hoist {case}")
+    assert torch.equal(got[True], got[False]), f"{family} {kind} {case}: PAIR_HOIST changed the output"
+
+
+@gpu
+@pytest.mark.parametrize("fused, hoist", [(False, False), (True, False), (True, True)])
+def test_fp16_overflow_of_a_fully_masked_pair(opm, monkeypatch, fused, hoist):
     """OpenFold mode in fp16: a fully masked pair is (0 + bo) / eps = 1000 bo. Where |1000 bo[z]| rounds
     above 65504 the kernels return inf with bo's sign (IEEE overflow of the one rounding to fp16), as
-    the fp16 reference does; elsewhere 1000 bo in fp16. Every variant, both epilogues."""
+    the fp16 reference does; elsewhere 1000 bo in fp16. Every variant, both epilogues (the fused one with and
+    without PAIR_HOIST)."""
+    monkeypatch.setattr(opm, "PAIR_HOIST", hoist)
     B, S, N, cm, cz, c = 1, 16, 20, 32, 64, 32
     ref, new = models(opm, "openfold", cm, cz, c, 40)
     with torch.no_grad():
@@ -684,13 +723,15 @@ def test_fp16_overflow_of_a_fully_masked_pair(opm, fused):
 
 
 @gpu
-@pytest.mark.parametrize("fused", [False, True])
-def test_bf16_tiny_rows_with_large_pair_scales(opm, fused):
+@pytest.mark.parametrize("fused, hoist", [(False, False), (True, False), (True, True)])
+def test_bf16_tiny_rows_with_large_pair_scales(opm, monkeypatch, fused, hoist):
     """OpenFold mode in bf16 where s1 = 1 / (count + eps) is about 506 and every O row is below 2^-121
     (projections of 2^-57 with mask weights 2^-5; every product a b stays a normal float): the 16-bit
     kernels' power-of-two row scale times s1 must stay finite (a cap of 2^126 alone gives inf). The
     linear projections are zero and their biases of magnitude 1-2 times 2^-57, so each product lies in
-    [2^-124, 2^-122], and the output bias is zero: the output, about 2^-112, is all outer product."""
+    [2^-124, 2^-122], and the output bias is zero: the output, about 2^-112, is all outer product. The fused
+    epilogue with and without PAIR_HOIST (the cap computed once per tile)."""
+    monkeypatch.setattr(opm, "PAIR_HOIST", hoist)
     B, S, N, cm, cz, c = 1, 3, 20, 32, 64, 32
     ref, new = models(opm, "openfold", cm, cz, c, 50)
     g = torch.Generator().manual_seed(51)

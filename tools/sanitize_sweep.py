@@ -274,7 +274,7 @@ def _opm_pair_case():
     """The pair-count modes (OpenFold: (acc + bo) / (n + eps), Boltz: acc / max(n, 1) + bo): the pair scale and
     epilogue kernels after each forward order, outer_wg's and w_first_wg2's kPair instances (PAIR_EPILOGUE "fused")
     and the unfused pass after outer_wg, every mask kind through the pair count, training steps (PAIR_BACKWARD
-    "chunks" and "kernels")."""
+    "chunks" and "kernels"), the 16-bit kPair instances with kHoist (PAIR_HOIST)."""
     calls = [opm_call("opm_pair", dt, 1, 5, 19, 64, 32, 64, family=fam, variant=v, epilogue=e, mask_dtype=md)
              for fam in ("openfold", "boltz")
              for dt, v, e, md in ((F32, "outer_wg", "fused", "bool"), (F16, "outer_wg", "fused", F16),
@@ -282,6 +282,11 @@ def _opm_pair_case():
                                   (BF16, "outer_wg", "unfused", BF16), (F32, "outer_first", "fused", "int64"),
                                   (F32, "w_first_wg2", "fused", F32), (F32, "w_first_small", "fused", "uint8"),
                                   (BF16, "fused_small", "fused", BF16), (F32, "fused_small", "fused", "int16"))]
+    # PAIR_HOIST: outer_wg's 16-bit kPair instances with kHoist, one walking two tiles per SM
+    calls += [opm_call("opm_pair", BF16, None, 5, 19, 64, 32, 64, family="openfold", variant="outer_wg", hoist=True,
+                       mask_dtype=BF16, walk=2),
+              opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 64, family="boltz", variant="outer_wg", hoist=True,
+                       mask_dtype=F16)]
     calls += [opm_call("opm_pair", F32, 2, 6, 21, 64, 32, 24, family="openfold", variant="outer_wg", mask="zeros"),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="boltz", variant="outer_wg", train=True),
               opm_call("opm_pair", F32, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True),
@@ -559,7 +564,8 @@ def _opm_train(torch, mod, call, sms):
 def _opm_pair(torch, mod, call, sms):
     """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
     forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]) (and PAIR_G_KERNEL =
-    call["pair_g"] where given); a forward under no_grad, or with train a training step."""
+    call["pair_g"], PAIR_HOIST = call["hoist"] where given); a forward under no_grad, or with train a training
+    step."""
     _, msa, mask, g = _opm_setup(torch, mod, call, sms)
     gen = torch.Generator().manual_seed(_seed(call) + 1)
     fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
@@ -569,8 +575,9 @@ def _opm_pair(torch, mod, call, sms):
             p.copy_(torch.randn(p.shape, generator=gen) * scale + 0.05)
     fam = fam.to(msa.dtype).cuda()
     fam.variant = call["variant"]
-    saved = getattr(mod, "PAIR_G_KERNEL", False)
+    saved, saved_hoist = getattr(mod, "PAIR_G_KERNEL", False), getattr(mod, "PAIR_HOIST", False)
     mod.PAIR_G_KERNEL = call.get("pair_g", saved)
+    mod.PAIR_HOIST = call.get("hoist", saved_hoist)
     with mod.pair_epilogue(call.get("epilogue", "fused")), mod.pair_backward(call.get("backward", "chunks")):
         if call.get("train"):
             x = msa.detach().requires_grad_(True)
@@ -579,7 +586,7 @@ def _opm_pair(torch, mod, call, sms):
         else:
             with torch.no_grad():
                 _fetch(torch, fam(msa, mask))
-    mod.PAIR_G_KERNEL = saved
+    mod.PAIR_G_KERNEL, mod.PAIR_HOIST = saved, saved_hoist
     _expect("last_variant", fam.last_variant, call["variant"])
 
 

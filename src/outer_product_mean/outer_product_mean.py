@@ -214,8 +214,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
-    which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
+    PAIR_HOIST), which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -252,7 +252,13 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
+# With the "fused" epilogue: outer_wg's 16-bit pair instance loads each tile's (s1, s2) a tile ahead, computes each
+# row's scale cap once per tile and forms s2 bo while its first phase-B products run (True; the same output bit for
+# bit, no extra instruction or load wait between its named barriers) or loads them with the tile, recomputes the caps
+# at every staging and forms s2 bo before the products (False, the default): OPM_PAIR_HOIST ("1" / "0") at import,
+# then this attribute.
+PAIR_HOIST = _env_flag("OPM_PAIR_HOIST", False)
+# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -584,7 +590,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=F
     if not same:  # mixed dtypes (CUDA autocast): float32 copies
         msa, params = _f32(msa), [_f32(p) for p in params]
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             _pair_counts())
+                                             _pair_counts(), _flag("PAIR_HOIST"))
     out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)

@@ -35,11 +35,15 @@ namespace opm {
 //   s1 scales each pair's row of O before its rounding (as 1 / denom does), o is s2 bo at q = 0's phase B, and the
 //   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
 //   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
-//   unchanged.
+//   unchanged. kHoist (16-bit kPair only; PAIR_HOIST): each tile's (s1, s2) are loaded one tile ahead (the
+//   block's first tile's before its walk), the cap comes from the row's max clamped to 2^-112 (the same fs for
+//   every row, see the staging) and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings,
+//   which sit between the warpgroups' named barriers on the tile's critical path, take one instruction per row
+//   beyond the row mode's and wait on no load.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kPair = false>
+template <typename T, bool kPair = false, bool kHoist = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
@@ -150,12 +154,48 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   float acc[64], d[64], o[32], d2[32];
   [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of this thread's phase-B rows, loaded with the tile
   [[maybe_unused]] float s2p[2];         // 16-bit kPair: s2 of this thread's output pairs (rows hr), likewise
+  [[maybe_unused]] float s1n[2][kOwTJ], s2n[2];  // kHoist: s1p and s2p of the block's next tile
+  // kHoist: (s1, s2) of tile tt into s1n, s2n (the loads of the kPair branch below, for another tile)
+  [[maybe_unused]] auto load_next = [&](uint32_t tt) {
+    const int64_t ti = tt % nit, tj = tt / nit % nbb, tb = tt / nit / nbb / nz;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+      for (int jl = 0; jl < kOwTJ; ++jl) {
+        const int64_t i = ti * kOwTI + 8 * wg + 2 * w4 + hr, j = tj * kOwTJ + jl;
+        s1n[hr][jl] = i < N && j < N ? pscale[(tb * N + i) * N + j].x : 0.f;
+      }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int p = 16 * w4 + g + 8 * hr;
+      const int64_t i = ti * kOwTI + p / kOwTJ, j = tj * kOwTJ + p % kOwTJ;
+      s2n[hr] = i < N && j < N ? pscale[(tb * N + i) * N + j].y : 0.f;
+    }
+  };
+  if constexpr (kPair && kHoist) load_next(blockIdx.x);  // (blockIdx.x < total: the grid has at most `total` blocks)
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t it = t % nit, jt = t / nit % nbb, zc = t / nit / nbb % nz, b = t / nit / nbb / nz;
     if constexpr (kSplit) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) o[e] = 0.f;
     } else if constexpr (!kPair) {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
+          o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
+        }
+    } else if constexpr (kHoist) {  // 16-bit pair modes, kHoist: this tile's scales, loaded during the previous
+      // tile; then the next tile's loads, in flight through this whole tile; o from the bias, s2 bo during q = 0's
+      // phase B
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        s2p[hr] = s2n[hr];
+#pragma unroll
+        for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = s1n[hr][jl];
+      }
+      if (t + gridDim.x < total) load_next(t + gridDim.x);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -319,11 +359,16 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
               mx = fmaxf(mx, fmaxf(fabsf(acc[4 * (4 * jl + jq) + 2 * hr]), fabsf(acc[4 * (4 * jl + jq) + 2 * hr + 1])));
             // the warp's max: as unsigned integers, non-negative floats order as their values (NaN above inf)
             mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
+            // kHoist: mx at least 2^-112 (as integers: NaN stays above), so that E >= e(inv) - 112 and 268 - E
+            // <= 380 - e(inv): the cap below without computing it. fs is unchanged for every row: one of at least
+            // 2^-112 keeps its E, a smaller one took the cap (268 - E >= 380 - e(inv)) and now gets it from E.
+            if constexpr (kPair && kHoist) mx = __uint_as_float(max(__float_as_uint(mx), 15u << 23));
             // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
             // subnormal rows: 2^126; inf / NaN stay so); kPair: at most 380 - e(inv), so that inv times
             // the scale stays below 2^127
             const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff);
-            const int fmax = kPair ? min(253, 380 - static_cast<int>((__float_as_uint(inv) >> 23) & 0xff)) : 253;
+            const int fmax = kPair && !kHoist ? min(253, 380 - static_cast<int>((__float_as_uint(inv) >> 23) & 0xff))
+                                              : 253;
             const int fs = min(fmax, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
@@ -347,7 +392,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           }
         consumers_sync();  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
-        if constexpr (kPair) {
+        if constexpr (kPair && !kHoist) {
           if (q == 0) {  // o = s2 bo (o[4 jj + 2 hr + e]: row hr)
 #pragma unroll
             for (int e = 0; e < 32; ++e) o[e] *= s2p[(e / 2) % 2];
@@ -381,6 +426,12 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             wgmma_f16_m64n64k16_rs(d2, a[f], wg_desc(reinterpret_cast<const float*>(wst + (f / 2) * kOwWBlk16 + (f % 2) * 128), 512),
                                    sl + f > 0);
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          if constexpr (kPair && kHoist) {
+            if (sl == 0 && q == 0) {  // o = s2 bo while the products run (o is no wgmma operand)
+#pragma unroll
+              for (int e = 0; e < 32; ++e) o[e] *= s2p[(e / 2) % 2];
+            }
+          }
           if (sl > 0) {
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 #pragma unroll
