@@ -373,6 +373,45 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
     assert code == harness.EXIT_OK, out[-3000:]
 
 
+def _row_scale_exponent(mx, inv, hoist):
+    """fs of opm_outer_wg_kernel's 16-bit kPair staging, in numpy (float32 products, uint32 bit fields): the default
+    caps it at min(253, 380 - e(inv)); kHoist (PAIR_HOIST) clamps the row max mx to 2^-112 as an integer max."""
+    import numpy as np
+    mx, inv = np.asarray(mx, np.float32), np.asarray(inv, np.float32)
+    if hoist:
+        mx = np.maximum(mx.view(np.uint32), np.uint32(15 << 23)).view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        e = ((mx * inv).view(np.uint32) >> 23 & 0xFF).astype(np.int64)
+    fmax = 253 if hoist else np.minimum(253, 380 - (inv.view(np.uint32) >> 23 & 0xFF).astype(np.int64))
+    return np.minimum(fmax, np.maximum(1, 268 - e))
+
+
+def test_pair_hoist_row_scale_equals_the_cap():
+    """The kHoist staging's clamp gives every row the default's fs: rows of at least 2^-112 keep their exponent, a
+    smaller row (zero, subnormal) takes the cap either way. Row maxima and scales drawn over the whole float32 range
+    (s1 = 1 / (n + eps) up to 1 / eps, 0 for pairs past N, negative for negative mask weights, inf for eps 0) and
+    the edges: 0, the smallest subnormal, 2^-112 and its neighbours, 2^-126, 1, the largest float, inf, NaN."""
+    import numpy as np
+    rng = np.random.default_rng(7)
+    n = 400_000
+    mx = np.ldexp(rng.random(n, dtype=np.float32) + np.float32(0.5), rng.integers(-160, 128, n)).astype(np.float32)
+    inv = np.ldexp(rng.random(n, dtype=np.float32) + np.float32(0.5), rng.integers(-40, 40, n)).astype(np.float32)
+    inv[rng.random(n) < 0.1] *= -1
+    edges = np.array([0.0, np.float32(2.0 ** -149), np.float32(2.0 ** -112), np.nextafter(np.float32(2.0 ** -112), 0),
+                      np.nextafter(np.float32(2.0 ** -112), 1), np.float32(2.0 ** -126), 1.0, np.finfo(np.float32).max,
+                      np.inf, np.nan], np.float32)
+    scales = np.array([0.0, 2.0 ** -20, 2.0 ** -14, 1e-3, 0.5, 1.0, 1000.0, 1e8, 2.0 ** 100, np.inf, -1000.0],
+                      np.float32)
+    mx = np.concatenate([mx, np.repeat(edges, scales.size)])
+    inv = np.concatenate([inv, np.tile(scales, edges.size)])
+    old, new = _row_scale_exponent(mx, inv, False), _row_scale_exponent(mx, inv, True)
+    assert np.array_equal(old, new), (mx[old != new][:5], inv[old != new][:5])
+    # the property the cap exists for: inv times the row's scale 2^(fs - 127) stays finite wherever inv is
+    fin = np.isfinite(inv)
+    with np.errstate(over="ignore"):
+        assert np.isfinite(inv[fin].astype(np.float32) * np.ldexp(np.float32(1), new[fin] - 127).astype(np.float32)).all()
+
+
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA, OPM_PAIR_HOIST):
     unset -> the default, "1" / "0" -> on / off, any other value raises naming the variable; the first four default
