@@ -274,7 +274,7 @@ def _opm_pair_case():
     """The pair-count modes (OpenFold: (acc + bo) / (n + eps), Boltz: acc / max(n, 1) + bo): the pair scale and
     epilogue kernels after each forward order, outer_wg's and w_first_wg2's kPair instances (PAIR_EPILOGUE "fused")
     and the unfused pass after outer_wg, every mask kind through the pair count, training steps (PAIR_BACKWARD
-    "chunks" and "kernels"), the 16-bit kPair instances with kHoist (PAIR_HOIST)."""
+    "chunks" and "kernels")."""
     calls = [opm_call("opm_pair", dt, 1, 5, 19, 64, 32, 64, family=fam, variant=v, epilogue=e, mask_dtype=md)
              for fam in ("openfold", "boltz")
              for dt, v, e, md in ((F32, "outer_wg", "fused", "bool"), (F16, "outer_wg", "fused", F16),
@@ -282,11 +282,6 @@ def _opm_pair_case():
                                   (BF16, "outer_wg", "unfused", BF16), (F32, "outer_first", "fused", "int64"),
                                   (F32, "w_first_wg2", "fused", F32), (F32, "w_first_small", "fused", "uint8"),
                                   (BF16, "fused_small", "fused", BF16), (F32, "fused_small", "fused", "int16"))]
-    # PAIR_HOIST: outer_wg's 16-bit kPair instances with kHoist, one walking two tiles per SM
-    calls += [opm_call("opm_pair", BF16, None, 5, 19, 64, 32, 64, family="openfold", variant="outer_wg", hoist=True,
-                       mask_dtype=BF16, walk=2),
-              opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 64, family="boltz", variant="outer_wg", hoist=True,
-                       mask_dtype=F16)]
     calls += [opm_call("opm_pair", F32, 2, 6, 21, 64, 32, 24, family="openfold", variant="outer_wg", mask="zeros"),
               opm_call("opm_pair", BF16, 1, 4, 17, 64, 32, 64, family="boltz", variant="outer_wg", train=True),
               opm_call("opm_pair", F32, 1, 4, 17, 64, 32, 64, family="openfold", variant="outer_wg", train=True),
@@ -325,6 +320,16 @@ def _opm_pair_case():
     return Case("opm_pair_modes", "outer_product_mean", "the pair-count normalisations' kernels", calls)
 
 
+def _opm_pair_hoist_case():
+    """outer_wg's 16-bit kPair instances with kHoist (PAIR_HOIST): one call walking two tiles per SM (the next
+    tile's scale loads), one with a tile per block."""
+    calls = [opm_call("opm_pair", BF16, None, 5, 19, 64, 32, 64, family="openfold", variant="outer_wg", hoist=True,
+                      mask_dtype=BF16, walk=2),
+             opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 64, family="boltz", variant="outer_wg", hoist=True,
+                      mask_dtype=F16)]
+    return Case("opm_pair_hoist", "outer_product_mean", "outer_wg's 16-bit pair staging with PAIR_HOIST", calls)
+
+
 OPM_CASES = [
     Case("opm_orders_float32", "outer_product_mean", "every forced variant at msa_dim 64 / 256, pair_dim 64 / 128",
          [opm_call("opm_forward", F32, 2, 5, 19, 64, 32, 64, variant=v) for v in OPM_ORDERS]
@@ -360,6 +365,7 @@ OPM_CASES = [
     _opm_backward_case(F16),
     _opm_backward_case(BF16),
     _opm_pair_case(),
+    _opm_pair_hoist_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
