@@ -5605,7 +5605,7 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
                              const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& At,
                              at::Tensor& Pt, int64_t JC, int64_t B, int64_t S, int64_t N, int64_t Npad, int cz,
                              int CZP4, const DevInfo& d, cudaStream_t stream,
-                             const at::Tensor& pair_scale = at::Tensor(), bool hoist = false) {
+                             const at::Tensor& pair_scale = at::Tensor()) {
   const int64_t K = S * CP, KB = cdiv(K, kWgBK), MB128 = cdiv(N, 128);
   const bool kpair = pair_scale.defined();
   const auto wg_kernel = kpair ? opm_wfirst_wg_kernel<true> : opm_wfirst_wg_kernel<false>;
@@ -7010,11 +7010,11 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# With the "fused" epilogue: outer_wg's 16-bit pair instance loads each tile's (s1, s2) a tile ahead, computes each
-# row's scale cap once per tile and forms s2 bo while its first phase-B products run (True; the same output bit for
-# bit, no extra instruction or load wait between its named barriers) or loads them with the tile, recomputes the caps
-# at every staging and forms s2 bo before the products (False, the default): OPM_PAIR_HOIST ("1" / "0") at import,
-# then this attribute.
+# With the "fused" epilogue: outer_wg's 16-bit pair instance loads each tile's (s1, s2) a tile ahead, takes each
+# row's scale cap from the row's max clamped to 2^-112 and forms s2 bo while its first phase-B products run (True; the
+# same output bit for bit, one instruction per row beyond the row mode's between its named barriers) or loads them with
+# the tile, computes each cap at every staging and forms s2 bo before the products (False, the default, until it has
+# been timed on a GPU): OPM_PAIR_HOIST ("1" / "0") at import, then this attribute.
 PAIR_HOIST = _env_flag("OPM_PAIR_HOIST", False)
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 

@@ -113,7 +113,7 @@ static void launch_wfirst_wg(const at::Tensor& aT, const at::Tensor& bq, const a
                              const at::Tensor& wk, const at::Tensor& bo, at::Tensor& out, at::Tensor& At,
                              at::Tensor& Pt, int64_t JC, int64_t B, int64_t S, int64_t N, int64_t Npad, int cz,
                              int CZP4, const DevInfo& d, cudaStream_t stream,
-                             const at::Tensor& pair_scale = at::Tensor(), bool hoist = false) {
+                             const at::Tensor& pair_scale = at::Tensor()) {
   const int64_t K = S * CP, KB = cdiv(K, kWgBK), MB128 = cdiv(N, 128);
   const bool kpair = pair_scale.defined();
   const auto wg_kernel = kpair ? opm_wfirst_wg_kernel<true> : opm_wfirst_wg_kernel<false>;
