@@ -21,8 +21,9 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
 then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING; 16-bit
-masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and
-their OPM_* environment variables: the comments at their definitions.
+masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL); PAIR_HOIST (off)
+a leaner 16-bit pair staging in outer_wg. The settings and their OPM_* environment variables: the comments at their
+definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -7010,11 +7011,11 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# With the "fused" epilogue: outer_wg's 16-bit pair instance loads each tile's (s1, s2) a tile ahead, takes each
-# row's scale cap from the row's max clamped to 2^-112 and forms s2 bo while its first phase-B products run (True; the
-# same output bit for bit, one instruction per row beyond the row mode's between its named barriers) or loads them with
-# the tile, computes each cap at every staging and forms s2 bo before the products (False, the default, until it has
-# been timed on a GPU): OPM_PAIR_HOIST ("1" / "0") at import, then this attribute.
+# With the "fused" epilogue, bfloat16 / float16 only: outer_wg's pair instance loads each tile's (s1, s2) a tile ahead,
+# drops the per-row cap min(253, 380 - e(s1)) (the row's max clamped to 2^-112 gives every row the same scale) and forms
+# s2 bo while its first phase-B products run (True; meant to give the same output bit for bit, argued and emulated in
+# numpy) or keeps the cap, loads with the tile and forms s2 bo before the products (False, the default until the GPU
+# tests, sanitizers and timings have run on it): OPM_PAIR_HOIST ("1" / "0") at import, then this attribute.
 PAIR_HOIST = _env_flag("OPM_PAIR_HOIST", False)
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 

@@ -409,7 +409,8 @@ def test_pair_hoist_row_scale_equals_the_cap():
     # the property the cap exists for: inv times the row's scale 2^(fs - 127) stays finite wherever inv is
     fin = np.isfinite(inv)
     with np.errstate(over="ignore"):
-        assert np.isfinite(inv[fin].astype(np.float32) * np.ldexp(np.float32(1), new[fin] - 127).astype(np.float32)).all()
+        scale = np.ldexp(np.float32(1), new[fin] - 127).astype(np.float32)
+        assert np.isfinite(inv[fin] * scale).all()
 
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
@@ -703,8 +704,9 @@ HOIST_CASES = [(1, 40, 37, 64, 128, 32), (2, 7, 21, 20, 24, 32), (3, 5, 200, 64,
 @pytest.mark.parametrize("family", ["openfold", "boltz"])
 @pytest.mark.parametrize("case", HOIST_CASES, ids=[f"B{c[0]}_S{c[1]}_N{c[2]}_cz{c[4]}" for c in HOIST_CASES])
 def test_pair_hoist_bit_equal_to_the_default(opm, monkeypatch, family, kind, dtype, case):
-    """PAIR_HOIST (outer_wg's 16-bit kPair instance with each tile's scales loaded a tile ahead, the caps once per
-    tile, s2 bo formed during q = 0's phase B) returns the default instance's output bit for bit: one tile per
+    """PAIR_HOIST (outer_wg's 16-bit kPair instance with each tile's scales loaded a tile ahead, the row max clamped
+    to 2^-112 in place of the cap, s2 bo formed during q = 0's phase B) returns the default instance's output bit for
+    bit: one tile per
     block, blocks walking several tiles (N 200, B 3: ~14 tiles per block on 132 SMs, the next tile's loads), two
     z chunks (pair_dim 200), S 130 (five phase-A stages); and within the fp64 check of
     test_every_variant_against_fp64."""
@@ -730,7 +732,8 @@ def test_pair_hoist_bit_equal_to_the_default(opm, monkeypatch, family, kind, dty
 
 
 @gpu
-@pytest.mark.parametrize("fused, hoist", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("fused, hoist", [(False, False), (True, False), (True, True)],
+                         ids=["unfused", "fused", "fused-hoist"])
 def test_fp16_overflow_of_a_fully_masked_pair(opm, monkeypatch, fused, hoist):
     """OpenFold mode in fp16: a fully masked pair is (0 + bo) / eps = 1000 bo. Where |1000 bo[z]| rounds
     above 65504 the kernels return inf with bo's sign (IEEE overflow of the one rounding to fp16), as
@@ -762,14 +765,15 @@ def test_fp16_overflow_of_a_fully_masked_pair(opm, monkeypatch, fused, hoist):
 
 
 @gpu
-@pytest.mark.parametrize("fused, hoist", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("fused, hoist", [(False, False), (True, False), (True, True)],
+                         ids=["unfused", "fused", "fused-hoist"])
 def test_bf16_tiny_rows_with_large_pair_scales(opm, monkeypatch, fused, hoist):
     """OpenFold mode in bf16 where s1 = 1 / (count + eps) is about 506 and every O row is below 2^-121
     (projections of 2^-57 with mask weights 2^-5; every product a b stays a normal float): the 16-bit
     kernels' power-of-two row scale times s1 must stay finite (a cap of 2^126 alone gives inf). The
     linear projections are zero and their biases of magnitude 1-2 times 2^-57, so each product lies in
     [2^-124, 2^-122], and the output bias is zero: the output, about 2^-112, is all outer product. The fused
-    epilogue with and without PAIR_HOIST (the cap computed once per tile)."""
+    epilogue with and without PAIR_HOIST (these rows, below 2^-112, take the clamp in place of the cap)."""
     monkeypatch.setattr(opm, "PAIR_HOIST", hoist)
     B, S, N, cm, cz, c = 1, 3, 20, 32, 64, 32
     ref, new = models(opm, "openfold", cm, cz, c, 50)

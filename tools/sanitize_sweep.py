@@ -392,8 +392,8 @@ def batch_of(call, sms):
 def describe_call(call):
     keys = ("B", "N", "C", "H") if call["op"].startswith("cm_") else ("B", "S", "N", "cm", "c", "cz")
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
-    extra = [f"{k}={call[k]}" for k in ("variant", "mask", "mask_dtype", "offset", "params_dtype", "split",
-                                        "block_tiles", "counts")
+    extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "hoist", "mask",
+                                        "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts")
              if k in call and call[k] not in (None, False) and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
