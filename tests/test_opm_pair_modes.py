@@ -416,9 +416,8 @@ def test_pair_hoist_row_scale_equals_the_cap():
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA, OPM_PAIR_HOIST):
     unset -> the default, "1" / "0" -> on / off, any other value raises naming the variable; the first four default
-    to on, PAIR_HOIST (not yet checked on a GPU) to off; _pair_counts
-    maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but
-    True / False raises."""
+    to on, PAIR_HOIST (not yet checked on a GPU) to off; _pair_counts maps them to the kernel code (0 FMA, 1 DMMA,
+    2 the ring, 3 the ring on HMMA); an attribute set to anything but True / False raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -706,9 +705,8 @@ HOIST_CASES = [(1, 40, 37, 64, 128, 32), (2, 7, 21, 20, 24, 32), (3, 5, 200, 64,
 def test_pair_hoist_bit_equal_to_the_default(opm, monkeypatch, family, kind, dtype, case):
     """PAIR_HOIST (outer_wg's 16-bit kPair instance with each tile's scales loaded a tile ahead, the row max clamped
     to 2^-112 in place of the cap, s2 bo formed during q = 0's phase B) returns the default instance's output bit for
-    bit: one tile per
-    block, blocks walking several tiles (N 200, B 3: ~14 tiles per block on 132 SMs, the next tile's loads), two
-    z chunks (pair_dim 200), S 130 (five phase-A stages); and within the fp64 check of
+    bit: one tile per block, blocks walking several tiles (N 200, B 3: ~14 tiles per block on 132 SMs, the next
+    tile's loads), two z chunks (pair_dim 200), S 130 (five phase-A stages); and within the fp64 check of
     test_every_variant_against_fp64."""
     B, S, N, cm, cz, c = case
     ref, new = models(opm, family, cm, cz, c, 60 + S)
