@@ -2957,22 +2957,25 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of this thread's phase-B rows, loaded with the tile
   [[maybe_unused]] float s2p[2];         // 16-bit kPair: s2 of this thread's output pairs (rows hr), likewise
   [[maybe_unused]] float s1n[2][kOwTJ], s2n[2];  // kHoist: s1p and s2p of the block's next tile
-  // kHoist: (s1, s2) of tile tt into s1n, s2n (the loads of the kPair branch below, for another tile)
-  [[maybe_unused]] auto load_next = [&](uint32_t tt) {
-    const int64_t ti = tt % nit, tj = tt / nit % nbb, tb = tt / nit / nbb / nz;
+  // 16-bit kPair: (s1, s2) of this thread's rows and pairs in the tile (ti, tj, tb) into s1, s2
+  [[maybe_unused]] auto load_scales = [&](int64_t ti, int64_t tj, int64_t tb, float (&s1)[2][kOwTJ], float (&s2)[2]) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
       for (int jl = 0; jl < kOwTJ; ++jl) {
         const int64_t i = ti * kOwTI + 8 * wg + 2 * w4 + hr, j = tj * kOwTJ + jl;
-        s1n[hr][jl] = i < N && j < N ? pscale[(tb * N + i) * N + j].x : 0.f;
+        s1[hr][jl] = i < N && j < N ? pscale[(tb * N + i) * N + j].x : 0.f;
       }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int p = 16 * w4 + g + 8 * hr;
       const int64_t i = ti * kOwTI + p / kOwTJ, j = tj * kOwTJ + p % kOwTJ;
-      s2n[hr] = i < N && j < N ? pscale[(tb * N + i) * N + j].y : 0.f;
+      s2[hr] = i < N && j < N ? pscale[(tb * N + i) * N + j].y : 0.f;
     }
+  };
+  // kHoist: the scales of tile tt into s1n, s2n
+  [[maybe_unused]] auto load_next = [&](uint32_t tt) {
+    load_scales(tt % nit, tt / nit % nbb, tt / nit / nbb / nz, s1n, s2n);
   };
   if constexpr (kPair && kHoist) load_next(blockIdx.x);  // (blockIdx.x < total: the grid has at most `total` blocks)
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
@@ -3009,19 +3012,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       // phase B (s2 of this thread's pairs 16 w4 + g + 8 hr), so that no instruction before phase A waits on
       // these loads; s1 of the rows (8 wg + 2 w4 + hr, jl) that this thread scales before phase B. Phase A
       // hides the latency of all of them.
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-        for (int jl = 0; jl < kOwTJ; ++jl) {
-          const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr, j = jt * kOwTJ + jl;
-          s1p[hr][jl] = i < N && j < N ? pscale[(b * N + i) * N + j].x : 0.f;
-        }
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int p = 16 * w4 + g + 8 * hr;
-        const int64_t i = it * kOwTI + p / kOwTJ, j = jt * kOwTJ + p % kOwTJ;
-        s2p[hr] = i < N && j < N ? pscale[(b * N + i) * N + j].y : 0.f;
-      }
+      load_scales(it, jt, b, s1p, s2p);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
