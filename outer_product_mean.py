@@ -2837,11 +2837,12 @@ namespace opm {
 //   s1 scales each pair's row of O before its rounding (as 1 / denom does), o is s2 bo at q = 0's phase B, and the
 //   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
 //   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
-//   unchanged. kHoist (16-bit kPair only; PAIR_HOIST): each tile's (s1, s2) are loaded one tile ahead (the
-//   block's first tile's before its walk), the cap comes from the row's max clamped to 2^-112 (the same fs for
-//   every row, see the staging) and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings,
-//   which sit between the warpgroups' named barriers on the tile's critical path, take one instruction per row
-//   beyond the row mode's and wait on no load.
+//   unchanged. kHoist (16-bit kPair only; PAIR_HOIST): each tile's (s1, s2) are loaded from one base address per
+//   tile and offsets fixed per thread (the default's 64-bit index and bounds arithmetic per load took ~110
+//   instructions per warp per tile), the cap comes from the row's max clamped to 2^-112 (the same fs for every
+//   row, see the staging) and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which
+//   sit between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond
+//   the row mode's.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
@@ -2956,7 +2957,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   float acc[64], d[64], o[32], d2[32];
   [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of this thread's phase-B rows, loaded with the tile
   [[maybe_unused]] float s2p[2];         // 16-bit kPair: s2 of this thread's output pairs (rows hr), likewise
-  [[maybe_unused]] float s1n[2][kOwTJ], s2n[2];  // kHoist: s1p and s2p of the block's next tile
   // 16-bit kPair: (s1, s2) of this thread's rows and pairs in the tile (ti, tj, tb) into s1, s2
   [[maybe_unused]] auto load_scales = [&](int64_t ti, int64_t tj, int64_t tb, float (&s1)[2][kOwTJ], float (&s2)[2]) {
 #pragma unroll
@@ -2973,11 +2973,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       s2[hr] = i < N && j < N ? pscale[(tb * N + i) * N + j].y : 0.f;
     }
   };
-  // kHoist: the scales of tile tt into s1n, s2n
-  [[maybe_unused]] auto load_next = [&](uint32_t tt) {
-    load_scales(tt % nit, tt / nit % nbb, tt / nit / nbb / nz, s1n, s2n);
-  };
-  if constexpr (kPair && kHoist) load_next(blockIdx.x);  // (blockIdx.x < total: the grid has at most `total` blocks)
+  // kHoist: this thread's places in a tile's (s1, s2): s1 at rows r1 + hr, columns 0-3 (offsets o1 + hr N + jl); s2
+  // of pairs 16 w4 + g + 8 hr at rows r2 + 2 hr, column c2 (offsets o2 + 2 hr N)
+  [[maybe_unused]] const int r1 = 8 * wg + 2 * w4, r2 = 4 * w4 + g / 4, c2 = g % 4;
+  [[maybe_unused]] const int64_t o1 = r1 * N, o2 = r2 * N + c2;
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int64_t it = t % nit, jt = t / nit % nbb, zc = t / nit / nbb % nz, b = t / nit / nbb / nz;
     if constexpr (kSplit) {
@@ -2991,16 +2990,17 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else if constexpr (kHoist) {  // 16-bit pair modes, kHoist: this tile's scales, loaded during the previous
-      // tile; then the next tile's loads, in flight through this whole tile; o from the bias, s2 bo during q = 0's
+    } else if constexpr (kHoist) {  // 16-bit pair modes, kHoist: this tile's scales from one base address and
+      // this thread's offsets (in flight through phase A, as the default's); o from the bias, s2 bo during q = 0's
       // phase B
+      const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
+      const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        s2p[hr] = s2n[hr];
 #pragma unroll
-        for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = s1n[hr][jl];
+        for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = r1 + hr < il && jl < jn ? ps[o1 + hr * N + jl].x : 0.f;
+        s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
       }
-      if (t + gridDim.x < total) load_next(t + gridDim.x);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -7002,11 +7002,12 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# With the "fused" epilogue, bfloat16 / float16 only: outer_wg's pair instance loads each tile's (s1, s2) a tile ahead,
-# drops the per-row cap min(253, 380 - e(s1)) (the row's max clamped to 2^-112 gives every row the same scale) and forms
-# s2 bo while its first phase-B products run (True; meant to give the same output bit for bit, argued and emulated in
-# numpy) or keeps the cap, loads with the tile and forms s2 bo before the products (False, the default until the GPU
-# tests, sanitizers and timings have run on it): OPM_PAIR_HOIST ("1" / "0") at import, then this attribute.
+# With the "fused" epilogue, bfloat16 / float16 only: outer_wg's pair instance addresses each tile's (s1, s2) from one
+# base per tile, drops the per-row cap min(253, 380 - e(s1)) (the row's max clamped to 2^-112 gives every row the same
+# scale) and forms s2 bo while its first phase-B products run (True; meant to give the same output bit for bit, argued
+# and emulated in numpy) or computes each load's 64-bit index, keeps the cap and forms s2 bo before the products (False,
+# the default until the GPU tests, sanitizers and timings have run on it): OPM_PAIR_HOIST ("1" / "0") at import, then
+# this attribute.
 PAIR_HOIST = _env_flag("OPM_PAIR_HOIST", False)
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 

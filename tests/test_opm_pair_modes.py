@@ -703,11 +703,11 @@ HOIST_CASES = [(1, 40, 37, 64, 128, 32), (2, 7, 21, 20, 24, 32), (3, 5, 200, 64,
 @pytest.mark.parametrize("family", ["openfold", "boltz"])
 @pytest.mark.parametrize("case", HOIST_CASES, ids=[f"B{c[0]}_S{c[1]}_N{c[2]}_cz{c[4]}" for c in HOIST_CASES])
 def test_pair_hoist_bit_equal_to_the_default(opm, monkeypatch, family, kind, dtype, case):
-    """PAIR_HOIST (outer_wg's 16-bit kPair instance with each tile's scales loaded a tile ahead, the row max clamped
-    to 2^-112 in place of the cap, s2 bo formed during q = 0's phase B) returns the default instance's output bit for
-    bit: one tile per block, blocks walking several tiles (N 200, B 3: ~14 tiles per block on 132 SMs, the next
-    tile's loads), two z chunks (pair_dim 200), S 130 (five phase-A stages); and within the fp64 check of
-    test_every_variant_against_fp64."""
+    """PAIR_HOIST (outer_wg's 16-bit kPair instance with each tile's scales addressed from one base per tile, the row
+    max clamped to 2^-112 in place of the cap, s2 bo formed during q = 0's phase B) returns the default instance's
+    output bit for bit: one tile per block, blocks walking several tiles (N 200, B 3: ~14 tiles per block on 132 SMs),
+    partial tiles (N 37, 21, 45: rows and columns past N), two z chunks (pair_dim 200), S 130 (five phase-A stages);
+    and within the fp64 check of test_every_variant_against_fp64."""
     B, S, N, cm, cz, c = case
     ref, new = models(opm, family, cm, cz, c, 60 + S)
     ref, new = ref.to("cuda", dtype), new.to("cuda", dtype)

@@ -321,8 +321,8 @@ def _opm_pair_case():
 
 
 def _opm_pair_hoist_case():
-    """outer_wg's 16-bit kPair instances with kHoist (PAIR_HOIST): one call walking two tiles per SM (the next
-    tile's scale loads), one with a tile per block."""
+    """outer_wg's 16-bit kPair instances with kHoist (PAIR_HOIST): one call walking two tiles per SM, one with a tile
+    per block; N 19: partial tiles (the scale loads' bounds)."""
     calls = [opm_call("opm_pair", BF16, None, 5, 19, 64, 32, 64, family="openfold", variant="outer_wg", hoist=True,
                       mask_dtype=BF16, walk=2),
              opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 64, family="boltz", variant="outer_wg", hoist=True,

@@ -253,11 +253,12 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# With the "fused" epilogue, bfloat16 / float16 only: outer_wg's pair instance loads each tile's (s1, s2) a tile ahead,
-# drops the per-row cap min(253, 380 - e(s1)) (the row's max clamped to 2^-112 gives every row the same scale) and forms
-# s2 bo while its first phase-B products run (True; meant to give the same output bit for bit, argued and emulated in
-# numpy) or keeps the cap, loads with the tile and forms s2 bo before the products (False, the default until the GPU
-# tests, sanitizers and timings have run on it): OPM_PAIR_HOIST ("1" / "0") at import, then this attribute.
+# With the "fused" epilogue, bfloat16 / float16 only: outer_wg's pair instance addresses each tile's (s1, s2) from one
+# base per tile, drops the per-row cap min(253, 380 - e(s1)) (the row's max clamped to 2^-112 gives every row the same
+# scale) and forms s2 bo while its first phase-B products run (True; meant to give the same output bit for bit, argued
+# and emulated in numpy) or computes each load's 64-bit index, keeps the cap and forms s2 bo before the products (False,
+# the default until the GPU tests, sanitizers and timings have run on it): OPM_PAIR_HOIST ("1" / "0") at import, then
+# this attribute.
 PAIR_HOIST = _env_flag("OPM_PAIR_HOIST", False)
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
