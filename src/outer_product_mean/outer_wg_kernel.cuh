@@ -223,7 +223,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
       // ---- phase A: O_q (this warpgroup's 64 rows (il, hl) x 128 columns (jl, k)), K = S ----
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
-      for (int kb = 0; kb < kbs; ++kb) {
+      // kHoist: the loop exits on a count of the stages left, opaque to the compiler: on the kbs bound, which the
+      // pair instance's register pressure left out of the registers, ptxas reloaded kbs from the constant bank
+      // (LDC) at every stage, on the loop's back edge (ncu at long: ~2.8% of the kernel's stall samples)
+      [[maybe_unused]] int left = kbs;
+      if constexpr (kPair && kHoist) asm volatile("" : "+r"(left));
+      for (int kb = 0; kPair && kHoist ? left > 0 : kb < kbs; ++kb) {
+        if constexpr (kPair && kHoist) --left;
         [[maybe_unused]] const int st = cs;  // this stage's slot
         const float* stg = wait_full();
         // split: hi / lo planes of this warpgroup's A block and of the B block (16-bit: dA0, dB0)
