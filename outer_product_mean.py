@@ -3001,12 +3001,14 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = r1 + hr < il && jl < jn ? ps[o1 + hr * N + jl].x : 0.f;
         s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
       }
+      // bo into row 0's o only: copying each load into row 1's o here waited on it at the tile's start (ncu: the
+      // stall of the row instance's copies, and longer behind the scale loads); both rows' o = s2 bo at q = 0
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
-          o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
+          o[4 * jj + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
     } else {  // 16-bit pair modes: o starts from the bias as in the row mode, and becomes s2 bo before q = 0's
       // phase B (s2 of this thread's pairs 16 w4 + g + 8 hr), so that no instruction before phase A waits on
@@ -3226,9 +3228,15 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
                                    sl + f > 0);
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           if constexpr (kPair && kHoist) {
-            if (sl == 0 && q == 0) {  // o = s2 bo while the products run (o is no wgmma operand)
+            if (sl == 0 && q == 0) {  // o = s2 bo while the products run (o is no wgmma operand): o[4 jj + 2 hr + e]
+              // is row hr's, bo in row 0's
 #pragma unroll
-              for (int e = 0; e < 32; ++e) o[e] *= s2p[(e / 2) % 2];
+              for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  o[4 * jj + 2 + e] = o[4 * jj + e] * s2p[1];
+                  o[4 * jj + e] *= s2p[0];
+                }
             }
           }
           if (sl > 0) {
