@@ -21,9 +21,8 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
 then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING; 16-bit
-masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL); PAIR_HOIST (off)
-a leaner 16-bit pair staging in outer_wg. The settings and their OPM_* environment variables: the comments at their
-definitions.
+masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and
+their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -2834,19 +2833,17 @@ namespace opm {
 //   the output written in T (one rounding).
 // kPair (the pair modes, "Normalisations"): inv_denom points at the float2 (s1, s2)
 //   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
-//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o is s2 bo at q = 0's phase B, and the
-//   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
-//   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
-//   unchanged. kHoist (16-bit kPair only; PAIR_HOIST): each tile's (s1, s2) are loaded from one base address per
-//   tile and offsets fixed per thread (the default's 64-bit index and bounds arithmetic per load took ~110
-//   instructions per warp per tile), the cap comes from the row's max clamped to 2^-112 (the same fs for every
-//   row, see the staging) and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which
-//   sit between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond
-//   the row mode's.
+//   s1 scales each pair's row of O before its rounding (as 1 / denom does), and the row's power of two is capped
+//   at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to 1 / eps, and 2^126 s1 would overflow for a
+//   tiny row), which clamping the row's max to 2^-112 gives (see the staging). Each tile's (s1, s2) are loaded
+//   from one base address per tile and offsets fixed per thread (a 64-bit index per load took ~110 instructions
+//   per warp per tile), and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which sit
+//   between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond the
+//   row mode's. The row mode's instances (kPair false) are unchanged.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kPair = false, bool kHoist = false>
+template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
@@ -2955,26 +2952,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   // block (under 2^18 bytes) without a carry
   [[maybe_unused]] const uint64_t dA0 = wg_desc(sm + wg * kOwABlk16 / 2, 512), dB0 = wg_desc(sm + kOwABlk16, 512);
   float acc[64], d[64], o[32], d2[32];
-  [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of this thread's phase-B rows, loaded with the tile
+  [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of the rows this thread scales, loaded with the tile
   [[maybe_unused]] float s2p[2];         // 16-bit kPair: s2 of this thread's output pairs (rows hr), likewise
-  // 16-bit kPair: (s1, s2) of this thread's rows and pairs in the tile (ti, tj, tb) into s1, s2
-  [[maybe_unused]] auto load_scales = [&](int64_t ti, int64_t tj, int64_t tb, float (&s1)[2][kOwTJ], float (&s2)[2]) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-      for (int jl = 0; jl < kOwTJ; ++jl) {
-        const int64_t i = ti * kOwTI + 8 * wg + 2 * w4 + hr, j = tj * kOwTJ + jl;
-        s1[hr][jl] = i < N && j < N ? pscale[(tb * N + i) * N + j].x : 0.f;
-      }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int p = 16 * w4 + g + 8 * hr;
-      const int64_t i = ti * kOwTI + p / kOwTJ, j = tj * kOwTJ + p % kOwTJ;
-      s2[hr] = i < N && j < N ? pscale[(tb * N + i) * N + j].y : 0.f;
-    }
-  };
-  // kHoist: this thread's places in a tile's (s1, s2): s1 at rows r1 + hr, columns 0-3 (offsets o1 + hr N + jl); s2
-  // of pairs 16 w4 + g + 8 hr at rows r2 + 2 hr, column c2 (offsets o2 + 2 hr N)
+  // 16-bit kPair: this thread's places in a tile's (s1, s2): s1 at rows r1 + hr, columns 0-3 (offsets o1 + hr N +
+  // jl); s2 of pairs 16 w4 + g + 8 hr at rows r2 + 2 hr, column c2 (offsets o2 + 2 hr N)
   [[maybe_unused]] const int r1 = 8 * wg + 2 * w4, r2 = 4 * w4 + g / 4, c2 = g % 4;
   [[maybe_unused]] const int64_t o1 = r1 * N, o2 = r2 * N + c2;
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
@@ -2990,9 +2971,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else if constexpr (kHoist) {  // 16-bit pair modes, kHoist: this tile's scales from one base address and
-      // this thread's offsets (in flight through phase A, as the default's); o from the bias, s2 bo during q = 0's
-      // phase B
+    } else {  // 16-bit pair modes: this tile's scales from one base address and this thread's offsets (in flight
+      // through phase A); o from the bias, s2 bo during q = 0's phase B
       const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
       const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
 #pragma unroll
@@ -3010,30 +2990,18 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else {  // 16-bit pair modes: o starts from the bias as in the row mode, and becomes s2 bo before q = 0's
-      // phase B (s2 of this thread's pairs 16 w4 + g + 8 hr), so that no instruction before phase A waits on
-      // these loads; s1 of the rows (8 wg + 2 w4 + hr, jl) that this thread scales before phase B. Phase A
-      // hides the latency of all of them.
-      load_scales(it, jt, b, s1p, s2p);
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
-          o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
-        }
     }
     for (int q = 0; q < kOwNQ; ++q) {
       // ---- phase A: O_q (this warpgroup's 64 rows (il, hl) x 128 columns (jl, k)), K = S ----
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
-      // kHoist: the loop exits on a count of the stages left, opaque to the compiler: on the kbs bound, which the
-      // pair instance's register pressure left out of the registers, ptxas reloaded kbs from the constant bank
+      // 16-bit kPair: the loop exits on a count of the stages left, opaque to the compiler: on the kbs bound, which
+      // the pair instance's register pressure left out of the registers, ptxas reloaded kbs from the constant bank
       // (LDC) at every stage, on the loop's back edge (ncu at long: ~2.8% of the kernel's stall samples)
       [[maybe_unused]] int left = kbs;
-      if constexpr (kPair && kHoist) asm volatile("" : "+r"(left));
-      for (int kb = 0; kPair && kHoist ? left > 0 : kb < kbs; ++kb) {
-        if constexpr (kPair && kHoist) --left;
+      if constexpr (kPair && !kSplit) asm volatile("" : "+r"(left));
+      for (int kb = 0; kPair && !kSplit ? left > 0 : kb < kbs; ++kb) {
+        if constexpr (kPair && !kSplit) --left;
         [[maybe_unused]] const int st = cs;  // this stage's slot
         const float* stg = wait_full();
         // split: hi / lo planes of this warpgroup's A block and of the B block (16-bit: dA0, dB0)
@@ -3160,17 +3128,15 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
               mx = fmaxf(mx, fmaxf(fabsf(acc[4 * (4 * jl + jq) + 2 * hr]), fabsf(acc[4 * (4 * jl + jq) + 2 * hr + 1])));
             // the warp's max: as unsigned integers, non-negative floats order as their values (NaN above inf)
             mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
-            // kHoist: mx at least 2^-112 (as integers: NaN stays above), so that E >= e(inv) - 112 and 268 - E
-            // <= 380 - e(inv): the cap below without computing it. fs is unchanged for every row: one of at least
-            // 2^-112 keeps its E, a smaller one took the cap (268 - E >= 380 - e(inv)) and now gets it from E.
-            if constexpr (kPair && kHoist) mx = __uint_as_float(max(__float_as_uint(mx), 15u << 23));
+            // kPair: mx at least 2^-112 (as integers: NaN stays above), so that E >= e(inv) - 112 and 268 - E <=
+            // 380 - e(inv): inv times the scale stays below 2^127. This is the cap min(253, 380 - e(inv)) of every
+            // row without computing it: a row of at least 2^-112 is under the cap, a smaller one gets the cap's
+            // value from the clamped E (tests/test_opm_pair_modes.py emulates both).
+            if constexpr (kPair) mx = __uint_as_float(max(__float_as_uint(mx), 15u << 23));
             // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
-            // subnormal rows: 2^126; inf / NaN stay so); kPair: at most 380 - e(inv), so that inv times
-            // the scale stays below 2^127
+            // subnormal rows: 2^126; inf / NaN stay so)
             const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff);
-            const int fmax = kPair && !kHoist ? min(253, 380 - static_cast<int>((__float_as_uint(inv) >> 23) & 0xff))
-                                              : 253;
-            const int fs = min(fmax, max(1, 268 - E));
+            const int fs = min(253, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
           }
@@ -3193,12 +3159,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           }
         consumers_sync();  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
-        if constexpr (kPair && !kHoist) {
-          if (q == 0) {  // o = s2 bo (o[4 jj + 2 hr + e]: row hr)
-#pragma unroll
-            for (int e = 0; e < 32; ++e) o[e] *= s2p[(e / 2) % 2];
-          }
-        }
         // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
         //      Wo blocks (hl, hl + 1) per slot, one accumulator over the q's four slots; a slot's wgmmas
         //      stay in flight while the next slot's are issued, so its A fragments (af[sl % 2]) and the
@@ -3227,7 +3187,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             wgmma_f16_m64n64k16_rs(d2, a[f], wg_desc(reinterpret_cast<const float*>(wst + (f / 2) * kOwWBlk16 + (f % 2) * 128), 512),
                                    sl + f > 0);
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          if constexpr (kPair && kHoist) {
+          if constexpr (kPair) {
             if (sl == 0 && q == 0) {  // o = s2 bo while the products run (o is no wgmma operand): o[4 jj + 2 hr + e]
               // is row hr's, bo in row 0's
 #pragma unroll
@@ -5672,11 +5632,10 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 // out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
-// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom; hoist: its 16-bit
-// instances with kHoist.
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
-                                  const at::Tensor& pair_scale, bool hoist) {
+                                  const at::Tensor& pair_scale) {
   const bool kp = pair_scale.defined();
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
@@ -5688,13 +5647,11 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (out.scalar_type() == at::kBFloat16)
-    run(kp ? (hoist ? opm_outer_wg_kernel<__nv_bfloat16, true, true> : opm_outer_wg_kernel<__nv_bfloat16, true>)
-           : opm_outer_wg_kernel<__nv_bfloat16>,
+    run(kp ? opm_outer_wg_kernel<__nv_bfloat16, true> : opm_outer_wg_kernel<__nv_bfloat16>,
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ow_smem_bytes<__nv_bfloat16>());
   else if (out.scalar_type() == at::kHalf)
-    run(kp ? (hoist ? opm_outer_wg_kernel<__half, true, true> : opm_outer_wg_kernel<__half, true>)
-           : opm_outer_wg_kernel<__half>,
-        reinterpret_cast<__half*>(out.data_ptr()), ow_smem_bytes<__half>());
+    run(kp ? opm_outer_wg_kernel<__half, true> : opm_outer_wg_kernel<__half>, reinterpret_cast<__half*>(out.data_ptr()),
+        ow_smem_bytes<__half>());
   else
     run(kp ? opm_outer_wg_kernel<float, true> : opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
 }
@@ -5810,13 +5767,13 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   }
 }
 // x and out: float32 (split TF32), or both bfloat16 / float16 (the prep reads x as it is, phase A on the
-// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale, hoist: see launch_outer_wg_fused.
+// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale: see launch_outer_wg_fused.
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
-                            const at::Tensor& pair_scale = at::Tensor(), bool hoist = false) {
+                            const at::Tensor& pair_scale = at::Tensor()) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -5827,7 +5784,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale, hoist);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
@@ -6054,12 +6011,11 @@ static int mask_kind_of(at::ScalarType st) {
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
-// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale). pair_hoist: outer_wg's 16-bit kPair instance with
-// kHoist (opm_outer_wg_kernel).
+// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, int64_t pair_counts, bool pair_hoist) {
+    double norm_eps, bool pair_fused, int64_t pair_counts) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -6258,7 +6214,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream, pscale, pair_hoist);
+                    d, stream, pscale);
     finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};
@@ -6751,7 +6707,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts") = 0, py::arg("pair_hoist") = false);
+        py::arg("pair_counts") = 0);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6978,8 +6934,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    PAIR_HOIST), which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
+    which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -7016,14 +6972,7 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# With the "fused" epilogue, bfloat16 / float16 only: outer_wg's pair instance addresses each tile's (s1, s2) from one
-# base per tile, drops the per-row cap min(253, 380 - e(s1)) (the row's max clamped to 2^-112 gives every row the same
-# scale) and forms s2 bo while its first phase-B products run (True; meant to give the same output bit for bit, argued
-# and emulated in numpy) or computes each load's 64-bit index, keeps the cap and forms s2 bo before the products (False,
-# the default until the GPU tests, sanitizers and timings have run on it): OPM_PAIR_HOIST ("1" / "0") at import, then
-# this attribute.
-PAIR_HOIST = _env_flag("OPM_PAIR_HOIST", False)
-# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
+# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7355,7 +7304,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=F
     if not same:  # mixed dtypes (CUDA autocast): float32 copies
         msa, params = _f32(msa), [_f32(p) for p in params]
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             _pair_counts(), _flag("PAIR_HOIST"))
+                                             _pair_counts())
     out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)

@@ -373,22 +373,23 @@ def test_harness_judges_the_family_class_of_the_reference(run_harness):
     assert code == harness.EXIT_OK, out[-3000:]
 
 
-def _row_scale_exponent(mx, inv, hoist):
-    """fs of opm_outer_wg_kernel's 16-bit kPair staging, in numpy (float32 products, uint32 bit fields): the default
-    caps it at min(253, 380 - e(inv)); kHoist (PAIR_HOIST) clamps the row max mx to 2^-112 as an integer max."""
+def _row_scale_exponent(mx, inv, clamp):
+    """fs of opm_outer_wg_kernel's 16-bit kPair staging, in numpy (float32 products, uint32 bit fields): with clamp,
+    the kernel's, the row max mx clamped to 2^-112 as an integer max; without, the cap it stands for, min(253,
+    380 - e(inv)), computed per row."""
     import numpy as np
     mx, inv = np.asarray(mx, np.float32), np.asarray(inv, np.float32)
-    if hoist:
+    if clamp:
         mx = np.maximum(mx.view(np.uint32), np.uint32(15 << 23)).view(np.float32)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         e = ((mx * inv).view(np.uint32) >> 23 & 0xFF).astype(np.int64)
-    fmax = 253 if hoist else np.minimum(253, 380 - (inv.view(np.uint32) >> 23 & 0xFF).astype(np.int64))
+    fmax = 253 if clamp else np.minimum(253, 380 - (inv.view(np.uint32) >> 23 & 0xFF).astype(np.int64))
     return np.minimum(fmax, np.maximum(1, 268 - e))
 
 
-def test_pair_hoist_row_scale_equals_the_cap():
-    """The kHoist staging's clamp gives every row the default's fs: rows of at least 2^-112 keep their exponent, a
-    smaller row (zero, subnormal) takes the cap either way. Row maxima and scales drawn over the whole float32 range
+def test_pair_row_scale_clamp_equals_the_cap():
+    """The 16-bit kPair staging's clamp gives every row the capped fs: rows of at least 2^-112 keep their exponent,
+    a smaller row (zero, subnormal) takes the cap either way. Row maxima and scales drawn over the whole float32 range
     (s1 = 1 / (n + eps) up to 1 / eps, 0 for pairs past N, negative for negative mask weights, inf for eps 0) and
     the edges: 0, the smallest subnormal, 2^-112 and its neighbours, 2^-126, 1, the largest float, inf, NaN."""
     import numpy as np
@@ -414,10 +415,10 @@ def test_pair_hoist_row_scale_equals_the_cap():
 
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
-    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA, OPM_PAIR_HOIST):
-    unset -> the default, "1" / "0" -> on / off, any other value raises naming the variable; the first four default
-    to on, PAIR_HOIST (not yet checked on a GPU) to off; _pair_counts maps them to the kernel code (0 FMA, 1 DMMA,
-    2 the ring, 3 the ring on HMMA); an attribute set to anything but True / False raises."""
+    """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA): unset -> the
+    default, "1" / "0" -> on / off, any other value raises naming the variable; all four default to on; _pair_counts
+    maps them to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but
+    True / False raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -429,17 +430,16 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             opm._env_flag(name, True)
-    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA",
-            "OPM_PAIR_HOIST"} & set(os.environ):
+    if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA"} & set(os.environ):
         assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
-        assert opm.PAIR_COUNTS_HMMA is True and opm.PAIR_HOIST is False
+        assert opm.PAIR_COUNTS_HMMA is True
     for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
                                    (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
         monkeypatch.setattr(opm, "PAIR_COUNTS_RING", ring)
         monkeypatch.setattr(opm, "PAIR_COUNTS_HMMA", hmma)
         assert opm._pair_counts() == code
-    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_G_KERNEL", "PAIR_HOIST"):
+    for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_G_KERNEL"):
         monkeypatch.setattr(opm, attr, "0")  # a string, not a bool: raises rather than reading as on
         with pytest.raises(ValueError, match=attr):
             opm._flag(attr)
@@ -694,20 +694,20 @@ def test_backward_against_fp64(opm, family, kind, dtype, pb):
                 f"{n}: err {err:.3e} vs the reference's {e_ref:.3e} (largest {scale:.3e})"
 
 
-HOIST_CASES = [(1, 40, 37, 64, 128, 32), (2, 7, 21, 20, 24, 32), (3, 5, 200, 64, 128, 32), (1, 130, 45, 64, 200, 32)]
+WALK_CASES = [(1, 40, 37, 64, 128, 32), (2, 7, 21, 20, 24, 32), (3, 5, 200, 64, 128, 32), (1, 130, 45, 64, 200, 32)]
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kind", ["dead", "fractional"])
 @pytest.mark.parametrize("family", ["openfold", "boltz"])
-@pytest.mark.parametrize("case", HOIST_CASES, ids=[f"B{c[0]}_S{c[1]}_N{c[2]}_cz{c[4]}" for c in HOIST_CASES])
-def test_pair_hoist_bit_equal_to_the_default(opm, monkeypatch, family, kind, dtype, case):
-    """PAIR_HOIST (outer_wg's 16-bit kPair instance with each tile's scales addressed from one base per tile, the row
-    max clamped to 2^-112 in place of the cap, s2 bo formed during q = 0's phase B) returns the default instance's
-    output bit for bit: one tile per block, blocks walking several tiles (N 200, B 3: ~14 tiles per block on 132 SMs),
-    partial tiles (N 37, 21, 45: rows and columns past N), two z chunks (pair_dim 200), S 130 (five phase-A stages);
-    and within the fp64 check of test_every_variant_against_fp64."""
+@pytest.mark.parametrize("case", WALK_CASES, ids=[f"B{c[0]}_S{c[1]}_N{c[2]}_cz{c[4]}" for c in WALK_CASES])
+def test_outer_wg_pair_instance_walking_tiles(opm, family, kind, dtype, case):
+    """outer_wg's 16-bit kPair instance (each tile's scales addressed from one base per tile, the row max clamped to
+    2^-112, s2 bo formed during q = 0's phase B) within the fp64 check of test_every_variant_against_fp64: one tile
+    per block, blocks walking several tiles (N 200, B 3: ~14 tiles per block on 132 SMs), partial tiles (N 37, 21,
+    45: rows and columns past N), two z chunks (pair_dim 200), S 130 (five phase-A stages); two calls in a row give
+    the same output bit for bit."""
     B, S, N, cm, cz, c = case
     ref, new = models(opm, family, cm, cz, c, 60 + S)
     ref, new = ref.to("cuda", dtype), new.to("cuda", dtype)
@@ -717,27 +717,23 @@ def test_pair_hoist_bit_equal_to_the_default(opm, monkeypatch, family, kind, dty
     want64 = _ref64(ref, msa, mask)
     with torch.no_grad():
         want = ref(msa, mask)
-    got = {}
-    for hoist in (False, True):
-        monkeypatch.setattr(opm, "PAIR_HOIST", hoist)
+    got = []
+    for _ in range(2):
         _poison(2 * want64.numel() * 8)
         with torch.no_grad(), opm.pair_epilogue("fused"):
-            got[hoist] = new(msa, mask)
+            got.append(new(msa, mask))
         torch.cuda.synchronize()
         assert new.last_variant == "outer_wg"
-    _judge(got[True], want, want64, dtype, f"{family} {kind} hoist {case}")
-    assert torch.equal(got[True], got[False]), f"{family} {kind} {case}: PAIR_HOIST changed the output"
+    _judge(got[0], want, want64, dtype, f"{family} {kind} {case}")
+    assert torch.equal(got[0], got[1]), f"{family} {kind} {case}: two calls differ"
 
 
 @gpu
-@pytest.mark.parametrize("fused, hoist", [(False, False), (True, False), (True, True)],
-                         ids=["unfused", "fused", "fused-hoist"])
-def test_fp16_overflow_of_a_fully_masked_pair(opm, monkeypatch, fused, hoist):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_fp16_overflow_of_a_fully_masked_pair(opm, fused):
     """OpenFold mode in fp16: a fully masked pair is (0 + bo) / eps = 1000 bo. Where |1000 bo[z]| rounds
     above 65504 the kernels return inf with bo's sign (IEEE overflow of the one rounding to fp16), as
-    the fp16 reference does; elsewhere 1000 bo in fp16. Every variant, both epilogues (the fused one with and
-    without PAIR_HOIST)."""
-    monkeypatch.setattr(opm, "PAIR_HOIST", hoist)
+    the fp16 reference does; elsewhere 1000 bo in fp16. Every variant, both epilogues."""
     B, S, N, cm, cz, c = 1, 16, 20, 32, 64, 32
     ref, new = models(opm, "openfold", cm, cz, c, 40)
     with torch.no_grad():
@@ -763,16 +759,14 @@ def test_fp16_overflow_of_a_fully_masked_pair(opm, monkeypatch, fused, hoist):
 
 
 @gpu
-@pytest.mark.parametrize("fused, hoist", [(False, False), (True, False), (True, True)],
-                         ids=["unfused", "fused", "fused-hoist"])
-def test_bf16_tiny_rows_with_large_pair_scales(opm, monkeypatch, fused, hoist):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_bf16_tiny_rows_with_large_pair_scales(opm, fused):
     """OpenFold mode in bf16 where s1 = 1 / (count + eps) is about 506 and every O row is below 2^-121
     (projections of 2^-57 with mask weights 2^-5; every product a b stays a normal float): the 16-bit
     kernels' power-of-two row scale times s1 must stay finite (a cap of 2^126 alone gives inf). The
     linear projections are zero and their biases of magnitude 1-2 times 2^-57, so each product lies in
-    [2^-124, 2^-122], and the output bias is zero: the output, about 2^-112, is all outer product. The fused
-    epilogue with and without PAIR_HOIST (these rows, below 2^-112, take the clamp in place of the cap)."""
-    monkeypatch.setattr(opm, "PAIR_HOIST", hoist)
+    [2^-124, 2^-122], and the output bias is zero: the output, about 2^-112, is all outer product. Both epilogues
+    (outer_wg's fused one: these rows, below 2^-112, take the clamp, which gives the cap)."""
     B, S, N, cm, cz, c = 1, 3, 20, 32, 64, 32
     ref, new = models(opm, "openfold", cm, cz, c, 50)
     g = torch.Generator().manual_seed(51)

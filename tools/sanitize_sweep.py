@@ -320,14 +320,13 @@ def _opm_pair_case():
     return Case("opm_pair_modes", "outer_product_mean", "the pair-count normalisations' kernels", calls)
 
 
-def _opm_pair_hoist_case():
-    """outer_wg's 16-bit kPair instances with kHoist (PAIR_HOIST): one call walking two tiles per SM, one with a tile
-    per block; N 19: partial tiles (the scale loads' bounds)."""
-    calls = [opm_call("opm_pair", BF16, None, 5, 19, 64, 32, 64, family="openfold", variant="outer_wg", hoist=True,
+def _opm_pair_walk_case():
+    """outer_wg's 16-bit kPair instances: one call walking two tiles per SM, one with a tile per block; N 19: partial
+    tiles (the scale loads' bounds)."""
+    calls = [opm_call("opm_pair", BF16, None, 5, 19, 64, 32, 64, family="openfold", variant="outer_wg",
                       mask_dtype=BF16, walk=2),
-             opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 64, family="boltz", variant="outer_wg", hoist=True,
-                      mask_dtype=F16)]
-    return Case("opm_pair_hoist", "outer_product_mean", "outer_wg's 16-bit pair staging with PAIR_HOIST", calls)
+             opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 64, family="boltz", variant="outer_wg", mask_dtype=F16)]
+    return Case("opm_pair_walk", "outer_product_mean", "outer_wg's 16-bit pair instances walking tiles", calls)
 
 
 OPM_CASES = [
@@ -365,7 +364,7 @@ OPM_CASES = [
     _opm_backward_case(F16),
     _opm_backward_case(BF16),
     _opm_pair_case(),
-    _opm_pair_hoist_case(),
+    _opm_pair_walk_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -392,7 +391,7 @@ def batch_of(call, sms):
 def describe_call(call):
     keys = ("B", "N", "C", "H") if call["op"].startswith("cm_") else ("B", "S", "N", "cm", "c", "cz")
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
-    extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "hoist", "mask",
+    extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "mask",
                                         "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts")
              if k in call and call[k] not in (None, False) and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
@@ -570,8 +569,7 @@ def _opm_train(torch, mod, call, sms):
 def _opm_pair(torch, mod, call, sms):
     """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
     forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]) (and PAIR_G_KERNEL =
-    call["pair_g"], PAIR_HOIST = call["hoist"] where given); a forward under no_grad, or with train a training
-    step."""
+    call["pair_g"] where given); a forward under no_grad, or with train a training step."""
     _, msa, mask, g = _opm_setup(torch, mod, call, sms)
     gen = torch.Generator().manual_seed(_seed(call) + 1)
     fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
@@ -581,9 +579,8 @@ def _opm_pair(torch, mod, call, sms):
             p.copy_(torch.randn(p.shape, generator=gen) * scale + 0.05)
     fam = fam.to(msa.dtype).cuda()
     fam.variant = call["variant"]
-    saved, saved_hoist = getattr(mod, "PAIR_G_KERNEL", False), getattr(mod, "PAIR_HOIST", False)
+    saved = getattr(mod, "PAIR_G_KERNEL", False)
     mod.PAIR_G_KERNEL = call.get("pair_g", saved)
-    mod.PAIR_HOIST = call.get("hoist", saved_hoist)
     with mod.pair_epilogue(call.get("epilogue", "fused")), mod.pair_backward(call.get("backward", "chunks")):
         if call.get("train"):
             x = msa.detach().requires_grad_(True)
@@ -592,7 +589,7 @@ def _opm_pair(torch, mod, call, sms):
         else:
             with torch.no_grad():
                 _fetch(torch, fam(msa, mask))
-    mod.PAIR_G_KERNEL, mod.PAIR_HOIST = saved, saved_hoist
+    mod.PAIR_G_KERNEL = saved
     _expect("last_variant", fam.last_variant, call["variant"])
 
 

@@ -19,9 +19,8 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
 then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING; 16-bit
-masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL); PAIR_HOIST (off)
-a leaner 16-bit pair staging in outer_wg. The settings and their OPM_* environment variables: the comments at their
-definitions.
+masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and
+their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -215,8 +214,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    PAIR_HOIST), which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
+    which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -253,14 +252,7 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# With the "fused" epilogue, bfloat16 / float16 only: outer_wg's pair instance addresses each tile's (s1, s2) from one
-# base per tile, drops the per-row cap min(253, 380 - e(s1)) (the row's max clamped to 2^-112 gives every row the same
-# scale) and forms s2 bo while its first phase-B products run (True; meant to give the same output bit for bit, argued
-# and emulated in numpy) or computes each load's 64-bit index, keeps the cap and forms s2 bo before the products (False,
-# the default until the GPU tests, sanitizers and timings have run on it): OPM_PAIR_HOIST ("1" / "0") at import, then
-# this attribute.
-PAIR_HOIST = _env_flag("OPM_PAIR_HOIST", False)
-# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
+# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -592,7 +584,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=F
     if not same:  # mixed dtypes (CUDA autocast): float32 copies
         msa, params = _f32(msa), [_f32(p) for p in params]
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
-                                             _pair_counts(), _flag("PAIR_HOIST"))
+                                             _pair_counts())
     out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)

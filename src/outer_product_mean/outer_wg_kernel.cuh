@@ -32,19 +32,17 @@ namespace opm {
 //   the output written in T (one rounding).
 // kPair (the pair modes, "Normalisations"): inv_denom points at the float2 (s1, s2)
 //   per pair (B, N, N) of opm_pair_scale_kernel instead of 1 / denom per row: out = s2 bo + s1 acc. 16-bit:
-//   s1 scales each pair's row of O before its rounding (as 1 / denom does), o is s2 bo at q = 0's phase B, and the
-//   row's power of two is capped at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to
-//   1 / eps, and 2^126 s1 would overflow for a tiny row). The row mode's instances (kPair false) are
-//   unchanged. kHoist (16-bit kPair only; PAIR_HOIST): each tile's (s1, s2) are loaded from one base address per
-//   tile and offsets fixed per thread (the default's 64-bit index and bounds arithmetic per load took ~110
-//   instructions per warp per tile), the cap comes from the row's max clamped to 2^-112 (the same fs for every
-//   row, see the staging) and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which
-//   sit between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond
-//   the row mode's.
+//   s1 scales each pair's row of O before its rounding (as 1 / denom does), and the row's power of two is capped
+//   at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to 1 / eps, and 2^126 s1 would overflow for a
+//   tiny row), which clamping the row's max to 2^-112 gives (see the staging). Each tile's (s1, s2) are loaded
+//   from one base address per tile and offsets fixed per thread (a 64-bit index per load took ~110 instructions
+//   per warp per tile), and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which sit
+//   between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond the
+//   row mode's. The row mode's instances (kPair false) are unchanged.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kPair = false, bool kHoist = false>
+template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
@@ -153,26 +151,10 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   // block (under 2^18 bytes) without a carry
   [[maybe_unused]] const uint64_t dA0 = wg_desc(sm + wg * kOwABlk16 / 2, 512), dB0 = wg_desc(sm + kOwABlk16, 512);
   float acc[64], d[64], o[32], d2[32];
-  [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of this thread's phase-B rows, loaded with the tile
+  [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of the rows this thread scales, loaded with the tile
   [[maybe_unused]] float s2p[2];         // 16-bit kPair: s2 of this thread's output pairs (rows hr), likewise
-  // 16-bit kPair: (s1, s2) of this thread's rows and pairs in the tile (ti, tj, tb) into s1, s2
-  [[maybe_unused]] auto load_scales = [&](int64_t ti, int64_t tj, int64_t tb, float (&s1)[2][kOwTJ], float (&s2)[2]) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-      for (int jl = 0; jl < kOwTJ; ++jl) {
-        const int64_t i = ti * kOwTI + 8 * wg + 2 * w4 + hr, j = tj * kOwTJ + jl;
-        s1[hr][jl] = i < N && j < N ? pscale[(tb * N + i) * N + j].x : 0.f;
-      }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int p = 16 * w4 + g + 8 * hr;
-      const int64_t i = ti * kOwTI + p / kOwTJ, j = tj * kOwTJ + p % kOwTJ;
-      s2[hr] = i < N && j < N ? pscale[(tb * N + i) * N + j].y : 0.f;
-    }
-  };
-  // kHoist: this thread's places in a tile's (s1, s2): s1 at rows r1 + hr, columns 0-3 (offsets o1 + hr N + jl); s2
-  // of pairs 16 w4 + g + 8 hr at rows r2 + 2 hr, column c2 (offsets o2 + 2 hr N)
+  // 16-bit kPair: this thread's places in a tile's (s1, s2): s1 at rows r1 + hr, columns 0-3 (offsets o1 + hr N +
+  // jl); s2 of pairs 16 w4 + g + 8 hr at rows r2 + 2 hr, column c2 (offsets o2 + 2 hr N)
   [[maybe_unused]] const int r1 = 8 * wg + 2 * w4, r2 = 4 * w4 + g / 4, c2 = g % 4;
   [[maybe_unused]] const int64_t o1 = r1 * N, o2 = r2 * N + c2;
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
@@ -188,9 +170,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else if constexpr (kHoist) {  // 16-bit pair modes, kHoist: this tile's scales from one base address and
-      // this thread's offsets (in flight through phase A, as the default's); o from the bias, s2 bo during q = 0's
-      // phase B
+    } else {  // 16-bit pair modes: this tile's scales from one base address and this thread's offsets (in flight
+      // through phase A); o from the bias, s2 bo during q = 0's phase B
       const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
       const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
 #pragma unroll
@@ -208,30 +189,18 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else {  // 16-bit pair modes: o starts from the bias as in the row mode, and becomes s2 bo before q = 0's
-      // phase B (s2 of this thread's pairs 16 w4 + g + 8 hr), so that no instruction before phase A waits on
-      // these loads; s1 of the rows (8 wg + 2 w4 + hr, jl) that this thread scales before phase B. Phase A
-      // hides the latency of all of them.
-      load_scales(it, jt, b, s1p, s2p);
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
-          o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
-        }
     }
     for (int q = 0; q < kOwNQ; ++q) {
       // ---- phase A: O_q (this warpgroup's 64 rows (il, hl) x 128 columns (jl, k)), K = S ----
 #pragma unroll
       for (int e = 0; e < 64; ++e) acc[e] = d[e] = 0.f;
-      // kHoist: the loop exits on a count of the stages left, opaque to the compiler: on the kbs bound, which the
-      // pair instance's register pressure left out of the registers, ptxas reloaded kbs from the constant bank
+      // 16-bit kPair: the loop exits on a count of the stages left, opaque to the compiler: on the kbs bound, which
+      // the pair instance's register pressure left out of the registers, ptxas reloaded kbs from the constant bank
       // (LDC) at every stage, on the loop's back edge (ncu at long: ~2.8% of the kernel's stall samples)
       [[maybe_unused]] int left = kbs;
-      if constexpr (kPair && kHoist) asm volatile("" : "+r"(left));
-      for (int kb = 0; kPair && kHoist ? left > 0 : kb < kbs; ++kb) {
-        if constexpr (kPair && kHoist) --left;
+      if constexpr (kPair && !kSplit) asm volatile("" : "+r"(left));
+      for (int kb = 0; kPair && !kSplit ? left > 0 : kb < kbs; ++kb) {
+        if constexpr (kPair && !kSplit) --left;
         [[maybe_unused]] const int st = cs;  // this stage's slot
         const float* stg = wait_full();
         // split: hi / lo planes of this warpgroup's A block and of the B block (16-bit: dA0, dB0)
@@ -358,17 +327,15 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
               mx = fmaxf(mx, fmaxf(fabsf(acc[4 * (4 * jl + jq) + 2 * hr]), fabsf(acc[4 * (4 * jl + jq) + 2 * hr + 1])));
             // the warp's max: as unsigned integers, non-negative floats order as their values (NaN above inf)
             mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
-            // kHoist: mx at least 2^-112 (as integers: NaN stays above), so that E >= e(inv) - 112 and 268 - E
-            // <= 380 - e(inv): the cap below without computing it. fs is unchanged for every row: one of at least
-            // 2^-112 keeps its E, a smaller one took the cap (268 - E >= 380 - e(inv)) and now gets it from E.
-            if constexpr (kPair && kHoist) mx = __uint_as_float(max(__float_as_uint(mx), 15u << 23));
+            // kPair: mx at least 2^-112 (as integers: NaN stays above), so that E >= e(inv) - 112 and 268 - E <=
+            // 380 - e(inv): inv times the scale stays below 2^127. This is the cap min(253, 380 - e(inv)) of every
+            // row without computing it: a row of at least 2^-112 is under the cap, a smaller one gets the cap's
+            // value from the clamped E (tests/test_opm_pair_modes.py emulates both).
+            if constexpr (kPair) mx = __uint_as_float(max(__float_as_uint(mx), 15u << 23));
             // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
-            // subnormal rows: 2^126; inf / NaN stay so); kPair: at most 380 - e(inv), so that inv times
-            // the scale stays below 2^127
+            // subnormal rows: 2^126; inf / NaN stay so)
             const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff);
-            const int fmax = kPair && !kHoist ? min(253, 380 - static_cast<int>((__float_as_uint(inv) >> 23) & 0xff))
-                                              : 253;
-            const int fs = min(fmax, max(1, 268 - E));
+            const int fs = min(253, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);
             fsp[hr] |= static_cast<uint32_t>(fs) << (8 * jl);
           }
@@ -391,12 +358,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           }
         consumers_sync();  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
-        if constexpr (kPair && !kHoist) {
-          if (q == 0) {  // o = s2 bo (o[4 jj + 2 hr + e]: row hr)
-#pragma unroll
-            for (int e = 0; e < 32; ++e) o[e] *= s2p[(e / 2) % 2];
-          }
-        }
         // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
         //      Wo blocks (hl, hl + 1) per slot, one accumulator over the q's four slots; a slot's wgmmas
         //      stay in flight while the next slot's are issued, so its A fragments (af[sl % 2]) and the
@@ -425,7 +386,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             wgmma_f16_m64n64k16_rs(d2, a[f], wg_desc(reinterpret_cast<const float*>(wst + (f / 2) * kOwWBlk16 + (f % 2) * 128), 512),
                                    sl + f > 0);
           asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          if constexpr (kPair && kHoist) {
+          if constexpr (kPair) {
             if (sl == 0 && q == 0) {  // o = s2 bo while the products run (o is no wgmma operand): o[4 jj + 2 hr + e]
               // is row hr's, bo in row 0's
 #pragma unroll
