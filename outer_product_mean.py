@@ -2836,7 +2836,7 @@ namespace opm {
 //   s1 scales each pair's row of O before its rounding (as 1 / denom does), and the row's power of two is capped
 //   at 2^(253 - e(s1)) (e: s1's exponent field; s1 may exceed 1, up to 1 / eps, and 2^126 s1 would overflow for a
 //   tiny row), which clamping the row's max to 2^-112 gives (see the staging). Each tile's (s1, s2) are loaded
-//   from one base address per tile and offsets fixed per thread (a 64-bit index per load took ~110 instructions
+//   from one base address per tile and offsets fixed per thread (a 64-bit index per load took ~115 instructions
 //   per warp per tile), and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which sit
 //   between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond the
 //   row mode's. The row mode's instances (kPair false) are unchanged.
@@ -2954,8 +2954,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
   float acc[64], d[64], o[32], d2[32];
   [[maybe_unused]] float s1p[2][kOwTJ];  // 16-bit kPair: s1 of the rows this thread scales, loaded with the tile
   [[maybe_unused]] float s2p[2];         // 16-bit kPair: s2 of this thread's output pairs (rows hr), likewise
-  // 16-bit kPair: this thread's places in a tile's (s1, s2): s1 at rows r1 + hr, columns 0-3 (offsets o1 + hr N +
-  // jl); s2 of pairs 16 w4 + g + 8 hr at rows r2 + 2 hr, column c2 (offsets o2 + 2 hr N)
+  // 16-bit kPair: this thread's places in a tile's (s1, s2): s1 at residues i = 16 it + r1 + hr, j = 4 jt + jl
+  // (offsets o1 + hr N + jl); s2 of pairs 16 w4 + g + 8 hr at i = 16 it + r2 + 2 hr, j = 4 jt + c2 (o2 + 2 hr N)
   [[maybe_unused]] const int r1 = 8 * wg + 2 * w4, r2 = 4 * w4 + g / 4, c2 = g % 4;
   [[maybe_unused]] const int64_t o1 = r1 * N, o2 = r2 * N + c2;
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
@@ -2982,7 +2982,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
         s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
       }
       // bo into row 0's o only: copying each load into row 1's o here waited on it at the tile's start (ncu: the
-      // stall of the row instance's copies, and longer behind the scale loads); both rows' o = s2 bo at q = 0
+      // row instance stalls there too, the pair instance longer, behind the scale loads); both rows' o = s2 bo at
+      // q = 0
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -3133,8 +3134,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             // row without computing it: a row of at least 2^-112 is under the cap, a smaller one gets the cap's
             // value from the clamped E (tests/test_opm_pair_modes.py emulates both).
             if constexpr (kPair) mx = __uint_as_float(max(__float_as_uint(mx), 15u << 23));
-            // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (0 and
-            // subnormal rows: 2^126; inf / NaN stay so)
+            // scale 2^(14 - exponent of mx * inv): its exponent field 268 - E, kept in [1, 253] (row mode: 0 and
+            // subnormal rows 2^126; inf / NaN stay so)
             const int E = static_cast<int>((__float_as_uint(mx * inv) >> 23) & 0xff);
             const int fs = min(253, max(1, 268 - E));
             rowf[hr][jl] = inv * __uint_as_float(static_cast<uint32_t>(fs) << 23);

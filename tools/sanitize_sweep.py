@@ -326,7 +326,7 @@ def _opm_pair_walk_case():
     calls = [opm_call("opm_pair", BF16, None, 5, 19, 64, 32, 64, family="openfold", variant="outer_wg",
                       mask_dtype=BF16, walk=2),
              opm_call("opm_pair", F16, 1, 5, 19, 64, 32, 64, family="boltz", variant="outer_wg", mask_dtype=F16)]
-    return Case("opm_pair_walk", "outer_product_mean", "outer_wg's 16-bit pair instances walking tiles", calls)
+    return Case("opm_pair_walk", "outer_product_mean", "outer_wg's 16-bit pair instances: a walk, partial tiles", calls)
 
 
 OPM_CASES = [
