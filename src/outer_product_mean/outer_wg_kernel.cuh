@@ -39,10 +39,13 @@ namespace opm {
 //   per warp per tile), and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which sit
 //   between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond the
 //   row mode's. The row mode's instances (kPair false) are unchanged.
+// kLate (16-bit row mode only; ROW_BIAS_LATE): bo into row 0's o at the tile's start and row 1's o from it at q = 0's
+//   phase B, as the pair instance does (the default copies each bias load into row 1's o right after issuing it,
+//   which waits on the load: ~1.3% of the row instance's stall samples at long, ncu).
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kPair = false>
+template <typename T, bool kPair = false, bool kLate = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
@@ -162,13 +165,21 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     if constexpr (kSplit) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) o[e] = 0.f;
-    } else if constexpr (!kPair) {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
+    } else if constexpr (!kPair && !kLate) {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
+        }
+    } else if constexpr (!kPair) {  // 16-bit, kLate: bo into row 0's o only; row 1's at q = 0's phase B
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
+          o[4 * jj + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
     } else {  // 16-bit pair modes: this tile's scales from one base address and this thread's offsets (in flight
       // through phase A); o from the bias, s2 bo during q = 0's phase B
@@ -397,6 +408,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
                   o[4 * jj + 2 + e] = o[4 * jj + e] * s2p[1];
                   o[4 * jj + e] *= s2p[0];
                 }
+            }
+          } else if constexpr (kLate) {
+            if (sl == 0 && q == 0) {  // row 1's o = bo (row 0's), loaded at the tile's start
+#pragma unroll
+              for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) o[4 * jj + 2 + e] = o[4 * jj + e];
             }
           }
           if (sl > 0) {
