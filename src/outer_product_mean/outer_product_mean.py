@@ -592,8 +592,8 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=F
         msa, params = _f32(msa), [_f32(p) for p in params]
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
                                              _pair_counts())
-    out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra,
-                                             row_bias_late=_flag("ROW_BIAS_LATE"))
+    late = {"row_bias_late": True} if _flag("ROW_BIAS_LATE") else {}  # (no keyword by default: pybind11's fast path)
+    out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra, **late)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not keep_ab:
