@@ -67,6 +67,7 @@ report to its kernel, not to a case (--per-case does). racecheck sees shared mem
 """
 import argparse
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import os
@@ -538,15 +539,25 @@ def _opm_setup(torch, mod, call, sms, params_dtype=None):
     return model, msa, mask.cuda(), g
 
 
+@contextlib.contextmanager
+def _module_setting(mod, name, value):
+    """mod.name = value for the block (value None: left as it is), restored afterwards, also when the block raises (a
+    worker goes on to its next case)."""
+    saved = getattr(mod, name)
+    if value is not None:
+        setattr(mod, name, value)
+    try:
+        yield
+    finally:
+        setattr(mod, name, saved)
+
+
 def _opm_forward(torch, mod, call, sms):
     """ModelNew's forward with the variant forced (and ROW_BIAS_LATE = call["late"] where given), under no_grad."""
     model, msa, mask, _ = _opm_setup(torch, mod, call, sms)
     model.variant = call["variant"]
-    saved = getattr(mod, "ROW_BIAS_LATE", False)
-    mod.ROW_BIAS_LATE = call.get("late", saved)
-    with torch.no_grad():
+    with _module_setting(mod, "ROW_BIAS_LATE", call.get("late")), torch.no_grad():
         out = model(msa, mask)
-    mod.ROW_BIAS_LATE = saved
     _expect("last_variant", model.last_variant, call["variant"] if call["variant"] != "auto" else None)
     _fetch(torch, out)
 
@@ -592,9 +603,8 @@ def _opm_pair(torch, mod, call, sms):
             p.copy_(torch.randn(p.shape, generator=gen) * scale + 0.05)
     fam = fam.to(msa.dtype).cuda()
     fam.variant = call["variant"]
-    saved = getattr(mod, "PAIR_G_KERNEL", False)
-    mod.PAIR_G_KERNEL = call.get("pair_g", saved)
-    with mod.pair_epilogue(call.get("epilogue", "fused")), mod.pair_backward(call.get("backward", "chunks")):
+    with _module_setting(mod, "PAIR_G_KERNEL", call.get("pair_g")), mod.pair_epilogue(call.get("epilogue", "fused")), \
+            mod.pair_backward(call.get("backward", "chunks")):
         if call.get("train"):
             x = msa.detach().requires_grad_(True)
             fam(x, mask).backward(g)
@@ -602,7 +612,6 @@ def _opm_pair(torch, mod, call, sms):
         else:
             with torch.no_grad():
                 _fetch(torch, fam(msa, mask))
-    mod.PAIR_G_KERNEL = saved
     _expect("last_variant", fam.last_variant, call["variant"])
 
 
