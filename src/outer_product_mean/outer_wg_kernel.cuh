@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     if constexpr (kSplit) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) o[e] = 0.f;
-    } else if constexpr (!kPair && !kLate) {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
+    } else if constexpr (!kPair && !kLate) {  // 16-bit: o starts from the bias (its loads overlap phase A)
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -173,27 +173,21 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else if constexpr (!kPair) {  // 16-bit, kLate: bo into row 0's o only; row 1's at q = 0's phase B
+    } else {  // 16-bit pair modes, and kLate
+      if constexpr (kPair) {  // this tile's scales from one base address and this thread's offsets (in flight
+        // through phase A)
+        const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
+        const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
+        for (int hr = 0; hr < 2; ++hr) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
-          o[4 * jj + e] = z < cz ? __ldg(bo + z) : 0.f;
+          for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = r1 + hr < il && jl < jn ? ps[o1 + hr * N + jl].x : 0.f;
+          s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
         }
-    } else {  // 16-bit pair modes: this tile's scales from one base address and this thread's offsets (in flight
-      // through phase A); o from the bias, s2 bo during q = 0's phase B
-      const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
-      const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-#pragma unroll
-        for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = r1 + hr < il && jl < jn ? ps[o1 + hr * N + jl].x : 0.f;
-        s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
       }
       // bo into row 0's o only: copying each load into row 1's o here waited on it at the tile's start (ncu: the
-      // row instance stalls there too, the pair instance longer, behind the scale loads); both rows' o = s2 bo at
-      // q = 0
+      // row instance stalls there too, the pair instance longer, behind the scale loads); row 1's o at q = 0's
+      // phase B (kPair: both rows' o = s2 bo there)
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
