@@ -21,9 +21,8 @@ Pair-count modes (n[b,i,j] = sum_s mask[b,s,i] mask[b,s,j], fp64 / int64): OpenF
 (acc / max(n, 1) + bo); from_openfold / from_boltz convert released modules (README). outer_wg and w_first_wg2
 scale per pair in their epilogues (PAIR_EPILOGUE "fused"), the other variants (and "unfused") run with a zero bias,
 then one sweep out * s1 + s2 bo; float masks' counts on DMMA (PAIR_COUNTS_DMMA, PAIR_COUNTS_RING; 16-bit
-masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). ROW_BIAS_LATE (off):
-outer_wg's 16-bit row instances without the bias copies at each tile's start. The settings and their OPM_* environment
-variables: the comments at their definitions.
+masks' on HMMA with PAIR_COUNTS_HMMA); the backward's s1 g and dbo in one sweep (PAIR_G_KERNEL). The settings and
+their OPM_* environment variables: the comments at their definitions.
 fp16: a fully masked pair gives bo / eps (OpenFold), inf above 65504 (as the reference).
 
 Two contraction orders (FLOPs after the 4 B S N c_m c of LayerNorm + projections):
@@ -2841,13 +2840,10 @@ namespace opm {
 //   per warp per tile), and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which sit
 //   between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond the
 //   row mode's. The row mode's instances (kPair false) are unchanged.
-// kLate (16-bit row mode only; ROW_BIAS_LATE): bo into row 0's o at the tile's start and row 1's o from it at q = 0's
-//   phase B, as the pair instance does (the default copies each bias load into row 1's o right after issuing it,
-//   which waits on the load: ~1.3% of the row instance's stall samples at long, ncu).
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kPair = false, bool kLate = false>
+template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
@@ -2967,7 +2963,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     if constexpr (kSplit) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) o[e] = 0.f;
-    } else if constexpr (!kPair && !kLate) {  // 16-bit: o starts from the bias (its loads overlap phase A)
+    } else if constexpr (!kPair) {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -2975,21 +2971,19 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else {  // 16-bit pair modes, and kLate
-      if constexpr (kPair) {  // this tile's scales from one base address and this thread's offsets (in flight
-        // through phase A)
-        const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
-        const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
+    } else {  // 16-bit pair modes: this tile's scales from one base address and this thread's offsets (in flight
+      // through phase A); o from the bias, s2 bo during q = 0's phase B
+      const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
+      const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
+      for (int hr = 0; hr < 2; ++hr) {
 #pragma unroll
-          for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = r1 + hr < il && jl < jn ? ps[o1 + hr * N + jl].x : 0.f;
-          s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
-        }
+        for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = r1 + hr < il && jl < jn ? ps[o1 + hr * N + jl].x : 0.f;
+        s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
       }
       // bo into row 0's o only: copying each load into row 1's o here waited on it at the tile's start (ncu: the
-      // row instance stalls there too, the pair instance longer, behind the scale loads); row 1's o at q = 0's
-      // phase B (kPair: both rows' o = s2 bo there)
+      // row instance stalls there too, the pair instance longer, behind the scale loads); both rows' o = s2 bo at
+      // q = 0
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -3204,13 +3198,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
                   o[4 * jj + 2 + e] = o[4 * jj + e] * s2p[1];
                   o[4 * jj + e] *= s2p[0];
                 }
-            }
-          } else if constexpr (kLate) {
-            if (sl == 0 && q == 0) {  // row 1's o = bo (row 0's), loaded at the tile's start
-#pragma unroll
-              for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) o[4 * jj + 2 + e] = o[4 * jj + e];
             }
           }
           if (sl > 0) {
@@ -5646,11 +5633,10 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 // out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
-// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom. late: the 16-bit row
-// instances with kLate.
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
-                                  const at::Tensor& pair_scale, bool late) {
+                                  const at::Tensor& pair_scale) {
   const bool kp = pair_scale.defined();
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
@@ -5662,13 +5648,11 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (out.scalar_type() == at::kBFloat16)
-    run(kp ? opm_outer_wg_kernel<__nv_bfloat16, true>
-           : (late ? opm_outer_wg_kernel<__nv_bfloat16, false, true> : opm_outer_wg_kernel<__nv_bfloat16>),
+    run(kp ? opm_outer_wg_kernel<__nv_bfloat16, true> : opm_outer_wg_kernel<__nv_bfloat16>,
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ow_smem_bytes<__nv_bfloat16>());
   else if (out.scalar_type() == at::kHalf)
-    run(kp ? opm_outer_wg_kernel<__half, true>
-           : (late ? opm_outer_wg_kernel<__half, false, true> : opm_outer_wg_kernel<__half>),
-        reinterpret_cast<__half*>(out.data_ptr()), ow_smem_bytes<__half>());
+    run(kp ? opm_outer_wg_kernel<__half, true> : opm_outer_wg_kernel<__half>, reinterpret_cast<__half*>(out.data_ptr()),
+        ow_smem_bytes<__half>());
   else
     run(kp ? opm_outer_wg_kernel<float, true> : opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
 }
@@ -5784,13 +5768,13 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   }
 }
 // x and out: float32 (split TF32), or both bfloat16 / float16 (the prep reads x as it is, phase A on the
-// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale, late: see launch_outer_wg_fused.
+// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale: see launch_outer_wg_fused.
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
-                            const at::Tensor& pair_scale = at::Tensor(), bool late = false) {
+                            const at::Tensor& pair_scale = at::Tensor()) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -5801,7 +5785,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale, late);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
@@ -6028,12 +6012,11 @@ static int mask_kind_of(at::ScalarType st) {
 // opm_pair_epilogue_kernel rescale its output in place; with pair_fused, outer_wg instead runs its kPair
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
-// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale). row_bias_late: outer_wg's 16-bit row instances with
-// kLate (opm_outer_wg_kernel).
+// ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
 std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, int64_t pair_counts, bool row_bias_late) {
+    double norm_eps, bool pair_fused, int64_t pair_counts) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -6232,7 +6215,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream, pscale, row_bias_late);
+                    d, stream, pscale);
     finish();
     if (!a.defined()) return {out, used, a, b, at::Tensor()};
     return {out, used, a, b, inv_denom};
@@ -6725,7 +6708,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts") = 0, py::arg("row_bias_late") = false);
+        py::arg("pair_counts") = 0);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -6952,8 +6935,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    ROW_BIAS_LATE), which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
+    which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -6990,13 +6973,7 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# The row mode (KernelBench's normalisation), bfloat16 / float16, where outer_wg runs: its kernel loads the bias into
-# one row's accumulators at each tile's start and copies it to the other row's at the first phase-B products (True; the
-# same output bit for bit), or copies each bias load right after issuing it, which waits on the load (False, the
-# default until the GPU tests, sanitizers and timings have run on it): OPM_ROW_BIAS_LATE ("1" / "0") at import, then
-# this attribute.
-ROW_BIAS_LATE = _env_flag("OPM_ROW_BIAS_LATE", False)
-# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
+# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7329,8 +7306,7 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=F
         msa, params = _f32(msa), [_f32(p) for p in params]
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
                                              _pair_counts())
-    late = {"row_bias_late": True} if _flag("ROW_BIAS_LATE") else {}  # (no keyword by default: pybind11's fast path)
-    out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra, **late)
+    out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not keep_ab:

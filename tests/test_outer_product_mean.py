@@ -671,33 +671,6 @@ def test_outer_wg_half_inputs_against_fp64(opm, ref, S, N, cm, cz, dist, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("B, S, N, cm, cz", [(1, 64, 48, 64, 128), (3, 5, 200, 64, 128), (2, 7, 21, 20, 24),
-                                             (1, 130, 45, 64, 200)], ids=["one_tile", "walk", "partial", "z_chunks"])
-def test_outer_wg_row_bias_late_bit_equal(opm, ref, monkeypatch, B, S, N, cm, cz, dtype):
-    """ROW_BIAS_LATE (outer_wg's 16-bit row instance with the bias loaded into one row's accumulators at each tile's
-    start and copied to the other's at q = 0's first phase-B products) returns the default instance's output bit for
-    bit: one tile per block, blocks walking 14-15 tiles (N 200, B 3 on 132 SMs), partial tiles (N 21) and two z
-    chunks (pair_dim 200); the bias nonzero, and the output within test_outer_wg_half_inputs_against_fp64's bound."""
-    _skip_unless_runs(opm, "outer_wg", 32)
-    c = 32
-    gen = torch.Generator().manual_seed(B + S + N)
-    m_ref, new = _pair(opm, ref, cm, cz, c, seed=S)
-    with torch.no_grad():
-        m_ref.out_proj.bias.copy_(torch.randn(cz, generator=gen))
-    new.load_state_dict(m_ref.state_dict())
-    m_ref, new = m_ref.to(dtype), new.to(dtype)
-    msa = _msa((B, S, N, cm), "normal", gen).to(dtype).cuda()
-    mask = _mask(B, S, N, "binary", gen).to(dtype).cuda()
-    got = {}
-    for late in (False, True):
-        monkeypatch.setattr(opm, "ROW_BIAS_LATE", late)
-        got[late], want, want64, err, e_ref, top = _outer_wg_against_fp64(m_ref, new, msa, mask)
-        assert err <= max(e_ref, 3 * _HALF_ULP[dtype] * top), f"late={late}: err {err:.2e} vs {e_ref:.2e}"
-    assert torch.equal(got[True], got[False]), "ROW_BIAS_LATE changed the output"
-
-
-@gpu
 @pytest.mark.parametrize("wa_scale, wb_scale", [(2.0 ** 9, 2.0 ** -33), (2.0 ** -40, 1.0)])
 def test_outer_wg_bf16_prep_scales_each_weight_row(opm, ref, wa_scale, wb_scale):
     """bfloat16 module and input on outer_wg with one projection's weights far below float16's smallest

@@ -1038,7 +1038,7 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
                            "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
                            "pair_epilogue": setting("epilogue", ("fused", "unfused")),
                            "pair_backward": setting("backward", ("chunks", "kernels")),
-                           "PAIR_G_KERNEL": True, "ROW_BIAS_LATE": False})
+                           "PAIR_G_KERNEL": False})
     monkeypatch.setattr(sw, "_MODULES", {"contact_map": cm, "outer_product_mean": opm})
     for name, fn in list(sw._OPS.items()):
         def wrapped(torch_, mod, call, sms, fn=fn):
@@ -1047,7 +1047,7 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         monkeypatch.setitem(sw._OPS, name, wrapped)
     for case in sw.CASES:
         sw.run_case(torch, case, quick=False)
-    assert opm.PAIR_G_KERNEL is True and opm.ROW_BIAS_LATE is False  # the calls' settings were restored
+    assert opm.PAIR_G_KERNEL is False  # the calls' settings were restored
     # a path other than the expected one raises, naming the case and the call
     monkeypatch.setattr(cm, "fused_backward_runs", staticmethod(lambda pair, w1: False))
     with pytest.raises(RuntimeError, match=r"cm_backward_float32 call 0: cm_backward .*fused_backward_runs is False"):
@@ -1093,13 +1093,13 @@ def test_module_setting_restores_the_attribute_when_the_block_raises():
     """_module_setting sets a kernel module's attribute for one call (None: leaves it) and restores it afterwards,
     also when the call raises: a worker goes on to its next case, which must see the default."""
     import types
-    mod = types.SimpleNamespace(ROW_BIAS_LATE=False)
-    with sw._module_setting(mod, "ROW_BIAS_LATE", True):
-        assert mod.ROW_BIAS_LATE is True
-    assert mod.ROW_BIAS_LATE is False
+    mod = types.SimpleNamespace(PAIR_G_KERNEL=False)
+    with sw._module_setting(mod, "PAIR_G_KERNEL", True):
+        assert mod.PAIR_G_KERNEL is True
+    assert mod.PAIR_G_KERNEL is False
     with pytest.raises(RuntimeError):
-        with sw._module_setting(mod, "ROW_BIAS_LATE", True):
+        with sw._module_setting(mod, "PAIR_G_KERNEL", True):
             raise RuntimeError("a failing case")
-    assert mod.ROW_BIAS_LATE is False
-    with sw._module_setting(mod, "ROW_BIAS_LATE", None):
-        assert mod.ROW_BIAS_LATE is False
+    assert mod.PAIR_G_KERNEL is False
+    with sw._module_setting(mod, "PAIR_G_KERNEL", None):
+        assert mod.PAIR_G_KERNEL is False

@@ -431,7 +431,7 @@ class _FakeOpmExtension:
         self.real, self.dtypes, self.msa_dtypes, self.mask_dtypes, self.norms = real, [], [], [], []
 
     def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code, keep_ab, norm=0, norm_eps=1e-3,
-                    pair_fused=False, pair_counts=0, row_bias_late=False):
+                    pair_fused=False, pair_counts=0):
         self.dtypes.append({t.dtype for t in (lw, lb, wa, ba, wb, bb, wo, bo)})
         self.norms.append((norm, norm_eps, pair_fused))
         self.msa_dtypes.append(msa.dtype)

@@ -330,14 +330,6 @@ def _opm_pair_walk_case():
     return Case("opm_pair_walk", "outer_product_mean", "outer_wg's 16-bit pair instances: a walk, partial tiles", calls)
 
 
-def _opm_row_bias_late_case():
-    """outer_wg's 16-bit row instances with kLate (ROW_BIAS_LATE): one call walking two tiles per SM, one with a tile
-    per block; N 19: partial tiles."""
-    calls = [opm_call("opm_forward", BF16, None, 5, 19, 64, 32, 64, variant="outer_wg", late=True, walk=2),
-             opm_call("opm_forward", F16, 1, 5, 19, 64, 32, 64, variant="outer_wg", late=True)]
-    return Case("opm_row_bias_late", "outer_product_mean", "outer_wg's 16-bit row instances with ROW_BIAS_LATE", calls)
-
-
 OPM_CASES = [
     Case("opm_orders_float32", "outer_product_mean", "every forced variant at msa_dim 64 / 256, pair_dim 64 / 128",
          [opm_call("opm_forward", F32, 2, 5, 19, 64, 32, 64, variant=v) for v in OPM_ORDERS]
@@ -374,7 +366,6 @@ OPM_CASES = [
     _opm_backward_case(BF16),
     _opm_pair_case(),
     _opm_pair_walk_case(),
-    _opm_row_bias_late_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -401,7 +392,7 @@ def batch_of(call, sms):
 def describe_call(call):
     keys = ("B", "N", "C", "H") if call["op"].startswith("cm_") else ("B", "S", "N", "cm", "c", "cz")
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
-    extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "late", "mask",
+    extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "mask",
                                         "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts")
              if k in call and call[k] not in (None, False) and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
@@ -553,10 +544,10 @@ def _module_setting(mod, name, value):
 
 
 def _opm_forward(torch, mod, call, sms):
-    """ModelNew's forward with the variant forced (and ROW_BIAS_LATE = call["late"] where given), under no_grad."""
+    """ModelNew's forward with the variant forced, under no_grad."""
     model, msa, mask, _ = _opm_setup(torch, mod, call, sms)
     model.variant = call["variant"]
-    with _module_setting(mod, "ROW_BIAS_LATE", call.get("late")), torch.no_grad():
+    with torch.no_grad():
         out = model(msa, mask)
     _expect("last_variant", model.last_variant, call["variant"] if call["variant"] != "auto" else None)
     _fetch(torch, out)

@@ -174,11 +174,10 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 // out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
-// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom. late: the 16-bit row
-// instances with kLate.
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
-                                  const at::Tensor& pair_scale, bool late) {
+                                  const at::Tensor& pair_scale) {
   const bool kp = pair_scale.defined();
   auto run = [&](auto kernel, auto* outp, size_t smem) {
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
@@ -190,13 +189,11 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (out.scalar_type() == at::kBFloat16)
-    run(kp ? opm_outer_wg_kernel<__nv_bfloat16, true>
-           : (late ? opm_outer_wg_kernel<__nv_bfloat16, false, true> : opm_outer_wg_kernel<__nv_bfloat16>),
+    run(kp ? opm_outer_wg_kernel<__nv_bfloat16, true> : opm_outer_wg_kernel<__nv_bfloat16>,
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ow_smem_bytes<__nv_bfloat16>());
   else if (out.scalar_type() == at::kHalf)
-    run(kp ? opm_outer_wg_kernel<__half, true>
-           : (late ? opm_outer_wg_kernel<__half, false, true> : opm_outer_wg_kernel<__half>),
-        reinterpret_cast<__half*>(out.data_ptr()), ow_smem_bytes<__half>());
+    run(kp ? opm_outer_wg_kernel<__half, true> : opm_outer_wg_kernel<__half>, reinterpret_cast<__half*>(out.data_ptr()),
+        ow_smem_bytes<__half>());
   else
     run(kp ? opm_outer_wg_kernel<float, true> : opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
 }
@@ -312,13 +309,13 @@ static void launch_prep_ow(const at::Tensor& x, const at::Tensor& mask, int mask
   }
 }
 // x and out: float32 (split TF32), or both bfloat16 / float16 (the prep reads x as it is, phase A on the
-// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale, late: see launch_outer_wg_fused.
+// 16-bit tensor cores, the fused kernel writes out in that type). pair_scale: see launch_outer_wg_fused.
 static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mask_kind, const at::Tensor& ln_w,
                             const at::Tensor& ln_b, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
-                            const at::Tensor& pair_scale = at::Tensor(), bool late = false) {
+                            const at::Tensor& pair_scale = at::Tensor()) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -329,7 +326,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale, late);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)

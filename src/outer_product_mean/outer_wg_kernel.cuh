@@ -39,13 +39,10 @@ namespace opm {
 //   per warp per tile), and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which sit
 //   between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond the
 //   row mode's. The row mode's instances (kPair false) are unchanged.
-// kLate (16-bit row mode only; ROW_BIAS_LATE): bo into row 0's o at the tile's start and row 1's o from it at q = 0's
-//   phase B, as the pair instance does (the default copies each bias load into row 1's o right after issuing it,
-//   which waits on the load: ~1.3% of the row instance's stall samples at long, ncu).
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kPair = false, bool kLate = false>
+template <typename T, bool kPair = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
@@ -165,7 +162,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     if constexpr (kSplit) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) o[e] = 0.f;
-    } else if constexpr (!kPair && !kLate) {  // 16-bit: o starts from the bias (its loads overlap phase A)
+    } else if constexpr (!kPair) {  // 16-bit: o starts from the bias (its loads overlap phase A; the epilogue had waited on them)
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -173,21 +170,19 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
           const int z = static_cast<int>(zc * kOwZ) + 64 * wg + 8 * jj + 2 * t4 + e;
           o[4 * jj + e] = o[4 * jj + 2 + e] = z < cz ? __ldg(bo + z) : 0.f;
         }
-    } else {  // 16-bit pair modes, and kLate
-      if constexpr (kPair) {  // this tile's scales from one base address and this thread's offsets (in flight
-        // through phase A)
-        const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
-        const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
+    } else {  // 16-bit pair modes: this tile's scales from one base address and this thread's offsets (in flight
+      // through phase A); o from the bias, s2 bo during q = 0's phase B
+      const int il = static_cast<int>(N - it * kOwTI), jn = static_cast<int>(N - jt * kOwTJ);  // rows, columns < N
+      const float2* ps = pscale + (b * N + it * kOwTI) * N + jt * kOwTJ;
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
+      for (int hr = 0; hr < 2; ++hr) {
 #pragma unroll
-          for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = r1 + hr < il && jl < jn ? ps[o1 + hr * N + jl].x : 0.f;
-          s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
-        }
+        for (int jl = 0; jl < kOwTJ; ++jl) s1p[hr][jl] = r1 + hr < il && jl < jn ? ps[o1 + hr * N + jl].x : 0.f;
+        s2p[hr] = r2 + 2 * hr < il && c2 < jn ? ps[o2 + 2 * hr * N].y : 0.f;
       }
       // bo into row 0's o only: copying each load into row 1's o here waited on it at the tile's start (ncu: the
-      // row instance stalls there too, the pair instance longer, behind the scale loads); row 1's o at q = 0's
-      // phase B (kPair: both rows' o = s2 bo there)
+      // row instance stalls there too, the pair instance longer, behind the scale loads); both rows' o = s2 bo at
+      // q = 0
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -402,13 +397,6 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
                   o[4 * jj + 2 + e] = o[4 * jj + e] * s2p[1];
                   o[4 * jj + e] *= s2p[0];
                 }
-            }
-          } else if constexpr (kLate) {
-            if (sl == 0 && q == 0) {  // row 1's o = bo (row 0's), loaded at the tile's start
-#pragma unroll
-              for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) o[4 * jj + 2 + e] = o[4 * jj + e];
             }
           }
           if (sl > 0) {
