@@ -3850,10 +3850,11 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // float4s past c_z read the next row (or the slot's stale tail: the ring starts zeroed, so it holds
 // earlier data, finite for finite inputs), against zero rows of Wt; the 16-bit G step loads zeros there.
 // ---------------------------------------------------------------------------------------------
-template <int kForm, typename T>
+// O: out's element type, float, or T (16-bit T only; each pair of channels rounded once, a 4-byte store).
+template <int kForm, typename T, typename O = float>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
-    const float* __restrict__ inv_denom, float* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
+    const float* __restrict__ inv_denom, O* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
     int64_t NJT, int64_t SB, int64_t NOT, int64_t NSC) {
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
@@ -3869,6 +3870,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
   const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step (16-bit: k steps)
   constexpr bool kHalf = !std::is_same_v<T, float>;
+  static_assert(std::is_same_v<O, float> || std::is_same_v<O, T>, "out: float32, or T (16-bit T)");
   constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
   for (int e = tid; e < kAbStages * 2048; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
@@ -4076,9 +4078,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int64_t o = 32 * ot + 4 * jj + t4;
-        if (o < N)
+        if (o >= N) continue;
+        if constexpr (std::is_same_v<O, float>)
           *reinterpret_cast<float2*>(out + ((b * S + s) * N + o) * 32 + 2 * sl) =
               make_float2(total[mp][4 * jj + 2 * hr], total[mp][4 * jj + 2 * hr + 1]);
+        else
+          *reinterpret_cast<uint32_t*>(out + ((b * S + s) * N + o) * 32 + 2 * sl) =
+              pack2_16<O>(total[mp][4 * jj + 2 * hr], total[mp][4 * jj + 2 * hr + 1]);
       }
     }
   }
@@ -4129,6 +4135,8 @@ namespace opm {
 // order in fp64.
 // Conflict-free shared loads: the padded rows (LDX = CM + 8 for xs and ws, 68, 36 floats) put the 32
 // lanes of every fragment load in distinct banks.
+// D: da and db's element type, float or T (16-bit T only: the rows copied as they are into the first half of their
+//   raw rows, widened as the build reads them).
 // Assumptions: 256 threads; x_in, da, db 16-byte aligned (the bulk copies); sm_90a (bulk copies, mbarriers).
 // ---------------------------------------------------------------------------------------------
 constexpr int kLnRows = 32;
@@ -4151,9 +4159,9 @@ struct LnSmem {  // offsets in floats
 };
 template <int CM>
 constexpr size_t ln_smem_bytes() { return 4ull * LnSmem<CM>::floats; }
-template <int CM, typename T>
+template <int CM, typename T, typename D = float>
 __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
-    const T* __restrict__ xin, const float* __restrict__ da, const float* __restrict__ db,
+    const T* __restrict__ xin, const D* __restrict__ da, const D* __restrict__ db,
     const void* __restrict__ mask, int mask_kind, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
     const float* __restrict__ wa, const float* __restrict__ wb, T* __restrict__ dx, float* __restrict__ part,
     float* __restrict__ part_ln, int64_t R, float eps) {
@@ -4162,6 +4170,7 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
   constexpr int NT = CM / 64, LDX = L::LDX, LDP = L::LDP, LDT = L::LDT;
   constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit x: single TF32 products (the lo planes unused)
   static_assert(CM == 128 || CM == 256, "CM: 128 or 256");
+  static_assert(std::is_same_v<D, float> || std::is_same_v<D, T>, "da, db: float32, or T (16-bit T)");
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
   float* ws = sm + L::ws;
@@ -4178,7 +4187,7 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
   const int col0 = warp * (CM / 8);  // this warp's columns of dy and dW
   const int64_t tiles = (R + kLnRows - 1) / kLnRows;
   auto full = [&](int64_t tt) { return (tt + 1) * kLnRows <= R; };
-  const unsigned tile_bytes = kLnRows * (unsigned(sizeof(T)) * CM + 4u * 64);
+  const unsigned tile_bytes = kLnRows * (unsigned(sizeof(T)) * CM + unsigned(sizeof(D)) * 64);
   // lane 0 of warp w: rows 4 w .. 4 w + 3 of tile tt's x_in, and its da (w = 0) or db (w = 1), into buffer
   // buf (thread 0 set the buffer's byte count before a block barrier). Spread over the warps: one thread
   // issuing all 34 held every warp at the next barrier.
@@ -4189,7 +4198,8 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
     for (int r = 4 * warp; r < 4 * warp + 4; ++r)
       bulk_copy(xs + r * LDX, xin + (tt * kLnRows + r) * CM, unsigned(sizeof(T)) * CM, &bar[buf]);
     if (warp < 2)
-      bulk_copy(raw + warp * kLnRows * 32, (warp == 0 ? da : db) + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
+      bulk_copy(raw + warp * kLnRows * 32, (warp == 0 ? da : db) + tt * kLnRows * 32,
+                unsigned(sizeof(D)) * kLnRows * 32, &bar[buf]);
   };
   if (tid == 0) {
     mbar_init(&bar[0], 1);
@@ -4270,7 +4280,12 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
       }
       for (int e = tid; e < kLnRows * 64; e += 256) {
         const int r = (e % 1024) / 32;
-        raw[e] = r0 + r < R ? __ldg((e < 1024 ? da : db) + (r0 + r) * 32 + e % 32) : 0.f;
+        if constexpr (std::is_same_v<D, float>) {
+          raw[e] = r0 + r < R ? __ldg((e < 1024 ? da : db) + (r0 + r) * 32 + e % 32) : 0.f;
+        } else {  // into the first half of each raw block, where the copies put them
+          D* dst = reinterpret_cast<D*>(raw + (e / 1024) * kLnRows * 32) + e % 1024;
+          *dst = r0 + r < R ? __ldg((e < 1024 ? da : db) + (r0 + r) * 32 + e % 32) : from_float<D>(0.f);
+        }
       }
     }
     __syncthreads();  // the tile (plain loads included) and msk visible to every thread
@@ -4279,7 +4294,8 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #pragma unroll
     for (int i = 0; i < kLnRows / 4; ++i) {
       const int r = tid / 64 + 4 * i, k = tid % 64;
-      dpv[i] = raw[(k / 32) * kLnRows * 32 + r * 32 + k % 32] * msk[r];
+      if constexpr (std::is_same_v<D, float>) dpv[i] = raw[(k / 32) * kLnRows * 32 + r * 32 + k % 32] * msk[r];
+      else dpv[i] = to_float(reinterpret_cast<const D*>(raw + (k / 32) * kLnRows * 32)[r * 32 + k % 32]) * msk[r];
     }
 #pragma unroll
     for (int i = 0; i < kLnRows / 4; ++i) {
@@ -6375,10 +6391,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 // The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N), g
 // (B, N, N, c_z), c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). ops: "split" (split
 // TF32, g fp32), "float16" or "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded to
-// it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most kBwoChunkBytes; each chunk's block partials are added into dwo in order (a
-// fixed summation order for a given device).
-constexpr int64_t kBwoChunkBytes = 256ll << 20;
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
+// it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most
+// chunk_bytes (at least one tile); each chunk's block partials are added into dwo in order (a fixed summation
+// order for a given device and chunk_bytes).
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops,
+                           int64_t chunk_bytes) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
@@ -6412,7 +6429,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const int64_t gtile = half ? 4 * 4096 : 8 * kOwStage;
   at::Tensor Abw = at::empty({B * kBwNSL * KB16 * 2 * NIT * ablk}, f32);
   at::Tensor Bbw = at::empty({B * NBB * KB16 * bblk}, f32);
-  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, kBwoChunkBytes / (4 * gtile * B * NBB)));
+  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, chunk_bytes / (4 * gtile * B * NBB)));
   at::Tensor Gbw = at::empty({B * NITc * NBB * gtile}, f32);
   const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NBB, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
@@ -6466,13 +6483,14 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 // (masked), inv_denom (B, N), g (B, N, N, c_z) with c_z <= 128 and 16-byte rows (the tensor map's
 // strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
 // c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
-// to it, opm_bw_ab_kernel<form, T>). Returns (da, db).
+// to it, opm_bw_ab_kernel<form, T>). Returns (da, db): float32, or with out_t (16-bit ops only) in ops's type.
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops) {
+                                                   at::Tensor wo, const std::string& ops, bool out_t) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
+  TORCH_CHECK(half || !out_t, "outer_product_mean: opm_backward_ab: out_t needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &wo})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -6494,7 +6512,8 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
   at::Tensor gc = g.contiguous();
   if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte aligned: the tensor map
-  at::Tensor da = at::empty_like(ac), db = at::empty_like(ac);
+  const auto out_opts = out_t ? ac.options().dtype(g.scalar_type()) : ac.options();
+  at::Tensor da = at::empty(ac.sizes(), out_opts), db = at::empty(ac.sizes(), out_opts);
   if (B == 0 || S == 0 || N == 0) return {da.zero_(), db.zero_()};
   const int64_t NJT = cdiv(N, 4), SB = cdiv(S, 64), NOT = cdiv(N, 32), NSC = cdiv(SB, 8);
   const int64_t vblk = half ? 4096 : 8192, wsl = half ? 4096 : kAbOperand;  // floats per Vt block, Wt slice
@@ -6512,36 +6531,50 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   TORCH_CHECK(blocks < (1ll << 31), "outer_product_mean: opm_backward_ab: too many blocks");
   const float* vt = Vt.data_ptr<float>();
   const float* wt = Wt.data_ptr<float>();
-  const auto da_kernel = !half ? opm_bw_ab_kernel<0, float>
-                         : ops == "float16" ? opm_bw_ab_kernel<0, __half> : opm_bw_ab_kernel<0, __nv_bfloat16>;
-  const auto db_kernel = !half ? opm_bw_ab_kernel<1, float>
-                         : ops == "float16" ? opm_bw_ab_kernel<1, __half> : opm_bw_ab_kernel<1, __nv_bfloat16>;
-  set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
-  da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
-      vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), da.data_ptr<float>(), B, S, N, cz, NJT, SB, NOT, NSC);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
-  db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
-      vt + B * NJT * SB * vblk, wt + 16 * wsl, make_g_map(gc, 32, 2), ic.data_ptr<float>(), db.data_ptr<float>(),
-      B, S, N, cz, NJT, SB, NOT, NSC);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto run = [&](auto* tp, auto* op) {  // null pointers of the products' type T and out's type O
+    using T = std::remove_pointer_t<decltype(tp)>;
+    using O = std::remove_pointer_t<decltype(op)>;
+    const auto da_kernel = opm_bw_ab_kernel<0, T, O>;
+    const auto db_kernel = opm_bw_ab_kernel<1, T, O>;
+    set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
+    da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+        vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), reinterpret_cast<O*>(da.data_ptr()), B, S, N, cz, NJT, SB,
+        NOT, NSC);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
+    db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+        vt + B * NJT * SB * vblk, wt + 16 * wsl, make_g_map(gc, 32, 2), ic.data_ptr<float>(),
+        reinterpret_cast<O*>(db.data_ptr()), B, S, N, cz, NJT, SB, NOT, NSC);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  float* const f32p = nullptr;
+  __half* const f16p = nullptr;
+  __nv_bfloat16* const bf16p = nullptr;
+  if (!half) run(f32p, f32p);
+  else if (ops == "float16") out_t ? run(f16p, f16p) : run(f16p, f32p);
+  else out_t ? run(bf16p, bf16p) : run(bf16p, f32p);
   return {da, db};
 }
 
 // The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m) float32, float16 or bfloat16, da, db
-// (R, 32) fp32 (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w, ln_b (c_m), wa, wb (32, c_m)
-// fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
+// (R, 32) fp32 or (16-bit x_in) in x_in's dtype (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w,
+// ln_b (c_m), wa, wb (32, c_m) fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
 // d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
     at::Tensor wb, double eps) {
   for (const at::Tensor* t : {&xin, &da, &db, &mask, &ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_ln takes CUDA tensors");
-  for (const at::Tensor* t : {&da, &db, &ln_w, &ln_b, &wa, &wb})
+  for (const at::Tensor* t : {&ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ln takes float32, got ", dtype_str(*t));
   const auto xt = xin.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16,
               "outer_product_mean: opm_backward_ln: x_in float32, float16 or bfloat16, got ", dtype_str(xin));
+  const bool dab_t = da.scalar_type() != at::kFloat;  // da, db in x_in's 16-bit dtype
+  TORCH_CHECK((da.scalar_type() == at::kFloat || (xt != at::kFloat && da.scalar_type() == xt)) &&
+                  db.scalar_type() == da.scalar_type(),
+              "outer_product_mean: opm_backward_ln: da, db both float32 or both x_in's 16-bit dtype, got ",
+              dtype_str(da), ", ", dtype_str(db));
   TORCH_CHECK(xin.dim() == 2 && (xin.size(1) == 128 || xin.size(1) == 256),
               "outer_product_mean: opm_backward_ln: x_in (R, 128 or 256)");
   const int64_t R = xin.size(0), cm = xin.size(1);
@@ -6570,24 +6603,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const int64_t tiles = cdiv(R, kLnRows);
     const int blocks = static_cast<int>(std::min<int64_t>(tiles, d.sms));
     at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * (2 * cm + 64)}, f32);
-    auto run = [&](auto kernel, size_t smem, auto* type) {  // type: a null pointer of x_in's element type
+    auto run = [&](auto kernel, size_t smem, auto* type, auto* dtype) {  // null pointers of x_in's, da's types
       using T = std::remove_pointer_t<decltype(type)>;
+      using D = std::remove_pointer_t<decltype(dtype)>;
       set_smem(kernel, smem, d, "the backward's LayerNorm kernel");
-      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()), dac.data_ptr<float>(),
-                                            dbc.data_ptr<float>(), mc.data_ptr(), mask_kind, lwc.data_ptr<float>(),
-                                            lbc.data_ptr<float>(), wac.data_ptr<float>(), wbc.data_ptr<float>(),
-                                            reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(),
-                                            part_ln.data_ptr<float>(), R, static_cast<float>(eps));
+      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()),
+                                            reinterpret_cast<const D*>(dac.data_ptr()),
+                                            reinterpret_cast<const D*>(dbc.data_ptr()), mc.data_ptr(), mask_kind,
+                                            lwc.data_ptr<float>(), lbc.data_ptr<float>(), wac.data_ptr<float>(),
+                                            wbc.data_ptr<float>(), reinterpret_cast<T*>(dx.data_ptr()),
+                                            part.data_ptr<float>(), part_ln.data_ptr<float>(), R, static_cast<float>(eps));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    auto run_cm = [&](auto* type) {
+    auto run_cm = [&](auto* type, auto* dtype) {
       using T = std::remove_pointer_t<decltype(type)>;
-      if (cm == 256) run(opm_bw_ln_kernel<256, T>, ln_smem_bytes<256>(), type);
-      else run(opm_bw_ln_kernel<128, T>, ln_smem_bytes<128>(), type);
+      using D = std::remove_pointer_t<decltype(dtype)>;
+      if (cm == 256) run(opm_bw_ln_kernel<256, T, D>, ln_smem_bytes<256>(), type, dtype);
+      else run(opm_bw_ln_kernel<128, T, D>, ln_smem_bytes<128>(), type, dtype);
     };
-    if (xt == at::kBFloat16) run_cm(static_cast<__nv_bfloat16*>(nullptr));
-    else if (xt == at::kHalf) run_cm(static_cast<__half*>(nullptr));
-    else run_cm(static_cast<float*>(nullptr));
+    float* const f32p = nullptr;
+    __nv_bfloat16* const bf16p = nullptr;
+    __half* const f16p = nullptr;
+    if (xt == at::kBFloat16) dab_t ? run_cm(bf16p, bf16p) : run_cm(bf16p, f32p);
+    else if (xt == at::kHalf) dab_t ? run_cm(f16p, f16p) : run_cm(f16p, f32p);
+    else run_cm(f32p, f32p);
     opm_block_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
         part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -6935,8 +6974,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
-    which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
+    LOW_MEMORY_BACKWARD), which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -6973,7 +7012,12 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
+# The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in
+# chunks of at most 16 MB (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel (else float32),
+# and the forward's a, b dropped before the LayerNorm pass (a second backward recomputes them). Off (False) until the
+# GPU tests, sanitizers and timings have run on it: OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute.
+LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", False)
+# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7040,7 +7084,7 @@ def pair_scales(mask, norm, eps=1e-3):
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
                                 rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3,
-                                pair_kernels=None):
+                                pair_kernels=None, low_memory=False):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
@@ -7091,9 +7135,13 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
     G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
-    chunk of msa rows when needed, never held whole. The denominator sums float masks in fp64 and bool /
-    integer masks in int64 (exact for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w,
-    d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its tensor's dtype.
+    chunk of msa rows when needed, never held whole. low_memory (where the kernels run): the dWo kernel's
+    G planes in chunks of 16 MB, not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
+    kernels run on it; `ab` given as a list is emptied once read, so that a, b are freed before the
+    LayerNorm pass when the caller holds no other reference (the autograd Function's backward). The
+    denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the
+    forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its
+    tensor's dtype.
     """
     B, S, N, c_m = msa.shape
     c, c_z = wa.shape[0], wo.shape[0]
@@ -7138,6 +7186,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # kernels; each chunk a contiguous row range) and the projections by addmm
     if ab is not None:
         a, b, inv_d = ab
+        if isinstance(ab, list):
+            ab.clear()
     elif rows_in_kernel:
         a, b, inv_d = _ext.opm_backward_rows(msa, mask_k, lw, lb, Wa, Ba, Wb, Bb, eps, False)
     else:
@@ -7176,11 +7226,12 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (16 if low_memory else 256) << 20)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
-    if ab_in_kernel:
-        da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops)
+    if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
+        da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
+                                      low_memory and ops != "split" and ln_in_kernel)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
@@ -7326,18 +7377,27 @@ class _OuterProductMean(torch.autograd.Function):
         model, code, eps, out_dtype, same, norm = call
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
         out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm)
-        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
+        ctx.low = _flag("LOW_MEMORY_BACKWARD")
+        if ctx.low:  # a, b held by ctx, so that the backward may drop them before its LayerNorm pass
+            ctx.save_for_backward(msa, mask, *params)
+            ctx.ab = ab
+        else:
+            ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        params, ab = params[:8], params[8:]
+        if ctx.low:  # a list the backward empties: the only reference to a, b (a second backward recomputes them)
+            ab, ctx.ab = (None if ctx.ab is None else list(ctx.ab)), None
+        else:
+            params, ab = params[:8], params[8:]
+            ab = None if ab[0] is None else tuple(ab)
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
-                                            ab=None if ab[0] is None else tuple(ab), parts=parts,
-                                            norm=ctx.norm[0], norm_eps=ctx.norm[1])
+                                            ab=ab, parts=parts, norm=ctx.norm[0], norm_eps=ctx.norm[1],
+                                            low_memory=ctx.low)
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
         need = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[3:]
         grads = tuple(g if n else None for g, n in zip(grads, need))

@@ -788,13 +788,13 @@ class _EinsumKernels:
     LayerNorm by ATen), so that the host-side plumbing of outer_product_mean_backward runs on a CPU."""
 
     @staticmethod
-    def opm_backward_wo(a, b, inv_denom, g, ops):
-        assert ops in ("split", "float16", "bfloat16")
+    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes):
+        assert ops in ("split", "float16", "bfloat16") and chunk_bytes in (16 << 20, 256 << 20)
         return torch.einsum("bsih,bsjk,bijz->zhk", a, b, g * inv_denom[:, :, None, None]).reshape(g.shape[-1], -1)
 
     @staticmethod
-    def opm_backward_ab(a, b, inv_denom, g, wo, ops):
-        assert ops in ("split", "float16", "bfloat16")
+    def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t):
+        assert ops in ("split", "float16", "bfloat16") and out_t in (False, ops != "split")
         G = torch.einsum("bijz,zhk->bijhk", g * inv_denom[:, :, None, None], wo.reshape(-1, 32, 32))
         return torch.einsum("bijhk,bsjk->bsih", G, b), torch.einsum("bijhk,bsih->bsjk", G, a)
 
@@ -844,11 +844,19 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
                       ((True, True, False, True), all4[1:]), ((False, False, True, True), ["a, b", "LayerNorm"]),
                       ((True, True, True, True), all4)):
         kw = dict(zip(("wo_kernel", "ab_kernel", "rows_kernel", "ln_kernel"), ks))
-        parts = []
-        got = opm.outer_product_mean_backward(*args, **kw, parts=parts)
-        assert parts == names, kw
-        for w, t in zip(want, got):
-            assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0), kw
+        for low in (False, True):  # low_memory: the dWo kernel's chunk bytes (float64 here: da, db stay in it)
+            parts = []
+            got = opm.outer_product_mean_backward(*args, **kw, parts=parts, low_memory=low)
+            assert parts == names, kw
+            for w, t in zip(want, got):
+                assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0), (kw, low)
+    # a, b given as a list (the autograd Function's low-memory backward): read, then emptied, the same gradients
+    ab = list(_EinsumKernels.opm_backward_rows(msa, mask, params[0], params[1], *params[2:6], m_ref.layer_norm.eps,
+                                               False))
+    got = opm.outer_product_mean_backward(*args, ab=ab, rows_kernel=False, low_memory=True)
+    assert ab == []
+    for w, t in zip(want, got):
+        assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0)
 
 
 @gpu
@@ -950,6 +958,112 @@ def test_backward_half_msa_kernels_against_fp64_and_the_ops_path(opm, ref, B, S,
         assert e_o <= 2.0**-8, f"{name}: ops {e_o:.2e}"
         assert e_f <= max(2 * e_o, 2 * e_r, 2.0**-9), f"{name}: kernels {e_f:.2e} vs ops {e_o:.2e}, reference {e_r:.2e}"
         assert e_s <= max(2 * e_o, 2.0**-9), f"{name}: split kernels {e_s:.2e} vs ops {e_o:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("B, S, N, cm, cz, dist, mask_kind", [(1, 40, 37, 256, 128, "normal", "binary"),
+                                                              (1, 6, 1024, 128, 64, "heavy", "bool"),
+                                                              (2, 9, 300, 128, 64, "offset", "fraction")])
+def test_low_memory_backward_against_fp64(opm, ref, B, S, N, cm, cz, dist, mask_kind, dtype):
+    """outer_product_mean_backward with low_memory=True (dWo's G planes in 16 MB chunks; da, db in the msa's
+    16-bit type, read so by the LayerNorm kernel) against fp64 autograd of the reference, as
+    test_backward_half_msa_kernels_against_fp64_and_the_ops_path judges the default: each gradient in the
+    input's dtype, finite, equal in a second call, its max error relative to its largest value at most
+    max(2x the PyTorch-ops path's, 2x the reference's in that dtype, 2^-9) in 16 bits, max(2x the ops
+    path's, 1e-5) in fp32. N = 1024 (16 chunks of 16 MB in 16 bits), 300 (two chunks at B = 2; fp32: one
+    i tile of 64 residues per chunk), 37 (one); in 16 bits the msa's gradient differs from the default's
+    (da, db were rounded to the 16-bit type)."""
+    if not _caps(opm)[2]:
+        pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
+    gen = torch.Generator().manual_seed(B + S + N + cz + 6)
+    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S + 6)
+    msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
+    mask = _mask(B, S, N, mask_kind, gen)
+    mask = (mask.to(dtype) if mask.is_floating_point() else mask).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+    params = [p.detach().to(dtype) for p in new.parameters()]
+    args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
+    parts = []
+    low = opm.outer_product_mean_backward(*args, parts=parts, low_memory=True)
+    assert parts == ["a, b", "dWo", "da, db", "LayerNorm"]
+    again = opm.outer_product_mean_backward(*args, low_memory=True)
+    default = opm.outer_product_mean_backward(*args)
+    ops = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False, rows_kernel=False, ln_kernel=False)
+    m_t = copy.deepcopy(m_ref).to(dtype)
+    m64 = copy.deepcopy(m_ref).double()
+    with torch.no_grad():
+        for p_t, p64, p in zip(m_t.parameters(), m64.parameters(), params):
+            p_t.copy_(p)
+            p64.copy_(p.double())
+    x_t = msa.clone().requires_grad_(True)
+    m_t(x_t, mask).backward(g)
+    x64 = msa.double().requires_grad_(True)
+    (m64(x64, mask.double()) * g.double()).sum().backward()
+    want = (x64.grad,) + tuple(p.grad for p in m64.parameters())
+    refd = (x_t.grad,) + tuple(p.grad for p in m_t.parameters())
+    names = ("msa",) + tuple(n for n, _ in m64.named_parameters())
+    rel = lambda t, w: (t.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30)
+    half = dtype != torch.float32
+    if half:
+        assert not torch.equal(low[0], default[0]), "msa: da, db in the 16-bit type changed nothing"
+    for name, f, f2, o, r, w in zip(names, low, again, ops, refd, want):
+        assert f.shape == w.shape and f.dtype == dtype and torch.isfinite(f).all(), name
+        assert torch.equal(f, f2), f"{name}: two calls differ"
+        e_f, e_o, e_r = rel(f, w), rel(o, w), rel(r, w)
+        bound = max(2 * e_o, 2 * e_r, 2.0**-9) if half else max(2 * e_o, 1e-5)
+        assert e_f <= bound, f"{name}: low-memory kernels {e_f:.2e} vs ops {e_o:.2e}, reference {e_r:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_low_memory_training_step_frees_and_recomputes(opm, ref, monkeypatch, dtype):
+    """ModelNew with LOW_MEMORY_BACKWARD in a training step: the backward drops the forward's a, b (the
+    autograd context no longer holds them), a second backward through the retained graph recomputes them
+    and gives the first's gradients bit for bit, and one step's peak device memory (out, (out g).sum(), its
+    backward) is below the default's by at least half of what the G planes save (N = 1024: 16 i tiles of
+    16 MB in 16 bits, 256 MB -> 16; 4 of 64 MB in fp32, 256 -> 64); gradients within 1e-2 (16-bit) / 1e-4
+    of the default's."""
+    if not _caps(opm)[2]:
+        pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
+    B, S, N, cm, cz = 1, 8, 1024, 128, 128
+    gen = torch.Generator().manual_seed(41)
+    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=41)
+    new = new.to(dtype)
+    msa = _msa((B, S, N, cm), "normal", gen).to(dtype).cuda()
+    mask = (torch.rand(B, S, N, generator=gen) > 0.2).to(dtype).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+
+    def step(retain=False):
+        x = msa.clone().requires_grad_(True)
+        out = new(x, mask)
+        leaves = [x] + list(new.parameters())
+        first = torch.autograd.grad((out * g).sum(), leaves, retain_graph=retain)
+        return out, first, leaves
+
+    def peak():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        grads = step()[1]
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, grads
+
+    monkeypatch.setattr(opm, "LOW_MEMORY_BACKWARD", False)
+    peak_off, want = peak()
+    monkeypatch.setattr(opm, "LOW_MEMORY_BACKWARD", True)
+    peak_on, got = peak()
+    assert new.last_backward == ("a, b", "dWo", "da, db", "LayerNorm")
+    saved = (256 - (64 if dtype == torch.float32 else 16)) << 20  # G planes: at least one 64-residue i tile
+    assert peak_on <= peak_off - saved // 2, (peak_on, peak_off, saved)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for w, t in zip(want, got):
+        assert (t.double() - w.double()).abs().max() <= tol * max(w.double().abs().max().item(), 1.0)
+    out, first, leaves = step(retain=True)
+    assert out.grad_fn.ab is None  # dropped by the first backward
+    second = torch.autograd.grad((out * g).sum(), leaves)
+    for f, s2 in zip(first, second):
+        assert torch.equal(f, s2)
 
 
 @gpu

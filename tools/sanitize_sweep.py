@@ -330,6 +330,16 @@ def _opm_pair_walk_case():
     return Case("opm_pair_walk", "outer_product_mean", "outer_wg's 16-bit pair instances: a walk, partial tiles", calls)
 
 
+def _opm_low_memory_case():
+    """LOW_MEMORY_BACKWARD training steps: the da / db kernels writing fp16 / bf16 and the LayerNorm kernel reading it
+    (R = 95: a partial last tile) in each dtype; N 300 at B 2: the dWo kernel's G planes in five chunks (bf16)."""
+    parts = opm_parts(128, 64)
+    calls = [opm_call("opm_train", dt, 1, 5, 19, 128, 32, 64, variant="outer_wg", expect=parts, low=True)
+             for dt in (BF16, F16, F32)]
+    calls.append(opm_call("opm_train", BF16, 2, 3, 300, 128, 32, 64, variant="outer_wg", expect=parts, low=True))
+    return Case("opm_low_memory", "outer_product_mean", "the low-memory backward's kernels", calls)
+
+
 OPM_CASES = [
     Case("opm_orders_float32", "outer_product_mean", "every forced variant at msa_dim 64 / 256, pair_dim 64 / 128",
          [opm_call("opm_forward", F32, 2, 5, 19, 64, 32, 64, variant=v) for v in OPM_ORDERS]
@@ -366,6 +376,7 @@ OPM_CASES = [
     _opm_backward_case(BF16),
     _opm_pair_case(),
     _opm_pair_walk_case(),
+    _opm_low_memory_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -392,7 +403,7 @@ def batch_of(call, sms):
 def describe_call(call):
     keys = ("B", "N", "C", "H") if call["op"].startswith("cm_") else ("B", "S", "N", "cm", "c", "cz")
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
-    extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "mask",
+    extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "low", "mask",
                                         "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts")
              if k in call and call[k] not in (None, False) and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
@@ -571,12 +582,14 @@ def _opm_rows(torch, mod, call, sms):
 
 
 def _opm_train(torch, mod, call, sms):
+    """A ModelNew training step with the variant forced (and LOW_MEMORY_BACKWARD = call["low"] where given)."""
     model, msa, mask, g = _opm_setup(torch, mod, call, sms)
     model.variant = call["variant"]
     x = msa.detach().requires_grad_(True)
-    out = model(x, mask)
-    _expect("last_variant", model.last_variant, call["variant"])
-    out.backward(g)
+    with _module_setting(mod, "LOW_MEMORY_BACKWARD", call.get("low")):
+        out = model(x, mask)
+        _expect("last_variant", model.last_variant, call["variant"])
+        out.backward(g)
     _expect("last_backward", list(model.last_backward or ()), call.get("expect"))
     _fetch(torch, x.grad, *(p.grad for p in model.parameters()))
 

@@ -149,10 +149,11 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // float4s past c_z read the next row (or the slot's stale tail: the ring starts zeroed, so it holds
 // earlier data, finite for finite inputs), against zero rows of Wt; the 16-bit G step loads zeros there.
 // ---------------------------------------------------------------------------------------------
-template <int kForm, typename T>
+// O: out's element type, float, or T (16-bit T only; each pair of channels rounded once, a 4-byte store).
+template <int kForm, typename T, typename O = float>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
-    const float* __restrict__ inv_denom, float* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
+    const float* __restrict__ inv_denom, O* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
     int64_t NJT, int64_t SB, int64_t NOT, int64_t NSC) {
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
@@ -168,6 +169,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
   const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step (16-bit: k steps)
   constexpr bool kHalf = !std::is_same_v<T, float>;
+  static_assert(std::is_same_v<O, float> || std::is_same_v<O, T>, "out: float32, or T (16-bit T)");
   constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
   for (int e = tid; e < kAbStages * 2048; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
@@ -375,9 +377,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int64_t o = 32 * ot + 4 * jj + t4;
-        if (o < N)
+        if (o >= N) continue;
+        if constexpr (std::is_same_v<O, float>)
           *reinterpret_cast<float2*>(out + ((b * S + s) * N + o) * 32 + 2 * sl) =
               make_float2(total[mp][4 * jj + 2 * hr], total[mp][4 * jj + 2 * hr + 1]);
+        else
+          *reinterpret_cast<uint32_t*>(out + ((b * S + s) * N + o) * 32 + 2 * sl) =
+              pack2_16<O>(total[mp][4 * jj + 2 * hr], total[mp][4 * jj + 2 * hr + 1]);
       }
     }
   }

@@ -55,10 +55,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 // The backward's out_proj weight gradient on wgmma: a, b (B, S, N, 32) fp32 (masked), inv_denom (B, N), g
 // (B, N, N, c_z), c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). ops: "split" (split
 // TF32, g fp32), "float16" or "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded to
-// it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most kBwoChunkBytes; each chunk's block partials are added into dwo in order (a
-// fixed summation order for a given device).
-constexpr int64_t kBwoChunkBytes = 256ll << 20;
-at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops) {
+// it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most
+// chunk_bytes (at least one tile); each chunk's block partials are added into dwo in order (a fixed summation
+// order for a given device and chunk_bytes).
+at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops,
+                           int64_t chunk_bytes) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
@@ -92,7 +93,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const int64_t gtile = half ? 4 * 4096 : 8 * kOwStage;
   at::Tensor Abw = at::empty({B * kBwNSL * KB16 * 2 * NIT * ablk}, f32);
   at::Tensor Bbw = at::empty({B * NBB * KB16 * bblk}, f32);
-  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, kBwoChunkBytes / (4 * gtile * B * NBB)));
+  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, chunk_bytes / (4 * gtile * B * NBB)));
   at::Tensor Gbw = at::empty({B * NITc * NBB * gtile}, f32);
   const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NBB, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
@@ -146,13 +147,14 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 // (masked), inv_denom (B, N), g (B, N, N, c_z) with c_z <= 128 and 16-byte rows (the tensor map's
 // strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
 // c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
-// to it, opm_bw_ab_kernel<form, T>). Returns (da, db).
+// to it, opm_bw_ab_kernel<form, T>). Returns (da, db): float32, or with out_t (16-bit ops only) in ops's type.
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops) {
+                                                   at::Tensor wo, const std::string& ops, bool out_t) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
+  TORCH_CHECK(half || !out_t, "outer_product_mean: opm_backward_ab: out_t needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &wo})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -174,7 +176,8 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
   at::Tensor gc = g.contiguous();
   if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte aligned: the tensor map
-  at::Tensor da = at::empty_like(ac), db = at::empty_like(ac);
+  const auto out_opts = out_t ? ac.options().dtype(g.scalar_type()) : ac.options();
+  at::Tensor da = at::empty(ac.sizes(), out_opts), db = at::empty(ac.sizes(), out_opts);
   if (B == 0 || S == 0 || N == 0) return {da.zero_(), db.zero_()};
   const int64_t NJT = cdiv(N, 4), SB = cdiv(S, 64), NOT = cdiv(N, 32), NSC = cdiv(SB, 8);
   const int64_t vblk = half ? 4096 : 8192, wsl = half ? 4096 : kAbOperand;  // floats per Vt block, Wt slice
@@ -192,36 +195,50 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   TORCH_CHECK(blocks < (1ll << 31), "outer_product_mean: opm_backward_ab: too many blocks");
   const float* vt = Vt.data_ptr<float>();
   const float* wt = Wt.data_ptr<float>();
-  const auto da_kernel = !half ? opm_bw_ab_kernel<0, float>
-                         : ops == "float16" ? opm_bw_ab_kernel<0, __half> : opm_bw_ab_kernel<0, __nv_bfloat16>;
-  const auto db_kernel = !half ? opm_bw_ab_kernel<1, float>
-                         : ops == "float16" ? opm_bw_ab_kernel<1, __half> : opm_bw_ab_kernel<1, __nv_bfloat16>;
-  set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
-  da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
-      vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), da.data_ptr<float>(), B, S, N, cz, NJT, SB, NOT, NSC);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
-  db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
-      vt + B * NJT * SB * vblk, wt + 16 * wsl, make_g_map(gc, 32, 2), ic.data_ptr<float>(), db.data_ptr<float>(),
-      B, S, N, cz, NJT, SB, NOT, NSC);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto run = [&](auto* tp, auto* op) {  // null pointers of the products' type T and out's type O
+    using T = std::remove_pointer_t<decltype(tp)>;
+    using O = std::remove_pointer_t<decltype(op)>;
+    const auto da_kernel = opm_bw_ab_kernel<0, T, O>;
+    const auto db_kernel = opm_bw_ab_kernel<1, T, O>;
+    set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
+    da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+        vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), reinterpret_cast<O*>(da.data_ptr()), B, S, N, cz, NJT, SB,
+        NOT, NSC);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
+    db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+        vt + B * NJT * SB * vblk, wt + 16 * wsl, make_g_map(gc, 32, 2), ic.data_ptr<float>(),
+        reinterpret_cast<O*>(db.data_ptr()), B, S, N, cz, NJT, SB, NOT, NSC);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  float* const f32p = nullptr;
+  __half* const f16p = nullptr;
+  __nv_bfloat16* const bf16p = nullptr;
+  if (!half) run(f32p, f32p);
+  else if (ops == "float16") out_t ? run(f16p, f16p) : run(f16p, f32p);
+  else out_t ? run(bf16p, bf16p) : run(bf16p, f32p);
   return {da, db};
 }
 
 // The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m) float32, float16 or bfloat16, da, db
-// (R, 32) fp32 (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w, ln_b (c_m), wa, wb (32, c_m)
-// fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
+// (R, 32) fp32 or (16-bit x_in) in x_in's dtype (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w,
+// ln_b (c_m), wa, wb (32, c_m) fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
 // d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
     at::Tensor wb, double eps) {
   for (const at::Tensor* t : {&xin, &da, &db, &mask, &ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_ln takes CUDA tensors");
-  for (const at::Tensor* t : {&da, &db, &ln_w, &ln_b, &wa, &wb})
+  for (const at::Tensor* t : {&ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ln takes float32, got ", dtype_str(*t));
   const auto xt = xin.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16,
               "outer_product_mean: opm_backward_ln: x_in float32, float16 or bfloat16, got ", dtype_str(xin));
+  const bool dab_t = da.scalar_type() != at::kFloat;  // da, db in x_in's 16-bit dtype
+  TORCH_CHECK((da.scalar_type() == at::kFloat || (xt != at::kFloat && da.scalar_type() == xt)) &&
+                  db.scalar_type() == da.scalar_type(),
+              "outer_product_mean: opm_backward_ln: da, db both float32 or both x_in's 16-bit dtype, got ",
+              dtype_str(da), ", ", dtype_str(db));
   TORCH_CHECK(xin.dim() == 2 && (xin.size(1) == 128 || xin.size(1) == 256),
               "outer_product_mean: opm_backward_ln: x_in (R, 128 or 256)");
   const int64_t R = xin.size(0), cm = xin.size(1);
@@ -250,24 +267,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const int64_t tiles = cdiv(R, kLnRows);
     const int blocks = static_cast<int>(std::min<int64_t>(tiles, d.sms));
     at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * (2 * cm + 64)}, f32);
-    auto run = [&](auto kernel, size_t smem, auto* type) {  // type: a null pointer of x_in's element type
+    auto run = [&](auto kernel, size_t smem, auto* type, auto* dtype) {  // null pointers of x_in's, da's types
       using T = std::remove_pointer_t<decltype(type)>;
+      using D = std::remove_pointer_t<decltype(dtype)>;
       set_smem(kernel, smem, d, "the backward's LayerNorm kernel");
-      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()), dac.data_ptr<float>(),
-                                            dbc.data_ptr<float>(), mc.data_ptr(), mask_kind, lwc.data_ptr<float>(),
-                                            lbc.data_ptr<float>(), wac.data_ptr<float>(), wbc.data_ptr<float>(),
-                                            reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(),
-                                            part_ln.data_ptr<float>(), R, static_cast<float>(eps));
+      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()),
+                                            reinterpret_cast<const D*>(dac.data_ptr()),
+                                            reinterpret_cast<const D*>(dbc.data_ptr()), mc.data_ptr(), mask_kind,
+                                            lwc.data_ptr<float>(), lbc.data_ptr<float>(), wac.data_ptr<float>(),
+                                            wbc.data_ptr<float>(), reinterpret_cast<T*>(dx.data_ptr()),
+                                            part.data_ptr<float>(), part_ln.data_ptr<float>(), R, static_cast<float>(eps));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    auto run_cm = [&](auto* type) {
+    auto run_cm = [&](auto* type, auto* dtype) {
       using T = std::remove_pointer_t<decltype(type)>;
-      if (cm == 256) run(opm_bw_ln_kernel<256, T>, ln_smem_bytes<256>(), type);
-      else run(opm_bw_ln_kernel<128, T>, ln_smem_bytes<128>(), type);
+      using D = std::remove_pointer_t<decltype(dtype)>;
+      if (cm == 256) run(opm_bw_ln_kernel<256, T, D>, ln_smem_bytes<256>(), type, dtype);
+      else run(opm_bw_ln_kernel<128, T, D>, ln_smem_bytes<128>(), type, dtype);
     };
-    if (xt == at::kBFloat16) run_cm(static_cast<__nv_bfloat16*>(nullptr));
-    else if (xt == at::kHalf) run_cm(static_cast<__half*>(nullptr));
-    else run_cm(static_cast<float*>(nullptr));
+    float* const f32p = nullptr;
+    __nv_bfloat16* const bf16p = nullptr;
+    __half* const f16p = nullptr;
+    if (xt == at::kBFloat16) dab_t ? run_cm(bf16p, bf16p) : run_cm(bf16p, f32p);
+    else if (xt == at::kHalf) dab_t ? run_cm(f16p, f16p) : run_cm(f16p, f32p);
+    else run_cm(f32p, f32p);
     opm_block_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
         part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -38,6 +38,8 @@ namespace opm {
 // order in fp64.
 // Conflict-free shared loads: the padded rows (LDX = CM + 8 for xs and ws, 68, 36 floats) put the 32
 // lanes of every fragment load in distinct banks.
+// D: da and db's element type, float or T (16-bit T only: the rows copied as they are into the first half of their
+//   raw rows, widened as the build reads them).
 // Assumptions: 256 threads; x_in, da, db 16-byte aligned (the bulk copies); sm_90a (bulk copies, mbarriers).
 // ---------------------------------------------------------------------------------------------
 constexpr int kLnRows = 32;
@@ -60,9 +62,9 @@ struct LnSmem {  // offsets in floats
 };
 template <int CM>
 constexpr size_t ln_smem_bytes() { return 4ull * LnSmem<CM>::floats; }
-template <int CM, typename T>
+template <int CM, typename T, typename D = float>
 __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
-    const T* __restrict__ xin, const float* __restrict__ da, const float* __restrict__ db,
+    const T* __restrict__ xin, const D* __restrict__ da, const D* __restrict__ db,
     const void* __restrict__ mask, int mask_kind, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
     const float* __restrict__ wa, const float* __restrict__ wb, T* __restrict__ dx, float* __restrict__ part,
     float* __restrict__ part_ln, int64_t R, float eps) {
@@ -71,6 +73,7 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
   constexpr int NT = CM / 64, LDX = L::LDX, LDP = L::LDP, LDT = L::LDT;
   constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit x: single TF32 products (the lo planes unused)
   static_assert(CM == 128 || CM == 256, "CM: 128 or 256");
+  static_assert(std::is_same_v<D, float> || std::is_same_v<D, T>, "da, db: float32, or T (16-bit T)");
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
   float* ws = sm + L::ws;
@@ -87,7 +90,7 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
   const int col0 = warp * (CM / 8);  // this warp's columns of dy and dW
   const int64_t tiles = (R + kLnRows - 1) / kLnRows;
   auto full = [&](int64_t tt) { return (tt + 1) * kLnRows <= R; };
-  const unsigned tile_bytes = kLnRows * (unsigned(sizeof(T)) * CM + 4u * 64);
+  const unsigned tile_bytes = kLnRows * (unsigned(sizeof(T)) * CM + unsigned(sizeof(D)) * 64);
   // lane 0 of warp w: rows 4 w .. 4 w + 3 of tile tt's x_in, and its da (w = 0) or db (w = 1), into buffer
   // buf (thread 0 set the buffer's byte count before a block barrier). Spread over the warps: one thread
   // issuing all 34 held every warp at the next barrier.
@@ -98,7 +101,8 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
     for (int r = 4 * warp; r < 4 * warp + 4; ++r)
       bulk_copy(xs + r * LDX, xin + (tt * kLnRows + r) * CM, unsigned(sizeof(T)) * CM, &bar[buf]);
     if (warp < 2)
-      bulk_copy(raw + warp * kLnRows * 32, (warp == 0 ? da : db) + tt * kLnRows * 32, 4u * kLnRows * 32, &bar[buf]);
+      bulk_copy(raw + warp * kLnRows * 32, (warp == 0 ? da : db) + tt * kLnRows * 32,
+                unsigned(sizeof(D)) * kLnRows * 32, &bar[buf]);
   };
   if (tid == 0) {
     mbar_init(&bar[0], 1);
@@ -179,7 +183,12 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
       }
       for (int e = tid; e < kLnRows * 64; e += 256) {
         const int r = (e % 1024) / 32;
-        raw[e] = r0 + r < R ? __ldg((e < 1024 ? da : db) + (r0 + r) * 32 + e % 32) : 0.f;
+        if constexpr (std::is_same_v<D, float>) {
+          raw[e] = r0 + r < R ? __ldg((e < 1024 ? da : db) + (r0 + r) * 32 + e % 32) : 0.f;
+        } else {  // into the first half of each raw block, where the copies put them
+          D* dst = reinterpret_cast<D*>(raw + (e / 1024) * kLnRows * 32) + e % 1024;
+          *dst = r0 + r < R ? __ldg((e < 1024 ? da : db) + (r0 + r) * 32 + e % 32) : from_float<D>(0.f);
+        }
       }
     }
     __syncthreads();  // the tile (plain loads included) and msk visible to every thread
@@ -188,7 +197,8 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
 #pragma unroll
     for (int i = 0; i < kLnRows / 4; ++i) {
       const int r = tid / 64 + 4 * i, k = tid % 64;
-      dpv[i] = raw[(k / 32) * kLnRows * 32 + r * 32 + k % 32] * msk[r];
+      if constexpr (std::is_same_v<D, float>) dpv[i] = raw[(k / 32) * kLnRows * 32 + r * 32 + k % 32] * msk[r];
+      else dpv[i] = to_float(reinterpret_cast<const D*>(raw + (k / 32) * kLnRows * 32)[r * 32 + k % 32]) * msk[r];
     }
 #pragma unroll
     for (int i = 0; i < kLnRows / 4; ++i) {

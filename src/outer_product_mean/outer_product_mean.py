@@ -214,8 +214,8 @@ def _env_flag(name, default):
 
 
 def _flag(name):
-    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA),
-    which must be True or False: an assigned "0" would otherwise read as on."""
+    """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
+    LOW_MEMORY_BACKWARD), which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -252,7 +252,12 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# Each of the four on / off attributes takes only True or False (others raise at the next call that reads it).
+# The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in
+# chunks of at most 16 MB (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel (else float32),
+# and the forward's a, b dropped before the LayerNorm pass (a second backward recomputes them). Off (False) until the
+# GPU tests, sanitizers and timings have run on it: OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute.
+LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", False)
+# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -319,7 +324,7 @@ def pair_scales(mask, norm, eps=1e-3):
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
                                 rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3,
-                                pair_kernels=None):
+                                pair_kernels=None, low_memory=False):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
@@ -370,9 +375,13 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
     G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
-    chunk of msa rows when needed, never held whole. The denominator sums float masks in fp64 and bool /
-    integer masks in int64 (exact for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w,
-    d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its tensor's dtype.
+    chunk of msa rows when needed, never held whole. low_memory (where the kernels run): the dWo kernel's
+    G planes in chunks of 16 MB, not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
+    kernels run on it; `ab` given as a list is emptied once read, so that a, b are freed before the
+    LayerNorm pass when the caller holds no other reference (the autograd Function's backward). The
+    denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the
+    forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its
+    tensor's dtype.
     """
     B, S, N, c_m = msa.shape
     c, c_z = wa.shape[0], wo.shape[0]
@@ -417,6 +426,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # kernels; each chunk a contiguous row range) and the projections by addmm
     if ab is not None:
         a, b, inv_d = ab
+        if isinstance(ab, list):
+            ab.clear()
     elif rows_in_kernel:
         a, b, inv_d = _ext.opm_backward_rows(msa, mask_k, lw, lb, Wa, Ba, Wb, Bb, eps, False)
     else:
@@ -455,11 +466,12 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (16 if low_memory else 256) << 20)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
-    if ab_in_kernel:
-        da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops)
+    if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
+        da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
+                                      low_memory and ops != "split" and ln_in_kernel)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
@@ -605,18 +617,27 @@ class _OuterProductMean(torch.autograd.Function):
         model, code, eps, out_dtype, same, norm = call
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
         out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm)
-        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
+        ctx.low = _flag("LOW_MEMORY_BACKWARD")
+        if ctx.low:  # a, b held by ctx, so that the backward may drop them before its LayerNorm pass
+            ctx.save_for_backward(msa, mask, *params)
+            ctx.ab = ab
+        else:
+            ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        params, ab = params[:8], params[8:]
+        if ctx.low:  # a list the backward empties: the only reference to a, b (a second backward recomputes them)
+            ab, ctx.ab = (None if ctx.ab is None else list(ctx.ab)), None
+        else:
+            params, ab = params[:8], params[8:]
+            ab = None if ab[0] is None else tuple(ab)
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
-                                            ab=None if ab[0] is None else tuple(ab), parts=parts,
-                                            norm=ctx.norm[0], norm_eps=ctx.norm[1])
+                                            ab=ab, parts=parts, norm=ctx.norm[0], norm_eps=ctx.norm[1],
+                                            low_memory=ctx.low)
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
         need = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[3:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
