@@ -332,7 +332,7 @@ def _opm_pair_walk_case():
 
 def _opm_low_memory_case():
     """LOW_MEMORY_BACKWARD training steps: the da / db kernels writing fp16 / bf16 and the LayerNorm kernel reading it
-    (R = 95: a partial last tile) in each dtype; N 300 at B 2: the dWo kernel's G planes in five chunks (bf16)."""
+    (R = 95: a partial last tile) in each dtype; N 300 at B 2: the dWo kernel's G planes in two chunks (bf16)."""
     parts = opm_parts(128, 64)
     calls = [opm_call("opm_train", dt, 1, 5, 19, 128, 32, 64, variant="outer_wg", expect=parts, low=True)
              for dt in (BF16, F16, F32)]

@@ -253,7 +253,7 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in
-# chunks of at most 16 MB (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel (else float32),
+# chunks of at most 32 MB (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel (else float32),
 # and the forward's a, b dropped before the LayerNorm pass (a second backward recomputes them). Off (False) until the
 # GPU tests, sanitizers and timings have run on it: OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute.
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", False)
@@ -376,7 +376,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
     G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
     chunk of msa rows when needed, never held whole. low_memory (where the kernels run): the dWo kernel's
-    G planes in chunks of 16 MB, not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
+    G planes in chunks of 32 MB, not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
     kernels run on it; `ab` given as a list is emptied once read, so that a, b are freed before the
     LayerNorm pass when the caller holds no other reference (the autograd Function's backward). The
     denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the
@@ -466,7 +466,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (16 if low_memory else 256) << 20)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
