@@ -418,9 +418,8 @@ def test_pair_row_scale_clamp_equals_the_cap():
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA,
     OPM_LOW_MEMORY_BACKWARD): unset -> the default, "1" / "0" -> on / off, any other value raises naming the variable;
-    the first four default to on, LOW_MEMORY_BACKWARD (not yet checked on a GPU) to off; _pair_counts maps the counts'
-    three to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but True /
-    False raises."""
+    all five default to on; _pair_counts maps the counts' three to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the
+    ring on HMMA); an attribute set to anything but True / False raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -435,7 +434,7 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     if not {"OPM_PAIR_G_KERNEL", "OPM_PAIR_COUNTS_DMMA", "OPM_PAIR_COUNTS_RING", "OPM_PAIR_COUNTS_HMMA",
             "OPM_LOW_MEMORY_BACKWARD"} & set(os.environ):
         assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
-        assert opm.PAIR_COUNTS_HMMA is True and opm.LOW_MEMORY_BACKWARD is False
+        assert opm.PAIR_COUNTS_HMMA is True and opm.LOW_MEMORY_BACKWARD is True
     for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
                                    (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)

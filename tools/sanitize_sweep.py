@@ -331,13 +331,14 @@ def _opm_pair_walk_case():
 
 
 def _opm_low_memory_case():
-    """LOW_MEMORY_BACKWARD training steps: the da / db kernels writing fp16 / bf16 and the LayerNorm kernel reading it
-    (R = 95: a partial last tile) in each dtype; N 300 at B 2: the dWo kernel's G planes in two chunks (bf16)."""
+    """Training steps with LOW_MEMORY_BACKWARD on and off: the da / db kernels writing fp16 / bf16 and the LayerNorm
+    kernel reading it, or both in fp32 (R = 95: a partial last tile) in each dtype; N 300 at B 2: the dWo kernel's G
+    planes in two chunks (bf16, on)."""
     parts = opm_parts(128, 64)
-    calls = [opm_call("opm_train", dt, 1, 5, 19, 128, 32, 64, variant="outer_wg", expect=parts, low=True)
-             for dt in (BF16, F16, F32)]
+    calls = [opm_call("opm_train", dt, 1, 5, 19, 128, 32, 64, variant="outer_wg", expect=parts, low=low)
+             for low in (True, False) for dt in (BF16, F16, F32)]
     calls.append(opm_call("opm_train", BF16, 2, 3, 300, 128, 32, 64, variant="outer_wg", expect=parts, low=True))
-    return Case("opm_low_memory", "outer_product_mean", "the low-memory backward's kernels", calls)
+    return Case("opm_low_memory", "outer_product_mean", "the backward with and without LOW_MEMORY_BACKWARD", calls)
 
 
 OPM_CASES = [
@@ -405,7 +406,7 @@ def describe_call(call):
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
     extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "low", "mask",
                                         "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts")
-             if k in call and call[k] not in (None, False) and not (k == "mask" and call[k] == "mixed")]
+             if k in call and (call[k] not in (None, False) or k == "low") and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
     return f"{call['op']:<12} {call['dtype']:<8} {shape} {' '.join(extra)}{expect}{slow}"

@@ -254,9 +254,10 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in
 # chunks of at most 32 MB (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel (else float32),
-# and the forward's a, b dropped before the LayerNorm pass (a second backward recomputes them). Off (False) until the
-# GPU tests, sanitizers and timings have run on it: OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute.
-LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", False)
+# and the forward's a, b dropped before the LayerNorm pass (a second backward recomputes them). True (the default): a
+# step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 1-3% slower there (NOTES.md); False:
+# the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute.
+LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
