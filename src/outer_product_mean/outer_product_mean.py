@@ -254,7 +254,7 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in
 # chunks of at most 32 MB (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel (else float32),
-# and the forward's a, b dropped before the LayerNorm pass (a second backward recomputes them). True (the default): a
+# and the forward's a, b dropped before the LayerNorm part (a second backward recomputes them). True (the default): a
 # step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 1-3% slower there (NOTES.md); False:
 # the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute.
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
@@ -379,7 +379,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     chunk of msa rows when needed, never held whole. low_memory (where the kernels run): the dWo kernel's
     G planes in chunks of 32 MB, not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
     kernels run on it; `ab` given as a list is emptied once read, so that a, b are freed before the
-    LayerNorm pass when the caller holds no other reference (the autograd Function's backward). The
+    LayerNorm part when the caller holds no other reference (the autograd Function's backward). The
     denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the
     forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its
     tensor's dtype.
@@ -619,7 +619,7 @@ class _OuterProductMean(torch.autograd.Function):
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
         out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm)
         ctx.low = _flag("LOW_MEMORY_BACKWARD")
-        if ctx.low:  # a, b held by ctx, so that the backward may drop them before its LayerNorm pass
+        if ctx.low:  # a, b held by ctx, so that the backward may drop them before its LayerNorm part
             ctx.save_for_backward(msa, mask, *params)
             ctx.ab = ab
         else:
