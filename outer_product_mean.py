@@ -7015,8 +7015,9 @@ PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in
 # chunks of at most 32 MB (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel (else float32),
 # and the forward's a, b dropped before the LayerNorm part (a second backward recomputes them). True (the default): a
-# step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 1-3% slower there (NOTES.md); False:
-# the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute.
+# step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there (NOTES.md); False:
+# the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
+# backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
@@ -7136,7 +7137,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
     G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
-    chunk of msa rows when needed, never held whole. low_memory (where the kernels run): the dWo kernel's
+    chunk of msa rows when needed, never held whole. low_memory (default False here; ModelNew's backward
+    passes LOW_MEMORY_BACKWARD as its forward read it), where the kernels run: the dWo kernel's
     G planes in chunks of 32 MB, not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
     kernels run on it; `ab` given as a list is emptied once read, so that a, b are freed before the
     LayerNorm part when the caller holds no other reference (the autograd Function's backward). The

@@ -15,6 +15,7 @@ import gc
 import importlib.util
 import os
 import statistics
+import sys
 
 import torch
 
@@ -54,12 +55,15 @@ def measure(opm, step, low, steps):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="long", help="named shapes of reference/outer_product_mean.py (comma-separated)")
-    p.add_argument("--dtypes", default="bf16,fp16,fp32", help="of bf16, fp16, fp32 (comma-separated)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of (off, on) per shape and dtype")
-    p.add_argument("--steps", type=int, default=15, help="timed steps per measurement")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="long", help="named shapes of reference/outer_product_mean.py, comma-separated "
+                   "(default long)")
+    p.add_argument("--dtypes", default="bf16,fp16,fp32", help="of bf16, fp16, fp32, comma-separated (default all)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of (off, on) per shape and dtype (default 2)")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per measurement (default 15)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("opm_step_memory: needs a CUDA device (torch.cuda.is_available() is False)")
     ref = _load(os.path.join(ROOT, "reference", "outer_product_mean.py"))
     opm = _load(os.path.join(ROOT, "outer_product_mean.py"))
     default = opm.LOW_MEMORY_BACKWARD
