@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -972,8 +973,8 @@ def test_low_memory_backward_against_fp64(opm, ref, B, S, N, cm, cz, dist, mask_
     input's dtype, finite, equal in a second call, its max error relative to its largest value at most
     max(2x the PyTorch-ops path's, 2x the reference's in that dtype, 2^-9) in 16 bits, max(2x the ops
     path's, 1e-5) in fp32. N = 1024 (8 chunks of two 16-MB i tiles in 16 bits, 16 in fp32), 300 at B = 2 (two
-    chunks of 3 and 2 i tiles in 16 bits, 5 of one in fp32), 37 (one); in 16 bits the msa's gradient differs from the default's
-    (da, db were rounded to the 16-bit type)."""
+    chunks of 3 and 2 i tiles in 16 bits, 5 of one in fp32), 37 (one); in 16 bits the msa's gradient differs from
+    the default's (da, db were rounded to the 16-bit type)."""
     if not _caps(opm)[2]:
         pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
     gen = torch.Generator().manual_seed(B + S + N + cz + 6)
@@ -1019,8 +1020,9 @@ def test_low_memory_backward_against_fp64(opm, ref, B, S, N, cm, cz, dist, mask_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_low_memory_training_step_frees_and_recomputes(opm, ref, monkeypatch, dtype):
     """ModelNew (outer_wg) with LOW_MEMORY_BACKWARD in a training step: the backward drops the forward's a, b (the
-    autograd context no longer holds them), a second backward through the retained graph recomputes them
-    and gives the first's gradients bit for bit, and one step's peak device memory (out, (out g).sum(), its
+    autograd context no longer holds them), a second backward through the retained graph recomputes them and gives
+    the first's gradients bit for bit, as do a step under non-reentrant activation checkpointing and one with the
+    saved tensors offloaded to the CPU (saved-tensor hooks), and one step's peak device memory (out, (out g).sum(), its
     backward) is below the default's by at least half of what the G planes save (N = 1024: 16 i tiles of
     16 MB in 16 bits, 256 MB -> 32; 4 of 64 MB in fp32, 256 -> 64); gradients within 1e-2 (16-bit) / 1e-4
     of the default's."""
@@ -1065,6 +1067,15 @@ def test_low_memory_training_step_frees_and_recomputes(opm, ref, monkeypatch, dt
     second = torch.autograd.grad((out * g).sum(), leaves)
     for f, s2 in zip(first, second):
         assert torch.equal(f, s2)
+    x = msa.clone().requires_grad_(True)
+    out = torch.utils.checkpoint.checkpoint(new, x, mask, use_reentrant=False)
+    ckpt = torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
+    with torch.autograd.graph.save_on_cpu():
+        x = msa.clone().requires_grad_(True)
+        out = new(x, mask)
+    cpu = torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
+    for f, c1, c2 in zip(first, ckpt, cpu):
+        assert torch.equal(f, c1) and torch.equal(f, c2)
 
 
 @gpu
