@@ -7019,6 +7019,12 @@ PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
 # backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
+# With it, how the forward's a, b reach the backward and are freed: "context" (the default: held on the autograd
+# context, outside saved-tensor hooks, so activation checkpointing and save_on_cpu leave them on the GPU until the
+# backward), or "storage" (saved for the backward like the rest, which frees their storage, resize_(0), once da, db
+# are formed; not yet checked on a GPU): OPM_LOW_MEMORY_AB at import, then this attribute, or
+# `with low_memory_ab("storage"):`.
+LOW_MEMORY_AB = os.environ.get("OPM_LOW_MEMORY_AB", "context")
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
@@ -7072,6 +7078,12 @@ class pair_backward(_ModuleSetting):
     attr, modes = "PAIR_BACKWARD", ("chunks", "kernels")
 
 
+class low_memory_ab(_ModuleSetting):
+    """`with low_memory_ab("storage"):` (or "context") sets LOW_MEMORY_AB for the block, then restores it."""
+
+    attr, modes = "LOW_MEMORY_AB", ("context", "storage")
+
+
 def pair_scales(mask, norm, eps=1e-3):
     """(s1, s2) (B, N, N) float64 of a pair mode: n = sum_s m[b,s,i] m[b,s,j] in fp64 (exact for
     0/1 and integer masks); NORM_OPENFOLD s1 = s2 = 1 / (n + eps), NORM_BOLTZ s1 = 1 / max(n, 1), s2 = 1."""
@@ -7086,7 +7098,7 @@ def pair_scales(mask, norm, eps=1e-3):
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
                                 rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3,
-                                pair_kernels=None, low_memory=False):
+                                pair_kernels=None, low_memory=False, release_ab=False):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
@@ -7141,7 +7153,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     passes LOW_MEMORY_BACKWARD as its forward read it), where the kernels run: the dWo kernel's
     G planes in chunks of 32 MB, not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
     kernels run on it; `ab` given as a list is emptied once read, so that a, b are freed before the
-    LayerNorm part when the caller holds no other reference (the autograd Function's backward). The
+    LayerNorm part when the caller holds no other reference (the autograd Function's backward, "context").
+    release_ab: the given a, b's storage is freed (resized to 0 bytes) at that point, whoever holds them
+    (the Function's saved a, b, "storage": a second backward through a retained graph finds them empty and
+    recomputes them). The
     denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the
     forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its
     tensor's dtype.
@@ -7270,6 +7285,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
                 del G
             del g, a_r
         del b_flat
+    if release_ab and ab is not None:  # the given a, b are not read past here
+        a.untyped_storage().resize_(0)
+        b.untyped_storage().resize_(0)
     del a, b, g_k
 
     # The mask, projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of
@@ -7381,10 +7399,11 @@ class _OuterProductMean(torch.autograd.Function):
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
         out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm)
         ctx.low = _flag("LOW_MEMORY_BACKWARD")
-        if ctx.low:  # a, b held by ctx, so that the backward may drop them before its LayerNorm part
+        ctx.on_ctx = ctx.low and low_memory_ab.current() == "context"
+        if ctx.on_ctx:  # a, b held by ctx, so that the backward may drop them before its LayerNorm part
             ctx.save_for_backward(msa, mask, *params)
             ctx.ab = ab
-        else:
+        else:  # ("storage": the backward frees them)
             ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
         return out
 
@@ -7392,15 +7411,15 @@ class _OuterProductMean(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        if ctx.low:  # a list the backward empties: the only reference to a, b (a second backward recomputes them)
+        if ctx.on_ctx:  # a list the backward empties: the only reference to a, b (a second backward recomputes them)
             ab, ctx.ab = (None if ctx.ab is None else list(ctx.ab)), None
-        else:
+        else:  # (None where none were kept, or an earlier backward of this graph freed them: recomputed)
             params, ab = params[:8], params[8:]
-            ab = None if ab[0] is None else tuple(ab)
+            ab = None if ab[0] is None or ab[0].untyped_storage().nbytes() == 0 else tuple(ab)
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
                                             ab=ab, parts=parts, norm=ctx.norm[0], norm_eps=ctx.norm[1],
-                                            low_memory=ctx.low)
+                                            low_memory=ctx.low, release_ab=ctx.low and not ctx.on_ctx)
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
         need = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[3:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
