@@ -820,6 +820,21 @@ class _EinsumKernels:
         return d_x, d_lw, d_lb, dpa.t() @ x, dpa.sum(0), dpb.t() @ x, dpb.sum(0)
 
 
+def test_step_memory_tool_says_it_needs_a_gpu(repo_root):
+    """tools/opm_step_memory.py: --help shows its docstring and the defaults; without a CUDA device it exits 1 with
+    one line naming the requirement, before loading the kernel file (no build, no driver traceback)."""
+    import subprocess
+    import sys
+    tool = os.path.join(repo_root, "tools", "opm_step_memory.py")
+    r = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "LOW_MEMORY_BACKWARD off and on" in r.stdout and "default long" in r.stdout, r.stdout
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the tool would run")
+    r = subprocess.run([sys.executable, tool, "--dtypes", "bf16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.strip() == ("opm_step_memory: needs a CUDA device "
+                                                      "(torch.cuda.is_available() is False)"), r.stderr[-2000:]
+
+
 def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
     """Each mix of the backward's kernels (stood in by einsum and ATen's LayerNorm, float64 on the CPU)
     gives the all-ops gradients: the chunks form O where dWo has no kernel and G where da, db have
