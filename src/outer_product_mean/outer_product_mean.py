@@ -252,12 +252,12 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # 5.0 us) or in fp64 on DMMA (False): OPM_PAIR_COUNTS_HMMA ("1" / "0") at import, then this attribute. float32 masks
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
-# The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in
-# chunks of at most 32 MB (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel (else float32),
-# and the forward's a, b dropped before the LayerNorm part (a second backward recomputes them). True (the default): a
-# step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there (NOTES.md); False:
-# the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
-# backward follows the value its forward saw).
+# The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in chunks
+# of 32 MB or one 64-residue i tile if larger (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel
+# (else float32), and the forward's a, b dropped before the LayerNorm part (a second backward recomputes them). True
+# (the default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there
+# (NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each
+# forward (its backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # With it, how the forward's a, b reach the backward and are freed: "context" (the default: held on the autograd
 # context, outside saved-tensor hooks, so activation checkpointing and save_on_cpu leave them on the GPU until the
@@ -387,19 +387,18 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
     run (ModelNew.last_backward holds them as a tuple once the call returns).
 
-    Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and
-    G only for r rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per
-    chunk of msa rows when needed, never held whole. low_memory (default False here; ModelNew's backward
-    passes LOW_MEMORY_BACKWARD as its forward read it), where the kernels run: the dWo kernel's
-    G planes in chunks of 32 MB, not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
-    kernels run on it; `ab` given as a list is emptied once read, so that a, b are freed before the
-    LayerNorm part when the caller holds no other reference (the autograd Function's backward, "context").
-    release_ab: the given a, b's storage is freed (resized to 0 bytes) at that point, whoever holds them
-    (the Function's saved a, b, "storage": a second backward through a retained graph finds them empty and
-    recomputes them). The
-    denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the
-    forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its
-    tensor's dtype.
+    Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r
+    rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when
+    needed, never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its
+    forward read it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i
+    tile: 64 MB in fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
+    kernels run on it. `ab` given as a list (whatever low_memory says) is emptied once read, so that a, b are freed
+    before the LayerNorm part when the caller holds no other reference (the autograd Function's backward,
+    LOW_MEMORY_AB "context"). release_ab: the given a, b's storage is freed (resized to 0 bytes) at that point,
+    whoever holds them (the Function's saved a, b, "storage": a second backward through a retained graph finds them
+    empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
+    for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
+    each in its tensor's dtype.
     """
     B, S, N, c_m = msa.shape
     c, c_z = wa.shape[0], wo.shape[0]
