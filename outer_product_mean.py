@@ -7414,7 +7414,8 @@ class _OuterProductMean(torch.autograd.Function):
             ab, ctx.ab = (None if ctx.ab is None else list(ctx.ab)), None
         else:  # (None where none were kept, or an earlier backward of this graph freed them: recomputed)
             params, ab = params[:8], params[8:]
-            ab = None if ab[0] is None or ab[0].untyped_storage().nbytes() == 0 else tuple(ab)
+            freed = ab[0] is not None and ab[0].numel() > 0 and ab[0].untyped_storage().nbytes() == 0
+            ab = None if ab[0] is None or freed else tuple(ab)
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
                                             ab=ab, parts=parts, norm=ctx.norm[0], norm_eps=ctx.norm[1],
