@@ -926,6 +926,34 @@ def test_backward_rows_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, c
                                    dict(rows_kernel=False, ln_kernel=False), mask_kind)
 
 
+def _backward_case_in(opm, ref, B, S, N, cm, cz, dist, mask_kind, dtype, salt):
+    """A backward case in dtype (CUDA): outer_product_mean_backward's args (msa, mask in the msa's dtype where it is
+    floating, parameters, grad_out), and the gradient names, fp64 autograd's gradients of the reference on those
+    inputs upcast, and the reference's own run in dtype, each (msa, then the parameters in order)."""
+    gen = torch.Generator().manual_seed(B + S + N + cz + salt)
+    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S + salt)
+    msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
+    mask = _mask(B, S, N, mask_kind, gen)
+    mask = (mask.to(dtype) if mask.is_floating_point() else mask).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+    params = [p.detach().to(dtype) for p in new.parameters()]
+    args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
+    m_t = copy.deepcopy(m_ref).to(dtype)
+    m64 = copy.deepcopy(m_ref).double()
+    with torch.no_grad():
+        for p_t, p64, p in zip(m_t.parameters(), m64.parameters(), params):
+            p_t.copy_(p)
+            p64.copy_(p.double())
+    x_t = msa.clone().requires_grad_(True)
+    m_t(x_t, mask).backward(g)
+    x64 = msa.double().requires_grad_(True)
+    (m64(x64, mask.double()) * g.double()).sum().backward()
+    want = (x64.grad,) + tuple(p.grad for p in m64.parameters())
+    refd = (x_t.grad,) + tuple(p.grad for p in m_t.parameters())
+    names = ("msa",) + tuple(n for n, _ in m64.named_parameters())
+    return args, names, want, refd
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B, S, N, cm, cz, dist, mask_kind", [(1, 40, 37, 256, 128, "normal", "binary"),
@@ -949,34 +977,14 @@ def test_backward_half_msa_kernels_against_fp64_and_the_ops_path(opm, ref, B, S,
     msa's dtype where it is floating)."""
     if not _caps(opm)[2]:
         pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
-    gen = torch.Generator().manual_seed(B + S + N + cz + 4)
-    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S + 4)
-    msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
-    mask = _mask(B, S, N, mask_kind, gen)
-    mask = (mask.to(dtype) if mask.is_floating_point() else mask).cuda()
-    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
-    params = [p.detach().to(dtype) for p in new.parameters()]
-    args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
-    assert opm._ln_kernel_runs(msa, 32, cm) and opm._rows_kernel_runs(msa, 32, cm)
+    args, names, want, refd = _backward_case_in(opm, ref, B, S, N, cm, cz, dist, mask_kind, dtype, 4)
+    assert opm._ln_kernel_runs(args[0], 32, cm) and opm._rows_kernel_runs(args[0], 32, cm)
     parts = []
     fused = opm.outer_product_mean_backward(*args, parts=parts)
     assert parts == ["a, b", "dWo", "da, db", "LayerNorm"]
     again = opm.outer_product_mean_backward(*args)
     split = opm.outer_product_mean_backward(*args, split=True)
     ops = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False, rows_kernel=False, ln_kernel=False)
-    m16 = copy.deepcopy(m_ref).to(dtype)
-    m64 = copy.deepcopy(m_ref).double()
-    with torch.no_grad():
-        for p16, p64, p in zip(m16.parameters(), m64.parameters(), params):
-            p16.copy_(p)
-            p64.copy_(p.double())
-    x16 = msa.clone().requires_grad_(True)
-    m16(x16, mask).backward(g)
-    x64 = msa.double().requires_grad_(True)
-    (m64(x64, mask.double()) * g.double()).sum().backward()
-    want = (x64.grad,) + tuple(p.grad for p in m64.parameters())
-    refd = (x16.grad,) + tuple(p.grad for p in m16.parameters())
-    names = ("msa",) + tuple(n for n, _ in m64.named_parameters())
     rel = lambda t, w: (t.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30)
     assert len(fused) == len(again) == len(split) == len(ops) == len(refd) == len(want) == 9
     for name, f, f2, sp, o, r, w in zip(names, fused, again, split, ops, refd, want):
@@ -1006,33 +1014,13 @@ def test_low_memory_backward_against_fp64(opm, ref, B, S, N, cm, cz, dist, mask_
     the default's (da, db were rounded to the 16-bit type)."""
     if not _caps(opm)[2]:
         pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
-    gen = torch.Generator().manual_seed(B + S + N + cz + 6)
-    m_ref, new = _pair(opm, ref, cm, cz, 32, seed=S + 6)
-    msa = _msa((B, S, N, cm), dist, gen).to(dtype).cuda()
-    mask = _mask(B, S, N, mask_kind, gen)
-    mask = (mask.to(dtype) if mask.is_floating_point() else mask).cuda()
-    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
-    params = [p.detach().to(dtype) for p in new.parameters()]
-    args = (msa, mask, params[0], params[1], new.layer_norm.eps, *params[2:], g)
+    args, names, want, refd = _backward_case_in(opm, ref, B, S, N, cm, cz, dist, mask_kind, dtype, 6)
     parts = []
     low = opm.outer_product_mean_backward(*args, parts=parts, low_memory=True)
     assert parts == ["a, b", "dWo", "da, db", "LayerNorm"]
     again = opm.outer_product_mean_backward(*args, low_memory=True)
     default = opm.outer_product_mean_backward(*args)
     ops = opm.outer_product_mean_backward(*args, wo_kernel=False, ab_kernel=False, rows_kernel=False, ln_kernel=False)
-    m_t = copy.deepcopy(m_ref).to(dtype)
-    m64 = copy.deepcopy(m_ref).double()
-    with torch.no_grad():
-        for p_t, p64, p in zip(m_t.parameters(), m64.parameters(), params):
-            p_t.copy_(p)
-            p64.copy_(p.double())
-    x_t = msa.clone().requires_grad_(True)
-    m_t(x_t, mask).backward(g)
-    x64 = msa.double().requires_grad_(True)
-    (m64(x64, mask.double()) * g.double()).sum().backward()
-    want = (x64.grad,) + tuple(p.grad for p in m64.parameters())
-    refd = (x_t.grad,) + tuple(p.grad for p in m_t.parameters())
-    names = ("msa",) + tuple(n for n, _ in m64.named_parameters())
     rel = lambda t, w: (t.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30)
     half = dtype != torch.float32
     if half:

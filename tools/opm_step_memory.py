@@ -12,22 +12,16 @@ the backward's parts that ran in kernels. Needs a CUDA device.
 """
 import argparse
 import gc
-import importlib.util
 import os
 import statistics
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # the repository root's module loader (it applies the build environment)
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _load(path):
-    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def measure(opm, step, low, steps):
@@ -64,8 +58,8 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("opm_step_memory: needs a CUDA device (torch.cuda.is_available() is False)")
-    ref = _load(os.path.join(ROOT, "reference", "outer_product_mean.py"))
-    opm = _load(os.path.join(ROOT, "outer_product_mean.py"))
+    ref = harness.load_module("reference/outer_product_mean.py")
+    opm = harness.load_module("outer_product_mean.py")
     default = opm.LOW_MEMORY_BACKWARD
     for name in args.shapes.split(","):
         d = ref.SHAPES[name]
