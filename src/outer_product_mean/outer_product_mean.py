@@ -254,17 +254,12 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in chunks
 # of 32 MB or one 64-residue i tile if larger (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel
-# (else float32), and the forward's a, b dropped before the LayerNorm part (a second backward recomputes them). True
-# (the default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there
+# (else float32), and the storage of the forward's a, b (saved for the backward like the other tensors, so saved-tensor
+# hooks see them) freed once da, db are formed (a second backward through the graph recomputes them). True (the
+# default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there
 # (NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each
 # forward (its backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
-# With it, how the forward's a, b reach the backward and are freed: "context" (the default: held on the autograd
-# context, outside saved-tensor hooks, so activation checkpointing and save_on_cpu leave them on the GPU until the
-# backward), or "storage" (saved for the backward like the rest, which frees their storage, resize_(0), once da, db
-# are formed; not yet checked on a GPU): OPM_LOW_MEMORY_AB at import, then this attribute, or
-# `with low_memory_ab("storage"):`.
-LOW_MEMORY_AB = os.environ.get("OPM_LOW_MEMORY_AB", "context")
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
@@ -316,12 +311,6 @@ class pair_backward(_ModuleSetting):
     """`with pair_backward("kernels"):` (or "chunks") sets PAIR_BACKWARD for the block, then restores it."""
 
     attr, modes = "PAIR_BACKWARD", ("chunks", "kernels")
-
-
-class low_memory_ab(_ModuleSetting):
-    """`with low_memory_ab("storage"):` (or "context") sets LOW_MEMORY_AB for the block, then restores it."""
-
-    attr, modes = "LOW_MEMORY_AB", ("context", "storage")
 
 
 def pair_scales(mask, norm, eps=1e-3):
@@ -392,10 +381,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     needed, never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its
     forward read it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i
     tile: 64 MB in fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
-    kernels run on it. `ab` given as a list (whatever low_memory says) is emptied once read, so that a, b are freed
-    before the LayerNorm part when the caller holds no other reference (the autograd Function's backward,
-    LOW_MEMORY_AB "context"). release_ab: the given a, b's storage is freed (resized to 0 bytes) at that point,
-    whoever holds them (the Function's saved a, b, "storage": a second backward through a retained graph finds them
+    kernels run on it. release_ab: the given a, b's storage is freed (resized to 0 bytes) once da, db are formed,
+    whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds them
     empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
     for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
     each in its tensor's dtype.
@@ -443,8 +430,6 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # kernels; each chunk a contiguous row range) and the projections by addmm
     if ab is not None:
         a, b, inv_d = ab
-        if isinstance(ab, list):
-            ab.clear()
     elif rows_in_kernel:
         a, b, inv_d = _ext.opm_backward_rows(msa, mask_k, lw, lb, Wa, Ba, Wb, Bb, eps, False)
     else:
@@ -638,28 +623,20 @@ class _OuterProductMean(torch.autograd.Function):
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
         out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm)
         ctx.low = _flag("LOW_MEMORY_BACKWARD")
-        ctx.on_ctx = ctx.low and low_memory_ab.current() == "context"
-        if ctx.on_ctx:  # a, b held by ctx, so that the backward may drop them before its LayerNorm part
-            ctx.save_for_backward(msa, mask, *params)
-            ctx.ab = ab
-        else:  # ("storage": the backward frees them)
-            ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))
+        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))  # (a low-memory backward frees a, b)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        if ctx.on_ctx:  # a list the backward empties: the only reference to a, b (a second backward recomputes them)
-            ab, ctx.ab = (None if ctx.ab is None else list(ctx.ab)), None
-        else:  # (None where none were kept, or an earlier backward of this graph freed them: recomputed)
-            params, ab = params[:8], params[8:]
-            freed = ab[0] is not None and ab[0].numel() > 0 and ab[0].untyped_storage().nbytes() == 0
-            ab = None if ab[0] is None or freed else tuple(ab)
+        params, ab = params[:8], params[8:]  # (None where none were kept, or an earlier backward freed them: recomputed)
+        freed = ab[0] is not None and ab[0].numel() > 0 and ab[0].untyped_storage().nbytes() == 0
+        ab = None if ab[0] is None or freed else tuple(ab)
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
                                             ab=ab, parts=parts, norm=ctx.norm[0], norm_eps=ctx.norm[1],
-                                            low_memory=ctx.low, release_ab=ctx.low and not ctx.on_ctx)
+                                            low_memory=ctx.low, release_ab=ctx.low)
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
         need = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[3:]
         grads = tuple(g if n else None for g, n in zip(grads, need))
