@@ -4130,9 +4130,11 @@ namespace opm {
 //   per row, the sums of g and g xhat over the warp's columns (quad shuffles), the 8 warps' added in
 //     order through shared memory; d_x_in (rounded once to T) staged in the warp's columns of xs, then
 //     written by 16-byte stores; d_ln_w, d_ln_b accumulated.
-// Each block writes its partials (part[blk][64][CM]: dWa | dWb; part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b
-// over the block's rows (lanes added by shuffles), d_ba, d_bb); opm_block_sum_kernel adds them in block
-// order in fp64.
+// Each block writes its partial, kLnPart(CM) floats: dWa | dWb (64 x CM), d_ln_w, d_ln_b over the block's rows
+// (lanes added by shuffles), d_ba, d_bb; opm_ln_sum_kernel adds them in block order in fp64. ln_part_at says
+// where they live: part[blk][...], or (part null: the caller's da, db consumed) the da and db rows of the
+// block's own first tiles, read by then, so that the partials take no memory of their own. Staged in shared
+// memory first, they go out in float4 stores (a chunk never splits one).
 // Conflict-free shared loads: the padded rows (LDX = CM + 8 for xs and ws, 68, 36 floats) put the 32
 // lanes of every fragment load in distinct banks.
 // D: da and db's element type, float or T (16-bit T only: the rows copied as they are into the first half of their
@@ -4140,6 +4142,26 @@ namespace opm {
 // Assumptions: 256 threads; x_in, da, db 16-byte aligned (the bulk copies); sm_90a (bulk copies, mbarriers).
 // ---------------------------------------------------------------------------------------------
 constexpr int kLnRows = 32;
+__host__ __device__ constexpr int64_t kLnPart(int64_t cm) { return 66 * cm + 64; }
+// Floats of one tile's rows of da (or db) of element type D: a chunk of the partials in place.
+template <typename D>
+constexpr int64_t kLnChunk = kLnRows * 32 * int64_t(sizeof(D)) / 4;
+// Where block blk's partial element e (< n = kLnPart(CM)) lives: part[blk n + e]; with part null, chunk q = e /
+// kLnChunk<D> is tile blk + (q / 2) blocks's rows of da (q even) or db (q odd). In place only where every block
+// owns that many full tiles (ln_part_fits).
+template <typename D>
+__device__ __forceinline__ float* ln_part_at(float* part, D* da, D* db, int64_t blk, int64_t blocks, int64_t n,
+                                             int64_t e) {
+  if (part != nullptr) return part + blk * n + e;
+  const int64_t q = e / kLnChunk<D>, tt = blk + (q >> 1) * blocks;
+  return reinterpret_cast<float*>(((q & 1) ? db : da) + tt * (kLnRows * 32)) + e % kLnChunk<D>;
+}
+// Whether the partials of `blocks` blocks over R rows fit in place (every chunk a full tile's).
+template <typename D>
+bool ln_part_fits(int64_t R, int64_t cm, int64_t blocks) {
+  const int64_t chunks = (kLnPart(cm) + kLnChunk<D> - 1) / kLnChunk<D>;
+  return (chunks + 1) / 2 * blocks <= R / kLnRows;
+}
 template <int CM>
 struct LnSmem {  // offsets in floats
   static constexpr int LDX = CM + 8, LDP = 68, LDT = 36;
@@ -4161,10 +4183,10 @@ template <int CM>
 constexpr size_t ln_smem_bytes() { return 4ull * LnSmem<CM>::floats; }
 template <int CM, typename T, typename D = float>
 __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
-    const T* __restrict__ xin, const D* __restrict__ da, const D* __restrict__ db,
+    const T* __restrict__ xin, D* __restrict__ da, D* __restrict__ db,
     const void* __restrict__ mask, int mask_kind, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
     const float* __restrict__ wa, const float* __restrict__ wb, T* __restrict__ dx, float* __restrict__ part,
-    float* __restrict__ part_ln, int64_t R, float eps) {
+    int64_t R, float eps) {
 #if defined(OPM_WG_DEVICE)
   using L = LnSmem<CM>;
   constexpr int NT = CM / 64, LDX = L::LDX, LDP = L::LDP, LDT = L::LDT;
@@ -4513,18 +4535,21 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
     // this thread's generic writes of xs ordered before the bulk copies that refill it
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
-  // ---- partials: dW, then d_ln_w / d_ln_b over the lanes g (the columns are this warp's alone), the
-  //      bias sums ----
-  float* pb = part + static_cast<int64_t>(blockIdx.x) * 64 * CM;
+  // ---- partials, staged in shared memory (xs and raw, free now) in their order: dW, then d_ln_w / d_ln_b
+  //      over the lanes g (the columns are this warp's alone), the bias sums; then copied out by float4 ----
+  static_assert(kLnPart(CM) <= L::ph - L::xs && kLnPart(CM) % 4 == 0, "the partial staged in xs and raw");
+  float* stage = sm + L::xs;
+  float* bsum = sm + L::bsum;
+  bsum[tid] = dbias;
+  __syncthreads();  // every warp's reads of xs (its d_x_in rows) are done; bsum complete
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<float2*>(pb + (16 * mt + g + 8 * hf) * CM + col0 + 8 * nt + 2 * t) =
+        *reinterpret_cast<float2*>(stage + (16 * mt + g + 8 * hf) * CM + col0 + 8 * nt + 2 * t) =
             make_float2(accw[mt][nt][2 * hf], accw[mt][nt][2 * hf + 1]);
-  float* plo = part_ln + static_cast<int64_t>(blockIdx.x) * (2 * CM + 64);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -4536,22 +4561,38 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
         vb += __shfl_xor_sync(0xffffffffu, vb, off);
       }
       if (g == 0) {
-        plo[col0 + 8 * nt + 2 * t + e] = vw;
-        plo[CM + col0 + 8 * nt + 2 * t + e] = vb;
+        stage[64 * CM + col0 + 8 * nt + 2 * t + e] = vw;
+        stage[65 * CM + col0 + 8 * nt + 2 * t + e] = vb;
       }
     }
-  float* bsum = sm + L::bsum;
-  bsum[tid] = dbias;
+  if (tid < 64) stage[66 * CM + tid] = (bsum[tid] + bsum[64 + tid]) + (bsum[128 + tid] + bsum[192 + tid]);
   __syncthreads();
-  if (tid < 64) plo[2 * CM + tid] = (bsum[tid] + bsum[64 + tid]) + (bsum[128 + tid] + bsum[192 + tid]);
+  // In place, the rows written were read by this block's bulk copies, complete before its last tile was
+  // used; the fence orders those async-proxy reads before these generic writes all the same.
+  if (part == nullptr) asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#pragma unroll 1
+  for (int e = 4 * tid; e < kLnPart(CM); e += 4 * 256)
+    *reinterpret_cast<float4*>(ln_part_at<D>(part, da, db, blockIdx.x, gridDim.x, kLnPart(CM), e)) =
+        *reinterpret_cast<const float4*>(stage + e);
 #else
   __trap();  // built without sm_90a: the host never launches this (DevInfo::ow_ok)
 #endif
 }
 
+// out[e] = sum over the blocks (in order, in fp64) of opm_bw_ln_kernel's partial element e < n = kLnPart(CM),
+// wherever ln_part_at puts it (part, or the consumed da, db).
+template <typename D>
+__global__ void __launch_bounds__(kThreads) opm_ln_sum_kernel(float* part, D* da, D* db, float* __restrict__ out,
+                                                              int blocks, int64_t n) {
+  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (e >= n) return;
+  double s = 0.0;
+  for (int b = 0; b < blocks; ++b) s += *ln_part_at<D>(part, da, db, b, blocks, n, e);
+  out[e] = static_cast<float>(s);
+}
+
 // out[e] = sum over blocks (in order, in fp64) of part[blk * n + e] for e < n: the blocks' partials of
-// opm_bw_ln_kernel (dWa | dWb: n = 64 CM; d_ln_w | d_ln_b | d_ba | d_bb: n = 2 CM + 64, into separate
-// outputs by the caller's views) and of opm_colsum_kernel (n = c_z).
+// opm_colsum_kernel and opm_pair_grad_kernel (n = c_z).
 __global__ void __launch_bounds__(kThreads) opm_block_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
                                                                  int blocks, int64_t n) {
   const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -6559,10 +6600,12 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
 // The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m) float32, float16 or bfloat16, da, db
 // (R, 32) fp32 or (16-bit x_in) in x_in's dtype (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w,
 // ln_b (c_m), wa, wb (32, c_m) fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
-// d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device.
+// d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device, the same with or
+// without consume. consume: da, db may be overwritten (the blocks' partials go into their rows where they fit,
+// ln_part_fits: no buffer of c_m (66 c_m + 64) floats per block).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
-    at::Tensor wb, double eps) {
+    at::Tensor wb, double eps, bool consume) {
   for (const at::Tensor* t : {&xin, &da, &db, &mask, &ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_ln takes CUDA tensors");
   for (const at::Tensor* t : {&ln_w, &ln_b, &wa, &wb})
@@ -6602,17 +6645,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   if (R > 0) {
     const int64_t tiles = cdiv(R, kLnRows);
     const int blocks = static_cast<int>(std::min<int64_t>(tiles, d.sms));
-    at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * (2 * cm + 64)}, f32);
+    const int64_t n = kLnPart(cm);
     auto run = [&](auto kernel, size_t smem, auto* type, auto* dtype) {  // null pointers of x_in's, da's types
       using T = std::remove_pointer_t<decltype(type)>;
       using D = std::remove_pointer_t<decltype(dtype)>;
+      // the blocks' partials in the consumed da, db (no memory of their own) where they fit, else a buffer
+      const at::Tensor part = consume && ln_part_fits<D>(R, cm, blocks) ? at::Tensor() : at::empty({blocks * n}, f32);
+      float* const pp = part.defined() ? part.data_ptr<float>() : nullptr;
+      D* const dap = reinterpret_cast<D*>(dac.data_ptr());
+      D* const dbp = reinterpret_cast<D*>(dbc.data_ptr());
       set_smem(kernel, smem, d, "the backward's LayerNorm kernel");
-      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()),
-                                            reinterpret_cast<const D*>(dac.data_ptr()),
-                                            reinterpret_cast<const D*>(dbc.data_ptr()), mc.data_ptr(), mask_kind,
-                                            lwc.data_ptr<float>(), lbc.data_ptr<float>(), wac.data_ptr<float>(),
-                                            wbc.data_ptr<float>(), reinterpret_cast<T*>(dx.data_ptr()),
-                                            part.data_ptr<float>(), part_ln.data_ptr<float>(), R, static_cast<float>(eps));
+      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()), dap, dbp, mc.data_ptr(),
+                                            mask_kind, lwc.data_ptr<float>(), lbc.data_ptr<float>(),
+                                            wac.data_ptr<float>(), wbc.data_ptr<float>(),
+                                            reinterpret_cast<T*>(dx.data_ptr()), pp, R, static_cast<float>(eps));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      opm_ln_sum_kernel<D><<<static_cast<int>(cdiv(n, kThreads)), kThreads, 0, stream>>>(pp, dap, dbp,
+                                                                                    sums.data_ptr<float>(), blocks, n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto run_cm = [&](auto* type, auto* dtype) {
@@ -6627,12 +6676,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     if (xt == at::kBFloat16) dab_t ? run_cm(bf16p, bf16p) : run_cm(bf16p, f32p);
     else if (xt == at::kHalf) dab_t ? run_cm(f16p, f16p) : run_cm(f16p, f32p);
     else run_cm(f32p, f32p);
-    opm_block_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
-        part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    opm_block_sum_kernel<<<static_cast<int>(cdiv(2 * cm + 64, kThreads)), kThreads, 0, stream>>>(
-        part_ln.data_ptr<float>(), sums.data_ptr<float>() + 64 * cm, blocks, 2 * cm + 64);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {dx, sums.narrow(0, 64 * cm, cm), sums.narrow(0, 65 * cm, cm), sums.narrow(0, 0, 32 * cm).view({32, cm}),
           sums.narrow(0, 66 * cm, 32), sums.narrow(0, 32 * cm, 32 * cm).view({32, cm}), sums.narrow(0, 66 * cm + 32, 32)};
@@ -7141,7 +7184,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     needed, never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its
     forward read it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i
     tile: 64 MB in fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
-    kernels run on it. release_ab: the given a, b's storage is freed (resized to 0 bytes) once da, db are formed,
+    kernels run on it; the LayerNorm kernel's block partials in da, db's rows it has read. release_ab: the given a, b's storage is freed (resized to 0 bytes) once da, db are formed,
     whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds them
     empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
     for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
@@ -7278,7 +7321,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # rows (ATen's LayerNorm backward)
     if ln_in_kernel:
         d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb = _ext.opm_backward_ln(
-            msa_rows, da.view(R, c), db.view(R, c), mask_k.reshape(R), lw, lb, Wa.contiguous(), Wb.contiguous(), eps)
+            msa_rows, da.view(R, c), db.view(R, c), mask_k.reshape(R), lw, lb, Wa.contiguous(), Wb.contiguous(), eps,
+            low_memory)  # (low_memory: its block partials written over da, db's consumed rows)
         d_msa = d_msa.view(B, S, N, c_m)
     else:
         da *= m_rows.view(B, S, N, 1)                                                  # dpa (B, S, N, c)

@@ -810,7 +810,7 @@ class _EinsumKernels:
         return (x @ wa.t() + ba) * m, (x @ wb.t() + bb) * m, 1 / mask.to(x.dtype).sum(1).clamp(min=1)
 
     @staticmethod
-    def opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, eps):
+    def opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, eps, consume):
         xin, ln_w, ln_b = (t.detach().requires_grad_(True) for t in (xin, ln_w, ln_b))
         with torch.enable_grad():
             x = F.layer_norm(xin, xin.shape[-1:], ln_w, ln_b, eps)
@@ -893,6 +893,35 @@ def test_backward_ln_kernel_against_fp64_and_the_ops_path(opm, ref, B, S, N, cm,
     assert opm._ln_kernel_runs(msa, 32, cm) and not opm._ln_kernel_runs(msa, 32, 64)
     _backward_against_fp64_and_ops(opm, ref, B, S, N, cm, cz, dist, 2, dict(ln_kernel=True, rows_kernel=False),
                                    dict(ln_kernel=False, rows_kernel=False), mask_kind)
+
+
+@gpu
+@pytest.mark.parametrize("dtype, R, cm, fits", [(torch.float32, 131072, 256, True), (torch.bfloat16, 131072, 256, True),
+                                                (torch.float32, 40000, 128, True), (torch.bfloat16, 2000, 256, False)])
+def test_backward_ln_kernel_partials_in_place_bit_equal(opm, dtype, R, cm, fits):
+    """opm_backward_ln with consume (the blocks' partials written over da, db's rows once read, where they fit: at
+    131072 rows 31 tiles per block on 132 SMs, 9 of them (fp32) or 17 (bf16) hold a partial; at 2000 rows 63 blocks of
+    one tile, a buffer) returns the same bits as without, every output, and leaves x_in, mask and the weights alone;
+    da, db are overwritten exactly where the partials fit."""
+    if not _caps(opm)[2]:
+        pytest.skip("the LayerNorm kernel needs a Hopper GPU and an sm_90a build")
+    gen = torch.Generator().manual_seed(R + cm)
+    xin = (torch.randn(R, cm, generator=gen) * 2 + 0.5).to(dtype).cuda()
+    da, db = (torch.randn(R, 32, generator=gen).to(dtype).cuda() for _ in range(2))
+    mask = (torch.rand(R, generator=gen) > 0.2).float().cuda()
+    ln_w, ln_b = (torch.randn(cm, generator=gen).cuda() for _ in range(2))
+    wa, wb = (torch.randn(32, cm, generator=gen).cuda() / cm**0.5 for _ in range(2))
+    ins = (xin, mask, ln_w, ln_b, wa, wb)
+    keep = [t.clone() for t in ins]
+    want = opm._ext.opm_backward_ln(xin, da.clone(), db.clone(), mask, ln_w, ln_b, wa, wb, 1e-5, False)
+    da2, db2 = da.clone(), db.clone()
+    got = opm._ext.opm_backward_ln(xin, da2, db2, mask, ln_w, ln_b, wa, wb, 1e-5, True)
+    torch.cuda.synchronize()
+    for w, t in zip(want, got):
+        assert w.dtype == t.dtype and torch.equal(w, t)
+        assert torch.isfinite(t).all()
+    assert all(torch.equal(a, b) for a, b in zip(ins, keep))
+    assert (not torch.equal(da2, da) and not torch.equal(db2, db)) == fits
 
 
 @gpu

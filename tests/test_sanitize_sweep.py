@@ -1033,8 +1033,16 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         B, _, N = mask.shape
         return torch.ones(B, N, N, 2)
 
+    def opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, eps, consume):
+        R, cm = xin.shape
+        assert da.shape == db.shape == (R, 32) and mask.shape == (R,) and wa.shape == wb.shape == (32, cm)
+        assert all(p.dtype == torch.float32 for p in (mask, ln_w, ln_b, wa, wb)) and isinstance(consume, bool)
+        return (torch.zeros_like(xin), torch.zeros(cm), torch.zeros(cm), torch.zeros(32, cm), torch.zeros(32),
+                torch.zeros(32, cm), torch.zeros(32))
+
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows),
-                           "opm_pair_scale": staticmethod(opm_pair_scale)})
+                           "opm_pair_scale": staticmethod(opm_pair_scale),
+                           "opm_backward_ln": staticmethod(opm_backward_ln)})
     opm = type("OPM", (), {"ModelNew": OPMModel, "outer_product_mean_backward": staticmethod(opm_backward),
                            "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
                            "pair_epilogue": setting("epilogue", ("fused", "unfused")),

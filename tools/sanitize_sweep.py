@@ -341,6 +341,17 @@ def _opm_low_memory_case():
     return Case("opm_low_memory", "outer_product_mean", "the backward with and without LOW_MEMORY_BACKWARD", calls)
 
 
+def _opm_ln_in_place_case():
+    """The LayerNorm kernel alone (opm_backward_ln), its blocks' partials written over da, db's rows (consume): N = R
+    rows for 9 / 5 tiles per block on 132 SMs (at msa_dim 128 all of them hold a 16-bit da / db's partial, or an fp32
+    one) and a partial last tile; consume off and one tile per block: a buffer."""
+    calls = [opm_call("opm_ln", dt, 1, 1, 32 * 132 * tiles + 13, 128, 32, 64, dab=dab, consume=consume)
+             for dt, dab, tiles, consume in ((BF16, BF16, 9, True), (F16, F32, 5, True), (F32, F32, 5, True),
+                                             (F32, F32, 1, False))]
+    return Case("opm_ln_in_place", "outer_product_mean", "the LayerNorm kernel's partials in da, db or a buffer",
+                calls)
+
+
 OPM_CASES = [
     Case("opm_orders_float32", "outer_product_mean", "every forced variant at msa_dim 64 / 256, pair_dim 64 / 128",
          [opm_call("opm_forward", F32, 2, 5, 19, 64, 32, 64, variant=v) for v in OPM_ORDERS]
@@ -378,6 +389,7 @@ OPM_CASES = [
     _opm_pair_case(),
     _opm_pair_walk_case(),
     _opm_low_memory_case(),
+    _opm_ln_in_place_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -405,7 +417,8 @@ def describe_call(call):
     keys = ("B", "N", "C", "H") if call["op"].startswith("cm_") else ("B", "S", "N", "cm", "c", "cz")
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
     extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "low", "mask",
-                                        "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts")
+                                        "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts", "dab",
+                                        "consume")
              if k in call and (call[k] not in (None, False) or k == "low") and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
@@ -620,6 +633,20 @@ def _opm_pair(torch, mod, call, sms):
     _expect("last_variant", fam.last_variant, call["variant"])
 
 
+def _opm_ln(torch, mod, call, sms):
+    """_ext.opm_backward_ln alone over R = B S N rows: x_in (R, cm) in the call's dtype, da, db (R, 32) in call["dab"],
+    the call's mask (make_mask) as (R), float32 LayerNorm and projection weights; da, db consumed where
+    call["consume"]."""
+    gen = torch.Generator().manual_seed(_seed(call))
+    R, cm = call["B"] * call["S"] * call["N"], call["cm"]
+    xin = torch.randn(R, cm, generator=gen).to(getattr(torch, call["dtype"])).cuda()
+    da, db = (torch.randn(R, 32, generator=gen).to(getattr(torch, call["dab"])).cuda() for _ in range(2))
+    mask = make_mask(torch, call["B"], call["S"], call["N"], call["mask"], call["mask_dtype"], gen).reshape(R).cuda()
+    ln_w, ln_b = (torch.randn(cm, generator=gen).cuda() for _ in range(2))
+    wa, wb = ((torch.randn(32, cm, generator=gen) / cm**0.5).cuda() for _ in range(2))
+    _fetch(torch, *mod._ext.opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, 1e-5, call["consume"]))
+
+
 def _opm_pair_counts(torch, mod, call, sms):
     """The pair counts of the call's mask on the fp64 tensor cores (opm_pair_scale with counts 1, DMMA, or the call's
     "counts": 2, DMMA fed by the ring; 3, 16-bit masks on HMMA fed by the ring), OpenFold's (s1, s2)."""
@@ -629,7 +656,7 @@ def _opm_pair_counts(torch, mod, call, sms):
 
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,
         "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair,
-        "opm_pair_counts": _opm_pair_counts}
+        "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln}
 
 
 def run_case(torch, case, quick):

@@ -223,10 +223,12 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
 // The backward's LayerNorm part (opm_bw_ln_kernel): x_in (R, c_m) float32, float16 or bfloat16, da, db
 // (R, 32) fp32 or (16-bit x_in) in x_in's dtype (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w,
 // ln_b (c_m), wa, wb (32, c_m) fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
-// d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device.
+// d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device, the same with or
+// without consume. consume: da, db may be overwritten (the blocks' partials go into their rows where they fit,
+// ln_part_fits: no buffer of c_m (66 c_m + 64) floats per block).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
-    at::Tensor wb, double eps) {
+    at::Tensor wb, double eps, bool consume) {
   for (const at::Tensor* t : {&xin, &da, &db, &mask, &ln_w, &ln_b, &wa, &wb})
     TORCH_CHECK(t->is_cuda(), "outer_product_mean: opm_backward_ln takes CUDA tensors");
   for (const at::Tensor* t : {&ln_w, &ln_b, &wa, &wb})
@@ -266,17 +268,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   if (R > 0) {
     const int64_t tiles = cdiv(R, kLnRows);
     const int blocks = static_cast<int>(std::min<int64_t>(tiles, d.sms));
-    at::Tensor part = at::empty({blocks * 64 * cm}, f32), part_ln = at::empty({blocks * (2 * cm + 64)}, f32);
+    const int64_t n = kLnPart(cm);
     auto run = [&](auto kernel, size_t smem, auto* type, auto* dtype) {  // null pointers of x_in's, da's types
       using T = std::remove_pointer_t<decltype(type)>;
       using D = std::remove_pointer_t<decltype(dtype)>;
+      // the blocks' partials in the consumed da, db (no memory of their own) where they fit, else a buffer
+      const at::Tensor part = consume && ln_part_fits<D>(R, cm, blocks) ? at::Tensor() : at::empty({blocks * n}, f32);
+      float* const pp = part.defined() ? part.data_ptr<float>() : nullptr;
+      D* const dap = reinterpret_cast<D*>(dac.data_ptr());
+      D* const dbp = reinterpret_cast<D*>(dbc.data_ptr());
       set_smem(kernel, smem, d, "the backward's LayerNorm kernel");
-      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()),
-                                            reinterpret_cast<const D*>(dac.data_ptr()),
-                                            reinterpret_cast<const D*>(dbc.data_ptr()), mc.data_ptr(), mask_kind,
-                                            lwc.data_ptr<float>(), lbc.data_ptr<float>(), wac.data_ptr<float>(),
-                                            wbc.data_ptr<float>(), reinterpret_cast<T*>(dx.data_ptr()),
-                                            part.data_ptr<float>(), part_ln.data_ptr<float>(), R, static_cast<float>(eps));
+      kernel<<<blocks, 256, smem, stream>>>(reinterpret_cast<const T*>(xc.data_ptr()), dap, dbp, mc.data_ptr(),
+                                            mask_kind, lwc.data_ptr<float>(), lbc.data_ptr<float>(),
+                                            wac.data_ptr<float>(), wbc.data_ptr<float>(),
+                                            reinterpret_cast<T*>(dx.data_ptr()), pp, R, static_cast<float>(eps));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      opm_ln_sum_kernel<D><<<static_cast<int>(cdiv(n, kThreads)), kThreads, 0, stream>>>(pp, dap, dbp,
+                                                                                    sums.data_ptr<float>(), blocks, n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto run_cm = [&](auto* type, auto* dtype) {
@@ -291,12 +299,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     if (xt == at::kBFloat16) dab_t ? run_cm(bf16p, bf16p) : run_cm(bf16p, f32p);
     else if (xt == at::kHalf) dab_t ? run_cm(f16p, f16p) : run_cm(f16p, f32p);
     else run_cm(f32p, f32p);
-    opm_block_sum_kernel<<<static_cast<int>(cdiv(64 * cm, kThreads)), kThreads, 0, stream>>>(
-        part.data_ptr<float>(), sums.data_ptr<float>(), blocks, 64 * cm);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    opm_block_sum_kernel<<<static_cast<int>(cdiv(2 * cm + 64, kThreads)), kThreads, 0, stream>>>(
-        part_ln.data_ptr<float>(), sums.data_ptr<float>() + 64 * cm, blocks, 2 * cm + 64);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {dx, sums.narrow(0, 64 * cm, cm), sums.narrow(0, 65 * cm, cm), sums.narrow(0, 0, 32 * cm).view({32, cm}),
           sums.narrow(0, 66 * cm, 32), sums.narrow(0, 32 * cm, 32 * cm).view({32, cm}), sums.narrow(0, 66 * cm + 32, 32)};

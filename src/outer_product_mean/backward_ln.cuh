@@ -33,9 +33,11 @@ namespace opm {
 //   per row, the sums of g and g xhat over the warp's columns (quad shuffles), the 8 warps' added in
 //     order through shared memory; d_x_in (rounded once to T) staged in the warp's columns of xs, then
 //     written by 16-byte stores; d_ln_w, d_ln_b accumulated.
-// Each block writes its partials (part[blk][64][CM]: dWa | dWb; part_ln[blk][2 CM + 64]: d_ln_w, d_ln_b
-// over the block's rows (lanes added by shuffles), d_ba, d_bb); opm_block_sum_kernel adds them in block
-// order in fp64.
+// Each block writes its partial, kLnPart(CM) floats: dWa | dWb (64 x CM), d_ln_w, d_ln_b over the block's rows
+// (lanes added by shuffles), d_ba, d_bb; opm_ln_sum_kernel adds them in block order in fp64. ln_part_at says
+// where they live: part[blk][...], or (part null: the caller's da, db consumed) the da and db rows of the
+// block's own first tiles, read by then, so that the partials take no memory of their own. Staged in shared
+// memory first, they go out in float4 stores (a chunk never splits one).
 // Conflict-free shared loads: the padded rows (LDX = CM + 8 for xs and ws, 68, 36 floats) put the 32
 // lanes of every fragment load in distinct banks.
 // D: da and db's element type, float or T (16-bit T only: the rows copied as they are into the first half of their
@@ -43,6 +45,26 @@ namespace opm {
 // Assumptions: 256 threads; x_in, da, db 16-byte aligned (the bulk copies); sm_90a (bulk copies, mbarriers).
 // ---------------------------------------------------------------------------------------------
 constexpr int kLnRows = 32;
+__host__ __device__ constexpr int64_t kLnPart(int64_t cm) { return 66 * cm + 64; }
+// Floats of one tile's rows of da (or db) of element type D: a chunk of the partials in place.
+template <typename D>
+constexpr int64_t kLnChunk = kLnRows * 32 * int64_t(sizeof(D)) / 4;
+// Where block blk's partial element e (< n = kLnPart(CM)) lives: part[blk n + e]; with part null, chunk q = e /
+// kLnChunk<D> is tile blk + (q / 2) blocks's rows of da (q even) or db (q odd). In place only where every block
+// owns that many full tiles (ln_part_fits).
+template <typename D>
+__device__ __forceinline__ float* ln_part_at(float* part, D* da, D* db, int64_t blk, int64_t blocks, int64_t n,
+                                             int64_t e) {
+  if (part != nullptr) return part + blk * n + e;
+  const int64_t q = e / kLnChunk<D>, tt = blk + (q >> 1) * blocks;
+  return reinterpret_cast<float*>(((q & 1) ? db : da) + tt * (kLnRows * 32)) + e % kLnChunk<D>;
+}
+// Whether the partials of `blocks` blocks over R rows fit in place (every chunk a full tile's).
+template <typename D>
+bool ln_part_fits(int64_t R, int64_t cm, int64_t blocks) {
+  const int64_t chunks = (kLnPart(cm) + kLnChunk<D> - 1) / kLnChunk<D>;
+  return (chunks + 1) / 2 * blocks <= R / kLnRows;
+}
 template <int CM>
 struct LnSmem {  // offsets in floats
   static constexpr int LDX = CM + 8, LDP = 68, LDT = 36;
@@ -64,10 +86,10 @@ template <int CM>
 constexpr size_t ln_smem_bytes() { return 4ull * LnSmem<CM>::floats; }
 template <int CM, typename T, typename D = float>
 __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
-    const T* __restrict__ xin, const D* __restrict__ da, const D* __restrict__ db,
+    const T* __restrict__ xin, D* __restrict__ da, D* __restrict__ db,
     const void* __restrict__ mask, int mask_kind, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
     const float* __restrict__ wa, const float* __restrict__ wb, T* __restrict__ dx, float* __restrict__ part,
-    float* __restrict__ part_ln, int64_t R, float eps) {
+    int64_t R, float eps) {
 #if defined(OPM_WG_DEVICE)
   using L = LnSmem<CM>;
   constexpr int NT = CM / 64, LDX = L::LDX, LDP = L::LDP, LDT = L::LDT;
@@ -416,18 +438,21 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
     // this thread's generic writes of xs ordered before the bulk copies that refill it
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
-  // ---- partials: dW, then d_ln_w / d_ln_b over the lanes g (the columns are this warp's alone), the
-  //      bias sums ----
-  float* pb = part + static_cast<int64_t>(blockIdx.x) * 64 * CM;
+  // ---- partials, staged in shared memory (xs and raw, free now) in their order: dW, then d_ln_w / d_ln_b
+  //      over the lanes g (the columns are this warp's alone), the bias sums; then copied out by float4 ----
+  static_assert(kLnPart(CM) <= L::ph - L::xs && kLnPart(CM) % 4 == 0, "the partial staged in xs and raw");
+  float* stage = sm + L::xs;
+  float* bsum = sm + L::bsum;
+  bsum[tid] = dbias;
+  __syncthreads();  // every warp's reads of xs (its d_x_in rows) are done; bsum complete
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<float2*>(pb + (16 * mt + g + 8 * hf) * CM + col0 + 8 * nt + 2 * t) =
+        *reinterpret_cast<float2*>(stage + (16 * mt + g + 8 * hf) * CM + col0 + 8 * nt + 2 * t) =
             make_float2(accw[mt][nt][2 * hf], accw[mt][nt][2 * hf + 1]);
-  float* plo = part_ln + static_cast<int64_t>(blockIdx.x) * (2 * CM + 64);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -439,22 +464,38 @@ __global__ void __launch_bounds__(256, 1) opm_bw_ln_kernel(
         vb += __shfl_xor_sync(0xffffffffu, vb, off);
       }
       if (g == 0) {
-        plo[col0 + 8 * nt + 2 * t + e] = vw;
-        plo[CM + col0 + 8 * nt + 2 * t + e] = vb;
+        stage[64 * CM + col0 + 8 * nt + 2 * t + e] = vw;
+        stage[65 * CM + col0 + 8 * nt + 2 * t + e] = vb;
       }
     }
-  float* bsum = sm + L::bsum;
-  bsum[tid] = dbias;
+  if (tid < 64) stage[66 * CM + tid] = (bsum[tid] + bsum[64 + tid]) + (bsum[128 + tid] + bsum[192 + tid]);
   __syncthreads();
-  if (tid < 64) plo[2 * CM + tid] = (bsum[tid] + bsum[64 + tid]) + (bsum[128 + tid] + bsum[192 + tid]);
+  // In place, the rows written were read by this block's bulk copies, complete before its last tile was
+  // used; the fence orders those async-proxy reads before these generic writes all the same.
+  if (part == nullptr) asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#pragma unroll 1
+  for (int e = 4 * tid; e < kLnPart(CM); e += 4 * 256)
+    *reinterpret_cast<float4*>(ln_part_at<D>(part, da, db, blockIdx.x, gridDim.x, kLnPart(CM), e)) =
+        *reinterpret_cast<const float4*>(stage + e);
 #else
   __trap();  // built without sm_90a: the host never launches this (DevInfo::ow_ok)
 #endif
 }
 
+// out[e] = sum over the blocks (in order, in fp64) of opm_bw_ln_kernel's partial element e < n = kLnPart(CM),
+// wherever ln_part_at puts it (part, or the consumed da, db).
+template <typename D>
+__global__ void __launch_bounds__(kThreads) opm_ln_sum_kernel(float* part, D* da, D* db, float* __restrict__ out,
+                                                              int blocks, int64_t n) {
+  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (e >= n) return;
+  double s = 0.0;
+  for (int b = 0; b < blocks; ++b) s += *ln_part_at<D>(part, da, db, b, blocks, n, e);
+  out[e] = static_cast<float>(s);
+}
+
 // out[e] = sum over blocks (in order, in fp64) of part[blk * n + e] for e < n: the blocks' partials of
-// opm_bw_ln_kernel (dWa | dWb: n = 64 CM; d_ln_w | d_ln_b | d_ba | d_bb: n = 2 CM + 64, into separate
-// outputs by the caller's views) and of opm_colsum_kernel (n = c_z).
+// opm_colsum_kernel and opm_pair_grad_kernel (n = c_z).
 __global__ void __launch_bounds__(kThreads) opm_block_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
                                                                  int blocks, int64_t n) {
   const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;

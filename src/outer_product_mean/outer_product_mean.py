@@ -381,7 +381,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     needed, never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its
     forward read it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i
     tile: 64 MB in fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
-    kernels run on it. release_ab: the given a, b's storage is freed (resized to 0 bytes) once da, db are formed,
+    kernels run on it; the LayerNorm kernel's block partials in da, db's rows it has read. release_ab: the given a, b's storage is freed (resized to 0 bytes) once da, db are formed,
     whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds them
     empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
     for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
@@ -518,7 +518,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # rows (ATen's LayerNorm backward)
     if ln_in_kernel:
         d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb = _ext.opm_backward_ln(
-            msa_rows, da.view(R, c), db.view(R, c), mask_k.reshape(R), lw, lb, Wa.contiguous(), Wb.contiguous(), eps)
+            msa_rows, da.view(R, c), db.view(R, c), mask_k.reshape(R), lw, lb, Wa.contiguous(), Wb.contiguous(), eps,
+            low_memory)  # (low_memory: its block partials written over da, db's consumed rows)
         d_msa = d_msa.view(B, S, N, c_m)
     else:
         da *= m_rows.view(B, S, N, 1)                                                  # dpa (B, S, N, c)
