@@ -6601,8 +6601,8 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
 // (R, 32) fp32 or (16-bit x_in) in x_in's dtype (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w,
 // ln_b (c_m), wa, wb (32, c_m) fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
 // d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device, the same with or
-// without consume. consume: da, db may be overwritten (the blocks' partials go into their rows where they fit,
-// ln_part_fits: no buffer of c_m (66 c_m + 64) floats per block).
+// without consume. consume: da, db (two tensors that do not overlap) may be overwritten: the blocks' partials go
+// into their rows where they fit (ln_part_fits), not into a buffer of 66 c_m + 64 floats per block.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
     at::Tensor wb, double eps, bool consume) {
@@ -6639,6 +6639,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   };
   const at::Tensor xc = aligned(xin), dac = aligned(da), dbc = aligned(db), mc = mask.contiguous(),
                    lwc = ln_w.contiguous(), lbc = ln_b.contiguous(), wac = wa.contiguous(), wbc = wb.contiguous();
+  if (consume) {  // the partials' chunks alternate between da and db: the two must not share bytes
+    const auto lo = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); };
+    const uintptr_t bytes = static_cast<uintptr_t>(dac.numel() * dac.element_size());
+    TORCH_CHECK(lo(dac) + bytes <= lo(dbc) || lo(dbc) + bytes <= lo(dac),
+                "outer_product_mean: opm_backward_ln: consume takes da and db that do not overlap");
+  }
   const auto f32 = xin.options().dtype(at::kFloat);
   at::Tensor dx = at::empty({R, cm}, xin.options());
   at::Tensor sums = at::zeros({66 * cm + 64}, f32);  // dWa | dWb (64 x c_m), d_ln_w, d_ln_b, d_ba, d_bb
@@ -7057,11 +7063,12 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in chunks
 # of 32 MB or one 64-residue i tile if larger (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel
-# (else float32), and the storage of the forward's a, b (saved for the backward like the other tensors, so saved-tensor
-# hooks see them) freed once da, db are formed (a second backward through the graph recomputes them). True (the
-# default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there
-# (NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each
-# forward (its backward follows the value its forward saw).
+# (else float32), its block partials written over da, db, and the storage of the forward's a, b (saved for the backward
+# like the other tensors, so saved-tensor hooks see them) freed once da, db are formed: a second backward through the
+# graph recomputes them, and a hook that keeps the tensors its unpack returned finds them empty. True (the default): a
+# step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there (bf5a78f; NOTES.md);
+# False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
+# backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
@@ -7179,14 +7186,15 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
     run (ModelNew.last_backward holds them as a tuple once the call returns).
 
-    Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r
-    rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when
-    needed, never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its
-    forward read it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i
-    tile: 64 MB in fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
-    kernels run on it; the LayerNorm kernel's block partials in da, db's rows it has read. release_ab: the given a, b's storage is freed (resized to 0 bytes) once da, db are formed,
-    whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds them
-    empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
+    Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r rows
+    i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
+    never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its forward read
+    it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i tile: 64 MB in
+    fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm kernels run on it; the
+    LayerNorm kernel writes its block partials over da, db's rows it has read (no buffer of its own: da, db hold them
+    afterwards). release_ab: the given a, b's storage is freed (resized to 0 bytes, where it is resizable) once da, db
+    are formed, whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds
+    them empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
     for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
     each in its tensor's dtype.
     """
@@ -7312,9 +7320,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
                 del G
             del g, a_r
         del b_flat
-    if release_ab and ab is not None:  # the given a, b are not read past here
-        a.untyped_storage().resize_(0)
-        b.untyped_storage().resize_(0)
+    if release_ab and ab is not None:  # the given a, b are not read past here (a storage that cannot resize stays)
+        for t in (a, b):
+            if t.untyped_storage().resizable():
+                t.untyped_storage().resize_(0)
     del a, b, g_k
 
     # The mask, projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of
@@ -7434,7 +7443,7 @@ class _OuterProductMean(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        params, ab = params[:8], params[8:]  # (None where none were kept, or an earlier backward freed them: recomputed)
+        params, ab = params[:8], params[8:]  # (None where none were kept or an earlier backward freed them: recomputed)
         freed = ab[0] is not None and ab[0].numel() > 0 and ab[0].untyped_storage().nbytes() == 0
         ab = None if ab[0] is None or freed else tuple(ab)
         parts = []

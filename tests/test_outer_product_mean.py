@@ -902,7 +902,8 @@ def test_backward_ln_kernel_partials_in_place_bit_equal(opm, dtype, R, cm, fits)
     """opm_backward_ln with consume (the blocks' partials written over da, db's rows once read, where they fit: at
     131072 rows 31 tiles per block on 132 SMs, 9 of them (fp32) or 17 (bf16) hold a partial; at 2000 rows 63 blocks of
     one tile, a buffer) returns the same bits as without, every output, and leaves x_in, mask and the weights alone;
-    da, db are overwritten exactly where the partials fit."""
+    da, db change in the tiles that hold partials (each block's first (chunks + 1) / 2) and nowhere else; da and db
+    that overlap are refused."""
     if not _caps(opm)[2]:
         pytest.skip("the LayerNorm kernel needs a Hopper GPU and an sm_90a build")
     gen = torch.Generator().manual_seed(R + cm)
@@ -921,7 +922,19 @@ def test_backward_ln_kernel_partials_in_place_bit_equal(opm, dtype, R, cm, fits)
         assert w.dtype == t.dtype and torch.equal(w, t)
         assert torch.isfinite(t).all()
     assert all(torch.equal(a, b) for a, b in zip(ins, keep))
-    assert (not torch.equal(da2, da) and not torch.equal(db2, db)) == fits
+    # where the partials go (ln_part_fits, ln_part_at): chunks of one tile's da or db rows, tiles blk + k blocks
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    blocks = min(-(-R // 32), sms)
+    chunks = -(-(66 * cm + 64) // (32 * 32 * da.element_size() // 4))
+    rows = (chunks + 1) // 2 * blocks * 32  # the tiles that hold partials: the first (chunks + 1) / 2 of each block
+    assert (rows <= R // 32 * 32) == fits or sms != 132
+    if rows <= R // 32 * 32:
+        assert not torch.equal(da2[:32], da[:32]) and not torch.equal(db2[:32], db[:32])
+        assert torch.equal(da2[rows:], da[rows:]) and torch.equal(db2[rows:], db[rows:])
+    else:
+        assert torch.equal(da2, da) and torch.equal(db2, db)
+    with pytest.raises(RuntimeError, match="do not overlap"):
+        opm._ext.opm_backward_ln(xin, da2, da2, mask, ln_w, ln_b, wa, wb, 1e-5, True)
 
 
 @gpu
@@ -1054,11 +1067,12 @@ def test_low_memory_backward_against_fp64(opm, ref, B, S, N, cm, cz, dist, mask_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_low_memory_training_step_frees_and_recomputes(opm, ref, monkeypatch, dtype):
     """ModelNew (outer_wg) with LOW_MEMORY_BACKWARD in a training step: the backward frees the forward's a, b (their
-    saved storage is empty after it, 1 / denom's is not), a second backward through the retained graph recomputes them
-    and gives the first's gradients bit for bit, as do a step under non-reentrant activation checkpointing and one with
-    the saved tensors offloaded to the CPU (saved-tensor hooks), and one step's peak device memory (out, (out g).sum(), its backward) is below the default's by at least half of what the
-    G planes save (N = 1024: 16 i tiles of 16 MB in 16 bits, 256 MB -> 32; 16 of 64 MB in fp32, 256 -> 64); gradients
-    within 1e-2 (16-bit) / 1e-4 of the default's."""
+    saved storage is empty after it, 1 / denom's is not), a second backward through the retained graph recomputes
+    them and gives the first's gradients bit for bit, as do a step under non-reentrant activation checkpointing and
+    one with the saved tensors offloaded to the CPU (saved-tensor hooks), and one step's peak device memory (out,
+    (out g).sum(), its backward) is below the default's by at least half of what the G planes save (N = 1024: 16 i
+    tiles of 16 MB in 16 bits, 256 MB -> 32; 16 of 64 MB in fp32, 256 -> 64); gradients within 1e-2 (16-bit) / 1e-4
+    of the default's."""
     if not _caps(opm)[2]:
         pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
     B, S, N, cm, cz = 1, 8, 1024, 128, 128

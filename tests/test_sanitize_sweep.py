@@ -1037,6 +1037,9 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         R, cm = xin.shape
         assert da.shape == db.shape == (R, 32) and mask.shape == (R,) and wa.shape == wb.shape == (32, cm)
         assert all(p.dtype == torch.float32 for p in (mask, ln_w, ln_b, wa, wb)) and isinstance(consume, bool)
+        if consume:  # the case's consume calls fit on 132 SMs: their partials go over da, db
+            da[:32] += 1
+            db[:32] += 1
         return (torch.zeros_like(xin), torch.zeros(cm), torch.zeros(cm), torch.zeros(32, cm), torch.zeros(32),
                 torch.zeros(32, cm), torch.zeros(32))
 

@@ -342,9 +342,10 @@ def _opm_low_memory_case():
 
 
 def _opm_ln_in_place_case():
-    """The LayerNorm kernel alone (opm_backward_ln), its blocks' partials written over da, db's rows (consume): N = R
-    rows for 9 / 5 tiles per block on 132 SMs (at msa_dim 128 all of them hold a 16-bit da / db's partial, or an fp32
-    one) and a partial last tile; consume off and one tile per block: a buffer."""
+    """The LayerNorm kernel alone (opm_backward_ln), its blocks' partials written over da, db's rows (consume): at
+    msa_dim 128 a partial is 17 chunks of a 16-bit tile's da or db rows (9 tiles) or 9 fp32 ones (5 tiles), so N = R
+    rows for 9 / 5 tiles per block on 132 SMs fit exactly, plus a partial last tile; consume off (133 tiles): a
+    buffer. The worker checks that da, db changed exactly when the partials fit on the device's SM count."""
     calls = [opm_call("opm_ln", dt, 1, 1, 32 * 132 * tiles + 13, 128, 32, 64, dab=dab, consume=consume)
              for dt, dab, tiles, consume in ((BF16, BF16, 9, True), (F16, F32, 5, True), (F32, F32, 5, True),
                                              (F32, F32, 1, False))]
@@ -419,7 +420,8 @@ def describe_call(call):
     extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "low", "mask",
                                         "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts", "dab",
                                         "consume")
-             if k in call and (call[k] not in (None, False) or k == "low") and not (k == "mask" and call[k] == "mixed")]
+             if k in call and (call[k] not in (None, False) or k in ("low", "consume"))
+             and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
     return f"{call['op']:<12} {call['dtype']:<8} {shape} {' '.join(extra)}{expect}{slow}"
@@ -644,7 +646,12 @@ def _opm_ln(torch, mod, call, sms):
     mask = make_mask(torch, call["B"], call["S"], call["N"], call["mask"], call["mask_dtype"], gen).reshape(R).cuda()
     ln_w, ln_b = (torch.randn(cm, generator=gen).cuda() for _ in range(2))
     wa, wb = ((torch.randn(32, cm, generator=gen) / cm**0.5).cuda() for _ in range(2))
+    da0 = da.clone()
     _fetch(torch, *mod._ext.opm_backward_ln(xin, da, db, mask, ln_w, ln_b, wa, wb, 1e-5, call["consume"]))
+    # the partials fit in da, db (ln_part_fits) where (chunks of a tile's rows + 1) / 2 tiles per block are full tiles
+    chunks = -(-(66 * cm + 64) // (32 * 32 * da.element_size() // 4))
+    fits = call["consume"] and (chunks + 1) // 2 * min(-(-R // 32), sms) <= R // 32
+    _expect("partials in da, db", not bool(torch.equal(da, da0)), fits)
 
 
 def _opm_pair_counts(torch, mod, call, sms):

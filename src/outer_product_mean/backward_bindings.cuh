@@ -224,8 +224,8 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
 // (R, 32) fp32 or (16-bit x_in) in x_in's dtype (before the mask), mask (R) of a dtype mask_kind_of takes, ln_w,
 // ln_b (c_m), wa, wb (32, c_m) fp32, c_m 128 or 256, CUDA, on a device where outer_wg runs. Returns (d_x_in in x_in's dtype, d_ln_w,
 // d_ln_b, d_wa, d_ba, d_wb, d_bb); the sums over rows in a fixed order for a given device, the same with or
-// without consume. consume: da, db may be overwritten (the blocks' partials go into their rows where they fit,
-// ln_part_fits: no buffer of c_m (66 c_m + 64) floats per block).
+// without consume. consume: da, db (two tensors that do not overlap) may be overwritten: the blocks' partials go
+// into their rows where they fit (ln_part_fits), not into a buffer of 66 c_m + 64 floats per block.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_backward_ln(
     at::Tensor xin, at::Tensor da, at::Tensor db, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa,
     at::Tensor wb, double eps, bool consume) {
@@ -262,6 +262,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   };
   const at::Tensor xc = aligned(xin), dac = aligned(da), dbc = aligned(db), mc = mask.contiguous(),
                    lwc = ln_w.contiguous(), lbc = ln_b.contiguous(), wac = wa.contiguous(), wbc = wb.contiguous();
+  if (consume) {  // the partials' chunks alternate between da and db: the two must not share bytes
+    const auto lo = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); };
+    const uintptr_t bytes = static_cast<uintptr_t>(dac.numel() * dac.element_size());
+    TORCH_CHECK(lo(dac) + bytes <= lo(dbc) || lo(dbc) + bytes <= lo(dac),
+                "outer_product_mean: opm_backward_ln: consume takes da and db that do not overlap");
+  }
   const auto f32 = xin.options().dtype(at::kFloat);
   at::Tensor dx = at::empty({R, cm}, xin.options());
   at::Tensor sums = at::zeros({66 * cm + 64}, f32);  // dWa | dWb (64 x c_m), d_ln_w, d_ln_b, d_ba, d_bb

@@ -254,11 +254,12 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in chunks
 # of 32 MB or one 64-residue i tile if larger (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel
-# (else float32), and the storage of the forward's a, b (saved for the backward like the other tensors, so saved-tensor
-# hooks see them) freed once da, db are formed (a second backward through the graph recomputes them). True (the
-# default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there
-# (NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each
-# forward (its backward follows the value its forward saw).
+# (else float32), its block partials written over da, db, and the storage of the forward's a, b (saved for the backward
+# like the other tensors, so saved-tensor hooks see them) freed once da, db are formed: a second backward through the
+# graph recomputes them, and a hook that keeps the tensors its unpack returned finds them empty. True (the default): a
+# step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there (bf5a78f; NOTES.md);
+# False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
+# backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
 
@@ -376,14 +377,15 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
     run (ModelNew.last_backward holds them as a tuple once the call returns).
 
-    Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r
-    rows i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when
-    needed, never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its
-    forward read it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i
-    tile: 64 MB in fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm
-    kernels run on it; the LayerNorm kernel's block partials in da, db's rows it has read. release_ab: the given a, b's storage is freed (resized to 0 bytes) once da, db are formed,
-    whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds them
-    empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
+    Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r rows
+    i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
+    never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its forward read
+    it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i tile: 64 MB in
+    fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm kernels run on it; the
+    LayerNorm kernel writes its block partials over da, db's rows it has read (no buffer of its own: da, db hold them
+    afterwards). release_ab: the given a, b's storage is freed (resized to 0 bytes, where it is resizable) once da, db
+    are formed, whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds
+    them empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
     for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
     each in its tensor's dtype.
     """
@@ -509,9 +511,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
                 del G
             del g, a_r
         del b_flat
-    if release_ab and ab is not None:  # the given a, b are not read past here
-        a.untyped_storage().resize_(0)
-        b.untyped_storage().resize_(0)
+    if release_ab and ab is not None:  # the given a, b are not read past here (a storage that cannot resize stays)
+        for t in (a, b):
+            if t.untyped_storage().resizable():
+                t.untyped_storage().resize_(0)
     del a, b, g_k
 
     # The mask, projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of
@@ -631,7 +634,7 @@ class _OuterProductMean(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        params, ab = params[:8], params[8:]  # (None where none were kept, or an earlier backward freed them: recomputed)
+        params, ab = params[:8], params[8:]  # (None where none were kept or an earlier backward freed them: recomputed)
         freed = ab[0] is not None and ab[0].numel() > 0 and ab[0].untyped_storage().nbytes() == 0
         ab = None if ab[0] is None or freed else tuple(ab)
         parts = []
