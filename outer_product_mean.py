@@ -3285,9 +3285,11 @@ namespace opm {
 //   Bbw[((b*NBB + jb)*KB16 + kb)*2*kOwBPlane + plane*kOwBPlane + wo_off16(n, s % 16)]
 //       = b[b, s, 4 jb + n / 32, n % 32]  (outer_wg's Bow layout)
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*8 + c)*kOwStage + w*4096 + plane*2048 + wo_off16(z, p % 16)]
+//       (kSplitJ: NJc for NBB and jt - jt0 for jt, the chunk's j blocks jt0 .. jt0 + NJc - 1)
 //       = gd[b, 64 it + 32 w + p / 4, 4 jt + p % 4, z],  p = 16 c + p % 16  (warpgroup w's pair p)
 // (s = 16 kb + s % 16; zeros past S, N and c_z); Abw and Bbw only if ab, Gbw for the i tiles it0 ..
-// it0 + NITc - 1 (a chunk). Work items of 4 consecutive k, one store_split4 each.
+// it0 + NITc - 1 (a chunk; with kSplitJ of one i tile, its j blocks jt0 ..). Work items of 4 consecutive k, one
+// store_split4 each.
 // 16-bit T: one T plane per set, blocks of 32 s (KB16 then counts them) at ow_off16h (outer_wg's 16-bit
 // blocks: 8-row groups 512 bytes apart), 8 consecutive k per item:
 //   Abw[(((b*kBwNSL + sl)*KB16 + kb)*MB + mb)*kOwABlk16 + ow_off16h(r, s % 32)]  (s = 32 kb + s % 32)
@@ -3342,25 +3344,28 @@ __device__ __forceinline__ int64_t wo_prep_b_item(int64_t f, const float* __rest
   }
   return blk;
 }
-template <typename T>
+template <typename T, bool kSplitJ = false>
 __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     const float* __restrict__ av, const float* __restrict__ bv, const float* __restrict__ g,
     const float* __restrict__ inv_denom, float* __restrict__ Abw, float* __restrict__ Bbw, float* __restrict__ Gbw,
-    int64_t B, int64_t S, int64_t N, int cz, int64_t KB16, int64_t NIT, int64_t NBB, bool ab, int64_t it0, int64_t NITc) {
+    int64_t B, int64_t S, int64_t N, int cz, int64_t KB16, int64_t NIT, int64_t NBB, bool ab, int64_t it0, int64_t NITc,
+    int64_t jt0, int64_t NJc) {
   const int64_t MB = 2 * NIT;
+  // the chunk's j blocks: all NBB, or (kSplitJ) jt0 .. jt0 + NJc - 1 (Gbw's NBB is then NJc)
+  const int64_t NJ = kSplitJ ? NJc : NBB, j0 = kSplitJ ? jt0 : 0;
   if constexpr (!std::is_same_v<T, float>) {  // T planes, blocks of 32 s (KB16 counts them), 8 consecutive k per item
     const T* g16 = reinterpret_cast<const T*>(g);  // (g in T)
     const int64_t KB = KB16;
     const int64_t nA = ab ? B * kBwNSL * KB * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB * 128 * 4 : 0;
-    const int64_t nG = B * NITc * NBB * 4 * 2 * 4 * 32;
+    const int64_t nG = B * NITc * NJ * 4 * 2 * 4 * 32;
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < nA + nB + nG;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
       if (e >= nA + nB) {  // (b, it, jt, c, w, oct, zq): zq fastest; z = 4 zq + e4, positions P = 8 oct + q of slot c
         const int64_t f = e - nA - nB;
         const int zq = static_cast<int>(f % 32), oct = static_cast<int>(f / 32 % 4), w = static_cast<int>(f / 128 % 2);
-        const int64_t blk = f / 256;  // ((b*NITc + it - it0)*NBB + jt)*4 + c
+        const int64_t blk = f / 256;  // ((b*NITc + it - it0)*NJ + jt - j0)*4 + c
         const int c = static_cast<int>(blk % 4);
-        const int64_t jt = blk / 4 % NBB, it = it0 + blk / 4 / NBB % NITc, b = blk / 4 / NBB / NITc;
+        const int64_t jt = j0 + blk / 4 % NJ, it = it0 + blk / 4 / NJ % NITc, b = blk / 4 / NJ / NITc;
         const int z0 = 4 * zq;
         float v4[4][8] = {};
         if (z0 < cz) {
@@ -3403,7 +3408,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     return;
   }
   const int64_t nA = ab ? B * kBwNSL * KB16 * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB16 * 128 * 4 : 0;
-  const int64_t nG = B * NITc * NBB * 8 * 2 * 128 * 4;
+  const int64_t nG = B * NITc * NJ * 8 * 2 * 128 * 4;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < nA + nB + nG;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float v[4] = {0.f, 0.f, 0.f, 0.f};
@@ -3422,9 +3427,9 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     } else {  // (b, it, jt, c, w, quad, z): z fastest
       const int64_t f = e - nA - nB;
       const int z = static_cast<int>(f % 128), quad = static_cast<int>(f / 128 % 4), w = static_cast<int>(f / 512 % 2);
-      const int64_t blk = f / 1024;  // ((b*NITc + it - it0)*NBB + jt)*8 + c
+      const int64_t blk = f / 1024;  // ((b*NITc + it - it0)*NJ + jt - j0)*8 + c
       const int c = static_cast<int>(blk % 8);
-      const int64_t jt = blk / 8 % NBB, it = it0 + blk / 8 / NBB % NITc, b = blk / 8 / NBB / NITc;
+      const int64_t jt = j0 + blk / 8 % NJ, it = it0 + blk / 8 / NJ % NITc, b = blk / 8 / NJ / NITc;
       const int il = (16 * c + 4 * quad) / 4;  // the 4 pairs 16 c + 4 quad + q: one i, j = 4 jt + q
       const int64_t i = 64 * it + 32 * w + il;
       if (i < N && z < cz) {
@@ -3444,7 +3449,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // ---------------------------------------------------------------------------------------------
 // opm_bw_wo_kernel: dWo's partial sums. Block x = (slice sl = x % kBwNSL: hk 64 sl .. 64 sl + 63, group
 // gr = x / kBwNSL of gridDim.x / kBwNSL); it takes tiles t = gr, gr + groups, ... of (b, 64 i, 4 j) of
-// the chunk, t -> (it = it0 + t % NITc, jt, b). Warps 0-7: two consumer warpgroups (warpgroup w: residues i 64 it + 32 w
+// the chunk, t -> (it = it0 + t % NITc, jt, b) (kSplitJ: jt = jt0 + (t / NITc) % NJc). Warps 0-7: two consumer warpgroups (warpgroup w: residues i 64 it + 32 w
 // + il); warps 8-11: the producer (thread 256 issues the bulk copies), as in opm_outer_wg_kernel. Per tile:
 //   phase A: O (rows (hh, il), columns (jl, k)), K = S, wgmma m64n128k8 from the Abw / Bbw stages, split
 //     TF32 promoted every kWgPromo k steps (outer_wg's phase A);
@@ -3461,10 +3466,11 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // loaded (rows wo_pair16: conflict-free), a fresh accumulator per 64 pairs; each operand rounded to T,
 // as the reference in that dtype rounds O and g / d.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, bool kSplitJ = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     const float* __restrict__ Abw, const float* __restrict__ Bbw, const float* __restrict__ Gbw,
-    float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc) {
+    float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc,
+    int64_t jt0, int64_t NJc) {
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
@@ -3473,7 +3479,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   uint64_t* empty = full + kBwoStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t sl = blockIdx.x % kBwNSL, gr = blockIdx.x / kBwNSL, groups = gridDim.x / kBwNSL;
-  const int64_t MB = 2 * NIT, total = B * NITc * NBB;
+  const int64_t NJ = kSplitJ ? NJc : NBB, j0 = kSplitJ ? jt0 : 0;  // the chunk's j blocks (as the prep's)
+  const int64_t MB = 2 * NIT, total = B * NITc * NJ;
   const int kbs = static_cast<int>(KB16);
   constexpr bool kHalf = !std::is_same_v<T, float>;
   constexpr int kABlk = kHalf ? kOwABlk16 / 2 : 2 * kOwAPlane, kBBlk = kHalf ? kOwBBlk16 / 2 : 2 * kOwBPlane;  // floats
@@ -3493,7 +3500,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         return sm + st * kOwStage;
       };
       for (int64_t t = gr; t < total; t += groups) {
-        const int64_t itc = t % NITc, it = it0 + itc, jt = (t / NITc) % NBB, b = t / (NITc * NBB);
+        const int64_t itc = t % NITc, it = it0 + itc, jtc = (t / NITc) % NJ, jt = j0 + jtc, b = t / (NITc * NJ);
         const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * kABlk;
         const float* bb = Bbw + (b * NBB + jt) * KB16 * kBBlk;
         for (int kb = 0; kb < kbs; ++kb) {
@@ -3510,7 +3517,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
             bulk_copy(dst + 4 * kOwAPlane, bk, 4 * 2 * kOwBPlane, full + st);
           }
         }
-        const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * kSlots * kGSlot;
+        const float* gt = Gbw + ((b * NITc + itc) * NJ + jtc) * kSlots * kGSlot;
         for (int c = 0; c < kSlots; ++c) {
           const int st = static_cast<int>(u % kBwoStages);
           float* dst = slot(4 * kGSlot);
@@ -6433,10 +6440,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 // (B, N, N, c_z), c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). ops: "split" (split
 // TF32, g fp32), "float16" or "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded to
 // it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most
-// chunk_bytes (at least one tile); each chunk's block partials are added into dwo in order (a fixed summation
-// order for a given device and chunk_bytes).
+// chunk_bytes (at least one tile; with split_j, where one tile's planes exceed chunk_bytes, chunks of one tile's
+// j blocks instead: opm_bw_wo_kernel<T, true>, not yet checked on a GPU); each chunk's block partials are added
+// into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j).
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops,
-                           int64_t chunk_bytes) {
+                           int64_t chunk_bytes, bool split_j) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
@@ -6470,33 +6478,45 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const int64_t gtile = half ? 4 * 4096 : 8 * kOwStage;
   at::Tensor Abw = at::empty({B * kBwNSL * KB16 * 2 * NIT * ablk}, f32);
   at::Tensor Bbw = at::empty({B * NBB * KB16 * bblk}, f32);
-  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, chunk_bytes / (4 * gtile * B * NBB)));
-  at::Tensor Gbw = at::empty({B * NITc * NBB * gtile}, f32);
-  const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NBB, d.sms / kBwNSL)));
+  const int64_t tile_bytes = 4 * gtile * B * NBB;  // one i tile's G planes
+  const bool split = split_j && chunk_bytes < tile_bytes;  // chunks of one i tile's j blocks
+  const int64_t NITc = split ? 1 : std::max<int64_t>(1, std::min<int64_t>(NIT, chunk_bytes / tile_bytes));
+  const int64_t NJc = split ? std::max<int64_t>(1, chunk_bytes / (4 * gtile * B)) : NBB;
+  at::Tensor Gbw = at::empty({B * NITc * NJc * gtile}, f32);
+  const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NJc, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
-  const auto wo_kernel = !half ? opm_bw_wo_kernel<float>
-                         : ops == "float16" ? opm_bw_wo_kernel<__half> : opm_bw_wo_kernel<__nv_bfloat16>;
-  const auto wo_prep_kernel = !half ? opm_bw_wo_prep_kernel<float>
-                              : ops == "float16" ? opm_bw_wo_prep_kernel<__half> : opm_bw_wo_prep_kernel<__nv_bfloat16>;
-  set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
-  for (int64_t it0 = 0; it0 < NIT; it0 += NITc) {
-    const int64_t nitc = std::min<int64_t>(NITc, NIT - it0);
-    const bool ab = it0 == 0;
-    const int64_t items =
-        (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * (half ? 1024 : 8192);
-    // (g's elements are T where ops is float16 / bfloat16)
-    wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
-        ac.data_ptr<float>(), bc.data_ptr<float>(), static_cast<const float*>(gc.data_ptr()), ic.data_ptr<float>(),
-        Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0, nitc);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * NBB, groups)));
-    wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
-        Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT, NBB,
-        it0, nitc);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    opm_bw_wo_sum_kernel<<<static_cast<int>(cdiv(kBwNSL * 64 * 128, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
-                                                                                   dwo.data_ptr<float>(), g_wo, cz);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto run = [&](auto wo_kernel, auto wo_prep_kernel) {
+    set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
+    for (int64_t it0 = 0; it0 < NIT; it0 += NITc)
+      for (int64_t jt0 = 0; jt0 < NBB; jt0 += NJc) {
+        const int64_t nitc = std::min<int64_t>(NITc, NIT - it0), njc = std::min<int64_t>(NJc, NBB - jt0);
+        const bool ab = it0 == 0 && jt0 == 0;
+        const int64_t items =
+            (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * njc * (half ? 1024 : 8192);
+        // (g's elements are T where ops is float16 / bfloat16)
+        wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
+            ac.data_ptr<float>(), bc.data_ptr<float>(), static_cast<const float*>(gc.data_ptr()), ic.data_ptr<float>(),
+            Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0,
+            nitc, jt0, njc);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * njc, groups)));
+        wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
+            Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT,
+            NBB, it0, nitc, jt0, njc);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        opm_bw_wo_sum_kernel<<<static_cast<int>(cdiv(kBwNSL * 64 * 128, kThreads)), kThreads, 0, stream>>>(
+            part.data_ptr<float>(), dwo.data_ptr<float>(), g_wo, cz);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+  };
+  if (split) {
+    if (!half) run(opm_bw_wo_kernel<float, true>, opm_bw_wo_prep_kernel<float, true>);
+    else if (ops == "float16") run(opm_bw_wo_kernel<__half, true>, opm_bw_wo_prep_kernel<__half, true>);
+    else run(opm_bw_wo_kernel<__nv_bfloat16, true>, opm_bw_wo_prep_kernel<__nv_bfloat16, true>);
+  } else {
+    if (!half) run(opm_bw_wo_kernel<float>, opm_bw_wo_prep_kernel<float>);
+    else if (ops == "float16") run(opm_bw_wo_kernel<__half>, opm_bw_wo_prep_kernel<__half>);
+    else run(opm_bw_wo_kernel<__nv_bfloat16>, opm_bw_wo_prep_kernel<__nv_bfloat16>);
   }
   return dwo;
 }
@@ -7024,7 +7044,7 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD), which must be True or False: an assigned "0" would otherwise read as on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -7070,7 +7090,12 @@ PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
 # backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
-# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
+# With it, where one 64-residue i tile's G planes exceed the 32 MB chunk (fp32 at N = 1024: 64 MB), chunks of that
+# tile's j blocks instead (opm_backward_wo's split_j): the dWo part's peak 32 MB lower, the fp32 step's at long 1192.5
+# -> ~1185 MiB predicted (the LayerNorm part's then). False (the default) until checked on a GPU; OPM_LOW_MEMORY_SPLIT_J
+# ("1" / "0") at import, then this attribute, read at each backward.
+LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
+# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7279,7 +7304,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20,
+                                    low_memory and _flag("LOW_MEMORY_SPLIT_J"))
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)

@@ -789,7 +789,7 @@ class _EinsumKernels:
     LayerNorm by ATen), so that the host-side plumbing of outer_product_mean_backward runs on a CPU."""
 
     @staticmethod
-    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes):
+    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j):
         assert ops in ("split", "float16", "bfloat16") and chunk_bytes in (32 << 20, 256 << 20)
         return torch.einsum("bsih,bsjk,bijz->zhk", a, b, g * inv_denom[:, :, None, None]).reshape(g.shape[-1], -1)
 
@@ -1028,6 +1028,32 @@ def test_backward_half_msa_kernels_against_fp64_and_the_ops_path(opm, ref, B, S,
 
 
 @gpu
+@pytest.mark.parametrize("ops, chunk", [("split", 1 << 20), ("bfloat16", 1 << 18), ("split", 300 << 10)])
+def test_backward_wo_split_j_against_i_tile_chunks_and_fp64(opm, ops, chunk):
+    """opm_backward_wo with split_j, where one i tile's G planes (B = 2, N = 100: 25 j blocks of 256 KB each in fp32,
+    64 KB in 16 bits, per batch element) exceed chunk_bytes: chunks of 2 j blocks (the last one of 1), or of 1
+    (300 KB), give dWo within 1e-5 of the i-tile chunks' (only the chunks' order of addition differs) and, in split
+    TF32, within 1e-5 of fp64's sum_{b,i,j} gd O."""
+    if not _caps(opm)[2]:
+        pytest.skip("the dWo kernel needs a Hopper GPU and an sm_90a build")
+    B, S, N, cz = 2, 5, 100, 64
+    gen = torch.Generator().manual_seed(17 + chunk)
+    a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
+    inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(torch.float32 if ops == "split" else torch.bfloat16).cuda()
+    whole = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, 256 << 20, False)
+    split = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, True)
+    torch.cuda.synchronize()
+    assert split.shape == whole.shape == (cz, 1024) and torch.isfinite(split).all()
+    scale = whole.abs().max().item()
+    assert (split - whole).abs().max().item() <= 1e-5 * scale
+    if ops == "split":
+        o = torch.einsum("bsih,bsjk->bijhk", a.double(), b.double()).reshape(B, N, N, 1024)
+        want = torch.einsum("bijz,bijn->zn", g.double() * inv_d.double()[:, :, None, None], o)
+        assert (split.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("B, S, N, cm, cz, dist, mask_kind", [(1, 40, 37, 256, 128, "normal", "binary"),
                                                               (1, 6, 1024, 128, 64, "heavy", "bool"),
@@ -1125,6 +1151,42 @@ def test_low_memory_training_step_frees_and_recomputes(opm, ref, monkeypatch, dt
     cpu = torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
     for f, c1, c2 in zip(first, ckpt, cpu):
         assert torch.equal(f, c1) and torch.equal(f, c2)
+
+
+@gpu
+def test_low_memory_split_j_training_step(opm, ref, monkeypatch):
+    """LOW_MEMORY_SPLIT_J in an fp32 training step with LOW_MEMORY_BACKWARD at N = 1024 (one i tile's G planes 64 MB,
+    over the 32 MB chunk: two chunks of its j blocks): gradients within 1e-5 of the i-tile chunks' and the step's
+    peak device memory at least 16 MB lower."""
+    if not _caps(opm)[2]:
+        pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
+    B, S, N, cm, cz = 1, 8, 1024, 128, 128
+    gen = torch.Generator().manual_seed(43)
+    _, new = _pair(opm, ref, cm, cz, 32, seed=43)
+    new = new.cuda()
+    new.variant = "outer_wg"
+    msa = _msa((B, S, N, cm), "normal", gen).cuda()
+    mask = (torch.rand(B, S, N, generator=gen) > 0.2).float().cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).cuda()
+    monkeypatch.setattr(opm, "LOW_MEMORY_BACKWARD", True)
+
+    def peak(split_j):
+        monkeypatch.setattr(opm, "LOW_MEMORY_SPLIT_J", split_j)
+        x = msa.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = new(x, mask)
+        grads = torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, grads
+
+    peak_off, want = peak(False)
+    peak_on, got = peak(True)
+    assert new.last_backward == ("a, b", "dWo", "da, db", "LayerNorm")
+    assert peak_on <= peak_off - (16 << 20), (peak_on, peak_off)
+    for w, t in zip(want, got):
+        assert (t.double() - w.double()).abs().max() <= 1e-5 * max(w.double().abs().max().item(), 1.0)
 
 
 @gpu

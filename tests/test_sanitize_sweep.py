@@ -1043,9 +1043,16 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         return (torch.zeros_like(xin), torch.zeros(cm), torch.zeros(cm), torch.zeros(32, cm), torch.zeros(32),
                 torch.zeros(32, cm), torch.zeros(32))
 
+    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j):
+        B, S, N, c = a.shape
+        assert b.shape == a.shape and c == 32 and inv_denom.shape == (B, N) and g.shape[:3] == (B, N, N)
+        assert ops in ("split", "float16", "bfloat16") and isinstance(chunk_bytes, int) and isinstance(split_j, bool)
+        return torch.zeros(g.shape[3], 1024)
+
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows),
                            "opm_pair_scale": staticmethod(opm_pair_scale),
-                           "opm_backward_ln": staticmethod(opm_backward_ln)})
+                           "opm_backward_ln": staticmethod(opm_backward_ln),
+                           "opm_backward_wo": staticmethod(opm_backward_wo)})
     opm = type("OPM", (), {"ModelNew": OPMModel, "outer_product_mean_backward": staticmethod(opm_backward),
                            "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
                            "pair_epilogue": setting("epilogue", ("fused", "unfused")),

@@ -353,6 +353,16 @@ def _opm_ln_in_place_case():
                 calls)
 
 
+def _opm_wo_split_j_case():
+    """The dWo part alone (opm_backward_wo) in chunks of one i tile's j blocks (split_j: B 2, N 100, 25 j blocks of
+    256 KB of G planes in fp32, 64 KB in 16 bits, per batch element; chunks of 2 and a last one of 1), and the i-tile
+    chunks beside it."""
+    calls = [opm_call("opm_wo", dt, 2, 5, 100, 128, 32, 64, chunk=chunk, split_j=split_j)
+             for dt, chunk, split_j in ((F32, 1 << 20, True), (BF16, 1 << 18, True), (F16, 1 << 18, True),
+                                        (F32, 256 << 20, False))]
+    return Case("opm_wo_split_j", "outer_product_mean", "the dWo kernels in chunks of j blocks (split_j)", calls)
+
+
 OPM_CASES = [
     Case("opm_orders_float32", "outer_product_mean", "every forced variant at msa_dim 64 / 256, pair_dim 64 / 128",
          [opm_call("opm_forward", F32, 2, 5, 19, 64, 32, 64, variant=v) for v in OPM_ORDERS]
@@ -391,6 +401,7 @@ OPM_CASES = [
     _opm_pair_walk_case(),
     _opm_low_memory_case(),
     _opm_ln_in_place_case(),
+    _opm_wo_split_j_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -419,8 +430,8 @@ def describe_call(call):
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
     extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "low", "mask",
                                         "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts", "dab",
-                                        "consume")
-             if k in call and (call[k] not in (None, False) or k in ("low", "consume"))
+                                        "consume", "chunk", "split_j")
+             if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j"))
              and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
@@ -654,6 +665,18 @@ def _opm_ln(torch, mod, call, sms):
     _expect("partials in da, db", not bool(torch.equal(da, da0)), fits)
 
 
+def _opm_wo(torch, mod, call, sms):
+    """_ext.opm_backward_wo alone: a, b (B, S, N, 32) fp32, 1 / denom in [0.1, 1.1), g (B, N, N, cz) in the call's
+    dtype (ops "split" for float32, else the dtype's name), call["chunk"] bytes of G planes, call["split_j"]."""
+    gen = torch.Generator().manual_seed(_seed(call))
+    B, S, N, cz = call["B"], call["S"], call["N"], call["cz"]
+    a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
+    inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(getattr(torch, call["dtype"])).cuda()
+    ops = "split" if call["dtype"] == F32 else call["dtype"]
+    _fetch(torch, mod._ext.opm_backward_wo(a, b, inv_d, g, ops, call["chunk"], call["split_j"]))
+
+
 def _opm_pair_counts(torch, mod, call, sms):
     """The pair counts of the call's mask on the fp64 tensor cores (opm_pair_scale with counts 1, DMMA, or the call's
     "counts": 2, DMMA fed by the ring; 3, 16-bit masks on HMMA fed by the ring), OpenFold's (s1, s2)."""
@@ -663,7 +686,7 @@ def _opm_pair_counts(torch, mod, call, sms):
 
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,
         "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair,
-        "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln}
+        "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln, "opm_wo": _opm_wo}
 
 
 def run_case(torch, case, quick):

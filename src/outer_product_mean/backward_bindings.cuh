@@ -56,10 +56,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 // (B, N, N, c_z), c_z <= 128, CUDA, on a device where outer_wg runs (DevInfo::ow_ok). ops: "split" (split
 // TF32, g fp32), "float16" or "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded to
 // it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most
-// chunk_bytes (at least one tile); each chunk's block partials are added into dwo in order (a fixed summation
-// order for a given device and chunk_bytes).
+// chunk_bytes (at least one tile; with split_j, where one tile's planes exceed chunk_bytes, chunks of one tile's
+// j blocks instead: opm_bw_wo_kernel<T, true>, not yet checked on a GPU); each chunk's block partials are added
+// into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j).
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops,
-                           int64_t chunk_bytes) {
+                           int64_t chunk_bytes, bool split_j) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
@@ -93,33 +94,45 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const int64_t gtile = half ? 4 * 4096 : 8 * kOwStage;
   at::Tensor Abw = at::empty({B * kBwNSL * KB16 * 2 * NIT * ablk}, f32);
   at::Tensor Bbw = at::empty({B * NBB * KB16 * bblk}, f32);
-  const int64_t NITc = std::max<int64_t>(1, std::min<int64_t>(NIT, chunk_bytes / (4 * gtile * B * NBB)));
-  at::Tensor Gbw = at::empty({B * NITc * NBB * gtile}, f32);
-  const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NBB, d.sms / kBwNSL)));
+  const int64_t tile_bytes = 4 * gtile * B * NBB;  // one i tile's G planes
+  const bool split = split_j && chunk_bytes < tile_bytes;  // chunks of one i tile's j blocks
+  const int64_t NITc = split ? 1 : std::max<int64_t>(1, std::min<int64_t>(NIT, chunk_bytes / tile_bytes));
+  const int64_t NJc = split ? std::max<int64_t>(1, chunk_bytes / (4 * gtile * B)) : NBB;
+  at::Tensor Gbw = at::empty({B * NITc * NJc * gtile}, f32);
+  const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NJc, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
-  const auto wo_kernel = !half ? opm_bw_wo_kernel<float>
-                         : ops == "float16" ? opm_bw_wo_kernel<__half> : opm_bw_wo_kernel<__nv_bfloat16>;
-  const auto wo_prep_kernel = !half ? opm_bw_wo_prep_kernel<float>
-                              : ops == "float16" ? opm_bw_wo_prep_kernel<__half> : opm_bw_wo_prep_kernel<__nv_bfloat16>;
-  set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
-  for (int64_t it0 = 0; it0 < NIT; it0 += NITc) {
-    const int64_t nitc = std::min<int64_t>(NITc, NIT - it0);
-    const bool ab = it0 == 0;
-    const int64_t items =
-        (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * NBB * (half ? 1024 : 8192);
-    // (g's elements are T where ops is float16 / bfloat16)
-    wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
-        ac.data_ptr<float>(), bc.data_ptr<float>(), static_cast<const float*>(gc.data_ptr()), ic.data_ptr<float>(),
-        Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0, nitc);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * NBB, groups)));
-    wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
-        Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT, NBB,
-        it0, nitc);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    opm_bw_wo_sum_kernel<<<static_cast<int>(cdiv(kBwNSL * 64 * 128, kThreads)), kThreads, 0, stream>>>(part.data_ptr<float>(),
-                                                                                   dwo.data_ptr<float>(), g_wo, cz);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto run = [&](auto wo_kernel, auto wo_prep_kernel) {
+    set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
+    for (int64_t it0 = 0; it0 < NIT; it0 += NITc)
+      for (int64_t jt0 = 0; jt0 < NBB; jt0 += NJc) {
+        const int64_t nitc = std::min<int64_t>(NITc, NIT - it0), njc = std::min<int64_t>(NJc, NBB - jt0);
+        const bool ab = it0 == 0 && jt0 == 0;
+        const int64_t items =
+            (ab ? B * kBwNSL * KB16 * 2 * NIT * 256 + B * NBB * KB16 * 512 : 0) + B * nitc * njc * (half ? 1024 : 8192);
+        // (g's elements are T where ops is float16 / bfloat16)
+        wo_prep_kernel<<<grid_for(std::min<int64_t>(cdiv(items, kThreads), 8ll * d.sms)), kThreads, 0, stream>>>(
+            ac.data_ptr<float>(), bc.data_ptr<float>(), static_cast<const float*>(gc.data_ptr()), ic.data_ptr<float>(),
+            Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), B, S, N, cz, KB16, NIT, NBB, ab, it0,
+            nitc, jt0, njc);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * njc, groups)));
+        wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
+            Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT,
+            NBB, it0, nitc, jt0, njc);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        opm_bw_wo_sum_kernel<<<static_cast<int>(cdiv(kBwNSL * 64 * 128, kThreads)), kThreads, 0, stream>>>(
+            part.data_ptr<float>(), dwo.data_ptr<float>(), g_wo, cz);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+  };
+  if (split) {
+    if (!half) run(opm_bw_wo_kernel<float, true>, opm_bw_wo_prep_kernel<float, true>);
+    else if (ops == "float16") run(opm_bw_wo_kernel<__half, true>, opm_bw_wo_prep_kernel<__half, true>);
+    else run(opm_bw_wo_kernel<__nv_bfloat16, true>, opm_bw_wo_prep_kernel<__nv_bfloat16, true>);
+  } else {
+    if (!half) run(opm_bw_wo_kernel<float>, opm_bw_wo_prep_kernel<float>);
+    else if (ops == "float16") run(opm_bw_wo_kernel<__half>, opm_bw_wo_prep_kernel<__half>);
+    else run(opm_bw_wo_kernel<__nv_bfloat16>, opm_bw_wo_prep_kernel<__nv_bfloat16>);
   }
   return dwo;
 }

@@ -15,9 +15,11 @@ namespace opm {
 //   Bbw[((b*NBB + jb)*KB16 + kb)*2*kOwBPlane + plane*kOwBPlane + wo_off16(n, s % 16)]
 //       = b[b, s, 4 jb + n / 32, n % 32]  (outer_wg's Bow layout)
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*8 + c)*kOwStage + w*4096 + plane*2048 + wo_off16(z, p % 16)]
+//       (kSplitJ: NJc for NBB and jt - jt0 for jt, the chunk's j blocks jt0 .. jt0 + NJc - 1)
 //       = gd[b, 64 it + 32 w + p / 4, 4 jt + p % 4, z],  p = 16 c + p % 16  (warpgroup w's pair p)
 // (s = 16 kb + s % 16; zeros past S, N and c_z); Abw and Bbw only if ab, Gbw for the i tiles it0 ..
-// it0 + NITc - 1 (a chunk). Work items of 4 consecutive k, one store_split4 each.
+// it0 + NITc - 1 (a chunk; with kSplitJ of one i tile, its j blocks jt0 ..). Work items of 4 consecutive k, one
+// store_split4 each.
 // 16-bit T: one T plane per set, blocks of 32 s (KB16 then counts them) at ow_off16h (outer_wg's 16-bit
 // blocks: 8-row groups 512 bytes apart), 8 consecutive k per item:
 //   Abw[(((b*kBwNSL + sl)*KB16 + kb)*MB + mb)*kOwABlk16 + ow_off16h(r, s % 32)]  (s = 32 kb + s % 32)
@@ -72,25 +74,28 @@ __device__ __forceinline__ int64_t wo_prep_b_item(int64_t f, const float* __rest
   }
   return blk;
 }
-template <typename T>
+template <typename T, bool kSplitJ = false>
 __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     const float* __restrict__ av, const float* __restrict__ bv, const float* __restrict__ g,
     const float* __restrict__ inv_denom, float* __restrict__ Abw, float* __restrict__ Bbw, float* __restrict__ Gbw,
-    int64_t B, int64_t S, int64_t N, int cz, int64_t KB16, int64_t NIT, int64_t NBB, bool ab, int64_t it0, int64_t NITc) {
+    int64_t B, int64_t S, int64_t N, int cz, int64_t KB16, int64_t NIT, int64_t NBB, bool ab, int64_t it0, int64_t NITc,
+    int64_t jt0, int64_t NJc) {
   const int64_t MB = 2 * NIT;
+  // the chunk's j blocks: all NBB, or (kSplitJ) jt0 .. jt0 + NJc - 1 (Gbw's NBB is then NJc)
+  const int64_t NJ = kSplitJ ? NJc : NBB, j0 = kSplitJ ? jt0 : 0;
   if constexpr (!std::is_same_v<T, float>) {  // T planes, blocks of 32 s (KB16 counts them), 8 consecutive k per item
     const T* g16 = reinterpret_cast<const T*>(g);  // (g in T)
     const int64_t KB = KB16;
     const int64_t nA = ab ? B * kBwNSL * KB * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB * 128 * 4 : 0;
-    const int64_t nG = B * NITc * NBB * 4 * 2 * 4 * 32;
+    const int64_t nG = B * NITc * NJ * 4 * 2 * 4 * 32;
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < nA + nB + nG;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
       if (e >= nA + nB) {  // (b, it, jt, c, w, oct, zq): zq fastest; z = 4 zq + e4, positions P = 8 oct + q of slot c
         const int64_t f = e - nA - nB;
         const int zq = static_cast<int>(f % 32), oct = static_cast<int>(f / 32 % 4), w = static_cast<int>(f / 128 % 2);
-        const int64_t blk = f / 256;  // ((b*NITc + it - it0)*NBB + jt)*4 + c
+        const int64_t blk = f / 256;  // ((b*NITc + it - it0)*NJ + jt - j0)*4 + c
         const int c = static_cast<int>(blk % 4);
-        const int64_t jt = blk / 4 % NBB, it = it0 + blk / 4 / NBB % NITc, b = blk / 4 / NBB / NITc;
+        const int64_t jt = j0 + blk / 4 % NJ, it = it0 + blk / 4 / NJ % NITc, b = blk / 4 / NJ / NITc;
         const int z0 = 4 * zq;
         float v4[4][8] = {};
         if (z0 < cz) {
@@ -133,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     return;
   }
   const int64_t nA = ab ? B * kBwNSL * KB16 * MB * 64 * 4 : 0, nB = ab ? B * NBB * KB16 * 128 * 4 : 0;
-  const int64_t nG = B * NITc * NBB * 8 * 2 * 128 * 4;
+  const int64_t nG = B * NITc * NJ * 8 * 2 * 128 * 4;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < nA + nB + nG;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float v[4] = {0.f, 0.f, 0.f, 0.f};
@@ -152,9 +157,9 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
     } else {  // (b, it, jt, c, w, quad, z): z fastest
       const int64_t f = e - nA - nB;
       const int z = static_cast<int>(f % 128), quad = static_cast<int>(f / 128 % 4), w = static_cast<int>(f / 512 % 2);
-      const int64_t blk = f / 1024;  // ((b*NITc + it - it0)*NBB + jt)*8 + c
+      const int64_t blk = f / 1024;  // ((b*NITc + it - it0)*NJ + jt - j0)*8 + c
       const int c = static_cast<int>(blk % 8);
-      const int64_t jt = blk / 8 % NBB, it = it0 + blk / 8 / NBB % NITc, b = blk / 8 / NBB / NITc;
+      const int64_t jt = j0 + blk / 8 % NJ, it = it0 + blk / 8 / NJ % NITc, b = blk / 8 / NJ / NITc;
       const int il = (16 * c + 4 * quad) / 4;  // the 4 pairs 16 c + 4 quad + q: one i, j = 4 jt + q
       const int64_t i = 64 * it + 32 * w + il;
       if (i < N && z < cz) {
@@ -174,7 +179,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // ---------------------------------------------------------------------------------------------
 // opm_bw_wo_kernel: dWo's partial sums. Block x = (slice sl = x % kBwNSL: hk 64 sl .. 64 sl + 63, group
 // gr = x / kBwNSL of gridDim.x / kBwNSL); it takes tiles t = gr, gr + groups, ... of (b, 64 i, 4 j) of
-// the chunk, t -> (it = it0 + t % NITc, jt, b). Warps 0-7: two consumer warpgroups (warpgroup w: residues i 64 it + 32 w
+// the chunk, t -> (it = it0 + t % NITc, jt, b) (kSplitJ: jt = jt0 + (t / NITc) % NJc). Warps 0-7: two consumer warpgroups (warpgroup w: residues i 64 it + 32 w
 // + il); warps 8-11: the producer (thread 256 issues the bulk copies), as in opm_outer_wg_kernel. Per tile:
 //   phase A: O (rows (hh, il), columns (jl, k)), K = S, wgmma m64n128k8 from the Abw / Bbw stages, split
 //     TF32 promoted every kWgPromo k steps (outer_wg's phase A);
@@ -191,10 +196,11 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // loaded (rows wo_pair16: conflict-free), a fresh accumulator per 64 pairs; each operand rounded to T,
 // as the reference in that dtype rounds O and g / d.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, bool kSplitJ = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     const float* __restrict__ Abw, const float* __restrict__ Bbw, const float* __restrict__ Gbw,
-    float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc) {
+    float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc,
+    int64_t jt0, int64_t NJc) {
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
@@ -203,7 +209,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   uint64_t* empty = full + kBwoStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t sl = blockIdx.x % kBwNSL, gr = blockIdx.x / kBwNSL, groups = gridDim.x / kBwNSL;
-  const int64_t MB = 2 * NIT, total = B * NITc * NBB;
+  const int64_t NJ = kSplitJ ? NJc : NBB, j0 = kSplitJ ? jt0 : 0;  // the chunk's j blocks (as the prep's)
+  const int64_t MB = 2 * NIT, total = B * NITc * NJ;
   const int kbs = static_cast<int>(KB16);
   constexpr bool kHalf = !std::is_same_v<T, float>;
   constexpr int kABlk = kHalf ? kOwABlk16 / 2 : 2 * kOwAPlane, kBBlk = kHalf ? kOwBBlk16 / 2 : 2 * kOwBPlane;  // floats
@@ -223,7 +230,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         return sm + st * kOwStage;
       };
       for (int64_t t = gr; t < total; t += groups) {
-        const int64_t itc = t % NITc, it = it0 + itc, jt = (t / NITc) % NBB, b = t / (NITc * NBB);
+        const int64_t itc = t % NITc, it = it0 + itc, jtc = (t / NITc) % NJ, jt = j0 + jtc, b = t / (NITc * NJ);
         const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * kABlk;
         const float* bb = Bbw + (b * NBB + jt) * KB16 * kBBlk;
         for (int kb = 0; kb < kbs; ++kb) {
@@ -240,7 +247,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
             bulk_copy(dst + 4 * kOwAPlane, bk, 4 * 2 * kOwBPlane, full + st);
           }
         }
-        const float* gt = Gbw + ((b * NITc + itc) * NBB + jt) * kSlots * kGSlot;
+        const float* gt = Gbw + ((b * NITc + itc) * NJ + jtc) * kSlots * kGSlot;
         for (int c = 0; c < kSlots; ++c) {
           const int st = static_cast<int>(u % kBwoStages);
           float* dst = slot(4 * kGSlot);

@@ -215,7 +215,7 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD), which must be True or False: an assigned "0" would otherwise read as on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -261,7 +261,12 @@ PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
 # backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
-# Each of the five on / off attributes takes only True or False (others raise at the next call that reads it).
+# With it, where one 64-residue i tile's G planes exceed the 32 MB chunk (fp32 at N = 1024: 64 MB), chunks of that
+# tile's j blocks instead (opm_backward_wo's split_j): the dWo part's peak 32 MB lower, the fp32 step's at long 1192.5
+# -> ~1185 MiB predicted (the LayerNorm part's then). False (the default) until checked on a GPU; OPM_LOW_MEMORY_SPLIT_J
+# ("1" / "0") at import, then this attribute, read at each backward.
+LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
+# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -470,7 +475,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
     if wo_in_kernel:
-        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20)
+        d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20,
+                                    low_memory and _flag("LOW_MEMORY_SPLIT_J"))
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
