@@ -3285,7 +3285,6 @@ namespace opm {
 //   Bbw[((b*NBB + jb)*KB16 + kb)*2*kOwBPlane + plane*kOwBPlane + wo_off16(n, s % 16)]
 //       = b[b, s, 4 jb + n / 32, n % 32]  (outer_wg's Bow layout)
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*8 + c)*kOwStage + w*4096 + plane*2048 + wo_off16(z, p % 16)]
-//       (kSplitJ: NJc for NBB and jt - jt0 for jt, the chunk's j blocks jt0 .. jt0 + NJc - 1)
 //       = gd[b, 64 it + 32 w + p / 4, 4 jt + p % 4, z],  p = 16 c + p % 16  (warpgroup w's pair p)
 // (s = 16 kb + s % 16; zeros past S, N and c_z); Abw and Bbw only if ab, Gbw for the i tiles it0 ..
 // it0 + NITc - 1 (a chunk; with kSplitJ of one i tile, its j blocks jt0 ..). Work items of 4 consecutive k, one
@@ -3297,7 +3296,8 @@ namespace opm {
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*4 + c)*8192 + w*4096 + ow_off16h(z, P)] = gd of warpgroup w's
 //       pair p = 32 c + wo_pair16(P): 32 pairs per slot, in the order of phase W's A fragments; its items
 //       take 4 z (an 8-byte load of g per pair: c_z % 8 == 0 for 16-bit T) and 8 positions.
-// (16-bit indices in T elements.)
+// (16-bit indices in T elements.) kSplitJ (either type): Gbw holds the chunk's j blocks jt0 .. jt0 + NJc - 1 only,
+// NJc in place of NBB and jt - jt0 in place of jt in its index; Abw, Bbw as above.
 // ---------------------------------------------------------------------------------------------
 constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
@@ -3449,8 +3449,9 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // ---------------------------------------------------------------------------------------------
 // opm_bw_wo_kernel: dWo's partial sums. Block x = (slice sl = x % kBwNSL: hk 64 sl .. 64 sl + 63, group
 // gr = x / kBwNSL of gridDim.x / kBwNSL); it takes tiles t = gr, gr + groups, ... of (b, 64 i, 4 j) of
-// the chunk, t -> (it = it0 + t % NITc, jt, b) (kSplitJ: jt = jt0 + (t / NITc) % NJc). Warps 0-7: two consumer warpgroups (warpgroup w: residues i 64 it + 32 w
-// + il); warps 8-11: the producer (thread 256 issues the bulk copies), as in opm_outer_wg_kernel. Per tile:
+// the chunk, t -> (it = it0 + t % NITc, jt, b) (kSplitJ: jt = jt0 + (t / NITc) % NJc). Warps 0-7: two consumer
+// warpgroups (warpgroup w: residues i 64 it + 32 w + il); warps 8-11: the producer (thread 256 issues the bulk
+// copies), as in opm_outer_wg_kernel. Per tile:
 //   phase A: O (rows (hh, il), columns (jl, k)), K = S, wgmma m64n128k8 from the Abw / Bbw stages, split
 //     TF32 promoted every kWgPromo k steps (outer_wg's phase A);
 //   O to Os_w[p][hk] (p = 4 il + jl, hk = 32 hh + k: one fp32 plane per warpgroup, 128 x kBwLDO);
@@ -7044,7 +7045,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as
+    on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -7082,18 +7084,19 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in chunks
-# of 32 MB or one 64-residue i tile if larger (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel
-# (else float32), its block partials written over da, db, and the storage of the forward's a, b (saved for the backward
-# like the other tensors, so saved-tensor hooks see them) freed once da, db are formed: a second backward through the
-# graph recomputes them, and a hook that keeps the tensors its unpack returned finds them empty. True (the default): a
-# step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there (bf5a78f; NOTES.md);
-# False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
-# backward follows the value its forward saw).
+# of 32 MB or one 64-residue i tile if larger (else 256 MB; LOW_MEMORY_SPLIT_J below), da and db in the msa's 16-bit
+# type for the LayerNorm kernel (else float32), its block partials written over da, db, and the storage of the forward's
+# a, b (saved for the backward like the other tensors, so saved-tensor hooks see them) freed once da, db are formed: a
+# second backward through the graph recomputes them, and a hook that keeps the tensors its unpack returned finds them
+# empty. True (the default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower
+# there (bf5a78f; NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute,
+# read at each forward (its backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
-# With it, where one 64-residue i tile's G planes exceed the 32 MB chunk (fp32 at N = 1024: 64 MB), chunks of that
-# tile's j blocks instead (opm_backward_wo's split_j): the dWo part's peak 32 MB lower, the fp32 step's at long 1192.5
-# -> ~1185 MiB predicted (the LayerNorm part's then). False (the default) until checked on a GPU; OPM_LOW_MEMORY_SPLIT_J
-# ("1" / "0") at import, then this attribute, read at each backward.
+# With LOW_MEMORY_BACKWARD on, where one 64-residue i tile's G planes exceed the 32 MB chunk (fp32 at N = 1024, B = 1:
+# 64 MB), chunks of that tile's j blocks instead (opm_backward_wo's split_j): there the dWo part's peak 32 MB lower and
+# the fp32 step's peak at long 1192.5 -> ~1185 MiB predicted (then set by the LayerNorm part). False (the default) until
+# checked on a GPU; OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read by each low-memory backward
+# whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
 # Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
 
@@ -7215,12 +7218,13 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
     never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its forward read
     it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i tile: 64 MB in
-    fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm kernels run on it; the
-    LayerNorm kernel writes its block partials over da, db's rows it has read (no buffer of its own: da, db hold them
-    afterwards). release_ab: the given a, b's storage is freed (resized to 0 bytes, where it is resizable) once da, db
-    are formed, whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds
-    them empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
-    for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
+    fp32 at N = 1024; with LOW_MEMORY_SPLIT_J, chunks of that tile's j blocks instead), not 256; da, db in the msa's
+    16-bit type where the da / db and LayerNorm kernels run on it; the LayerNorm kernel writes its block partials over
+    da, db's rows it has read (no buffer of its own: da, db hold them afterwards). release_ab: the given a, b's storage
+    is freed (resized to 0 bytes, where it is resizable) once da, db are formed, whoever holds them (the autograd
+    Function's saved a, b: a second backward through a retained graph finds them empty and recomputes them). The
+    denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the forward kernel
+    does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
     each in its tensor's dtype.
     """
     B, S, N, c_m = msa.shape

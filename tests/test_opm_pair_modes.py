@@ -418,8 +418,9 @@ def test_pair_row_scale_clamp_equals_the_cap():
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA,
     OPM_LOW_MEMORY_BACKWARD, OPM_LOW_MEMORY_SPLIT_J): unset -> the default, "1" / "0" -> on / off, any other value
-    raises naming the variable; the first five default to on, the last to off; _pair_counts maps the counts' three to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the
-    ring on HMMA); an attribute set to anything but True / False raises."""
+    raises naming the variable; the first five default to on, the last to off; _pair_counts maps the counts' three to
+    the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but True / False
+    raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False

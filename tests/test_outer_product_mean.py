@@ -788,9 +788,13 @@ class _EinsumKernels:
     """A stand-in for the extension's backward kernels with their signatures (the same products by einsum,
     LayerNorm by ATen), so that the host-side plumbing of outer_product_mean_backward runs on a CPU."""
 
+    split_j_seen = []  # opm_backward_wo's split_j per call
+
     @staticmethod
     def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j):
         assert ops in ("split", "float16", "bfloat16") and chunk_bytes in (32 << 20, 256 << 20)
+        assert isinstance(split_j, bool) and not (split_j and chunk_bytes != 32 << 20)  # only with low_memory
+        _EinsumKernels.split_j_seen.append(split_j)
         return torch.einsum("bsih,bsjk,bijz->zhk", a, b, g * inv_denom[:, :, None, None]).reshape(g.shape[-1], -1)
 
     @staticmethod
@@ -860,10 +864,15 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
                       ((True, True, False, True), all4[1:]), ((False, False, True, True), ["a, b", "LayerNorm"]),
                       ((True, True, True, True), all4)):
         kw = dict(zip(("wo_kernel", "ab_kernel", "rows_kernel", "ln_kernel"), ks))
-        for low in (False, True):  # low_memory: the dWo kernel's chunk bytes (float64 here: da, db stay in it)
+        for low, split_j in ((False, False), (True, False), (False, True), (True, True)):
+            # low_memory: the dWo kernel's chunk bytes (float64 here: da, db stay in it); LOW_MEMORY_SPLIT_J goes to
+            # the dWo kernel only with it
+            monkeypatch.setattr(opm, "LOW_MEMORY_SPLIT_J", split_j)
+            _EinsumKernels.split_j_seen.clear()
             parts = []
             got = opm.outer_product_mean_backward(*args, **kw, parts=parts, low_memory=low)
             assert parts == names, kw
+            assert _EinsumKernels.split_j_seen == ([low and split_j] if ks[0] else [])
             for w, t in zip(want, got):
                 assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0), (kw, low)
     # with release_ab (the autograd Function's low-memory backward): the given a, b's storage freed after use, 1 /
@@ -1032,7 +1041,7 @@ def test_backward_half_msa_kernels_against_fp64_and_the_ops_path(opm, ref, B, S,
 def test_backward_wo_split_j_against_i_tile_chunks_and_fp64(opm, ops, chunk):
     """opm_backward_wo with split_j, where one i tile's G planes (B = 2, N = 100: 25 j blocks of 256 KB each in fp32,
     64 KB in 16 bits, per batch element) exceed chunk_bytes: chunks of 2 j blocks (the last one of 1), or of 1
-    (300 KB), give dWo within 1e-5 of the i-tile chunks' (only the chunks' order of addition differs) and, in split
+    (300 KB), give dWo within 1e-5 of the i-tile chunks' (the same products summed in another order) and, in split
     TF32, within 1e-5 of fp64's sum_{b,i,j} gd O."""
     if not _caps(opm)[2]:
         pytest.skip("the dWo kernel needs a Hopper GPU and an sm_90a build")

@@ -15,7 +15,6 @@ namespace opm {
 //   Bbw[((b*NBB + jb)*KB16 + kb)*2*kOwBPlane + plane*kOwBPlane + wo_off16(n, s % 16)]
 //       = b[b, s, 4 jb + n / 32, n % 32]  (outer_wg's Bow layout)
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*8 + c)*kOwStage + w*4096 + plane*2048 + wo_off16(z, p % 16)]
-//       (kSplitJ: NJc for NBB and jt - jt0 for jt, the chunk's j blocks jt0 .. jt0 + NJc - 1)
 //       = gd[b, 64 it + 32 w + p / 4, 4 jt + p % 4, z],  p = 16 c + p % 16  (warpgroup w's pair p)
 // (s = 16 kb + s % 16; zeros past S, N and c_z); Abw and Bbw only if ab, Gbw for the i tiles it0 ..
 // it0 + NITc - 1 (a chunk; with kSplitJ of one i tile, its j blocks jt0 ..). Work items of 4 consecutive k, one
@@ -27,7 +26,8 @@ namespace opm {
 //   Gbw[(((b*NITc + it - it0)*NBB + jt)*4 + c)*8192 + w*4096 + ow_off16h(z, P)] = gd of warpgroup w's
 //       pair p = 32 c + wo_pair16(P): 32 pairs per slot, in the order of phase W's A fragments; its items
 //       take 4 z (an 8-byte load of g per pair: c_z % 8 == 0 for 16-bit T) and 8 positions.
-// (16-bit indices in T elements.)
+// (16-bit indices in T elements.) kSplitJ (either type): Gbw holds the chunk's j blocks jt0 .. jt0 + NJc - 1 only,
+// NJc in place of NBB and jt - jt0 in place of jt in its index; Abw, Bbw as above.
 // ---------------------------------------------------------------------------------------------
 constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
@@ -179,8 +179,9 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // ---------------------------------------------------------------------------------------------
 // opm_bw_wo_kernel: dWo's partial sums. Block x = (slice sl = x % kBwNSL: hk 64 sl .. 64 sl + 63, group
 // gr = x / kBwNSL of gridDim.x / kBwNSL); it takes tiles t = gr, gr + groups, ... of (b, 64 i, 4 j) of
-// the chunk, t -> (it = it0 + t % NITc, jt, b) (kSplitJ: jt = jt0 + (t / NITc) % NJc). Warps 0-7: two consumer warpgroups (warpgroup w: residues i 64 it + 32 w
-// + il); warps 8-11: the producer (thread 256 issues the bulk copies), as in opm_outer_wg_kernel. Per tile:
+// the chunk, t -> (it = it0 + t % NITc, jt, b) (kSplitJ: jt = jt0 + (t / NITc) % NJc). Warps 0-7: two consumer
+// warpgroups (warpgroup w: residues i 64 it + 32 w + il); warps 8-11: the producer (thread 256 issues the bulk
+// copies), as in opm_outer_wg_kernel. Per tile:
 //   phase A: O (rows (hh, il), columns (jl, k)), K = S, wgmma m64n128k8 from the Abw / Bbw stages, split
 //     TF32 promoted every kWgPromo k steps (outer_wg's phase A);
 //   O to Os_w[p][hk] (p = 4 il + jl, hk = 32 hh + k: one fp32 plane per warpgroup, 128 x kBwLDO);

@@ -215,7 +215,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as
+    on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -253,18 +254,19 @@ PAIR_COUNTS_RING = _env_flag("OPM_PAIR_COUNTS_RING", True)
 # stay on DMMA.
 PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # The backward's peak memory where its kernels run (outer_product_mean_backward's low_memory): dWo's G planes in chunks
-# of 32 MB or one 64-residue i tile if larger (else 256 MB), da and db in the msa's 16-bit type for the LayerNorm kernel
-# (else float32), its block partials written over da, db, and the storage of the forward's a, b (saved for the backward
-# like the other tensors, so saved-tensor hooks see them) freed once da, db are formed: a second backward through the
-# graph recomputes them, and a hook that keeps the tensors its unpack returned finds them empty. True (the default): a
-# step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower there (bf5a78f; NOTES.md);
-# False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
-# backward follows the value its forward saw).
+# of 32 MB or one 64-residue i tile if larger (else 256 MB; LOW_MEMORY_SPLIT_J below), da and db in the msa's 16-bit
+# type for the LayerNorm kernel (else float32), its block partials written over da, db, and the storage of the forward's
+# a, b (saved for the backward like the other tensors, so saved-tensor hooks see them) freed once da, db are formed: a
+# second backward through the graph recomputes them, and a hook that keeps the tensors its unpack returned finds them
+# empty. True (the default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower
+# there (bf5a78f; NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute,
+# read at each forward (its backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
-# With it, where one 64-residue i tile's G planes exceed the 32 MB chunk (fp32 at N = 1024: 64 MB), chunks of that
-# tile's j blocks instead (opm_backward_wo's split_j): the dWo part's peak 32 MB lower, the fp32 step's at long 1192.5
-# -> ~1185 MiB predicted (the LayerNorm part's then). False (the default) until checked on a GPU; OPM_LOW_MEMORY_SPLIT_J
-# ("1" / "0") at import, then this attribute, read at each backward.
+# With LOW_MEMORY_BACKWARD on, where one 64-residue i tile's G planes exceed the 32 MB chunk (fp32 at N = 1024, B = 1:
+# 64 MB), chunks of that tile's j blocks instead (opm_backward_wo's split_j): there the dWo part's peak 32 MB lower and
+# the fp32 step's peak at long 1192.5 -> ~1185 MiB predicted (then set by the LayerNorm part). False (the default) until
+# checked on a GPU; OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read by each low-memory backward
+# whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
 # Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
 
@@ -386,12 +388,13 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
     never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its forward read
     it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i tile: 64 MB in
-    fp32 at N = 1024), not 256; da, db in the msa's 16-bit type where the da / db and LayerNorm kernels run on it; the
-    LayerNorm kernel writes its block partials over da, db's rows it has read (no buffer of its own: da, db hold them
-    afterwards). release_ab: the given a, b's storage is freed (resized to 0 bytes, where it is resizable) once da, db
-    are formed, whoever holds them (the autograd Function's saved a, b: a second backward through a retained graph finds
-    them empty and recomputes them). The denominator sums float masks in fp64 and bool / integer masks in int64 (exact
-    for 0/1 masks, as the forward kernel does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
+    fp32 at N = 1024; with LOW_MEMORY_SPLIT_J, chunks of that tile's j blocks instead), not 256; da, db in the msa's
+    16-bit type where the da / db and LayerNorm kernels run on it; the LayerNorm kernel writes its block partials over
+    da, db's rows it has read (no buffer of its own: da, db hold them afterwards). release_ab: the given a, b's storage
+    is freed (resized to 0 bytes, where it is resizable) once da, db are formed, whoever holds them (the autograd
+    Function's saved a, b: a second backward through a retained graph finds them empty and recomputes them). The
+    denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the forward kernel
+    does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
     each in its tensor's dtype.
     """
     B, S, N, c_m = msa.shape
