@@ -125,15 +125,14 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
   };
-  if (split) {
-    if (!half) run(opm_bw_wo_kernel<float, true>, opm_bw_wo_prep_kernel<float, true>);
-    else if (ops == "float16") run(opm_bw_wo_kernel<__half, true>, opm_bw_wo_prep_kernel<__half, true>);
-    else run(opm_bw_wo_kernel<__nv_bfloat16, true>, opm_bw_wo_prep_kernel<__nv_bfloat16, true>);
-  } else {
-    if (!half) run(opm_bw_wo_kernel<float>, opm_bw_wo_prep_kernel<float>);
-    else if (ops == "float16") run(opm_bw_wo_kernel<__half>, opm_bw_wo_prep_kernel<__half>);
-    else run(opm_bw_wo_kernel<__nv_bfloat16>, opm_bw_wo_prep_kernel<__nv_bfloat16>);
-  }
+  auto typed = [&](auto split_c) {  // split_c: std::bool_constant<split>
+    constexpr bool kS = decltype(split_c)::value;
+    if (!half) run(opm_bw_wo_kernel<float, kS>, opm_bw_wo_prep_kernel<float, kS>);
+    else if (ops == "float16") run(opm_bw_wo_kernel<__half, kS>, opm_bw_wo_prep_kernel<__half, kS>);
+    else run(opm_bw_wo_kernel<__nv_bfloat16, kS>, opm_bw_wo_prep_kernel<__nv_bfloat16, kS>);
+  };
+  if (split) typed(std::true_type{});
+  else typed(std::false_type{});
   return dwo;
 }
 
