@@ -3737,6 +3737,11 @@ namespace opm {
 constexpr int kAbStages = 3;
 constexpr int kAbOperand = 2 * 8192;  // floats of a split 64 x 128 operand (hi plane, lo plane)
 constexpr size_t kAbSmemBytes = 4ull * (2 * kAbOperand + kAbStages * 8192) + 8 * (2 * kAbStages + 2);
+// The deep ring (kDeep, 16-bit T only): slots of 16 KB (4096 floats: a g box of c_z <= 128 or a Vt block in T),
+// laid out as Wt (16 KB), Gt's two buffers (32 KB), then kAbStagesDeep slots: 2.75 loop tiles' copies in flight at
+// four slots per tile, where the 3 slots of 32 KB hold less than one.
+constexpr int kAbStagesDeep = 11;
+constexpr size_t kAbSmemBytesDeep = 4ull * (3 * 4096 + kAbStagesDeep * 4096) + 8 * (2 * kAbStagesDeep + 2);
 __host__ __device__ __forceinline__ int ab_off(int n, int kap) {
   return (n >> 3) * 1024 + (kap >> 2) * 32 + (n & 7) * 4 + (kap & 3);
 }
@@ -3859,7 +3864,8 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // earlier data, finite for finite inputs), against zero rows of Wt; the 16-bit G step loads zeros there.
 // ---------------------------------------------------------------------------------------------
 // O: out's element type, float, or T (16-bit T only; each pair of channels rounded once, a 4-byte store).
-template <int kForm, typename T, typename O = float>
+// kDeep: the deep ring above (16-bit T).
+template <int kForm, typename T, typename O = float, bool kDeep = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
     const float* __restrict__ inv_denom, O* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
@@ -3867,23 +3873,25 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
-  float* Ws = sm;                     // Wt slice: hi, lo
-  float* Gt = sm + kAbOperand;        // G^T: hi, lo
-  float* ring = sm + 2 * kAbOperand;  // kAbStages x 8192
-  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kAbStages * 8192);
-  uint64_t* empty = full + kAbStages;
-  uint64_t* wbar = empty + kAbStages;
+  constexpr int kStages = kDeep ? kAbStagesDeep : kAbStages, kSlot = kDeep ? 4096 : 8192;  // slots, floats each
+  float* Ws = sm;                                  // Wt slice: hi, lo
+  float* Gt = sm + (kDeep ? 4096 : kAbOperand);    // G^T: hi, lo
+  float* ring = Gt + (kDeep ? 8192 : kAbOperand);  // kStages x kSlot
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * kSlot);
+  uint64_t* empty = full + kStages;
+  uint64_t* wbar = empty + kStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t x = blockIdx.x, sc = x % NSC, sl = x / NSC % 16, ot = x / NSC / 16 % NOT, b = x / NSC / 16 / NOT;
   const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
   const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step (16-bit: k steps)
   constexpr bool kHalf = !std::is_same_v<T, float>;
   static_assert(std::is_same_v<O, float> || std::is_same_v<O, T>, "out: float32, or T (16-bit T)");
+  static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
-  for (int e = tid; e < kAbStages * 2048; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int e = tid; e < kStages * kSlot / 4; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
   if (tid == 0) {
-    mbar_ring_init(full, empty, kAbStages, 2 * 128);  // every consumer thread frees a slot (release below)
+    mbar_ring_init(full, empty, kStages, 2 * 128);  // every consumer thread frees a slot (release below)
     mbar_init(wbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -3896,23 +3904,23 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
       bulk_copy(Ws, Wt + sl * (kWtBytes / 4), kWtBytes, wbar);
       uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
-        const int st = static_cast<int>(u % kAbStages);
-        if (u >= kAbStages) mbar_wait(empty + st, (u / kAbStages - 1) & 1);
+        const int st = static_cast<int>(u % kStages);
+        if (u >= kStages) mbar_wait(empty + st, (u / kStages - 1) & 1);
         mbar_expect_tx(full + st, bytes);
         ++u;
-        return ring + st * 8192;
+        return ring + st * kSlot;
       };
       const int o0 = static_cast<int>(32 * ot), bi = static_cast<int>(b);
       for (int64_t J = 0; J < NJT; ++J) {
         for (int w = 0; w < 2; ++w) {  // one box of g: (c_z, 2 j, 32 i) for da, (c_z, 32 j, 2 i) for db
           const int l0 = static_cast<int>(4 * J + 2 * w);
-          uint64_t* bar = full + static_cast<int>(u % kAbStages);
+          uint64_t* bar = full + static_cast<int>(u % kStages);
           float* dst = slot(static_cast<unsigned>(sizeof(T) * 64 * cz));  // (g in T for 16-bit T)
           if (kForm == 0) tma_load_4d(dst, &tm_g, 0, l0, o0, bi, bar);
           else tma_load_4d(dst, &tm_g, 0, o0, l0, bi, bar);
         }
         for (int mb = 0; mb < mbc; ++mb) {
-          uint64_t* bar = full + static_cast<int>(u % kAbStages);
+          uint64_t* bar = full + static_cast<int>(u % kStages);
           float* dst = slot(kVtBytes);
           bulk_copy(dst, Vt + ((b * NJT + J) * SB + 8 * sc + mb) * (kVtBytes / 4), kVtBytes, bar);
         }
@@ -3924,16 +3932,16 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   const int lane = tid % 32, gq = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
   uint32_t u = 0;
   auto wait_full = [&]() -> const float* {
-    const int st = static_cast<int>(u % kAbStages);
-    mbar_wait(full + st, (u / kAbStages) & 1);
+    const int st = static_cast<int>(u % kStages);
+    mbar_wait(full + st, (u / kStages) & 1);
     ++u;
-    return ring + st * 8192;
+    return ring + st * kSlot;
   };
   // Every lane reads a slot and every lane arrives on its empty barrier (count 256), each after its own reads, as
   // CUTLASS's consumer_release does: compute-sanitizer's racecheck orders a thread's reads before the producer's
   // next copy into the slot only through that thread's own arrive (a __syncwarp before lane 0's arrive alone
   // left 5e5 hazards reported per kernel).
-  auto release = [&](uint32_t us) { mbar_arrive(empty + static_cast<int>(us % kAbStages)); };
+  auto release = [&](uint32_t us) { mbar_arrive(empty + static_cast<int>(us % kStages)); };
   const int ll = w4 / 2;                // this thread's G rows: r = 16 w4 + gq + 8 hr = 32 ll + ol
   const int rs1 = kForm == 0 ? 2 * cz : cz, rs2 = kForm == 0 ? cz : 32 * cz;
   float total[4][32];
@@ -6545,13 +6553,15 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 // strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
 // c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
 // to it, opm_bw_ab_kernel<form, T>). Returns (da, db): float32, or with out_t (16-bit ops only) in ops's type.
+// deep_ring (16-bit ops only): the kernels' deep ring (kDeep: 11 slots of 16 KB, not 3 of 32 KB).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops, bool out_t) {
+                                                   at::Tensor wo, const std::string& ops, bool out_t, bool deep_ring) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
   TORCH_CHECK(half || !out_t, "outer_product_mean: opm_backward_ab: out_t needs float16 or bfloat16 ops");
+  TORCH_CHECK(half || !deep_ring, "outer_product_mean: opm_backward_ab: deep_ring needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &wo})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -6568,7 +6578,8 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(a.get_device());
-  TORCH_CHECK(d.ow_ok && kAbSmemBytes <= static_cast<size_t>(d.smem_optin),
+  const size_t smem = deep_ring ? kAbSmemBytesDeep : kAbSmemBytes;
+  TORCH_CHECK(d.ow_ok && smem <= static_cast<size_t>(d.smem_optin),
               "outer_product_mean: opm_backward_ab needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
   at::Tensor gc = g.contiguous();
@@ -6595,15 +6606,16 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   auto run = [&](auto* tp, auto* op) {  // null pointers of the products' type T and out's type O
     using T = std::remove_pointer_t<decltype(tp)>;
     using O = std::remove_pointer_t<decltype(op)>;
-    const auto da_kernel = opm_bw_ab_kernel<0, T, O>;
-    const auto db_kernel = opm_bw_ab_kernel<1, T, O>;
-    set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
-    da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+    constexpr bool kHalfT = !std::is_same_v<T, float>;
+    const auto da_kernel = deep_ring ? opm_bw_ab_kernel<0, T, O, kHalfT> : opm_bw_ab_kernel<0, T, O>;
+    const auto db_kernel = deep_ring ? opm_bw_ab_kernel<1, T, O, kHalfT> : opm_bw_ab_kernel<1, T, O>;
+    set_smem(da_kernel, smem, d, "the backward's da kernel");
+    da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, smem, stream>>>(
         vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), reinterpret_cast<O*>(da.data_ptr()), B, S, N, cz, NJT, SB,
         NOT, NSC);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
-    db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+    set_smem(db_kernel, smem, d, "the backward's db kernel");
+    db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, smem, stream>>>(
         vt + B * NJT * SB * vblk, wt + 16 * wsl, make_g_map(gc, 32, 2), ic.data_ptr<float>(),
         reinterpret_cast<O*>(db.data_ptr()), B, S, N, cz, NJT, SB, NOT, NSC);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -7044,8 +7056,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as
-    on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, AB_DEEP_RING), which must be True or False: an assigned "0" would
+    otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -7097,7 +7109,12 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # checked on a GPU; OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read by each low-memory backward
 # whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
-# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
+# The 16-bit da, db kernels' ring of copies (opm_backward_ab's deep_ring): 11 slots of 16 KB (2.75 loop tiles of g
+# boxes and Vt blocks in flight) with True, 3 slots of 32 KB (the fp32 kernel's; under one tile) with False (the
+# default until checked on a GPU). OPM_AB_DEEP_RING ("1" / "0") at import, then this attribute, read by each backward
+# whose da, db run in their kernels on fp16 / bf16 products.
+AB_DEEP_RING = _env_flag("OPM_AB_DEEP_RING", False)
+# Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7313,7 +7330,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
         da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
-                                      low_memory and ops != "split" and ln_in_kernel)
+                                      low_memory and ops != "split" and ln_in_kernel,
+                                      ops != "split" and _flag("AB_DEEP_RING"))
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)

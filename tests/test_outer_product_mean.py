@@ -797,9 +797,13 @@ class _EinsumKernels:
         _EinsumKernels.split_j_seen.append(split_j)
         return torch.einsum("bsih,bsjk,bijz->zhk", a, b, g * inv_denom[:, :, None, None]).reshape(g.shape[-1], -1)
 
+    deep_ring_seen = []  # opm_backward_ab's deep_ring per call
+
     @staticmethod
-    def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t):
+    def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t, deep_ring):
         assert ops in ("split", "float16", "bfloat16") and out_t in (False, ops != "split")
+        assert isinstance(deep_ring, bool) and deep_ring in (False, ops != "split")
+        _EinsumKernels.deep_ring_seen.append(deep_ring)
         G = torch.einsum("bijz,zhk->bijhk", g * inv_denom[:, :, None, None], wo.reshape(-1, 32, 32))
         return torch.einsum("bijhk,bsjk->bsih", G, b), torch.einsum("bijhk,bsih->bsjk", G, a)
 
@@ -883,6 +887,33 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
     assert ab[2].untyped_storage().nbytes() > 0
     for w, t in zip(want, got):
         assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0)
+
+
+def test_backward_ab_deep_ring_reaches_only_16_bit_ops(opm, ref, monkeypatch):
+    """AB_DEEP_RING goes to the da, db kernel (stood in by einsum on the CPU) as deep_ring only where its products run
+    in 16 bits: a bfloat16 msa with the flag on; a float64 msa or the flag off pass False; the gradients do not depend
+    on it."""
+    B, S, N, cm, cz = 1, 4, 6, 16, 8
+    gen = torch.Generator().manual_seed(5)
+    m_ref = ref.Model(cm, cz, 32).double()
+    _randomise(m_ref, gen)
+    msa64 = torch.randn(B, S, N, cm, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(B, S, N, generator=gen) > 0.3).double()
+    g64 = torch.randn(B, N, N, cz, generator=gen, dtype=torch.float64)
+    params = [p.detach() for p in m_ref.parameters()]
+    monkeypatch.setattr(opm, "_ext", _EinsumKernels)
+    kw = dict(wo_kernel=False, ab_kernel=True, rows_kernel=False, ln_kernel=False)
+    for dtype in (torch.float64, torch.bfloat16):
+        msa, g = msa64.to(dtype), g64.to(dtype)
+        args = (msa, mask.to(dtype), params[0], params[1], m_ref.layer_norm.eps, *params[2:], g)
+        runs = []
+        for deep in (False, True):
+            monkeypatch.setattr(opm, "AB_DEEP_RING", deep)
+            _EinsumKernels.deep_ring_seen.clear()
+            runs.append(opm.outer_product_mean_backward(*args, **kw))
+            assert _EinsumKernels.deep_ring_seen == [deep and dtype == torch.bfloat16], (dtype, deep)
+        for x, y in zip(*runs):
+            assert torch.equal(x, y)
 
 
 @gpu
@@ -1060,6 +1091,40 @@ def test_backward_wo_split_j_against_i_tile_chunks_and_fp64(opm, ops, chunk):
         o = torch.einsum("bsih,bsjk->bijhk", a.double(), b.double()).reshape(B, N, N, 1024)
         want = torch.einsum("bijz,bijn->zn", g.double() * inv_d.double()[:, :, None, None], o)
         assert (split.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, S, N, cz, out_t", [(1, 40, 37, 128, False), (2, 530, 20, 64, True),
+                                                (1, 3, 9, 8, True), (1, 17, 130, 104, False)])
+def test_backward_ab_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, cz, out_t):
+    """opm_backward_ab with deep_ring (11 slots of 16 KB) gives da, db bit-equal to the 3-slot ring's (the same
+    products in the same order; only the copies' slots differ), each within 2^-7 of fp64's sums (relative to the
+    largest value; products on T operands) at ragged own / loop tiles, two s chunks (S = 530), pair_dim 8 to 128, B = 2,
+    out in float32 and in T; fp32 ops refuse deep_ring."""
+    if not _caps(opm)[2]:
+        pytest.skip("the da / db kernel needs a Hopper GPU and an sm_90a build")
+    ops = "float16" if dtype == torch.float16 else "bfloat16"
+    gen = torch.Generator().manual_seed(B + S + N + cz)
+    a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
+    inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+    wo = (torch.randn(cz, 1024, generator=gen) / cz**0.5).cuda()
+    shallow = opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t, False)
+    deep = opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t, True)
+    torch.cuda.synchronize()
+    G = torch.einsum("bijz,zq->bijq", g.double() * inv_d.double()[:, :, None, None], wo.to(dtype).double())
+    G = G.reshape(B, N, N, 32, 32)
+    want = (torch.einsum("bijhk,bsjk->bsih", G, b.to(dtype).double()),
+            torch.einsum("bijhk,bsih->bsjk", G, a.to(dtype).double()))
+    for name, s_, d_, w in zip(("da", "db"), shallow, deep, want):
+        assert d_.dtype == (dtype if out_t else torch.float32) and d_.shape == (B, S, N, 32), name
+        assert torch.equal(d_, s_), f"{name}: the deep ring differs from the 3-slot ring"
+        err = (d_.double() - w).abs().max().item() / w.abs().max().item()
+        assert err <= 2.0**-7, f"{name}: {err:.2e}"
+    gf = g.float()
+    with pytest.raises(RuntimeError, match="deep_ring needs float16 or bfloat16"):
+        opm._ext.opm_backward_ab(a, b, inv_d, gf, wo, "split", False, True)
 
 
 @gpu

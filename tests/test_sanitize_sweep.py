@@ -1049,10 +1049,18 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         assert ops in ("split", "float16", "bfloat16") and isinstance(chunk_bytes, int) and isinstance(split_j, bool)
         return torch.zeros(g.shape[3], 1024)
 
+    def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t, deep_ring):
+        B, S, N, c = a.shape
+        assert b.shape == a.shape and c == 32 and inv_denom.shape == (B, N) and g.shape[:3] == (B, N, N)
+        assert wo.shape == (g.shape[3], 1024) and ops in ("float16", "bfloat16") and g.dtype == getattr(torch, ops)
+        assert isinstance(out_t, bool) and isinstance(deep_ring, bool)
+        return (torch.zeros_like(a),) * 2
+
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows),
                            "opm_pair_scale": staticmethod(opm_pair_scale),
                            "opm_backward_ln": staticmethod(opm_backward_ln),
-                           "opm_backward_wo": staticmethod(opm_backward_wo)})
+                           "opm_backward_wo": staticmethod(opm_backward_wo),
+                           "opm_backward_ab": staticmethod(opm_backward_ab)})
     opm = type("OPM", (), {"ModelNew": OPMModel, "outer_product_mean_backward": staticmethod(opm_backward),
                            "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
                            "pair_epilogue": setting("epilogue", ("fused", "unfused")),

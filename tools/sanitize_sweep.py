@@ -363,6 +363,16 @@ def _opm_wo_split_j_case():
     return Case("opm_wo_split_j", "outer_product_mean", "the dWo kernels in chunks of j blocks (split_j)", calls)
 
 
+def _opm_ab_deep_ring_case():
+    """The da, db part alone (opm_backward_ab) on its deep ring (11 slots of 16 KB): N 37 (ragged own and loop tiles),
+    S 530 (two s chunks, a partial 64-row block), pair_dim 8 and 104 (a g box under a slot), out in T and in fp32;
+    one call on the 3-slot ring beside them."""
+    calls = [opm_call("opm_ab", dt, B, S, N, 128, 32, cz, out_t=out_t, deep_ring=deep)
+             for dt, B, S, N, cz, out_t, deep in ((BF16, 1, 530, 37, 104, True, True), (F16, 2, 17, 37, 8, False, True),
+                                                   (BF16, 1, 530, 37, 104, True, False))]
+    return Case("opm_ab_deep_ring", "outer_product_mean", "the da, db kernels on the deep ring (deep_ring)", calls)
+
+
 OPM_CASES = [
     Case("opm_orders_float32", "outer_product_mean", "every forced variant at msa_dim 64 / 256, pair_dim 64 / 128",
          [opm_call("opm_forward", F32, 2, 5, 19, 64, 32, 64, variant=v) for v in OPM_ORDERS]
@@ -402,6 +412,7 @@ OPM_CASES = [
     _opm_low_memory_case(),
     _opm_ln_in_place_case(),
     _opm_wo_split_j_case(),
+    _opm_ab_deep_ring_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -430,8 +441,8 @@ def describe_call(call):
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
     extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "low", "mask",
                                         "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts", "dab",
-                                        "consume", "chunk", "split_j")
-             if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j"))
+                                        "consume", "chunk", "split_j", "out_t", "deep_ring")
+             if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t", "deep_ring"))
              and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
@@ -677,6 +688,18 @@ def _opm_wo(torch, mod, call, sms):
     _fetch(torch, mod._ext.opm_backward_wo(a, b, inv_d, g, ops, call["chunk"], call["split_j"]))
 
 
+def _opm_ab(torch, mod, call, sms):
+    """_ext.opm_backward_ab alone: a, b (B, S, N, 32) fp32, 1 / denom in [0.1, 1.1), g (B, N, N, cz) in the call's
+    16-bit dtype (ops its name), wo (cz, 1024) fp32, call["out_t"], call["deep_ring"]."""
+    gen = torch.Generator().manual_seed(_seed(call))
+    B, S, N, cz = call["B"], call["S"], call["N"], call["cz"]
+    a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
+    inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(getattr(torch, call["dtype"])).cuda()
+    wo = (torch.randn(cz, 1024, generator=gen) / cz**0.5).cuda()
+    _fetch(torch, *mod._ext.opm_backward_ab(a, b, inv_d, g, wo, call["dtype"], call["out_t"], call["deep_ring"]))
+
+
 def _opm_pair_counts(torch, mod, call, sms):
     """The pair counts of the call's mask on the fp64 tensor cores (opm_pair_scale with counts 1, DMMA, or the call's
     "counts": 2, DMMA fed by the ring; 3, 16-bit masks on HMMA fed by the ring), OpenFold's (s1, s2)."""
@@ -686,7 +709,7 @@ def _opm_pair_counts(torch, mod, call, sms):
 
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,
         "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair,
-        "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln, "opm_wo": _opm_wo}
+        "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln, "opm_wo": _opm_wo, "opm_ab": _opm_ab}
 
 
 def run_case(torch, case, quick):

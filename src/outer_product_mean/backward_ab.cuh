@@ -28,6 +28,11 @@ namespace opm {
 constexpr int kAbStages = 3;
 constexpr int kAbOperand = 2 * 8192;  // floats of a split 64 x 128 operand (hi plane, lo plane)
 constexpr size_t kAbSmemBytes = 4ull * (2 * kAbOperand + kAbStages * 8192) + 8 * (2 * kAbStages + 2);
+// The deep ring (kDeep, 16-bit T only): slots of 16 KB (4096 floats: a g box of c_z <= 128 or a Vt block in T),
+// laid out as Wt (16 KB), Gt's two buffers (32 KB), then kAbStagesDeep slots: 2.75 loop tiles' copies in flight at
+// four slots per tile, where the 3 slots of 32 KB hold less than one.
+constexpr int kAbStagesDeep = 11;
+constexpr size_t kAbSmemBytesDeep = 4ull * (3 * 4096 + kAbStagesDeep * 4096) + 8 * (2 * kAbStagesDeep + 2);
 __host__ __device__ __forceinline__ int ab_off(int n, int kap) {
   return (n >> 3) * 1024 + (kap >> 2) * 32 + (n & 7) * 4 + (kap & 3);
 }
@@ -150,7 +155,8 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // earlier data, finite for finite inputs), against zero rows of Wt; the 16-bit G step loads zeros there.
 // ---------------------------------------------------------------------------------------------
 // O: out's element type, float, or T (16-bit T only; each pair of channels rounded once, a 4-byte store).
-template <int kForm, typename T, typename O = float>
+// kDeep: the deep ring above (16-bit T).
+template <int kForm, typename T, typename O = float, bool kDeep = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
     const float* __restrict__ inv_denom, O* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
@@ -158,23 +164,25 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
-  float* Ws = sm;                     // Wt slice: hi, lo
-  float* Gt = sm + kAbOperand;        // G^T: hi, lo
-  float* ring = sm + 2 * kAbOperand;  // kAbStages x 8192
-  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kAbStages * 8192);
-  uint64_t* empty = full + kAbStages;
-  uint64_t* wbar = empty + kAbStages;
+  constexpr int kStages = kDeep ? kAbStagesDeep : kAbStages, kSlot = kDeep ? 4096 : 8192;  // slots, floats each
+  float* Ws = sm;                                  // Wt slice: hi, lo
+  float* Gt = sm + (kDeep ? 4096 : kAbOperand);    // G^T: hi, lo
+  float* ring = Gt + (kDeep ? 8192 : kAbOperand);  // kStages x kSlot
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * kSlot);
+  uint64_t* empty = full + kStages;
+  uint64_t* wbar = empty + kStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t x = blockIdx.x, sc = x % NSC, sl = x / NSC % 16, ot = x / NSC / 16 % NOT, b = x / NSC / 16 / NOT;
   const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
   const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step (16-bit: k steps)
   constexpr bool kHalf = !std::is_same_v<T, float>;
   static_assert(std::is_same_v<O, float> || std::is_same_v<O, T>, "out: float32, or T (16-bit T)");
+  static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
-  for (int e = tid; e < kAbStages * 2048; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int e = tid; e < kStages * kSlot / 4; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
   if (tid == 0) {
-    mbar_ring_init(full, empty, kAbStages, 2 * 128);  // every consumer thread frees a slot (release below)
+    mbar_ring_init(full, empty, kStages, 2 * 128);  // every consumer thread frees a slot (release below)
     mbar_init(wbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -187,23 +195,23 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
       bulk_copy(Ws, Wt + sl * (kWtBytes / 4), kWtBytes, wbar);
       uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
-        const int st = static_cast<int>(u % kAbStages);
-        if (u >= kAbStages) mbar_wait(empty + st, (u / kAbStages - 1) & 1);
+        const int st = static_cast<int>(u % kStages);
+        if (u >= kStages) mbar_wait(empty + st, (u / kStages - 1) & 1);
         mbar_expect_tx(full + st, bytes);
         ++u;
-        return ring + st * 8192;
+        return ring + st * kSlot;
       };
       const int o0 = static_cast<int>(32 * ot), bi = static_cast<int>(b);
       for (int64_t J = 0; J < NJT; ++J) {
         for (int w = 0; w < 2; ++w) {  // one box of g: (c_z, 2 j, 32 i) for da, (c_z, 32 j, 2 i) for db
           const int l0 = static_cast<int>(4 * J + 2 * w);
-          uint64_t* bar = full + static_cast<int>(u % kAbStages);
+          uint64_t* bar = full + static_cast<int>(u % kStages);
           float* dst = slot(static_cast<unsigned>(sizeof(T) * 64 * cz));  // (g in T for 16-bit T)
           if (kForm == 0) tma_load_4d(dst, &tm_g, 0, l0, o0, bi, bar);
           else tma_load_4d(dst, &tm_g, 0, o0, l0, bi, bar);
         }
         for (int mb = 0; mb < mbc; ++mb) {
-          uint64_t* bar = full + static_cast<int>(u % kAbStages);
+          uint64_t* bar = full + static_cast<int>(u % kStages);
           float* dst = slot(kVtBytes);
           bulk_copy(dst, Vt + ((b * NJT + J) * SB + 8 * sc + mb) * (kVtBytes / 4), kVtBytes, bar);
         }
@@ -215,16 +223,16 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   const int lane = tid % 32, gq = lane / 4, t4 = lane % 4, w4 = (tid / 32) % 4;
   uint32_t u = 0;
   auto wait_full = [&]() -> const float* {
-    const int st = static_cast<int>(u % kAbStages);
-    mbar_wait(full + st, (u / kAbStages) & 1);
+    const int st = static_cast<int>(u % kStages);
+    mbar_wait(full + st, (u / kStages) & 1);
     ++u;
-    return ring + st * 8192;
+    return ring + st * kSlot;
   };
   // Every lane reads a slot and every lane arrives on its empty barrier (count 256), each after its own reads, as
   // CUTLASS's consumer_release does: compute-sanitizer's racecheck orders a thread's reads before the producer's
   // next copy into the slot only through that thread's own arrive (a __syncwarp before lane 0's arrive alone
   // left 5e5 hazards reported per kernel).
-  auto release = [&](uint32_t us) { mbar_arrive(empty + static_cast<int>(us % kAbStages)); };
+  auto release = [&](uint32_t us) { mbar_arrive(empty + static_cast<int>(us % kStages)); };
   const int ll = w4 / 2;                // this thread's G rows: r = 16 w4 + gq + 8 hr = 32 ll + ol
   const int rs1 = kForm == 0 ? 2 * cz : cz, rs2 = kForm == 0 ? cz : 32 * cz;
   float total[4][32];

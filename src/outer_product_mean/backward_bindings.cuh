@@ -160,13 +160,15 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 // strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
 // c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
 // to it, opm_bw_ab_kernel<form, T>). Returns (da, db): float32, or with out_t (16-bit ops only) in ops's type.
+// deep_ring (16-bit ops only): the kernels' deep ring (kDeep: 11 slots of 16 KB, not 3 of 32 KB).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops, bool out_t) {
+                                                   at::Tensor wo, const std::string& ops, bool out_t, bool deep_ring) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
   TORCH_CHECK(half || !out_t, "outer_product_mean: opm_backward_ab: out_t needs float16 or bfloat16 ops");
+  TORCH_CHECK(half || !deep_ring, "outer_product_mean: opm_backward_ab: deep_ring needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &wo})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -183,7 +185,8 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(a.get_device());
-  TORCH_CHECK(d.ow_ok && kAbSmemBytes <= static_cast<size_t>(d.smem_optin),
+  const size_t smem = deep_ring ? kAbSmemBytesDeep : kAbSmemBytes;
+  TORCH_CHECK(d.ow_ok && smem <= static_cast<size_t>(d.smem_optin),
               "outer_product_mean: opm_backward_ab needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
   at::Tensor gc = g.contiguous();
@@ -210,15 +213,16 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   auto run = [&](auto* tp, auto* op) {  // null pointers of the products' type T and out's type O
     using T = std::remove_pointer_t<decltype(tp)>;
     using O = std::remove_pointer_t<decltype(op)>;
-    const auto da_kernel = opm_bw_ab_kernel<0, T, O>;
-    const auto db_kernel = opm_bw_ab_kernel<1, T, O>;
-    set_smem(da_kernel, kAbSmemBytes, d, "the backward's da kernel");
-    da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+    constexpr bool kHalfT = !std::is_same_v<T, float>;
+    const auto da_kernel = deep_ring ? opm_bw_ab_kernel<0, T, O, kHalfT> : opm_bw_ab_kernel<0, T, O>;
+    const auto db_kernel = deep_ring ? opm_bw_ab_kernel<1, T, O, kHalfT> : opm_bw_ab_kernel<1, T, O>;
+    set_smem(da_kernel, smem, d, "the backward's da kernel");
+    da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, smem, stream>>>(
         vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), reinterpret_cast<O*>(da.data_ptr()), B, S, N, cz, NJT, SB,
         NOT, NSC);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    set_smem(db_kernel, kAbSmemBytes, d, "the backward's db kernel");
-    db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, kAbSmemBytes, stream>>>(
+    set_smem(db_kernel, smem, d, "the backward's db kernel");
+    db_kernel<<<static_cast<unsigned>(blocks), kOwThreads, smem, stream>>>(
         vt + B * NJT * SB * vblk, wt + 16 * wsl, make_g_map(gc, 32, 2), ic.data_ptr<float>(),
         reinterpret_cast<O*>(db.data_ptr()), B, S, N, cz, NJT, SB, NOT, NSC);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

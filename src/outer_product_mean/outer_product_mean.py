@@ -215,8 +215,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as
-    on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, AB_DEEP_RING), which must be True or False: an assigned "0" would
+    otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -268,7 +268,12 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # checked on a GPU; OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read by each low-memory backward
 # whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
-# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
+# The 16-bit da, db kernels' ring of copies (opm_backward_ab's deep_ring): 11 slots of 16 KB (2.75 loop tiles of g
+# boxes and Vt blocks in flight) with True, 3 slots of 32 KB (the fp32 kernel's; under one tile) with False (the
+# default until checked on a GPU). OPM_AB_DEEP_RING ("1" / "0") at import, then this attribute, read by each backward
+# whose da, db run in their kernels on fp16 / bf16 products.
+AB_DEEP_RING = _env_flag("OPM_AB_DEEP_RING", False)
+# Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -484,7 +489,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
         da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
-                                      low_memory and ops != "split" and ln_in_kernel)
+                                      low_memory and ops != "split" and ln_in_kernel,
+                                      ops != "split" and _flag("AB_DEEP_RING"))
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
