@@ -3303,6 +3303,10 @@ constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
 constexpr int kBwoStages = 4;
 constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLDO) + 16 * kBwoStages;
+// The deep ring (kDeep, 16-bit T only): kBwoStagesDeep slots of 16 KB (4096 floats: a 32-s phase-A stage or a G
+// slot in T, each of which fills only half of a 32 KB slot): 9 slots in flight, where 4 of 32 KB hold 4.
+constexpr int kBwoStagesDeep = 9;
+constexpr size_t kBwoSmemBytesDeep = 4ull * (kBwoStagesDeep * 4096 + 2 * 128 * kBwLDO) + 16 * kBwoStagesDeep;
 __host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
 // The pair at position P (0..31) of a 16-bit G slot: the A fragment of k position kk = P % 16 of k step
 // ks = P / 16 holds Os rows 16 ks + t4 + 4 e + 8 h for kk = 2 t4 + e + 8 h (8 t4 words apart: no bank
@@ -3467,7 +3471,8 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // loaded (rows wo_pair16: conflict-free), a fresh accumulator per 64 pairs; each operand rounded to T,
 // as the reference in that dtype rounds O and g / d.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kSplitJ = false>
+// kDeep: the deep ring above (16-bit T).
+template <typename T, bool kSplitJ = false, bool kDeep = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     const float* __restrict__ Abw, const float* __restrict__ Bbw, const float* __restrict__ Gbw,
     float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc,
@@ -3475,37 +3480,39 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
-  float* Os = sm + kBwoStages * kOwStage;
+  constexpr int kStages = kDeep ? kBwoStagesDeep : kBwoStages, kSlot = kDeep ? 4096 : kOwStage;  // slots, floats each
+  float* Os = sm + kStages * kSlot;
   uint64_t* full = reinterpret_cast<uint64_t*>(Os + 2 * 128 * kBwLDO);
-  uint64_t* empty = full + kBwoStages;
+  uint64_t* empty = full + kStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t sl = blockIdx.x % kBwNSL, gr = blockIdx.x / kBwNSL, groups = gridDim.x / kBwNSL;
   const int64_t NJ = kSplitJ ? NJc : NBB, j0 = kSplitJ ? jt0 : 0;  // the chunk's j blocks (as the prep's)
   const int64_t MB = 2 * NIT, total = B * NITc * NJ;
   const int kbs = static_cast<int>(KB16);
   constexpr bool kHalf = !std::is_same_v<T, float>;
+  static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr int kABlk = kHalf ? kOwABlk16 / 2 : 2 * kOwAPlane, kBBlk = kHalf ? kOwBBlk16 / 2 : 2 * kOwBPlane;  // floats
   // G slots per tile and per 64 pairs, floats per slot: 16 pairs per slot split, 32 in T
   constexpr int kSlots = kHalf ? 4 : 8, kPer64 = kHalf ? 2 : 4, kGSlot = kHalf ? 4096 : kOwStage;
-  if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
+  if (tid == 0) mbar_ring_init(full, empty, kStages);
   __syncthreads();
   if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
     if (tid == kProducerThread) {
       uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
-        const int st = static_cast<int>(u % kBwoStages);
-        if (u >= kBwoStages) mbar_wait(empty + st, (u / kBwoStages - 1) & 1);
+        const int st = static_cast<int>(u % kStages);
+        if (u >= kStages) mbar_wait(empty + st, (u / kStages - 1) & 1);
         mbar_expect_tx(full + st, bytes);
         ++u;
-        return sm + st * kOwStage;
+        return sm + st * kSlot;
       };
       for (int64_t t = gr; t < total; t += groups) {
         const int64_t itc = t % NITc, it = it0 + itc, jtc = (t / NITc) % NJ, jt = j0 + jtc, b = t / (NITc * NJ);
         const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * kABlk;
         const float* bb = Bbw + (b * NBB + jt) * KB16 * kBBlk;
         for (int kb = 0; kb < kbs; ++kb) {
-          const int st = static_cast<int>(u % kBwoStages);
+          const int st = static_cast<int>(u % kStages);
           const float* ak = a + kb * MB * kABlk;
           const float* bk = bb + kb * kBBlk;
           if constexpr (kHalf) {  // both 32-row blocks of a, then b (32 s each)
@@ -3520,7 +3527,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         }
         const float* gt = Gbw + ((b * NITc + itc) * NJ + jtc) * kSlots * kGSlot;
         for (int c = 0; c < kSlots; ++c) {
-          const int st = static_cast<int>(u % kBwoStages);
+          const int st = static_cast<int>(u % kStages);
           float* dst = slot(4 * kGSlot);
           bulk_copy(dst, gt + c * kGSlot, 4 * kGSlot, full + st);
         }
@@ -3533,13 +3540,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   float* Os_w = Os + wg * 128 * kBwLDO;
   uint32_t u = 0;
   auto wait_full = [&]() -> const float* {
-    const int st = static_cast<int>(u % kBwoStages);
-    mbar_wait(full + st, (u / kBwoStages) & 1);
+    const int st = static_cast<int>(u % kStages);
+    mbar_wait(full + st, (u / kStages) & 1);
     ++u;
-    return sm + st * kOwStage;
+    return sm + st * kSlot;
   };
   auto release = [&](uint32_t us) {
-    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kBwoStages));
+    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kStages));
   };
   float D[2][32], dz[2][32];
 #pragma unroll
@@ -3888,7 +3895,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   static_assert(std::is_same_v<O, float> || std::is_same_v<O, T>, "out: float32, or T (16-bit T)");
   static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
-  for (int e = tid; e < kStages * kSlot / 4; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int e = tid; e < kStages * kSlot / 4; e += kOwThreads)
+    reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
   if (tid == 0) {
     mbar_ring_init(full, empty, kStages, 2 * 128);  // every consumer thread frees a slot (release below)
@@ -6451,13 +6459,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 // it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most
 // chunk_bytes (at least one tile; with split_j, where one tile's planes exceed chunk_bytes, chunks of one tile's
 // j blocks instead: opm_bw_wo_kernel<T, true>, not yet checked on a GPU); each chunk's block partials are added
-// into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j).
+// into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j). deep_ring (16-bit ops
+// only): the kernel's deep ring (kDeep: 9 slots of 16 KB, not 4 of 32 KB; the same sums).
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops,
-                           int64_t chunk_bytes, bool split_j) {
+                           int64_t chunk_bytes, bool split_j, bool deep_ring) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_wo: ops is split, float16 or bfloat16, got ", ops);
+  TORCH_CHECK(half || !deep_ring, "outer_product_mean: opm_backward_wo: deep_ring needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_wo takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -6473,7 +6483,8 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(a.get_device());
-  TORCH_CHECK(d.ow_ok && kBwoSmemBytes <= static_cast<size_t>(d.smem_optin),
+  const size_t smem = deep_ring ? kBwoSmemBytesDeep : kBwoSmemBytes;
+  TORCH_CHECK(d.ow_ok && smem <= static_cast<size_t>(d.smem_optin),
               "outer_product_mean: opm_backward_wo needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous();
   at::Tensor gc = g.contiguous();
@@ -6495,7 +6506,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NJc, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
   auto run = [&](auto wo_kernel, auto wo_prep_kernel) {
-    set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
+    set_smem(wo_kernel, smem, d, "the backward's dWo kernel");
     for (int64_t it0 = 0; it0 < NIT; it0 += NITc)
       for (int64_t jt0 = 0; jt0 < NBB; jt0 += NJc) {
         const int64_t nitc = std::min<int64_t>(NITc, NIT - it0), njc = std::min<int64_t>(NJc, NBB - jt0);
@@ -6509,7 +6520,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
             nitc, jt0, njc);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * njc, groups)));
-        wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
+        wo_kernel<<<kBwNSL * g_wo, kOwThreads, smem, stream>>>(
             Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT,
             NBB, it0, nitc, jt0, njc);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -6521,8 +6532,12 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   auto typed = [&](auto split_c) {  // split_c: std::bool_constant<split>
     constexpr bool kS = decltype(split_c)::value;
     if (!half) run(opm_bw_wo_kernel<float, kS>, opm_bw_wo_prep_kernel<float, kS>);
-    else if (ops == "float16") run(opm_bw_wo_kernel<__half, kS>, opm_bw_wo_prep_kernel<__half, kS>);
-    else run(opm_bw_wo_kernel<__nv_bfloat16, kS>, opm_bw_wo_prep_kernel<__nv_bfloat16, kS>);
+    else if (ops == "float16")
+      run(deep_ring ? opm_bw_wo_kernel<__half, kS, true> : opm_bw_wo_kernel<__half, kS>,
+          opm_bw_wo_prep_kernel<__half, kS>);
+    else
+      run(deep_ring ? opm_bw_wo_kernel<__nv_bfloat16, kS, true> : opm_bw_wo_kernel<__nv_bfloat16, kS>,
+          opm_bw_wo_prep_kernel<__nv_bfloat16, kS>);
   };
   if (split) typed(std::true_type{});
   else typed(std::false_type{});
@@ -7056,7 +7071,7 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, AB_DEEP_RING), which must be True or False: an assigned "0" would
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, BACKWARD_DEEP_RING), which must be True or False: an assigned "0" would
     otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
@@ -7109,11 +7124,12 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # checked on a GPU; OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read by each low-memory backward
 # whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
-# The 16-bit da, db kernels' ring of copies (opm_backward_ab's deep_ring): 11 slots of 16 KB (2.75 loop tiles of g
-# boxes and Vt blocks in flight) with True, 3 slots of 32 KB (the fp32 kernel's; under one tile) with False (the
-# default until checked on a GPU). OPM_AB_DEEP_RING ("1" / "0") at import, then this attribute, read by each backward
-# whose da, db run in their kernels on fp16 / bf16 products.
-AB_DEEP_RING = _env_flag("OPM_AB_DEEP_RING", False)
+# The rings of copies of the 16-bit dWo and da, db kernels (opm_backward_wo's and opm_backward_ab's deep_ring), slots
+# of 16 KB (each 16-bit stage's size) with True: dWo 9 (4 with False), da, db 11 (2.75 loop tiles of g boxes and Vt
+# blocks; 3 with False: under one); with False the fp32 kernels' 32 KB slots, half-filled. The same sums either way.
+# False (the default) until checked on a GPU; OPM_BACKWARD_DEEP_RING ("1" / "0") at import, then this attribute, read
+# by each backward whose dWo or da, db run in their kernels on fp16 / bf16 products.
+BACKWARD_DEEP_RING = _env_flag("OPM_BACKWARD_DEEP_RING", False)
 # Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
@@ -7323,15 +7339,16 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
+        deep_ring = ops != "split" and _flag("BACKWARD_DEEP_RING")
     if wo_in_kernel:
         d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20,
-                                    low_memory and _flag("LOW_MEMORY_SPLIT_J"))
+                                    low_memory and _flag("LOW_MEMORY_SPLIT_J"), deep_ring)
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
         da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
                                       low_memory and ops != "split" and ln_in_kernel,
-                                      ops != "split" and _flag("AB_DEEP_RING"))
+                                      deep_ring)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)

@@ -791,19 +791,21 @@ class _EinsumKernels:
     split_j_seen = []  # opm_backward_wo's split_j per call
 
     @staticmethod
-    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j):
+    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j, deep_ring):
         assert ops in ("split", "float16", "bfloat16") and chunk_bytes in (32 << 20, 256 << 20)
         assert isinstance(split_j, bool) and not (split_j and chunk_bytes != 32 << 20)  # only with low_memory
+        assert isinstance(deep_ring, bool) and deep_ring in (False, ops != "split")
         _EinsumKernels.split_j_seen.append(split_j)
+        _EinsumKernels.deep_ring_seen.append(("dWo", deep_ring))
         return torch.einsum("bsih,bsjk,bijz->zhk", a, b, g * inv_denom[:, :, None, None]).reshape(g.shape[-1], -1)
 
-    deep_ring_seen = []  # opm_backward_ab's deep_ring per call
+    deep_ring_seen = []  # (kernel, deep_ring) per call of opm_backward_wo and opm_backward_ab
 
     @staticmethod
     def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t, deep_ring):
         assert ops in ("split", "float16", "bfloat16") and out_t in (False, ops != "split")
         assert isinstance(deep_ring, bool) and deep_ring in (False, ops != "split")
-        _EinsumKernels.deep_ring_seen.append(deep_ring)
+        _EinsumKernels.deep_ring_seen.append(("da, db", deep_ring))
         G = torch.einsum("bijz,zhk->bijhk", g * inv_denom[:, :, None, None], wo.reshape(-1, 32, 32))
         return torch.einsum("bijhk,bsjk->bsih", G, b), torch.einsum("bijhk,bsih->bsjk", G, a)
 
@@ -889,10 +891,10 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
         assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0)
 
 
-def test_backward_ab_deep_ring_reaches_only_16_bit_ops(opm, ref, monkeypatch):
-    """AB_DEEP_RING goes to the da, db kernel (stood in by einsum on the CPU) as deep_ring only where its products run
-    in 16 bits: a bfloat16 msa with the flag on; a float64 msa or the flag off pass False; the gradients do not depend
-    on it."""
+def test_backward_deep_ring_reaches_only_16_bit_ops(opm, ref, monkeypatch):
+    """BACKWARD_DEEP_RING goes to the dWo and da, db kernels (stood in by einsum on the CPU) as deep_ring only where
+    their products run in 16 bits: a bfloat16 msa with the flag on; a float64 msa or the flag off pass False; the
+    gradients do not depend on it."""
     B, S, N, cm, cz = 1, 4, 6, 16, 8
     gen = torch.Generator().manual_seed(5)
     m_ref = ref.Model(cm, cz, 32).double()
@@ -902,16 +904,17 @@ def test_backward_ab_deep_ring_reaches_only_16_bit_ops(opm, ref, monkeypatch):
     g64 = torch.randn(B, N, N, cz, generator=gen, dtype=torch.float64)
     params = [p.detach() for p in m_ref.parameters()]
     monkeypatch.setattr(opm, "_ext", _EinsumKernels)
-    kw = dict(wo_kernel=False, ab_kernel=True, rows_kernel=False, ln_kernel=False)
+    kw = dict(wo_kernel=True, ab_kernel=True, rows_kernel=False, ln_kernel=False)
     for dtype in (torch.float64, torch.bfloat16):
         msa, g = msa64.to(dtype), g64.to(dtype)
         args = (msa, mask.to(dtype), params[0], params[1], m_ref.layer_norm.eps, *params[2:], g)
         runs = []
         for deep in (False, True):
-            monkeypatch.setattr(opm, "AB_DEEP_RING", deep)
+            monkeypatch.setattr(opm, "BACKWARD_DEEP_RING", deep)
             _EinsumKernels.deep_ring_seen.clear()
             runs.append(opm.outer_product_mean_backward(*args, **kw))
-            assert _EinsumKernels.deep_ring_seen == [deep and dtype == torch.bfloat16], (dtype, deep)
+            on = deep and dtype == torch.bfloat16
+            assert _EinsumKernels.deep_ring_seen == [("dWo", on), ("da, db", on)], (dtype, deep)
         for x, y in zip(*runs):
             assert torch.equal(x, y)
 
@@ -1081,8 +1084,8 @@ def test_backward_wo_split_j_against_i_tile_chunks_and_fp64(opm, ops, chunk):
     a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
     inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).to(torch.float32 if ops == "split" else torch.bfloat16).cuda()
-    whole = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, 256 << 20, False)
-    split = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, True)
+    whole = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, 256 << 20, False, False)
+    split = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, True, False)
     torch.cuda.synchronize()
     assert split.shape == whole.shape == (cz, 1024) and torch.isfinite(split).all()
     scale = whole.abs().max().item()
@@ -1125,6 +1128,36 @@ def test_backward_ab_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, c
     gf = g.float()
     with pytest.raises(RuntimeError, match="deep_ring needs float16 or bfloat16"):
         opm._ext.opm_backward_ab(a, b, inv_d, gf, wo, "split", False, True)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, S, N, cz, chunk, split_j", [(1, 70, 100, 64, 256 << 20, False),
+                                                         (2, 5, 37, 128, 256 << 20, False),
+                                                         (2, 33, 100, 8, 1 << 18, True)])
+def test_backward_wo_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, cz, chunk, split_j):
+    """opm_backward_wo with deep_ring (9 slots of 16 KB) gives dWo bit-equal to the 4-slot ring's (the same sums in
+    the same order), within 2^-7 of fp64's sum_{b,i,j} gd O (relative to the largest value; O and gd rounded to T as
+    the kernel's operands): S 70 and 33 (partial 32-s stages: a tile's slots wrap the ring), ragged tiles, pair_dim 8
+    to 128, i-tile and j-block chunks; fp32 ops refuse deep_ring."""
+    if not _caps(opm)[2]:
+        pytest.skip("the dWo kernel needs a Hopper GPU and an sm_90a build")
+    ops = "float16" if dtype == torch.float16 else "bfloat16"
+    gen = torch.Generator().manual_seed(B + S + N + cz + 3)
+    a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
+    inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+    shallow = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, split_j, False)
+    deep = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, split_j, True)
+    torch.cuda.synchronize()
+    assert deep.shape == (cz, 1024) and torch.isfinite(deep).all()
+    assert torch.equal(deep, shallow), "the deep ring differs from the 4-slot ring"
+    o = torch.einsum("bsih,bsjk->bijhk", a.to(dtype).double(), b.to(dtype).double()).reshape(B, N, N, 1024)
+    want = torch.einsum("bijz,bijn->zn", (g.double() * inv_d.double()[:, :, None, None]).to(dtype).double(), o)
+    err = (deep.double() - want).abs().max().item() / want.abs().max().item()
+    assert err <= 2.0**-7, f"{err:.2e}"
+    with pytest.raises(RuntimeError, match="deep_ring needs float16 or bfloat16"):
+        opm._ext.opm_backward_wo(a, b, inv_d, g.float(), "split", chunk, split_j, True)
 
 
 @gpu

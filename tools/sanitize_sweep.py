@@ -363,14 +363,18 @@ def _opm_wo_split_j_case():
     return Case("opm_wo_split_j", "outer_product_mean", "the dWo kernels in chunks of j blocks (split_j)", calls)
 
 
-def _opm_ab_deep_ring_case():
-    """The da, db part alone (opm_backward_ab) on its deep ring (11 slots of 16 KB): N 37 (ragged own and loop tiles),
-    S 530 (two s chunks, a partial 64-row block), pair_dim 8 and 104 (a g box under a slot), out in T and in fp32;
-    one call on the 3-slot ring beside them."""
+def _opm_deep_ring_case():
+    """The 16-bit backward kernels on their deep rings (deep_ring: slots of 16 KB). The da, db part alone
+    (opm_backward_ab, 11 slots): N 37 (ragged own and loop tiles), S 530 (two s chunks, a partial 64-row block),
+    pair_dim 8 and 104 (a g box under a slot), out in T and in fp32, and one call on the 3-slot ring beside them. The
+    dWo part alone (opm_backward_wo, 9 slots): S 70 (3 phase-A stages of 32 s, the last partial: a tile's 7 slots
+    wrap the ring), N 100 at B 2, in i-tile chunks and in chunks of j blocks (split_j)."""
     calls = [opm_call("opm_ab", dt, B, S, N, 128, 32, cz, out_t=out_t, deep_ring=deep)
              for dt, B, S, N, cz, out_t, deep in ((BF16, 1, 530, 37, 104, True, True), (F16, 2, 17, 37, 8, False, True),
                                                    (BF16, 1, 530, 37, 104, True, False))]
-    return Case("opm_ab_deep_ring", "outer_product_mean", "the da, db kernels on the deep ring (deep_ring)", calls)
+    calls += [opm_call("opm_wo", dt, 2, 70, 100, 128, 32, 64, chunk=chunk, split_j=split_j, deep_ring=True)
+              for dt, chunk, split_j in ((BF16, 256 << 20, False), (F16, 1 << 18, True))]
+    return Case("opm_deep_ring", "outer_product_mean", "the 16-bit dWo and da, db kernels on their deep rings", calls)
 
 
 OPM_CASES = [
@@ -412,7 +416,7 @@ OPM_CASES = [
     _opm_low_memory_case(),
     _opm_ln_in_place_case(),
     _opm_wo_split_j_case(),
-    _opm_ab_deep_ring_case(),
+    _opm_deep_ring_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -678,14 +682,16 @@ def _opm_ln(torch, mod, call, sms):
 
 def _opm_wo(torch, mod, call, sms):
     """_ext.opm_backward_wo alone: a, b (B, S, N, 32) fp32, 1 / denom in [0.1, 1.1), g (B, N, N, cz) in the call's
-    dtype (ops "split" for float32, else the dtype's name), call["chunk"] bytes of G planes, call["split_j"]."""
+    dtype (ops "split" for float32, else the dtype's name), call["chunk"] bytes of G planes, call["split_j"], the
+    call's deep_ring (default False)."""
     gen = torch.Generator().manual_seed(_seed(call))
     B, S, N, cz = call["B"], call["S"], call["N"], call["cz"]
     a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
     inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).to(getattr(torch, call["dtype"])).cuda()
     ops = "split" if call["dtype"] == F32 else call["dtype"]
-    _fetch(torch, mod._ext.opm_backward_wo(a, b, inv_d, g, ops, call["chunk"], call["split_j"]))
+    deep = call.get("deep_ring", False)
+    _fetch(torch, mod._ext.opm_backward_wo(a, b, inv_d, g, ops, call["chunk"], call["split_j"], deep))
 
 
 def _opm_ab(torch, mod, call, sms):

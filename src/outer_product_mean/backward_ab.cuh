@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   static_assert(std::is_same_v<O, float> || std::is_same_v<O, T>, "out: float32, or T (16-bit T)");
   static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
-  for (int e = tid; e < kStages * kSlot / 4; e += kOwThreads) reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int e = tid; e < kStages * kSlot / 4; e += kOwThreads)
+    reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros before any copy
   if (tid == 0) {
     mbar_ring_init(full, empty, kStages, 2 * 128);  // every consumer thread frees a slot (release below)
