@@ -3307,6 +3307,7 @@ constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLD
 // slot in T, each of which fills only half of a 32 KB slot): 9 slots in flight, where 4 of 32 KB hold 4.
 constexpr int kBwoStagesDeep = 9;
 constexpr size_t kBwoSmemBytesDeep = 4ull * (kBwoStagesDeep * 4096 + 2 * 128 * kBwLDO) + 16 * kBwoStagesDeep;
+static_assert(kBwoSmemBytes <= 232448 && kBwoSmemBytesDeep <= 232448, "opm_bw_wo_kernel: sm_90's 227 KB per block");
 __host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
 // The pair at position P (0..31) of a 16-bit G slot: the A fragment of k position kk = P % 16 of k step
 // ks = P / 16 holds Os rows 16 ks + t4 + 4 e + 8 h for kk = 2 t4 + e + 8 h (8 t4 words apart: no bank
@@ -3745,10 +3746,12 @@ constexpr int kAbStages = 3;
 constexpr int kAbOperand = 2 * 8192;  // floats of a split 64 x 128 operand (hi plane, lo plane)
 constexpr size_t kAbSmemBytes = 4ull * (2 * kAbOperand + kAbStages * 8192) + 8 * (2 * kAbStages + 2);
 // The deep ring (kDeep, 16-bit T only): slots of 16 KB (4096 floats: a g box of c_z <= 128 or a Vt block in T),
-// laid out as Wt (16 KB), Gt's two buffers (32 KB), then kAbStagesDeep slots: 2.75 loop tiles' copies in flight at
-// four slots per tile, where the 3 slots of 32 KB hold less than one.
+// laid out as Wt (16 KB), Gt's two buffers (32 KB), then kAbStagesDeep slots. A loop tile takes 2 + mbc slots (its
+// two g boxes and mbc Vt blocks): at S <= 128 (mbc <= 2) 2.75 tiles in flight where 3 slots hold under one; at S >=
+// 512 about 1.1 against 0.3.
 constexpr int kAbStagesDeep = 11;
 constexpr size_t kAbSmemBytesDeep = 4ull * (3 * 4096 + kAbStagesDeep * 4096) + 8 * (2 * kAbStagesDeep + 2);
+static_assert(kAbSmemBytes <= 232448 && kAbSmemBytesDeep <= 232448, "opm_bw_ab_kernel: sm_90's 227 KB per block");
 __host__ __device__ __forceinline__ int ab_off(int n, int kap) {
   return (n >> 3) * 1024 + (kap >> 2) * 32 + (n & 7) * 4 + (kap & 3);
 }
@@ -6568,7 +6571,7 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 // strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
 // c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
 // to it, opm_bw_ab_kernel<form, T>). Returns (da, db): float32, or with out_t (16-bit ops only) in ops's type.
-// deep_ring (16-bit ops only): the kernels' deep ring (kDeep: 11 slots of 16 KB, not 3 of 32 KB).
+// deep_ring (16-bit ops only): the kernels' deep ring (kDeep: 11 slots of 16 KB, not 3 of 32 KB; the same sums).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
                                                    at::Tensor wo, const std::string& ops, bool out_t, bool deep_ring) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
@@ -7125,9 +7128,9 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
 # The rings of copies of the 16-bit dWo and da, db kernels (opm_backward_wo's and opm_backward_ab's deep_ring), slots
-# of 16 KB (each 16-bit stage's size) with True: dWo 9 (4 with False), da, db 11 (2.75 loop tiles of g boxes and Vt
-# blocks; 3 with False: under one); with False the fp32 kernels' 32 KB slots, half-filled. The same sums either way.
-# False (the default) until checked on a GPU; OPM_BACKWARD_DEEP_RING ("1" / "0") at import, then this attribute, read
+# of 16 KB (each 16-bit stage's size) with True: dWo 9 (4 with False), da, db 11 (3 with False; a loop tile takes 2 +
+# ceil(S / 64), at most 10: 2.75 tiles at S <= 128 where 3 hold under one); with False the fp32 kernels' 32 KB slots,
+# half-filled. The same sums either way. False (the default) until checked on a GPU; OPM_BACKWARD_DEEP_RING ("1" / "0") at import, then this attribute, read
 # by each backward whose dWo or da, db run in their kernels on fp16 / bf16 products.
 BACKWARD_DEEP_RING = _env_flag("OPM_BACKWARD_DEEP_RING", False)
 # Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).

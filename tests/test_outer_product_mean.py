@@ -149,6 +149,21 @@ def _caps(opm):
     return tuple(opm._ext.opm_device_caps(torch.cuda.current_device())) if HAS_CUDA else (False, False, False)
 
 
+_CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}  # the kernels' 16-bit template arguments
+
+
+def _kernels_seen(fn, *names):
+    """fn()'s result, run under torch.profiler and synchronised, after asserting that each of names is part of a
+    CUDA kernel's name among those it launched."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for name in names:
+        assert any(name in k for k in kernels), (name, sorted(set(kernels)))
+    return out
+
+
 def _runs_here(opm, variant, c=None):
     """Whether `variant` runs on this GPU: in ModelNew.VARIANTS (the Hopper ones, w_first_wg2 and
     outer_wg, only on an H100 / H200 with the sm_90a build) and, given hidden_dim c, not outer_wg or
@@ -893,8 +908,7 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
 
 def test_backward_deep_ring_reaches_only_16_bit_ops(opm, ref, monkeypatch):
     """BACKWARD_DEEP_RING goes to the dWo and da, db kernels (stood in by einsum on the CPU) as deep_ring only where
-    their products run in 16 bits: a bfloat16 msa with the flag on; a float64 msa or the flag off pass False; the
-    gradients do not depend on it."""
+    their products run in 16 bits: a bfloat16 msa with the flag on; a float64 msa or the flag off pass False."""
     B, S, N, cm, cz = 1, 4, 6, 16, 8
     gen = torch.Generator().manual_seed(5)
     m_ref = ref.Model(cm, cz, 32).double()
@@ -908,15 +922,12 @@ def test_backward_deep_ring_reaches_only_16_bit_ops(opm, ref, monkeypatch):
     for dtype in (torch.float64, torch.bfloat16):
         msa, g = msa64.to(dtype), g64.to(dtype)
         args = (msa, mask.to(dtype), params[0], params[1], m_ref.layer_norm.eps, *params[2:], g)
-        runs = []
         for deep in (False, True):
             monkeypatch.setattr(opm, "BACKWARD_DEEP_RING", deep)
             _EinsumKernels.deep_ring_seen.clear()
-            runs.append(opm.outer_product_mean_backward(*args, **kw))
+            opm.outer_product_mean_backward(*args, **kw)
             on = deep and dtype == torch.bfloat16
             assert _EinsumKernels.deep_ring_seen == [("dWo", on), ("da, db", on)], (dtype, deep)
-        for x, y in zip(*runs):
-            assert torch.equal(x, y)
 
 
 @gpu
@@ -1101,8 +1112,8 @@ def test_backward_wo_split_j_against_i_tile_chunks_and_fp64(opm, ops, chunk):
 @pytest.mark.parametrize("B, S, N, cz, out_t", [(1, 40, 37, 128, False), (2, 530, 20, 64, True),
                                                 (1, 3, 9, 8, True), (1, 17, 130, 104, False)])
 def test_backward_ab_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, cz, out_t):
-    """opm_backward_ab with deep_ring (11 slots of 16 KB) gives da, db bit-equal to the 3-slot ring's (the same
-    products in the same order; only the copies' slots differ), each within 2^-7 of fp64's sums (relative to the
+    """opm_backward_ab with deep_ring (11 slots of 16 KB; the profiler sees its instances) gives da, db bit-equal to
+    the 3-slot ring's (the same products in the same order; only the copies' slots differ), each within 2^-7 of fp64's sums (relative to the
     largest value; products on T operands) at ragged own / loop tiles, two s chunks (S = 530), pair_dim 8 to 128, B = 2,
     out in float32 and in T; fp32 ops refuse deep_ring."""
     if not _caps(opm)[2]:
@@ -1114,8 +1125,9 @@ def test_backward_ab_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, c
     g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
     wo = (torch.randn(cz, 1024, generator=gen) / cz**0.5).cuda()
     shallow = opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t, False)
-    deep = opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t, True)
-    torch.cuda.synchronize()
+    out_c = _CTYPE[dtype] if out_t else "float"
+    deep = _kernels_seen(lambda: opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t, True),
+                         *(f"opm_bw_ab_kernel<{f}, {_CTYPE[dtype]}, {out_c}, true>" for f in (0, 1)))
     G = torch.einsum("bijz,zq->bijq", g.double() * inv_d.double()[:, :, None, None], wo.to(dtype).double())
     G = G.reshape(B, N, N, 32, 32)
     want = (torch.einsum("bijhk,bsjk->bsih", G, b.to(dtype).double()),
@@ -1134,12 +1146,13 @@ def test_backward_ab_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, c
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B, S, N, cz, chunk, split_j", [(1, 70, 100, 64, 256 << 20, False),
                                                          (2, 5, 37, 128, 256 << 20, False),
-                                                         (2, 33, 100, 8, 1 << 18, True)])
+                                                         (2, 33, 100, 8, 1 << 20, True)])
 def test_backward_wo_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, cz, chunk, split_j):
-    """opm_backward_wo with deep_ring (9 slots of 16 KB) gives dWo bit-equal to the 4-slot ring's (the same sums in
-    the same order), within 2^-7 of fp64's sum_{b,i,j} gd O (relative to the largest value; O and gd rounded to T as
-    the kernel's operands): S 70 and 33 (partial 32-s stages: a tile's slots wrap the ring), ragged tiles, pair_dim 8
-    to 128, i-tile and j-block chunks; fp32 ops refuse deep_ring."""
+    """opm_backward_wo with deep_ring (9 slots of 16 KB; the profiler sees its instance) gives dWo bit-equal to the
+    4-slot ring's (the same sums in the same order), within 2^-7 of fp64's sum_{b,i,j} gd O (relative to the largest
+    value; a, b and gd rounded to T, O not, which the kernel rounds): S 70 (3 partial-last 32-s stages: 7 slots a
+    tile, blocks of several tiles wrap the ring), S 5 and 33, ragged tiles, pair_dim 8 to 128, i-tile chunks and
+    chunks of 8 j blocks (1 MB; two tiles per block); fp32 ops refuse deep_ring."""
     if not _caps(opm)[2]:
         pytest.skip("the dWo kernel needs a Hopper GPU and an sm_90a build")
     ops = "float16" if dtype == torch.float16 else "bfloat16"
@@ -1148,8 +1161,8 @@ def test_backward_wo_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, c
     inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
     shallow = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, split_j, False)
-    deep = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, split_j, True)
-    torch.cuda.synchronize()
+    deep = _kernels_seen(lambda: opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, split_j, True),
+                         f"opm_bw_wo_kernel<{_CTYPE[dtype]}, {str(split_j).lower()}, true>")
     assert deep.shape == (cz, 1024) and torch.isfinite(deep).all()
     assert torch.equal(deep, shallow), "the deep ring differs from the 4-slot ring"
     o = torch.einsum("bsih,bsjk->bijhk", a.to(dtype).double(), b.to(dtype).double()).reshape(B, N, N, 1024)
@@ -1294,6 +1307,39 @@ def test_low_memory_split_j_training_step(opm, ref, monkeypatch):
     assert peak_on <= peak_off - (16 << 20), (peak_on, peak_off)
     for w, t in zip(want, got):
         assert (t.double() - w.double()).abs().max() <= 1e-5 * max(w.double().abs().max().item(), 1.0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_deep_ring_training_step_bit_equal(opm, ref, monkeypatch, dtype):
+    """A 16-bit training step (LOW_MEMORY_BACKWARD on: da, db out in T) with BACKWARD_DEEP_RING on runs the deep-ring
+    instances of the dWo and da, db kernels and gives every gradient bit-equal to the step with it off (S 130: three
+    64-row s blocks, N 100: ragged tiles)."""
+    if not _caps(opm)[2]:
+        pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
+    B, S, N, cm, cz = 1, 130, 100, 128, 64
+    gen = torch.Generator().manual_seed(59)
+    _, new = _pair(opm, ref, cm, cz, 32, seed=59)
+    new = new.cuda().to(dtype)
+    new.variant = "outer_wg"
+    msa = _msa((B, S, N, cm), "normal", gen).to(dtype).cuda()
+    mask = (torch.rand(B, S, N, generator=gen) > 0.2).to(dtype).cuda()
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+    monkeypatch.setattr(opm, "LOW_MEMORY_BACKWARD", True)
+
+    def step(deep):
+        monkeypatch.setattr(opm, "BACKWARD_DEEP_RING", deep)
+        x = msa.clone().requires_grad_(True)
+        out = new(x, mask)
+        return torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
+
+    want = step(False)
+    c = _CTYPE[dtype]
+    got = _kernels_seen(lambda: step(True), f"opm_bw_wo_kernel<{c}, false, true>",
+                        *(f"opm_bw_ab_kernel<{f}, {c}, {c}, true>" for f in (0, 1)))
+    assert new.last_backward == ("a, b", "dWo", "da, db", "LayerNorm")
+    for w, t in zip(want, got):
+        assert t.dtype == w.dtype and torch.isfinite(t).all() and torch.equal(t, w)
 
 
 @gpu

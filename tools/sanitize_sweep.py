@@ -368,12 +368,13 @@ def _opm_deep_ring_case():
     (opm_backward_ab, 11 slots): N 37 (ragged own and loop tiles), S 530 (two s chunks, a partial 64-row block),
     pair_dim 8 and 104 (a g box under a slot), out in T and in fp32, and one call on the 3-slot ring beside them. The
     dWo part alone (opm_backward_wo, 9 slots): S 70 (3 phase-A stages of 32 s, the last partial: a tile's 7 slots
-    wrap the ring), N 100 at B 2, in i-tile chunks and in chunks of j blocks (split_j)."""
+    wrap the ring), N 100 at B 2, in i-tile chunks and in chunks of j blocks (split_j; 1 MB: 8 j blocks, two tiles
+    per block)."""
     calls = [opm_call("opm_ab", dt, B, S, N, 128, 32, cz, out_t=out_t, deep_ring=deep)
              for dt, B, S, N, cz, out_t, deep in ((BF16, 1, 530, 37, 104, True, True), (F16, 2, 17, 37, 8, False, True),
                                                    (BF16, 1, 530, 37, 104, True, False))]
     calls += [opm_call("opm_wo", dt, 2, 70, 100, 128, 32, 64, chunk=chunk, split_j=split_j, deep_ring=True)
-              for dt, chunk, split_j in ((BF16, 256 << 20, False), (F16, 1 << 18, True))]
+              for dt, chunk, split_j in ((BF16, 256 << 20, False), (F16, 1 << 20, True))]
     return Case("opm_deep_ring", "outer_product_mean", "the 16-bit dWo and da, db kernels on their deep rings", calls)
 
 

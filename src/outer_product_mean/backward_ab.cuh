@@ -29,10 +29,12 @@ constexpr int kAbStages = 3;
 constexpr int kAbOperand = 2 * 8192;  // floats of a split 64 x 128 operand (hi plane, lo plane)
 constexpr size_t kAbSmemBytes = 4ull * (2 * kAbOperand + kAbStages * 8192) + 8 * (2 * kAbStages + 2);
 // The deep ring (kDeep, 16-bit T only): slots of 16 KB (4096 floats: a g box of c_z <= 128 or a Vt block in T),
-// laid out as Wt (16 KB), Gt's two buffers (32 KB), then kAbStagesDeep slots: 2.75 loop tiles' copies in flight at
-// four slots per tile, where the 3 slots of 32 KB hold less than one.
+// laid out as Wt (16 KB), Gt's two buffers (32 KB), then kAbStagesDeep slots. A loop tile takes 2 + mbc slots (its
+// two g boxes and mbc Vt blocks): at S <= 128 (mbc <= 2) 2.75 tiles in flight where 3 slots hold under one; at S >=
+// 512 about 1.1 against 0.3.
 constexpr int kAbStagesDeep = 11;
 constexpr size_t kAbSmemBytesDeep = 4ull * (3 * 4096 + kAbStagesDeep * 4096) + 8 * (2 * kAbStagesDeep + 2);
+static_assert(kAbSmemBytes <= 232448 && kAbSmemBytesDeep <= 232448, "opm_bw_ab_kernel: sm_90's 227 KB per block");
 __host__ __device__ __forceinline__ int ab_off(int n, int kap) {
   return (n >> 3) * 1024 + (kap >> 2) * 32 + (n & 7) * 4 + (kap & 3);
 }

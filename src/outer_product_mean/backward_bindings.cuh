@@ -167,7 +167,7 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 // strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
 // c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
 // to it, opm_bw_ab_kernel<form, T>). Returns (da, db): float32, or with out_t (16-bit ops only) in ops's type.
-// deep_ring (16-bit ops only): the kernels' deep ring (kDeep: 11 slots of 16 KB, not 3 of 32 KB).
+// deep_ring (16-bit ops only): the kernels' deep ring (kDeep: 11 slots of 16 KB, not 3 of 32 KB; the same sums).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
                                                    at::Tensor wo, const std::string& ops, bool out_t, bool deep_ring) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),

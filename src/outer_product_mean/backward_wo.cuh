@@ -37,6 +37,7 @@ constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLD
 // slot in T, each of which fills only half of a 32 KB slot): 9 slots in flight, where 4 of 32 KB hold 4.
 constexpr int kBwoStagesDeep = 9;
 constexpr size_t kBwoSmemBytesDeep = 4ull * (kBwoStagesDeep * 4096 + 2 * 128 * kBwLDO) + 16 * kBwoStagesDeep;
+static_assert(kBwoSmemBytes <= 232448 && kBwoSmemBytesDeep <= 232448, "opm_bw_wo_kernel: sm_90's 227 KB per block");
 __host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
 // The pair at position P (0..31) of a 16-bit G slot: the A fragment of k position kk = P % 16 of k step
 // ks = P / 16 holds Os rows 16 ks + t4 + 4 e + 8 h for kk = 2 t4 + e + 8 h (8 t4 words apart: no bank

@@ -269,9 +269,9 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
 # The rings of copies of the 16-bit dWo and da, db kernels (opm_backward_wo's and opm_backward_ab's deep_ring), slots
-# of 16 KB (each 16-bit stage's size) with True: dWo 9 (4 with False), da, db 11 (2.75 loop tiles of g boxes and Vt
-# blocks; 3 with False: under one); with False the fp32 kernels' 32 KB slots, half-filled. The same sums either way.
-# False (the default) until checked on a GPU; OPM_BACKWARD_DEEP_RING ("1" / "0") at import, then this attribute, read
+# of 16 KB (each 16-bit stage's size) with True: dWo 9 (4 with False), da, db 11 (3 with False; a loop tile takes 2 +
+# ceil(S / 64), at most 10: 2.75 tiles at S <= 128 where 3 hold under one); with False the fp32 kernels' 32 KB slots,
+# half-filled. The same sums either way. False (the default) until checked on a GPU; OPM_BACKWARD_DEEP_RING ("1" / "0") at import, then this attribute, read
 # by each backward whose dWo or da, db run in their kernels on fp16 / bf16 products.
 BACKWARD_DEEP_RING = _env_flag("OPM_BACKWARD_DEEP_RING", False)
 # Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
