@@ -3303,11 +3303,6 @@ constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
 constexpr int kBwoStages = 4;
 constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLDO) + 16 * kBwoStages;
-// The deep ring (kDeep, 16-bit T only): kBwoStagesDeep slots of 16 KB (4096 floats: a 32-s phase-A stage or a G
-// slot in T, each of which fills only half of a 32 KB slot): 9 slots in flight, where 4 of 32 KB hold 4.
-constexpr int kBwoStagesDeep = 9;
-constexpr size_t kBwoSmemBytesDeep = 4ull * (kBwoStagesDeep * 4096 + 2 * 128 * kBwLDO) + 16 * kBwoStagesDeep;
-static_assert(kBwoSmemBytes <= 232448 && kBwoSmemBytesDeep <= 232448, "opm_bw_wo_kernel: sm_90's 227 KB per block");
 __host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
 // The pair at position P (0..31) of a 16-bit G slot: the A fragment of k position kk = P % 16 of k step
 // ks = P / 16 holds Os rows 16 ks + t4 + 4 e + 8 h for kk = 2 t4 + e + 8 h (8 t4 words apart: no bank
@@ -3472,8 +3467,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // loaded (rows wo_pair16: conflict-free), a fresh accumulator per 64 pairs; each operand rounded to T,
 // as the reference in that dtype rounds O and g / d.
 // ---------------------------------------------------------------------------------------------
-// kDeep: the deep ring above (16-bit T).
-template <typename T, bool kSplitJ = false, bool kDeep = false>
+template <typename T, bool kSplitJ = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     const float* __restrict__ Abw, const float* __restrict__ Bbw, const float* __restrict__ Gbw,
     float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc,
@@ -3481,39 +3475,37 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
-  constexpr int kStages = kDeep ? kBwoStagesDeep : kBwoStages, kSlot = kDeep ? 4096 : kOwStage;  // slots, floats each
-  float* Os = sm + kStages * kSlot;
+  float* Os = sm + kBwoStages * kOwStage;
   uint64_t* full = reinterpret_cast<uint64_t*>(Os + 2 * 128 * kBwLDO);
-  uint64_t* empty = full + kStages;
+  uint64_t* empty = full + kBwoStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t sl = blockIdx.x % kBwNSL, gr = blockIdx.x / kBwNSL, groups = gridDim.x / kBwNSL;
   const int64_t NJ = kSplitJ ? NJc : NBB, j0 = kSplitJ ? jt0 : 0;  // the chunk's j blocks (as the prep's)
   const int64_t MB = 2 * NIT, total = B * NITc * NJ;
   const int kbs = static_cast<int>(KB16);
   constexpr bool kHalf = !std::is_same_v<T, float>;
-  static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr int kABlk = kHalf ? kOwABlk16 / 2 : 2 * kOwAPlane, kBBlk = kHalf ? kOwBBlk16 / 2 : 2 * kOwBPlane;  // floats
   // G slots per tile and per 64 pairs, floats per slot: 16 pairs per slot split, 32 in T
   constexpr int kSlots = kHalf ? 4 : 8, kPer64 = kHalf ? 2 : 4, kGSlot = kHalf ? 4096 : kOwStage;
-  if (tid == 0) mbar_ring_init(full, empty, kStages);
+  if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
   __syncthreads();
   if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
     if (tid == kProducerThread) {
       uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
-        const int st = static_cast<int>(u % kStages);
-        if (u >= kStages) mbar_wait(empty + st, (u / kStages - 1) & 1);
+        const int st = static_cast<int>(u % kBwoStages);
+        if (u >= kBwoStages) mbar_wait(empty + st, (u / kBwoStages - 1) & 1);
         mbar_expect_tx(full + st, bytes);
         ++u;
-        return sm + st * kSlot;
+        return sm + st * kOwStage;
       };
       for (int64_t t = gr; t < total; t += groups) {
         const int64_t itc = t % NITc, it = it0 + itc, jtc = (t / NITc) % NJ, jt = j0 + jtc, b = t / (NITc * NJ);
         const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * kABlk;
         const float* bb = Bbw + (b * NBB + jt) * KB16 * kBBlk;
         for (int kb = 0; kb < kbs; ++kb) {
-          const int st = static_cast<int>(u % kStages);
+          const int st = static_cast<int>(u % kBwoStages);
           const float* ak = a + kb * MB * kABlk;
           const float* bk = bb + kb * kBBlk;
           if constexpr (kHalf) {  // both 32-row blocks of a, then b (32 s each)
@@ -3528,7 +3520,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         }
         const float* gt = Gbw + ((b * NITc + itc) * NJ + jtc) * kSlots * kGSlot;
         for (int c = 0; c < kSlots; ++c) {
-          const int st = static_cast<int>(u % kStages);
+          const int st = static_cast<int>(u % kBwoStages);
           float* dst = slot(4 * kGSlot);
           bulk_copy(dst, gt + c * kGSlot, 4 * kGSlot, full + st);
         }
@@ -3541,13 +3533,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   float* Os_w = Os + wg * 128 * kBwLDO;
   uint32_t u = 0;
   auto wait_full = [&]() -> const float* {
-    const int st = static_cast<int>(u % kStages);
-    mbar_wait(full + st, (u / kStages) & 1);
+    const int st = static_cast<int>(u % kBwoStages);
+    mbar_wait(full + st, (u / kBwoStages) & 1);
     ++u;
-    return sm + st * kSlot;
+    return sm + st * kOwStage;
   };
   auto release = [&](uint32_t us) {
-    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kStages));
+    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kBwoStages));
   };
   float D[2][32], dz[2][32];
 #pragma unroll
@@ -3745,13 +3737,12 @@ namespace opm {
 constexpr int kAbStages = 3;
 constexpr int kAbOperand = 2 * 8192;  // floats of a split 64 x 128 operand (hi plane, lo plane)
 constexpr size_t kAbSmemBytes = 4ull * (2 * kAbOperand + kAbStages * 8192) + 8 * (2 * kAbStages + 2);
-// The deep ring (kDeep, 16-bit T only): slots of 16 KB (4096 floats: a g box of c_z <= 128 or a Vt block in T),
-// laid out as Wt (16 KB), Gt's two buffers (32 KB), then kAbStagesDeep slots. A loop tile takes 2 + mbc slots (its
-// two g boxes and mbc Vt blocks): at S <= 128 (mbc <= 2) 2.75 tiles in flight where 3 slots hold under one; at S >=
-// 512 about 1.1 against 0.3.
-constexpr int kAbStagesDeep = 11;
-constexpr size_t kAbSmemBytesDeep = 4ull * (3 * 4096 + kAbStagesDeep * 4096) + 8 * (2 * kAbStagesDeep + 2);
-static_assert(kAbSmemBytes <= 232448 && kAbSmemBytesDeep <= 232448, "opm_bw_ab_kernel: sm_90's 227 KB per block");
+// 16-bit T: slots of 16 KB (4096 floats: a g box of c_z <= 128 or a Vt block in T), laid out as Wt (16 KB), Gt's two
+// buffers (32 KB), then kAbStages16 slots. A loop tile takes 2 + mbc slots (its two g boxes and mbc Vt blocks): at S
+// <= 128 (mbc <= 2) 2.75 tiles in flight, at S >= 512 about 1.1 (3 slots of 32 KB: under one, 0.3).
+constexpr int kAbStages16 = 11;
+constexpr size_t kAbSmemBytes16 = 4ull * (3 * 4096 + kAbStages16 * 4096) + 8 * (2 * kAbStages16 + 2);
+static_assert(kAbSmemBytes <= 232448 && kAbSmemBytes16 <= 232448, "opm_bw_ab_kernel: sm_90's 227 KB per block");
 __host__ __device__ __forceinline__ int ab_off(int n, int kap) {
   return (n >> 3) * 1024 + (kap >> 2) * 32 + (n & 7) * 4 + (kap & 3);
 }
@@ -3847,7 +3838,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // slice sl of 2 channels c1, s chunk sc of up to 512 rows): x = ((b*NOT + ot)*16 + sl)*NSC + sc.
 // Warps 0-7: two consumer warpgroups; warp 8's thread 256 issues the copies (g by tensor-map boxes, Wt
 // and Vt by bulk copies; opm_outer_wg_kernel's structure). Shared memory: the slice's Wt planes (64 KB,
-// once), the G^T operand Gt (64 KB), a ring of kAbStages 32 KB slots. Per loop tile J of 4 residues
+// once), the G^T operand Gt (64 KB), a ring of kAbStages 32 KB slots (16-bit T: above). Per loop tile J of 4 residues
 // (l = 4 J + 2 w + ll for warpgroup w):
 //   G step: warpgroup w's 64 rows r = 32 ll + ol (pairs), 64 columns n = (c1 - 2 sl, c2), K = c_z
 //     rounded to 16: wgmma m64n64k8 with A = its g slot (float4 per row and 16 z, split on load) and B =
@@ -3874,8 +3865,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // earlier data, finite for finite inputs), against zero rows of Wt; the 16-bit G step loads zeros there.
 // ---------------------------------------------------------------------------------------------
 // O: out's element type, float, or T (16-bit T only; each pair of channels rounded once, a 4-byte store).
-// kDeep: the deep ring above (16-bit T).
-template <int kForm, typename T, typename O = float, bool kDeep = false>
+template <int kForm, typename T, typename O = float>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
     const float* __restrict__ inv_denom, O* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
@@ -3883,10 +3873,11 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
-  constexpr int kStages = kDeep ? kAbStagesDeep : kAbStages, kSlot = kDeep ? 4096 : 8192;  // slots, floats each
-  float* Ws = sm;                                  // Wt slice: hi, lo
-  float* Gt = sm + (kDeep ? 4096 : kAbOperand);    // G^T: hi, lo
-  float* ring = Gt + (kDeep ? 8192 : kAbOperand);  // kStages x kSlot
+  constexpr bool kHalf = !std::is_same_v<T, float>;
+  constexpr int kStages = kHalf ? kAbStages16 : kAbStages, kSlot = kHalf ? 4096 : 8192;  // slots, floats each
+  float* Ws = sm;                                  // Wt slice: hi, lo (16-bit T: one plane)
+  float* Gt = sm + (kHalf ? 4096 : kAbOperand);    // G^T: hi, lo (16-bit T: two buffers of one plane)
+  float* ring = Gt + (kHalf ? 8192 : kAbOperand);  // kStages x kSlot
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * kSlot);
   uint64_t* empty = full + kStages;
   uint64_t* wbar = empty + kStages;
@@ -3894,9 +3885,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   const int64_t x = blockIdx.x, sc = x % NSC, sl = x / NSC % 16, ot = x / NSC / 16 % NOT, b = x / NSC / 16 / NOT;
   const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
   const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step (16-bit: k steps)
-  constexpr bool kHalf = !std::is_same_v<T, float>;
   static_assert(std::is_same_v<O, float> || std::is_same_v<O, T>, "out: float32, or T (16-bit T)");
-  static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
   for (int e = tid; e < kStages * kSlot / 4; e += kOwThreads)
     reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -6462,15 +6451,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 // it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most
 // chunk_bytes (at least one tile; with split_j, where one tile's planes exceed chunk_bytes, chunks of one tile's
 // j blocks instead: opm_bw_wo_kernel<T, true>, not yet checked on a GPU); each chunk's block partials are added
-// into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j). deep_ring (16-bit ops
-// only): the kernel's deep ring (kDeep: 9 slots of 16 KB, not 4 of 32 KB; the same sums).
+// into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j).
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops,
-                           int64_t chunk_bytes, bool split_j, bool deep_ring) {
+                           int64_t chunk_bytes, bool split_j) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_wo: ops is split, float16 or bfloat16, got ", ops);
-  TORCH_CHECK(half || !deep_ring, "outer_product_mean: opm_backward_wo: deep_ring needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_wo takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -6486,8 +6473,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(a.get_device());
-  const size_t smem = deep_ring ? kBwoSmemBytesDeep : kBwoSmemBytes;
-  TORCH_CHECK(d.ow_ok && smem <= static_cast<size_t>(d.smem_optin),
+  TORCH_CHECK(d.ow_ok && kBwoSmemBytes <= static_cast<size_t>(d.smem_optin),
               "outer_product_mean: opm_backward_wo needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous();
   at::Tensor gc = g.contiguous();
@@ -6509,7 +6495,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NJc, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
   auto run = [&](auto wo_kernel, auto wo_prep_kernel) {
-    set_smem(wo_kernel, smem, d, "the backward's dWo kernel");
+    set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
     for (int64_t it0 = 0; it0 < NIT; it0 += NITc)
       for (int64_t jt0 = 0; jt0 < NBB; jt0 += NJc) {
         const int64_t nitc = std::min<int64_t>(NITc, NIT - it0), njc = std::min<int64_t>(NJc, NBB - jt0);
@@ -6523,7 +6509,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
             nitc, jt0, njc);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * njc, groups)));
-        wo_kernel<<<kBwNSL * g_wo, kOwThreads, smem, stream>>>(
+        wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
             Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT,
             NBB, it0, nitc, jt0, njc);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -6535,12 +6521,8 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   auto typed = [&](auto split_c) {  // split_c: std::bool_constant<split>
     constexpr bool kS = decltype(split_c)::value;
     if (!half) run(opm_bw_wo_kernel<float, kS>, opm_bw_wo_prep_kernel<float, kS>);
-    else if (ops == "float16")
-      run(deep_ring ? opm_bw_wo_kernel<__half, kS, true> : opm_bw_wo_kernel<__half, kS>,
-          opm_bw_wo_prep_kernel<__half, kS>);
-    else
-      run(deep_ring ? opm_bw_wo_kernel<__nv_bfloat16, kS, true> : opm_bw_wo_kernel<__nv_bfloat16, kS>,
-          opm_bw_wo_prep_kernel<__nv_bfloat16, kS>);
+    else if (ops == "float16") run(opm_bw_wo_kernel<__half, kS>, opm_bw_wo_prep_kernel<__half, kS>);
+    else run(opm_bw_wo_kernel<__nv_bfloat16, kS>, opm_bw_wo_prep_kernel<__nv_bfloat16, kS>);
   };
   if (split) typed(std::true_type{});
   else typed(std::false_type{});
@@ -6571,15 +6553,13 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 // strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
 // c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
 // to it, opm_bw_ab_kernel<form, T>). Returns (da, db): float32, or with out_t (16-bit ops only) in ops's type.
-// deep_ring (16-bit ops only): the kernels' deep ring (kDeep: 11 slots of 16 KB, not 3 of 32 KB; the same sums).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops, bool out_t, bool deep_ring) {
+                                                   at::Tensor wo, const std::string& ops, bool out_t) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
   TORCH_CHECK(half || !out_t, "outer_product_mean: opm_backward_ab: out_t needs float16 or bfloat16 ops");
-  TORCH_CHECK(half || !deep_ring, "outer_product_mean: opm_backward_ab: deep_ring needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &wo})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -6596,7 +6576,7 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(a.get_device());
-  const size_t smem = deep_ring ? kAbSmemBytesDeep : kAbSmemBytes;
+  const size_t smem = half ? kAbSmemBytes16 : kAbSmemBytes;
   TORCH_CHECK(d.ow_ok && smem <= static_cast<size_t>(d.smem_optin),
               "outer_product_mean: opm_backward_ab needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
@@ -6624,9 +6604,8 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   auto run = [&](auto* tp, auto* op) {  // null pointers of the products' type T and out's type O
     using T = std::remove_pointer_t<decltype(tp)>;
     using O = std::remove_pointer_t<decltype(op)>;
-    constexpr bool kHalfT = !std::is_same_v<T, float>;
-    const auto da_kernel = deep_ring ? opm_bw_ab_kernel<0, T, O, kHalfT> : opm_bw_ab_kernel<0, T, O>;
-    const auto db_kernel = deep_ring ? opm_bw_ab_kernel<1, T, O, kHalfT> : opm_bw_ab_kernel<1, T, O>;
+    const auto da_kernel = opm_bw_ab_kernel<0, T, O>;
+    const auto db_kernel = opm_bw_ab_kernel<1, T, O>;
     set_smem(da_kernel, smem, d, "the backward's da kernel");
     da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, smem, stream>>>(
         vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), reinterpret_cast<O*>(da.data_ptr()), B, S, N, cz, NJT, SB,
@@ -7074,8 +7053,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, BACKWARD_DEEP_RING), which must be True or False: an assigned "0" would
-    otherwise read as on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as
+    on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -7127,13 +7106,7 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # checked on a GPU; OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read by each low-memory backward
 # whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
-# The rings of copies of the 16-bit dWo and da, db kernels (opm_backward_wo's and opm_backward_ab's deep_ring), slots
-# of 16 KB (each 16-bit stage's size) with True: dWo 9 (4 with False), da, db 11 (3 with False; a loop tile takes 2 +
-# ceil(S / 64), at most 10: 2.75 tiles at S <= 128 where 3 hold under one); with False the fp32 kernels' 32 KB slots,
-# half-filled. The same sums either way. False (the default) until checked on a GPU; OPM_BACKWARD_DEEP_RING ("1" / "0") at import, then this attribute, read
-# by each backward whose dWo or da, db run in their kernels on fp16 / bf16 products.
-BACKWARD_DEEP_RING = _env_flag("OPM_BACKWARD_DEEP_RING", False)
-# Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
+# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7342,16 +7315,14 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
-        deep_ring = ops != "split" and _flag("BACKWARD_DEEP_RING")
     if wo_in_kernel:
         d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20,
-                                    low_memory and _flag("LOW_MEMORY_SPLIT_J"), deep_ring)
+                                    low_memory and _flag("LOW_MEMORY_SPLIT_J"))
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
         da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
-                                      low_memory and ops != "split" and ln_in_kernel,
-                                      deep_ring)
+                                      low_memory and ops != "split" and ln_in_kernel)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)

@@ -226,13 +226,13 @@ class _FakeRowKernels:
     def __init__(self):
         self.calls = []
 
-    def opm_backward_wo(self, a, b, inv_d, g, ops, chunk_bytes, split_j, deep_ring):
+    def opm_backward_wo(self, a, b, inv_d, g, ops, chunk_bytes, split_j):
         self.calls.append("dWo")
         B, S, N, c = a.shape
         o = torch.einsum("bsih,bsjk->bijhk", a, b).reshape(B, N, N, c * c)
         return torch.einsum("bijz,bijq->zq", g * inv_d.to(g.dtype)[:, :, None, None], o)
 
-    def opm_backward_ab(self, a, b, inv_d, g, wo, ops, out_t, deep_ring):
+    def opm_backward_ab(self, a, b, inv_d, g, wo, ops, out_t):
         self.calls.append("da, db")
         B, S, N, c = a.shape
         G = ((g * inv_d.to(g.dtype)[:, :, None, None]) @ wo).reshape(B, N, N, c, c)
@@ -417,10 +417,10 @@ def test_pair_row_scale_clamp_equals_the_cap():
 
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA,
-    OPM_LOW_MEMORY_BACKWARD, OPM_LOW_MEMORY_SPLIT_J, OPM_BACKWARD_DEEP_RING): unset -> the default, "1" / "0" -> on / off,
-    any other value raises naming the variable; the first five default to on, the last two to off; _pair_counts maps
-    the counts' three to the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything
-    but True / False raises."""
+    OPM_LOW_MEMORY_BACKWARD, OPM_LOW_MEMORY_SPLIT_J): unset -> the default, "1" / "0" -> on / off, any other value
+    raises naming the variable; the first five default to on, the last to off; _pair_counts maps the counts' three to
+    the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but True / False
+    raises."""
     name = "OPM_TEST_FLAG"
     monkeypatch.delenv(name, raising=False)
     assert opm._env_flag(name, True) is True and opm._env_flag(name, False) is False
@@ -438,8 +438,6 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         assert opm.PAIR_COUNTS_HMMA is True and opm.LOW_MEMORY_BACKWARD is True
     if "OPM_LOW_MEMORY_SPLIT_J" not in os.environ:
         assert opm.LOW_MEMORY_SPLIT_J is False
-    if "OPM_BACKWARD_DEEP_RING" not in os.environ:
-        assert opm.BACKWARD_DEEP_RING is False
     for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
                                    (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
@@ -447,7 +445,7 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         monkeypatch.setattr(opm, "PAIR_COUNTS_HMMA", hmma)
         assert opm._pair_counts() == code
     for attr in ("PAIR_COUNTS_DMMA", "PAIR_COUNTS_RING", "PAIR_COUNTS_HMMA", "PAIR_G_KERNEL", "LOW_MEMORY_BACKWARD",
-                 "LOW_MEMORY_SPLIT_J", "BACKWARD_DEEP_RING"):
+                 "LOW_MEMORY_SPLIT_J"):
         monkeypatch.setattr(opm, attr, "0")  # a string, not a bool: raises rather than reading as on
         with pytest.raises(ValueError, match=attr):
             opm._flag(attr)

@@ -806,21 +806,15 @@ class _EinsumKernels:
     split_j_seen = []  # opm_backward_wo's split_j per call
 
     @staticmethod
-    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j, deep_ring):
+    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j):
         assert ops in ("split", "float16", "bfloat16") and chunk_bytes in (32 << 20, 256 << 20)
         assert isinstance(split_j, bool) and not (split_j and chunk_bytes != 32 << 20)  # only with low_memory
-        assert isinstance(deep_ring, bool) and deep_ring in (False, ops != "split")
         _EinsumKernels.split_j_seen.append(split_j)
-        _EinsumKernels.deep_ring_seen.append(("dWo", deep_ring))
         return torch.einsum("bsih,bsjk,bijz->zhk", a, b, g * inv_denom[:, :, None, None]).reshape(g.shape[-1], -1)
 
-    deep_ring_seen = []  # (kernel, deep_ring) per call of opm_backward_wo and opm_backward_ab
-
     @staticmethod
-    def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t, deep_ring):
+    def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t):
         assert ops in ("split", "float16", "bfloat16") and out_t in (False, ops != "split")
-        assert isinstance(deep_ring, bool) and deep_ring in (False, ops != "split")
-        _EinsumKernels.deep_ring_seen.append(("da, db", deep_ring))
         G = torch.einsum("bijz,zhk->bijhk", g * inv_denom[:, :, None, None], wo.reshape(-1, 32, 32))
         return torch.einsum("bijhk,bsjk->bsih", G, b), torch.einsum("bijhk,bsih->bsjk", G, a)
 
@@ -904,30 +898,6 @@ def test_backward_chunks_form_what_no_kernel_computes(opm, ref, monkeypatch):
     assert ab[2].untyped_storage().nbytes() > 0
     for w, t in zip(want, got):
         assert t.shape == w.shape and (t - w).abs().max() <= 1e-12 * max(w.abs().max(), 1.0)
-
-
-def test_backward_deep_ring_reaches_only_16_bit_ops(opm, ref, monkeypatch):
-    """BACKWARD_DEEP_RING goes to the dWo and da, db kernels (stood in by einsum on the CPU) as deep_ring only where
-    their products run in 16 bits: a bfloat16 msa with the flag on; a float64 msa or the flag off pass False."""
-    B, S, N, cm, cz = 1, 4, 6, 16, 8
-    gen = torch.Generator().manual_seed(5)
-    m_ref = ref.Model(cm, cz, 32).double()
-    _randomise(m_ref, gen)
-    msa64 = torch.randn(B, S, N, cm, generator=gen, dtype=torch.float64)
-    mask = (torch.rand(B, S, N, generator=gen) > 0.3).double()
-    g64 = torch.randn(B, N, N, cz, generator=gen, dtype=torch.float64)
-    params = [p.detach() for p in m_ref.parameters()]
-    monkeypatch.setattr(opm, "_ext", _EinsumKernels)
-    kw = dict(wo_kernel=True, ab_kernel=True, rows_kernel=False, ln_kernel=False)
-    for dtype in (torch.float64, torch.bfloat16):
-        msa, g = msa64.to(dtype), g64.to(dtype)
-        args = (msa, mask.to(dtype), params[0], params[1], m_ref.layer_norm.eps, *params[2:], g)
-        for deep in (False, True):
-            monkeypatch.setattr(opm, "BACKWARD_DEEP_RING", deep)
-            _EinsumKernels.deep_ring_seen.clear()
-            opm.outer_product_mean_backward(*args, **kw)
-            on = deep and dtype == torch.bfloat16
-            assert _EinsumKernels.deep_ring_seen == [("dWo", on), ("da, db", on)], (dtype, deep)
 
 
 @gpu
@@ -1111,11 +1081,11 @@ def test_backward_wo_split_j_against_i_tile_chunks_and_fp64(opm, ops, chunk):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B, S, N, cz, out_t", [(1, 40, 37, 128, False), (2, 530, 20, 64, True),
                                                 (1, 3, 9, 8, True), (1, 17, 130, 104, False)])
-def test_backward_ab_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, cz, out_t):
-    """opm_backward_ab with deep_ring (11 slots of 16 KB; the profiler sees its instances) gives da, db bit-equal to
-    the 3-slot ring's (the same products in the same order; only the copies' slots differ), each within 2^-7 of fp64's sums (relative to the
-    largest value; products on T operands) at ragged own / loop tiles, two s chunks (S = 530), pair_dim 8 to 128, B = 2,
-    out in float32 and in T; fp32 ops refuse deep_ring."""
+def test_backward_ab_16_bit_against_fp64(opm, dtype, B, S, N, cz, out_t):
+    """opm_backward_ab on fp16 / bf16 products (its 16-bit instances, which the profiler sees, on their ring of 11
+    slots of 16 KB): da, db each within 2^-7 of fp64's sums (relative to the largest value; g, wo, a, b rounded to T
+    as the kernel's operands, G not, which the kernel rounds) and bit-equal in a second call, at ragged own / loop
+    tiles, two s chunks (S = 530: a loop tile's 10 slots), pair_dim 8 to 128, B = 2, out in float32 and in T."""
     if not _caps(opm)[2]:
         pytest.skip("the da / db kernel needs a Hopper GPU and an sm_90a build")
     ops = "float16" if dtype == torch.float16 else "bfloat16"
@@ -1124,53 +1094,19 @@ def test_backward_ab_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, c
     inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
     wo = (torch.randn(cz, 1024, generator=gen) / cz**0.5).cuda()
-    shallow = opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t, False)
     out_c = _CTYPE[dtype] if out_t else "float"
-    deep = _kernels_seen(lambda: opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t, True),
-                         *(f"opm_bw_ab_kernel<{f}, {_CTYPE[dtype]}, {out_c}, true>" for f in (0, 1)))
+    got = _kernels_seen(lambda: opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t),
+                        *(f"opm_bw_ab_kernel<{f}, {_CTYPE[dtype]}, {out_c}>" for f in (0, 1)))
+    again = opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t)
     G = torch.einsum("bijz,zq->bijq", g.double() * inv_d.double()[:, :, None, None], wo.to(dtype).double())
     G = G.reshape(B, N, N, 32, 32)
     want = (torch.einsum("bijhk,bsjk->bsih", G, b.to(dtype).double()),
             torch.einsum("bijhk,bsih->bsjk", G, a.to(dtype).double()))
-    for name, s_, d_, w in zip(("da", "db"), shallow, deep, want):
-        assert d_.dtype == (dtype if out_t else torch.float32) and d_.shape == (B, S, N, 32), name
-        assert torch.equal(d_, s_), f"{name}: the deep ring differs from the 3-slot ring"
-        err = (d_.double() - w).abs().max().item() / w.abs().max().item()
+    for name, t, r, w in zip(("da", "db"), got, again, want):
+        assert t.dtype == (dtype if out_t else torch.float32) and t.shape == (B, S, N, 32), name
+        assert torch.equal(t, r), f"{name}: a second call differs"
+        err = (t.double() - w).abs().max().item() / w.abs().max().item()
         assert err <= 2.0**-7, f"{name}: {err:.2e}"
-    gf = g.float()
-    with pytest.raises(RuntimeError, match="deep_ring needs float16 or bfloat16"):
-        opm._ext.opm_backward_ab(a, b, inv_d, gf, wo, "split", False, True)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("B, S, N, cz, chunk, split_j", [(1, 70, 100, 64, 256 << 20, False),
-                                                         (2, 5, 37, 128, 256 << 20, False),
-                                                         (2, 33, 100, 8, 1 << 20, True)])
-def test_backward_wo_deep_ring_bit_equal_and_against_fp64(opm, dtype, B, S, N, cz, chunk, split_j):
-    """opm_backward_wo with deep_ring (9 slots of 16 KB; the profiler sees its instance) gives dWo bit-equal to the
-    4-slot ring's (the same sums in the same order), within 2^-7 of fp64's sum_{b,i,j} gd O (relative to the largest
-    value; a, b and gd rounded to T, O not, which the kernel rounds): S 70 (3 partial-last 32-s stages: 7 slots a
-    tile, blocks of several tiles wrap the ring), S 5 and 33, ragged tiles, pair_dim 8 to 128, i-tile chunks and
-    chunks of 8 j blocks (1 MB; two tiles per block); fp32 ops refuse deep_ring."""
-    if not _caps(opm)[2]:
-        pytest.skip("the dWo kernel needs a Hopper GPU and an sm_90a build")
-    ops = "float16" if dtype == torch.float16 else "bfloat16"
-    gen = torch.Generator().manual_seed(B + S + N + cz + 3)
-    a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
-    inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
-    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
-    shallow = opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, split_j, False)
-    deep = _kernels_seen(lambda: opm._ext.opm_backward_wo(a, b, inv_d, g, ops, chunk, split_j, True),
-                         f"opm_bw_wo_kernel<{_CTYPE[dtype]}, {str(split_j).lower()}, true>")
-    assert deep.shape == (cz, 1024) and torch.isfinite(deep).all()
-    assert torch.equal(deep, shallow), "the deep ring differs from the 4-slot ring"
-    o = torch.einsum("bsih,bsjk->bijhk", a.to(dtype).double(), b.to(dtype).double()).reshape(B, N, N, 1024)
-    want = torch.einsum("bijz,bijn->zn", (g.double() * inv_d.double()[:, :, None, None]).to(dtype).double(), o)
-    err = (deep.double() - want).abs().max().item() / want.abs().max().item()
-    assert err <= 2.0**-7, f"{err:.2e}"
-    with pytest.raises(RuntimeError, match="deep_ring needs float16 or bfloat16"):
-        opm._ext.opm_backward_wo(a, b, inv_d, g.float(), "split", chunk, split_j, True)
 
 
 @gpu
@@ -1307,39 +1243,6 @@ def test_low_memory_split_j_training_step(opm, ref, monkeypatch):
     assert peak_on <= peak_off - (16 << 20), (peak_on, peak_off)
     for w, t in zip(want, got):
         assert (t.double() - w.double()).abs().max() <= 1e-5 * max(w.double().abs().max().item(), 1.0)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_backward_deep_ring_training_step_bit_equal(opm, ref, monkeypatch, dtype):
-    """A 16-bit training step (LOW_MEMORY_BACKWARD on: da, db out in T) with BACKWARD_DEEP_RING on runs the deep-ring
-    instances of the dWo and da, db kernels and gives every gradient bit-equal to the step with it off (S 130: three
-    64-row s blocks, N 100: ragged tiles)."""
-    if not _caps(opm)[2]:
-        pytest.skip("the backward kernels need a Hopper GPU and an sm_90a build")
-    B, S, N, cm, cz = 1, 130, 100, 128, 64
-    gen = torch.Generator().manual_seed(59)
-    _, new = _pair(opm, ref, cm, cz, 32, seed=59)
-    new = new.cuda().to(dtype)
-    new.variant = "outer_wg"
-    msa = _msa((B, S, N, cm), "normal", gen).to(dtype).cuda()
-    mask = (torch.rand(B, S, N, generator=gen) > 0.2).to(dtype).cuda()
-    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
-    monkeypatch.setattr(opm, "LOW_MEMORY_BACKWARD", True)
-
-    def step(deep):
-        monkeypatch.setattr(opm, "BACKWARD_DEEP_RING", deep)
-        x = msa.clone().requires_grad_(True)
-        out = new(x, mask)
-        return torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
-
-    want = step(False)
-    c = _CTYPE[dtype]
-    got = _kernels_seen(lambda: step(True), f"opm_bw_wo_kernel<{c}, false, true>",
-                        *(f"opm_bw_ab_kernel<{f}, {c}, {c}, true>" for f in (0, 1)))
-    assert new.last_backward == ("a, b", "dWo", "da, db", "LayerNorm")
-    for w, t in zip(want, got):
-        assert t.dtype == w.dtype and torch.isfinite(t).all() and torch.equal(t, w)
 
 
 @gpu

@@ -1043,18 +1043,17 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         return (torch.zeros_like(xin), torch.zeros(cm), torch.zeros(cm), torch.zeros(32, cm), torch.zeros(32),
                 torch.zeros(32, cm), torch.zeros(32))
 
-    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j, deep_ring):
+    def opm_backward_wo(a, b, inv_denom, g, ops, chunk_bytes, split_j):
         B, S, N, c = a.shape
         assert b.shape == a.shape and c == 32 and inv_denom.shape == (B, N) and g.shape[:3] == (B, N, N)
         assert ops in ("split", "float16", "bfloat16") and isinstance(chunk_bytes, int) and isinstance(split_j, bool)
-        assert isinstance(deep_ring, bool) and not (deep_ring and ops == "split")
         return torch.zeros(g.shape[3], 1024)
 
-    def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t, deep_ring):
+    def opm_backward_ab(a, b, inv_denom, g, wo, ops, out_t):
         B, S, N, c = a.shape
         assert b.shape == a.shape and c == 32 and inv_denom.shape == (B, N) and g.shape[:3] == (B, N, N)
         assert wo.shape == (g.shape[3], 1024) and ops in ("float16", "bfloat16") and g.dtype == getattr(torch, ops)
-        assert isinstance(out_t, bool) and isinstance(deep_ring, bool)
+        assert isinstance(out_t, bool)
         return (torch.zeros_like(a),) * 2
 
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows),

@@ -363,19 +363,13 @@ def _opm_wo_split_j_case():
     return Case("opm_wo_split_j", "outer_product_mean", "the dWo kernels in chunks of j blocks (split_j)", calls)
 
 
-def _opm_deep_ring_case():
-    """The 16-bit backward kernels on their deep rings (deep_ring: slots of 16 KB). The da, db part alone
-    (opm_backward_ab, 11 slots): N 37 (ragged own and loop tiles), S 530 (two s chunks, a partial 64-row block),
-    pair_dim 8 and 104 (a g box under a slot), out in T and in fp32, and one call on the 3-slot ring beside them. The
-    dWo part alone (opm_backward_wo, 9 slots): S 70 (3 phase-A stages of 32 s, the last partial: a tile's 7 slots
-    wrap the ring), N 100 at B 2, in i-tile chunks and in chunks of j blocks (split_j; 1 MB: 8 j blocks, two tiles
-    per block)."""
-    calls = [opm_call("opm_ab", dt, B, S, N, 128, 32, cz, out_t=out_t, deep_ring=deep)
-             for dt, B, S, N, cz, out_t, deep in ((BF16, 1, 530, 37, 104, True, True), (F16, 2, 17, 37, 8, False, True),
-                                                   (BF16, 1, 530, 37, 104, True, False))]
-    calls += [opm_call("opm_wo", dt, 2, 70, 100, 128, 32, 64, chunk=chunk, split_j=split_j, deep_ring=True)
-              for dt, chunk, split_j in ((BF16, 256 << 20, False), (F16, 1 << 20, True))]
-    return Case("opm_deep_ring", "outer_product_mean", "the 16-bit dWo and da, db kernels on their deep rings", calls)
+def _opm_ab16_case():
+    """The 16-bit da, db part alone (opm_backward_ab; its ring of 11 slots of 16 KB): N 37 (ragged own and loop
+    tiles), S 530 (two s chunks, a partial 64-row block), pair_dim 8 and 104 (a g box under a slot), out in T and in
+    fp32."""
+    calls = [opm_call("opm_ab", dt, B, S, N, 128, 32, cz, out_t=out_t)
+             for dt, B, S, N, cz, out_t in ((BF16, 1, 530, 37, 104, True), (F16, 2, 17, 37, 8, False))]
+    return Case("opm_ab16", "outer_product_mean", "the 16-bit da, db kernels alone", calls)
 
 
 OPM_CASES = [
@@ -417,7 +411,7 @@ OPM_CASES = [
     _opm_low_memory_case(),
     _opm_ln_in_place_case(),
     _opm_wo_split_j_case(),
-    _opm_deep_ring_case(),
+    _opm_ab16_case(),
 ]
 
 CASES = CM_CASES + OPM_CASES
@@ -446,8 +440,8 @@ def describe_call(call):
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
     extra = [f"{k}={call[k]}" for k in ("variant", "family", "epilogue", "backward", "train", "pair_g", "low", "mask",
                                         "mask_dtype", "offset", "params_dtype", "split", "block_tiles", "counts", "dab",
-                                        "consume", "chunk", "split_j", "out_t", "deep_ring")
-             if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t", "deep_ring"))
+                                        "consume", "chunk", "split_j", "out_t")
+             if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t"))
              and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
@@ -683,28 +677,26 @@ def _opm_ln(torch, mod, call, sms):
 
 def _opm_wo(torch, mod, call, sms):
     """_ext.opm_backward_wo alone: a, b (B, S, N, 32) fp32, 1 / denom in [0.1, 1.1), g (B, N, N, cz) in the call's
-    dtype (ops "split" for float32, else the dtype's name), call["chunk"] bytes of G planes, call["split_j"], the
-    call's deep_ring (default False)."""
+    dtype (ops "split" for float32, else the dtype's name), call["chunk"] bytes of G planes, call["split_j"]."""
     gen = torch.Generator().manual_seed(_seed(call))
     B, S, N, cz = call["B"], call["S"], call["N"], call["cz"]
     a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
     inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).to(getattr(torch, call["dtype"])).cuda()
     ops = "split" if call["dtype"] == F32 else call["dtype"]
-    deep = call.get("deep_ring", False)
-    _fetch(torch, mod._ext.opm_backward_wo(a, b, inv_d, g, ops, call["chunk"], call["split_j"], deep))
+    _fetch(torch, mod._ext.opm_backward_wo(a, b, inv_d, g, ops, call["chunk"], call["split_j"]))
 
 
 def _opm_ab(torch, mod, call, sms):
     """_ext.opm_backward_ab alone: a, b (B, S, N, 32) fp32, 1 / denom in [0.1, 1.1), g (B, N, N, cz) in the call's
-    16-bit dtype (ops its name), wo (cz, 1024) fp32, call["out_t"], call["deep_ring"]."""
+    16-bit dtype (ops its name), wo (cz, 1024) fp32, call["out_t"]."""
     gen = torch.Generator().manual_seed(_seed(call))
     B, S, N, cz = call["B"], call["S"], call["N"], call["cz"]
     a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
     inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).to(getattr(torch, call["dtype"])).cuda()
     wo = (torch.randn(cz, 1024, generator=gen) / cz**0.5).cuda()
-    _fetch(torch, *mod._ext.opm_backward_ab(a, b, inv_d, g, wo, call["dtype"], call["out_t"], call["deep_ring"]))
+    _fetch(torch, *mod._ext.opm_backward_ab(a, b, inv_d, g, wo, call["dtype"], call["out_t"]))
 
 
 def _opm_pair_counts(torch, mod, call, sms):

@@ -28,13 +28,12 @@ namespace opm {
 constexpr int kAbStages = 3;
 constexpr int kAbOperand = 2 * 8192;  // floats of a split 64 x 128 operand (hi plane, lo plane)
 constexpr size_t kAbSmemBytes = 4ull * (2 * kAbOperand + kAbStages * 8192) + 8 * (2 * kAbStages + 2);
-// The deep ring (kDeep, 16-bit T only): slots of 16 KB (4096 floats: a g box of c_z <= 128 or a Vt block in T),
-// laid out as Wt (16 KB), Gt's two buffers (32 KB), then kAbStagesDeep slots. A loop tile takes 2 + mbc slots (its
-// two g boxes and mbc Vt blocks): at S <= 128 (mbc <= 2) 2.75 tiles in flight where 3 slots hold under one; at S >=
-// 512 about 1.1 against 0.3.
-constexpr int kAbStagesDeep = 11;
-constexpr size_t kAbSmemBytesDeep = 4ull * (3 * 4096 + kAbStagesDeep * 4096) + 8 * (2 * kAbStagesDeep + 2);
-static_assert(kAbSmemBytes <= 232448 && kAbSmemBytesDeep <= 232448, "opm_bw_ab_kernel: sm_90's 227 KB per block");
+// 16-bit T: slots of 16 KB (4096 floats: a g box of c_z <= 128 or a Vt block in T), laid out as Wt (16 KB), Gt's two
+// buffers (32 KB), then kAbStages16 slots. A loop tile takes 2 + mbc slots (its two g boxes and mbc Vt blocks): at S
+// <= 128 (mbc <= 2) 2.75 tiles in flight, at S >= 512 about 1.1 (3 slots of 32 KB: under one, 0.3).
+constexpr int kAbStages16 = 11;
+constexpr size_t kAbSmemBytes16 = 4ull * (3 * 4096 + kAbStages16 * 4096) + 8 * (2 * kAbStages16 + 2);
+static_assert(kAbSmemBytes <= 232448 && kAbSmemBytes16 <= 232448, "opm_bw_ab_kernel: sm_90's 227 KB per block");
 __host__ __device__ __forceinline__ int ab_off(int n, int kap) {
   return (n >> 3) * 1024 + (kap >> 2) * 32 + (n & 7) * 4 + (kap & 3);
 }
@@ -130,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // slice sl of 2 channels c1, s chunk sc of up to 512 rows): x = ((b*NOT + ot)*16 + sl)*NSC + sc.
 // Warps 0-7: two consumer warpgroups; warp 8's thread 256 issues the copies (g by tensor-map boxes, Wt
 // and Vt by bulk copies; opm_outer_wg_kernel's structure). Shared memory: the slice's Wt planes (64 KB,
-// once), the G^T operand Gt (64 KB), a ring of kAbStages 32 KB slots. Per loop tile J of 4 residues
+// once), the G^T operand Gt (64 KB), a ring of kAbStages 32 KB slots (16-bit T: above). Per loop tile J of 4 residues
 // (l = 4 J + 2 w + ll for warpgroup w):
 //   G step: warpgroup w's 64 rows r = 32 ll + ol (pairs), 64 columns n = (c1 - 2 sl, c2), K = c_z
 //     rounded to 16: wgmma m64n64k8 with A = its g slot (float4 per row and 16 z, split on load) and B =
@@ -157,8 +156,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_ab_prep_kernel(
 // earlier data, finite for finite inputs), against zero rows of Wt; the 16-bit G step loads zeros there.
 // ---------------------------------------------------------------------------------------------
 // O: out's element type, float, or T (16-bit T only; each pair of channels rounded once, a 4-byte store).
-// kDeep: the deep ring above (16-bit T).
-template <int kForm, typename T, typename O = float, bool kDeep = false>
+template <int kForm, typename T, typename O = float>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
     const float* __restrict__ Vt, const float* __restrict__ Wt, const __grid_constant__ CUtensorMap tm_g,
     const float* __restrict__ inv_denom, O* __restrict__ out, int64_t B, int64_t S, int64_t N, int cz,
@@ -166,10 +164,11 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
-  constexpr int kStages = kDeep ? kAbStagesDeep : kAbStages, kSlot = kDeep ? 4096 : 8192;  // slots, floats each
-  float* Ws = sm;                                  // Wt slice: hi, lo
-  float* Gt = sm + (kDeep ? 4096 : kAbOperand);    // G^T: hi, lo
-  float* ring = Gt + (kDeep ? 8192 : kAbOperand);  // kStages x kSlot
+  constexpr bool kHalf = !std::is_same_v<T, float>;
+  constexpr int kStages = kHalf ? kAbStages16 : kAbStages, kSlot = kHalf ? 4096 : 8192;  // slots, floats each
+  float* Ws = sm;                                  // Wt slice: hi, lo (16-bit T: one plane)
+  float* Gt = sm + (kHalf ? 4096 : kAbOperand);    // G^T: hi, lo (16-bit T: two buffers of one plane)
+  float* ring = Gt + (kHalf ? 8192 : kAbOperand);  // kStages x kSlot
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * kSlot);
   uint64_t* empty = full + kStages;
   uint64_t* wbar = empty + kStages;
@@ -177,9 +176,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_ab_kernel(
   const int64_t x = blockIdx.x, sc = x % NSC, sl = x / NSC % 16, ot = x / NSC / 16 % NOT, b = x / NSC / 16 / NOT;
   const int mbc = static_cast<int>(min64(8, SB - 8 * sc));  // 64-row s blocks of this chunk
   const int kp = (cz + 15) / 16;                             // pairs of k steps in the G step (16-bit: k steps)
-  constexpr bool kHalf = !std::is_same_v<T, float>;
   static_assert(std::is_same_v<O, float> || std::is_same_v<O, T>, "out: float32, or T (16-bit T)");
-  static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr unsigned kVtBytes = kHalf ? 2 * 8192 : 4 * 8192;  // one 64 x 128 Vt block
   for (int e = tid; e < kStages * kSlot / 4; e += kOwThreads)
     reinterpret_cast<float4*>(ring)[e] = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -58,15 +58,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 // it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most
 // chunk_bytes (at least one tile; with split_j, where one tile's planes exceed chunk_bytes, chunks of one tile's
 // j blocks instead: opm_bw_wo_kernel<T, true>, not yet checked on a GPU); each chunk's block partials are added
-// into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j). deep_ring (16-bit ops
-// only): the kernel's deep ring (kDeep: 9 slots of 16 KB, not 4 of 32 KB; the same sums).
+// into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j).
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops,
-                           int64_t chunk_bytes, bool split_j, bool deep_ring) {
+                           int64_t chunk_bytes, bool split_j) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda(),
               "outer_product_mean: opm_backward_wo takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_wo: ops is split, float16 or bfloat16, got ", ops);
-  TORCH_CHECK(half || !deep_ring, "outer_product_mean: opm_backward_wo: deep_ring needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_wo takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -82,8 +80,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(a.get_device());
-  const size_t smem = deep_ring ? kBwoSmemBytesDeep : kBwoSmemBytes;
-  TORCH_CHECK(d.ow_ok && smem <= static_cast<size_t>(d.smem_optin),
+  TORCH_CHECK(d.ow_ok && kBwoSmemBytes <= static_cast<size_t>(d.smem_optin),
               "outer_product_mean: opm_backward_wo needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous();
   at::Tensor gc = g.contiguous();
@@ -105,7 +102,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   const int groups = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * NITc * NJc, d.sms / kBwNSL)));
   at::Tensor part = at::empty({static_cast<int64_t>(kBwNSL) * groups * 2 * 8192}, f32);
   auto run = [&](auto wo_kernel, auto wo_prep_kernel) {
-    set_smem(wo_kernel, smem, d, "the backward's dWo kernel");
+    set_smem(wo_kernel, kBwoSmemBytes, d, "the backward's dWo kernel");
     for (int64_t it0 = 0; it0 < NIT; it0 += NITc)
       for (int64_t jt0 = 0; jt0 < NBB; jt0 += NJc) {
         const int64_t nitc = std::min<int64_t>(NITc, NIT - it0), njc = std::min<int64_t>(NJc, NBB - jt0);
@@ -119,7 +116,7 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
             nitc, jt0, njc);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const int g_wo = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(B * nitc * njc, groups)));
-        wo_kernel<<<kBwNSL * g_wo, kOwThreads, smem, stream>>>(
+        wo_kernel<<<kBwNSL * g_wo, kOwThreads, kBwoSmemBytes, stream>>>(
             Abw.data_ptr<float>(), Bbw.data_ptr<float>(), Gbw.data_ptr<float>(), part.data_ptr<float>(), B, KB16, NIT,
             NBB, it0, nitc, jt0, njc);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -131,12 +128,8 @@ at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at:
   auto typed = [&](auto split_c) {  // split_c: std::bool_constant<split>
     constexpr bool kS = decltype(split_c)::value;
     if (!half) run(opm_bw_wo_kernel<float, kS>, opm_bw_wo_prep_kernel<float, kS>);
-    else if (ops == "float16")
-      run(deep_ring ? opm_bw_wo_kernel<__half, kS, true> : opm_bw_wo_kernel<__half, kS>,
-          opm_bw_wo_prep_kernel<__half, kS>);
-    else
-      run(deep_ring ? opm_bw_wo_kernel<__nv_bfloat16, kS, true> : opm_bw_wo_kernel<__nv_bfloat16, kS>,
-          opm_bw_wo_prep_kernel<__nv_bfloat16, kS>);
+    else if (ops == "float16") run(opm_bw_wo_kernel<__half, kS>, opm_bw_wo_prep_kernel<__half, kS>);
+    else run(opm_bw_wo_kernel<__nv_bfloat16, kS>, opm_bw_wo_prep_kernel<__nv_bfloat16, kS>);
   };
   if (split) typed(std::true_type{});
   else typed(std::false_type{});
@@ -167,15 +160,13 @@ CUtensorMap make_g_map(const at::Tensor& g, unsigned box_j, unsigned box_i) {
 // strides), wo (c_z, 1024) fp32, CUDA, on a device where outer_wg runs. ops: "split" (split TF32; g fp32,
 // c_z % 4 == 0) or "float16" / "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded
 // to it, opm_bw_ab_kernel<form, T>). Returns (da, db): float32, or with out_t (16-bit ops only) in ops's type.
-// deep_ring (16-bit ops only): the kernels' deep ring (kDeep: 11 slots of 16 KB, not 3 of 32 KB; the same sums).
 std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g,
-                                                   at::Tensor wo, const std::string& ops, bool out_t, bool deep_ring) {
+                                                   at::Tensor wo, const std::string& ops, bool out_t) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && inv_denom.is_cuda() && g.is_cuda() && wo.is_cuda(),
               "outer_product_mean: opm_backward_ab takes CUDA tensors");
   const bool half = ops == "float16" || ops == "bfloat16";
   TORCH_CHECK(half || ops == "split", "outer_product_mean: opm_backward_ab: ops is split, float16 or bfloat16, got ", ops);
   TORCH_CHECK(half || !out_t, "outer_product_mean: opm_backward_ab: out_t needs float16 or bfloat16 ops");
-  TORCH_CHECK(half || !deep_ring, "outer_product_mean: opm_backward_ab: deep_ring needs float16 or bfloat16 ops");
   for (const at::Tensor* t : {&a, &b, &inv_denom, &wo})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "outer_product_mean: opm_backward_ab takes float32, got ", dtype_str(*t));
   TORCH_CHECK(g.scalar_type() == (ops == "float16" ? at::kHalf : ops == "bfloat16" ? at::kBFloat16 : at::kFloat),
@@ -192,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DevInfo d = dev_info(a.get_device());
-  const size_t smem = deep_ring ? kAbSmemBytesDeep : kAbSmemBytes;
+  const size_t smem = half ? kAbSmemBytes16 : kAbSmemBytes;
   TORCH_CHECK(d.ow_ok && smem <= static_cast<size_t>(d.smem_optin),
               "outer_product_mean: opm_backward_ab needs a compute capability 9.0 device and an sm_90a build");
   const at::Tensor ac = a.contiguous(), bc = b.contiguous(), ic = inv_denom.contiguous(), wc = wo.contiguous();
@@ -220,9 +211,8 @@ std::tuple<at::Tensor, at::Tensor> opm_backward_ab(at::Tensor a, at::Tensor b, a
   auto run = [&](auto* tp, auto* op) {  // null pointers of the products' type T and out's type O
     using T = std::remove_pointer_t<decltype(tp)>;
     using O = std::remove_pointer_t<decltype(op)>;
-    constexpr bool kHalfT = !std::is_same_v<T, float>;
-    const auto da_kernel = deep_ring ? opm_bw_ab_kernel<0, T, O, kHalfT> : opm_bw_ab_kernel<0, T, O>;
-    const auto db_kernel = deep_ring ? opm_bw_ab_kernel<1, T, O, kHalfT> : opm_bw_ab_kernel<1, T, O>;
+    const auto da_kernel = opm_bw_ab_kernel<0, T, O>;
+    const auto db_kernel = opm_bw_ab_kernel<1, T, O>;
     set_smem(da_kernel, smem, d, "the backward's da kernel");
     da_kernel<<<static_cast<unsigned>(blocks), kOwThreads, smem, stream>>>(
         vt, wt, make_g_map(gc, 2, 32), ic.data_ptr<float>(), reinterpret_cast<O*>(da.data_ptr()), B, S, N, cz, NJT, SB,

@@ -33,11 +33,6 @@ constexpr int kBwNSL = 16;        // hk slices of 64 (2 h each)
 constexpr int kBwLDO = 64 + 8;    // Os row stride (pairs x hk): 8 mod 32 words, conflict-free A fragments
 constexpr int kBwoStages = 4;
 constexpr size_t kBwoSmemBytes = 4ull * (kBwoStages * kOwStage + 2 * 128 * kBwLDO) + 16 * kBwoStages;
-// The deep ring (kDeep, 16-bit T only): kBwoStagesDeep slots of 16 KB (4096 floats: a 32-s phase-A stage or a G
-// slot in T, each of which fills only half of a 32 KB slot): 9 slots in flight, where 4 of 32 KB hold 4.
-constexpr int kBwoStagesDeep = 9;
-constexpr size_t kBwoSmemBytesDeep = 4ull * (kBwoStagesDeep * 4096 + 2 * 128 * kBwLDO) + 16 * kBwoStagesDeep;
-static_assert(kBwoSmemBytes <= 232448 && kBwoSmemBytesDeep <= 232448, "opm_bw_wo_kernel: sm_90's 227 KB per block");
 __host__ __device__ __forceinline__ int wo_off16(int r, int k) { return (r >> 3) * 128 + (k >> 2) * 32 + (r & 7) * 4 + (k & 3); }
 // The pair at position P (0..31) of a 16-bit G slot: the A fragment of k position kk = P % 16 of k step
 // ks = P / 16 holds Os rows 16 ks + t4 + 4 e + 8 h for kk = 2 t4 + e + 8 h (8 t4 words apart: no bank
@@ -202,8 +197,7 @@ __global__ void __launch_bounds__(kThreads) opm_bw_wo_prep_kernel(
 // loaded (rows wo_pair16: conflict-free), a fresh accumulator per 64 pairs; each operand rounded to T,
 // as the reference in that dtype rounds O and g / d.
 // ---------------------------------------------------------------------------------------------
-// kDeep: the deep ring above (16-bit T).
-template <typename T, bool kSplitJ = false, bool kDeep = false>
+template <typename T, bool kSplitJ = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
     const float* __restrict__ Abw, const float* __restrict__ Bbw, const float* __restrict__ Gbw,
     float* __restrict__ part, int64_t B, int64_t KB16, int64_t NIT, int64_t NBB, int64_t it0, int64_t NITc,
@@ -211,39 +205,37 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
 #if defined(OPM_WG_DEVICE)
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
-  constexpr int kStages = kDeep ? kBwoStagesDeep : kBwoStages, kSlot = kDeep ? 4096 : kOwStage;  // slots, floats each
-  float* Os = sm + kStages * kSlot;
+  float* Os = sm + kBwoStages * kOwStage;
   uint64_t* full = reinterpret_cast<uint64_t*>(Os + 2 * 128 * kBwLDO);
-  uint64_t* empty = full + kStages;
+  uint64_t* empty = full + kBwoStages;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t sl = blockIdx.x % kBwNSL, gr = blockIdx.x / kBwNSL, groups = gridDim.x / kBwNSL;
   const int64_t NJ = kSplitJ ? NJc : NBB, j0 = kSplitJ ? jt0 : 0;  // the chunk's j blocks (as the prep's)
   const int64_t MB = 2 * NIT, total = B * NITc * NJ;
   const int kbs = static_cast<int>(KB16);
   constexpr bool kHalf = !std::is_same_v<T, float>;
-  static_assert(kHalf || !kDeep, "the deep ring: 16-bit T only");
   constexpr int kABlk = kHalf ? kOwABlk16 / 2 : 2 * kOwAPlane, kBBlk = kHalf ? kOwBBlk16 / 2 : 2 * kOwBPlane;  // floats
   // G slots per tile and per 64 pairs, floats per slot: 16 pairs per slot split, 32 in T
   constexpr int kSlots = kHalf ? 4 : 8, kPer64 = kHalf ? 2 : 4, kGSlot = kHalf ? 4096 : kOwStage;
-  if (tid == 0) mbar_ring_init(full, empty, kStages);
+  if (tid == 0) mbar_ring_init(full, empty, kBwoStages);
   __syncthreads();
   if (wg == kProducerWg) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kOwProducerRegs));
     if (tid == kProducerThread) {
       uint32_t u = 0;  // (32 bits, as outer_wg's)
       auto slot = [&](unsigned bytes) -> float* {
-        const int st = static_cast<int>(u % kStages);
-        if (u >= kStages) mbar_wait(empty + st, (u / kStages - 1) & 1);
+        const int st = static_cast<int>(u % kBwoStages);
+        if (u >= kBwoStages) mbar_wait(empty + st, (u / kBwoStages - 1) & 1);
         mbar_expect_tx(full + st, bytes);
         ++u;
-        return sm + st * kSlot;
+        return sm + st * kOwStage;
       };
       for (int64_t t = gr; t < total; t += groups) {
         const int64_t itc = t % NITc, it = it0 + itc, jtc = (t / NITc) % NJ, jt = j0 + jtc, b = t / (NITc * NJ);
         const float* a = Abw + ((b * kBwNSL + sl) * KB16 * MB + 2 * it) * kABlk;
         const float* bb = Bbw + (b * NBB + jt) * KB16 * kBBlk;
         for (int kb = 0; kb < kbs; ++kb) {
-          const int st = static_cast<int>(u % kStages);
+          const int st = static_cast<int>(u % kBwoStages);
           const float* ak = a + kb * MB * kABlk;
           const float* bk = bb + kb * kBBlk;
           if constexpr (kHalf) {  // both 32-row blocks of a, then b (32 s each)
@@ -258,7 +250,7 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
         }
         const float* gt = Gbw + ((b * NITc + itc) * NJ + jtc) * kSlots * kGSlot;
         for (int c = 0; c < kSlots; ++c) {
-          const int st = static_cast<int>(u % kStages);
+          const int st = static_cast<int>(u % kBwoStages);
           float* dst = slot(4 * kGSlot);
           bulk_copy(dst, gt + c * kGSlot, 4 * kGSlot, full + st);
         }
@@ -271,13 +263,13 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_bw_wo_kernel(
   float* Os_w = Os + wg * 128 * kBwLDO;
   uint32_t u = 0;
   auto wait_full = [&]() -> const float* {
-    const int st = static_cast<int>(u % kStages);
-    mbar_wait(full + st, (u / kStages) & 1);
+    const int st = static_cast<int>(u % kBwoStages);
+    mbar_wait(full + st, (u / kBwoStages) & 1);
     ++u;
-    return sm + st * kSlot;
+    return sm + st * kOwStage;
   };
   auto release = [&](uint32_t us) {
-    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kStages));
+    if (lane == 0) mbar_arrive(empty + static_cast<int>(us % kBwoStages));
   };
   float D[2][32], dz[2][32];
 #pragma unroll

@@ -215,8 +215,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, BACKWARD_DEEP_RING), which must be True or False: an assigned "0" would
-    otherwise read as on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as
+    on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -268,13 +268,7 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # checked on a GPU; OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read by each low-memory backward
 # whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
-# The rings of copies of the 16-bit dWo and da, db kernels (opm_backward_wo's and opm_backward_ab's deep_ring), slots
-# of 16 KB (each 16-bit stage's size) with True: dWo 9 (4 with False), da, db 11 (3 with False; a loop tile takes 2 +
-# ceil(S / 64), at most 10: 2.75 tiles at S <= 128 where 3 hold under one); with False the fp32 kernels' 32 KB slots,
-# half-filled. The same sums either way. False (the default) until checked on a GPU; OPM_BACKWARD_DEEP_RING ("1" / "0") at import, then this attribute, read
-# by each backward whose dWo or da, db run in their kernels on fp16 / bf16 products.
-BACKWARD_DEEP_RING = _env_flag("OPM_BACKWARD_DEEP_RING", False)
-# Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
+# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -483,16 +477,14 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
-        deep_ring = ops != "split" and _flag("BACKWARD_DEEP_RING")
     if wo_in_kernel:
         d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20,
-                                    low_memory and _flag("LOW_MEMORY_SPLIT_J"), deep_ring)
+                                    low_memory and _flag("LOW_MEMORY_SPLIT_J"))
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
     if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
         da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
-                                      low_memory and ops != "split" and ln_in_kernel,
-                                      deep_ring)
+                                      low_memory and ops != "split" and ln_in_kernel)
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
