@@ -6450,7 +6450,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> opm_backward_rows(at::Tensor msa,
 // TF32, g fp32), "float16" or "bfloat16" (g in that type, c_z % 8 == 0; the products' operands rounded to
 // it, opm_bw_wo_kernel<T>). Returns dwo (c_z, 1024) fp32. The G planes go in chunks of i tiles of at most
 // chunk_bytes (at least one tile; with split_j, where one tile's planes exceed chunk_bytes, chunks of one tile's
-// j blocks instead: opm_bw_wo_kernel<T, true>, not yet checked on a GPU); each chunk's block partials are added
+// j blocks instead: opm_bw_wo_kernel<T, true>); each chunk's block partials are added
 // into dwo in order (a fixed summation order for a given device, chunk_bytes and split_j).
 at::Tensor opm_backward_wo(at::Tensor a, at::Tensor b, at::Tensor inv_denom, at::Tensor g, const std::string& ops,
                            int64_t chunk_bytes, bool split_j) {
@@ -7096,16 +7096,16 @@ PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # type for the LayerNorm kernel (else float32), its block partials written over da, db, and the storage of the forward's
 # a, b (saved for the backward like the other tensors, so saved-tensor hooks see them) freed once da, db are formed: a
 # second backward through the graph recomputes them, and a hook that keeps the tensors its unpack returned finds them
-# empty. True (the default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1193 in fp32, the step 2-3% slower
-# there (bf5a78f; NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute,
-# read at each forward (its backward follows the value its forward saw).
+# empty. True (the default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1185 in fp32 (with
+# LOW_MEMORY_SPLIT_J), the step 2-3% slower there (bf5a78f; NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD
+# ("1" / "0") at import, then this attribute, read at each forward (its backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # With LOW_MEMORY_BACKWARD on, where one 64-residue i tile's G planes exceed the 32 MB chunk (fp32 at N = 1024, B = 1:
-# 64 MB), chunks of that tile's j blocks instead (opm_backward_wo's split_j): there the dWo part's peak 32 MB lower and
-# the fp32 step's peak at long 1192.5 -> ~1185 MiB predicted (then set by the LayerNorm part). False (the default) until
-# checked on a GPU; OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read by each low-memory backward
-# whose dWo runs in its kernel.
-LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", False)
+# 64 MB), chunks of that tile's j blocks instead (opm_backward_wo's split_j; True, the default): there the dWo part's
+# peak 32 MB lower, the fp32 step's peak at long 1192.5 -> 1184.6 MiB (then set by the LayerNorm part), the step 1.3%
+# slower (NOTES.md); False: one tile per chunk. OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read
+# by each low-memory backward whose dWo runs in its kernel.
+LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", True)
 # Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
 
 

@@ -418,7 +418,7 @@ def test_pair_row_scale_clamp_equals_the_cap():
 def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
     """_env_flag (OPM_PAIR_G_KERNEL, OPM_PAIR_COUNTS_DMMA, OPM_PAIR_COUNTS_RING, OPM_PAIR_COUNTS_HMMA,
     OPM_LOW_MEMORY_BACKWARD, OPM_LOW_MEMORY_SPLIT_J): unset -> the default, "1" / "0" -> on / off, any other value
-    raises naming the variable; the first five default to on, the last to off; _pair_counts maps the counts' three to
+    raises naming the variable; all six default to on; _pair_counts maps the counts' three to
     the kernel code (0 FMA, 1 DMMA, 2 the ring, 3 the ring on HMMA); an attribute set to anything but True / False
     raises."""
     name = "OPM_TEST_FLAG"
@@ -437,7 +437,7 @@ def test_pair_settings_read_0_or_1_from_the_environment(opm, monkeypatch):
         assert opm.PAIR_G_KERNEL is True and opm.PAIR_COUNTS_DMMA is True and opm.PAIR_COUNTS_RING is True
         assert opm.PAIR_COUNTS_HMMA is True and opm.LOW_MEMORY_BACKWARD is True
     if "OPM_LOW_MEMORY_SPLIT_J" not in os.environ:
-        assert opm.LOW_MEMORY_SPLIT_J is False
+        assert opm.LOW_MEMORY_SPLIT_J is True
     for dmma, ring, hmma, code in ((False, False, True, 0), (False, True, True, 0), (True, False, True, 1),
                                    (True, True, False, 2), (True, True, True, 3)):
         monkeypatch.setattr(opm, "PAIR_COUNTS_DMMA", dmma)
