@@ -259,8 +259,9 @@ PAIR_COUNTS_HMMA = _env_flag("OPM_PAIR_COUNTS_HMMA", True)
 # a, b (saved for the backward like the other tensors, so saved-tensor hooks see them) freed once da, db are formed: a
 # second backward through the graph recomputes them, and a hook that keeps the tensors its unpack returned finds them
 # empty. True (the default): a step's peak at long 826 -> 602 MiB in 16 bits, 1385 -> 1185 in fp32 (with
-# LOW_MEMORY_SPLIT_J), the step 2-3% slower there (bf5a78f; NOTES.md); False: the faster step. OPM_LOW_MEMORY_BACKWARD
-# ("1" / "0") at import, then this attribute, read at each forward (its backward follows the value its forward saw).
+# LOW_MEMORY_SPLIT_J), the step 2-3% slower there (bf5a78f; NOTES.md; fp32 +1.3% more for LOW_MEMORY_SPLIT_J); False:
+# the faster step. OPM_LOW_MEMORY_BACKWARD ("1" / "0") at import, then this attribute, read at each forward (its
+# backward follows the value its forward saw).
 LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # With LOW_MEMORY_BACKWARD on, where one 64-residue i tile's G planes exceed the 32 MB chunk (fp32 at N = 1024, B = 1:
 # 64 MB), chunks of that tile's j blocks instead (opm_backward_wo's split_j; True, the default): there the dWo part's
