@@ -149,21 +149,6 @@ def _caps(opm):
     return tuple(opm._ext.opm_device_caps(torch.cuda.current_device())) if HAS_CUDA else (False, False, False)
 
 
-_CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}  # the kernels' 16-bit template arguments
-
-
-def _kernels_seen(fn, *names):
-    """fn()'s result, run under torch.profiler and synchronised, after asserting that each of names is part of a
-    CUDA kernel's name among those it launched."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = fn()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    for name in names:
-        assert any(name in k for k in kernels), (name, sorted(set(kernels)))
-    return out
-
-
 def _runs_here(opm, variant, c=None):
     """Whether `variant` runs on this GPU: in ModelNew.VARIANTS (the Hopper ones, w_first_wg2 and
     outer_wg, only on an H100 / H200 with the sm_90a build) and, given hidden_dim c, not outer_wg or
@@ -1088,15 +1073,19 @@ def test_backward_ab_16_bit_against_fp64(opm, dtype, B, S, N, cz, out_t):
     tiles, two s chunks (S = 530: a loop tile's 10 slots), pair_dim 8 to 128, B = 2, out in float32 and in T."""
     if not _caps(opm)[2]:
         pytest.skip("the da / db kernel needs a Hopper GPU and an sm_90a build")
-    ops = "float16" if dtype == torch.float16 else "bfloat16"
+    ops, ctype = ("float16", "__half") if dtype == torch.float16 else ("bfloat16", "__nv_bfloat16")
     gen = torch.Generator().manual_seed(B + S + N + cz)
     a, b = (torch.randn(B, S, N, 32, generator=gen).cuda() for _ in range(2))
     inv_d = (torch.rand(B, N, generator=gen) + 0.1).cuda()
     g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
     wo = (torch.randn(cz, 1024, generator=gen) / cz**0.5).cuda()
-    out_c = _CTYPE[dtype] if out_t else "float"
-    got = _kernels_seen(lambda: opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t),
-                        *(f"opm_bw_ab_kernel<{f}, {_CTYPE[dtype]}, {out_c}>" for f in (0, 1)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for f in (0, 1):
+        kernel = f"opm_bw_ab_kernel<{f}, {ctype}, {ctype if out_t else 'float'}>"
+        assert any(kernel in n for n in names), (kernel, sorted(set(names)))
     again = opm._ext.opm_backward_ab(a, b, inv_d, g, wo, ops, out_t)
     G = torch.einsum("bijz,zq->bijq", g.double() * inv_d.double()[:, :, None, None], wo.to(dtype).double())
     G = G.reshape(B, N, N, 32, 32)
