@@ -891,6 +891,17 @@ def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, dtype, B, N, 
         assert e_f <= max(2 * e_o, floor), f"{name}: fused {e_f:.2e} vs ops {e_o:.2e} (relative to the largest)"
 
 
+def test_backward_precision_tool_emulates_the_backward(load_module):
+    """tools/cm_backward_precision.py on one of the fused-backward test's cases, fp16 inputs: with fp32 operands every
+    gradient is within the test's bound (the emulation's formulas are the backward's: a wrong or missing term would
+    exceed it), with bf16 operands some gradient is not (the operand rounding reaches the gradients). CPU only."""
+    tool = load_module("tools/cm_backward_precision.py")
+    ref = load_module("reference/contact_map.py")
+    result = tool.check_case(ref, tool.CASES[1], torch.float16, ["fp32", "bf16"])
+    assert result["fp32"][1] == 0 and result["fp32"][0] <= 1.0, result
+    assert result["bf16"][1] > 0, result
+
+
 @gpu
 @needs_cuda
 def test_fused_backward_is_two_kernels_with_each_parameters_dtype(cm, ref):
