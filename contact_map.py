@@ -2993,7 +2993,8 @@ namespace contact_map {
 // the tile's positions, added to totals in registers that stay for the block's tiles; dgamma, dbeta and db1
 // (column sums by one thread each) and dw3, db2, db3 (per warp) add up in shared memory. Each block writes
 // one fp32 partial of every parameter gradient; bw_sum_partials_kernel sums them in fp64. 16 warps of at
-// most 128 registers each (4 per scheduler).
+// most 128 registers each (4 per scheduler). F16 (bfloat16 input, BACKWARD_FP16_PRODUCTS): the four backward
+// products (dW2, dh1, dW1, ds) on fp16 operands (bw_gemm16), h1 and h2 in split TF32 as always.
 //
 // The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
 // evaluations, and one position on the other side changes a weight's gradient by a whole term (several
@@ -3088,6 +3089,52 @@ __device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __re
       }
     }
   }
+}
+
+// bw_gemm's product with fp16 operands: each k16 step one m16n8k16 per n tile, A and B rounded to fp16 (round to
+// nearest) as they are loaded, fp32 accumulation; K a multiple of 16. The same strips and accumulator layout as
+// bw_gemm (m16n8k16's C fragment is m16n8k8's). For bfloat16 input only (BACKWARD_FP16_PRODUCTS): fp16 operands
+// keep every gradient of the fused-backward test within its bound there (tools/cm_backward_precision.py), bf16
+// operands do not, nor do fp16 operands for fp16 input.
+template <int R, bool RELU_A, bool RELU_B>
+__device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
+                                          const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
+                                          int warp, int lane) {
+  if (warp >= nstrips) return;
+  asm volatile("" : "+r"(lane));  // the fragment addresses recomputed per call, not held across the tile loop
+  const int g = lane >> 2, t = lane & 3;
+  const float* pa = A + ((warp % MT) * 16 + g) * am + 2 * t * ak;
+  const float* pb = Bm + g * bn + 2 * t * bk;
+  auto a2 = [&](int k, int m) {  // A(m0 + g + m, k0 + 2t + k) and its k + 1 neighbour, as one fp16 pair
+    return pack2<__half>(bw_ld<RELU_A>(pa[k * ak + m * am]), bw_ld<RELU_A>(pa[(k + 1) * ak + m * am]));
+  };
+#pragma unroll 1
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    const uint32_t a[4] = {a2(k0, 0), a2(k0, 8), a2(k0 + 8, 0), a2(k0 + 8, 8)};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int s = warp + bwd::kWarps * r;
+      if (s < nstrips) {
+        const float* b = pb + (s / MT) * 16 * bn + k0 * bk;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const float* bc = b + 8 * n * bn;
+          const uint32_t b0 = pack2<__half>(bw_ld<RELU_B>(bc[0]), bw_ld<RELU_B>(bc[bk]));
+          const uint32_t b1 = pack2<__half>(bw_ld<RELU_B>(bc[8 * bk]), bw_ld<RELU_B>(bc[9 * bk]));
+          mma_16bit<__half>(acc[r][n], a, b0, b1);
+        }
+      }
+    }
+  }
+}
+
+// The backward's products (dW2, dh1, dW1, ds): bw_gemm, or bw_gemm16 where F16.
+template <bool F16, int R, bool RELU_A, bool RELU_B>
+__device__ __forceinline__ void bw_gemm_back(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
+                                             const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
+                                             int warp, int lane) {
+  if constexpr (F16) bw_gemm16<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
+  else bw_gemm<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
 }
 
 // total += part, element by element.
@@ -3245,7 +3292,7 @@ __device__ __forceinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int 
   __syncwarp();
 }
 
-template <typename T>
+template <typename T, bool F16>
 __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(const BwArgs<T> a) {
   using namespace bwd;
   extern __shared__ __align__(16) float sm[];
@@ -3463,10 +3510,10 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     {  // dW2 += dh2^T relu(h1) (K = 64 positions); dh1 = (dh2 W2) [h1 > 0] into h2s
       float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm<1, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
+      bw_gemm_back<F16, 1, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
       bw_add(dw2, acc);
       bw_zero(acc);
-      bw_gemm<1, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H, warp, lane);
+      bw_gemm_back<F16, 1, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H, warp, lane);
       __syncthreads();
       bw_each(acc, 4, H / 4, warp, lane,
               [&](int p, int u, float v) { h2s[p * ldh + u] = h1s[p * ldh + u] > 0.f ? v : 0.f; });
@@ -3475,7 +3522,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss
       float acc[2][2][4];
       bw_zero(acc);
-      bw_gemm<2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
+      bw_gemm_back<F16, 2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
       bw_add(dw1, acc);
       if (tid < H) {
         float d = 0.f;
@@ -3483,7 +3530,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         cacc[2 * C + tid] += d;
       }
       bw_zero(acc);
-      bw_gemm<2, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H, warp, lane);
+      bw_gemm_back<F16, 2, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H, warp, lane);
       __syncthreads();
       const float inv_w = diag ? 1.f : 0.5f;
       bw_each(acc, 4, C / 4, warp, lane, [&](int p, int c, float v) { ss[p * ldx + c] = v * inv_w; });
@@ -3597,11 +3644,11 @@ __global__ void __launch_bounds__(256) bw_sum_partials_kernel(const float* __res
   }
 }
 
-template <typename T>
+template <typename T, bool F16>
 void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cudaStream_t stream) {
-  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T>), device,
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16>), device,
                           static_cast<int>(smem));
-  contact_map_backward_kernel<T><<<grid, bwd::kThreads, smem, stream>>>(a);
+  contact_map_backward_kernel<T, F16><<<grid, bwd::kThreads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -3616,10 +3663,11 @@ namespace contact_map {
 // parameter's gradient in its shape and dtype (float32, float16, bfloat16 or float64). pair (B, N, N, C) fp32 /
 // fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). Two
 // launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel. Raises
-// where backward_supported is false.
+// where backward_supported is false. fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1,
+// ds) on fp16 operands (bw_gemm16); other dtypes ignore it.
 std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
                                     torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
-                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out) {
+                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products) {
   const auto dtype = pair.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kHalf || dtype == torch::kBFloat16,
               "contact_map backward: pair_repr must be float32, float16 or bfloat16, got ", c10::toString(dtype));
@@ -3684,7 +3732,13 @@ std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torc
                 b2c.data_ptr<float>(), w3c.data_ptr<float>(), b3c.data_ptr<float>(),
                 reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), eps, static_cast<int>(B),
                 static_cast<int>(N), static_cast<int>(C), static_cast<int>(H)};
-    launch_backward<T>(a, grid, smem, device, stream);
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      if (fp16_products) {
+        launch_backward<T, true>(a, grid, smem, device, stream);
+        return;
+      }
+    }
+    launch_backward<T, false>(a, grid, smem, device, stream);
   };
   if (dtype == torch::kFloat32) run(float{});
   else if (dtype == torch::kHalf) run(__half{});
@@ -4116,8 +4170,18 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     every parameter gradient per block; a second kernel sums the partials in float64 and writes each gradient
     in its parameter's dtype: for a contiguous pair and float32 parameters and grad_out, two launches and no
     other torch op (others are converted to float32 first, a strided pair copied). Only where
-    fused_backward_runs() is True (otherwise the extension raises)."""
-    return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out))
+    fused_backward_runs() is True (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS
+    on, the four backward products (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of
+    split TF32 (h1 and h2, whose ReLU masks the fp64 recomputation guards, stay in split TF32)."""
+    if not isinstance(BACKWARD_FP16_PRODUCTS, bool):
+        raise ValueError(f"contact_map: BACKWARD_FP16_PRODUCTS must be True or False, got {BACKWARD_FP16_PRODUCTS!r}")
+    return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out,
+                               BACKWARD_FP16_PRODUCTS))
+
+
+# The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused): off until it has
+# passed on a GPU.
+BACKWARD_FP16_PRODUCTS = False
 
 
 _FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool

@@ -874,6 +874,43 @@ def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, dtype, B, N, 
     max(2x the ops backward's, a floor: 1e-5 in fp32, 2^-11 in fp16, 2^-8 in bf16). Shapes and dtypes equal the
     ops backward's; d_pair finite after a NaN-filled block of its size is freed just before the call (the
     caching allocator's usual reuse); a repeat call bit-equal (fixed tile order, partials summed in order)."""
+    _check_fused_backward(cm, ref, dtype, B, N, C, H, dist)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("B, N, C, H, dist", [
+    (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 40, 48, 16, "uniform"), (3, 9, 96, 32, "heavy"),
+    (1, 1, 64, 32, "normal"), (1, 130, 128, 32, "normal"), (2, 64, 128, 64, "uniform"),
+])
+def test_fused_backward_fp16_products_on_bf16(cm, ref, monkeypatch, B, N, C, H, dist):
+    """BACKWARD_FP16_PRODUCTS on, bfloat16 input: the same checks as the split-TF32 products pass (the bound of
+    test_fused_backward_against_fp64_and_the_ops_backward, a repeat call bit-equal)."""
+    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", True)
+    _check_fused_backward(cm, ref, torch.bfloat16, B, N, C, H, dist)
+
+
+@gpu
+@needs_cuda
+def test_fused_backward_fp16_products_run_only_for_bf16(cm, ref, monkeypatch):
+    """BACKWARD_FP16_PRODUCTS on: a bfloat16 pair runs the kernel's fp16-product instance, float16 and float32 pairs
+    their own (the setting does not apply to them); a value other than True / False raises."""
+    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", True)
+    for dtype, name in ((torch.bfloat16, "<__nv_bfloat16, true>"), (torch.float16, "<__half, false>"),
+                        (torch.float32, "<float, false>")):
+        x, params, g = _backward_case(ref, 1, 17, 64, 32, "normal", dtype, seed=5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert any("contact_map_backward_kernel" + name in n for n in names), (dtype, names)
+    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", 1)
+    with pytest.raises(ValueError, match="BACKWARD_FP16_PRODUCTS"):
+        cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
+
+
+def _check_fused_backward(cm, ref, dtype, B, N, C, H, dist):
+    """test_fused_backward_against_fp64_and_the_ops_backward's checks for one case."""
     x, params, g = _backward_case(ref, B, N, C, H, dist, dtype, seed=B * 1000 + N + C + H)
     assert cm.fused_backward_runs(x, params[2])
     junk = torch.full(x.shape, float("nan"), dtype=dtype, device="cuda")
@@ -917,7 +954,7 @@ def test_fused_backward_is_two_kernels_with_each_parameters_dtype(cm, ref):
     on_gpu = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)
               if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(on_gpu) == 2, on_gpu
-    assert "contact_map_backward_kernel<float>" in on_gpu[0] and "bw_sum_partials_kernel" in on_gpu[1], on_gpu
+    assert "contact_map_backward_kernel<float, false>" in on_gpu[0] and "bw_sum_partials_kernel" in on_gpu[1], on_gpu
     xb = x.bfloat16()
     fused = cm.contact_map_backward_fused(xb, params[0], params[1], 1e-5, *params[2:], g)
     ops = cm.contact_map_backward(xb, params[0], params[1], 1e-5, *params[2:], g)

@@ -16,7 +16,8 @@ namespace contact_map {
 // the tile's positions, added to totals in registers that stay for the block's tiles; dgamma, dbeta and db1
 // (column sums by one thread each) and dw3, db2, db3 (per warp) add up in shared memory. Each block writes
 // one fp32 partial of every parameter gradient; bw_sum_partials_kernel sums them in fp64. 16 warps of at
-// most 128 registers each (4 per scheduler).
+// most 128 registers each (4 per scheduler). F16 (bfloat16 input, BACKWARD_FP16_PRODUCTS): the four backward
+// products (dW2, dh1, dW1, ds) on fp16 operands (bw_gemm16), h1 and h2 in split TF32 as always.
 //
 // The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
 // evaluations, and one position on the other side changes a weight's gradient by a whole term (several
@@ -111,6 +112,52 @@ __device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __re
       }
     }
   }
+}
+
+// bw_gemm's product with fp16 operands: each k16 step one m16n8k16 per n tile, A and B rounded to fp16 (round to
+// nearest) as they are loaded, fp32 accumulation; K a multiple of 16. The same strips and accumulator layout as
+// bw_gemm (m16n8k16's C fragment is m16n8k8's). For bfloat16 input only (BACKWARD_FP16_PRODUCTS): fp16 operands
+// keep every gradient of the fused-backward test within its bound there (tools/cm_backward_precision.py), bf16
+// operands do not, nor do fp16 operands for fp16 input.
+template <int R, bool RELU_A, bool RELU_B>
+__device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
+                                          const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
+                                          int warp, int lane) {
+  if (warp >= nstrips) return;
+  asm volatile("" : "+r"(lane));  // the fragment addresses recomputed per call, not held across the tile loop
+  const int g = lane >> 2, t = lane & 3;
+  const float* pa = A + ((warp % MT) * 16 + g) * am + 2 * t * ak;
+  const float* pb = Bm + g * bn + 2 * t * bk;
+  auto a2 = [&](int k, int m) {  // A(m0 + g + m, k0 + 2t + k) and its k + 1 neighbour, as one fp16 pair
+    return pack2<__half>(bw_ld<RELU_A>(pa[k * ak + m * am]), bw_ld<RELU_A>(pa[(k + 1) * ak + m * am]));
+  };
+#pragma unroll 1
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    const uint32_t a[4] = {a2(k0, 0), a2(k0, 8), a2(k0 + 8, 0), a2(k0 + 8, 8)};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int s = warp + bwd::kWarps * r;
+      if (s < nstrips) {
+        const float* b = pb + (s / MT) * 16 * bn + k0 * bk;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const float* bc = b + 8 * n * bn;
+          const uint32_t b0 = pack2<__half>(bw_ld<RELU_B>(bc[0]), bw_ld<RELU_B>(bc[bk]));
+          const uint32_t b1 = pack2<__half>(bw_ld<RELU_B>(bc[8 * bk]), bw_ld<RELU_B>(bc[9 * bk]));
+          mma_16bit<__half>(acc[r][n], a, b0, b1);
+        }
+      }
+    }
+  }
+}
+
+// The backward's products (dW2, dh1, dW1, ds): bw_gemm, or bw_gemm16 where F16.
+template <bool F16, int R, bool RELU_A, bool RELU_B>
+__device__ __forceinline__ void bw_gemm_back(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
+                                             const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
+                                             int warp, int lane) {
+  if constexpr (F16) bw_gemm16<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
+  else bw_gemm<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
 }
 
 // total += part, element by element.
@@ -268,7 +315,7 @@ __device__ __forceinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int 
   __syncwarp();
 }
 
-template <typename T>
+template <typename T, bool F16>
 __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(const BwArgs<T> a) {
   using namespace bwd;
   extern __shared__ __align__(16) float sm[];
@@ -486,10 +533,10 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     {  // dW2 += dh2^T relu(h1) (K = 64 positions); dh1 = (dh2 W2) [h1 > 0] into h2s
       float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm<1, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
+      bw_gemm_back<F16, 1, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
       bw_add(dw2, acc);
       bw_zero(acc);
-      bw_gemm<1, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H, warp, lane);
+      bw_gemm_back<F16, 1, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H, warp, lane);
       __syncthreads();
       bw_each(acc, 4, H / 4, warp, lane,
               [&](int p, int u, float v) { h2s[p * ldh + u] = h1s[p * ldh + u] > 0.f ? v : 0.f; });
@@ -498,7 +545,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss
       float acc[2][2][4];
       bw_zero(acc);
-      bw_gemm<2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
+      bw_gemm_back<F16, 2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
       bw_add(dw1, acc);
       if (tid < H) {
         float d = 0.f;
@@ -506,7 +553,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         cacc[2 * C + tid] += d;
       }
       bw_zero(acc);
-      bw_gemm<2, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H, warp, lane);
+      bw_gemm_back<F16, 2, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H, warp, lane);
       __syncthreads();
       const float inv_w = diag ? 1.f : 0.5f;
       bw_each(acc, 4, C / 4, warp, lane, [&](int p, int c, float v) { ss[p * ldx + c] = v * inv_w; });
@@ -620,11 +667,11 @@ __global__ void __launch_bounds__(256) bw_sum_partials_kernel(const float* __res
   }
 }
 
-template <typename T>
+template <typename T, bool F16>
 void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cudaStream_t stream) {
-  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T>), device,
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16>), device,
                           static_cast<int>(smem));
-  contact_map_backward_kernel<T><<<grid, bwd::kThreads, smem, stream>>>(a);
+  contact_map_backward_kernel<T, F16><<<grid, bwd::kThreads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -262,8 +262,18 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     every parameter gradient per block; a second kernel sums the partials in float64 and writes each gradient
     in its parameter's dtype: for a contiguous pair and float32 parameters and grad_out, two launches and no
     other torch op (others are converted to float32 first, a strided pair copied). Only where
-    fused_backward_runs() is True (otherwise the extension raises)."""
-    return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out))
+    fused_backward_runs() is True (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS
+    on, the four backward products (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of
+    split TF32 (h1 and h2, whose ReLU masks the fp64 recomputation guards, stay in split TF32)."""
+    if not isinstance(BACKWARD_FP16_PRODUCTS, bool):
+        raise ValueError(f"contact_map: BACKWARD_FP16_PRODUCTS must be True or False, got {BACKWARD_FP16_PRODUCTS!r}")
+    return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out,
+                               BACKWARD_FP16_PRODUCTS))
+
+
+# The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused): off until it has
+# passed on a GPU.
+BACKWARD_FP16_PRODUCTS = False
 
 
 _FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool
