@@ -883,10 +883,10 @@ def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, dtype, B, N, 
     (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 40, 48, 16, "uniform"), (3, 9, 96, 32, "heavy"),
     (1, 1, 64, 32, "normal"), (1, 130, 128, 32, "normal"), (2, 64, 128, 64, "uniform"),
 ])
-def test_fused_backward_fp16_products_on_bf16(cm, ref, monkeypatch, B, N, C, H, dist):
-    """BACKWARD_FP16_PRODUCTS on, bfloat16 input: the same checks as the split-TF32 products pass (the bound of
-    test_fused_backward_against_fp64_and_the_ops_backward, a repeat call bit-equal)."""
-    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", True)
+def test_fused_backward_split_tf32_products_on_bf16(cm, ref, monkeypatch, B, N, C, H, dist):
+    """BACKWARD_FP16_PRODUCTS off (on by default), bfloat16 input: the split-TF32 products pass the same checks
+    (the bound of test_fused_backward_against_fp64_and_the_ops_backward, a repeat call bit-equal)."""
+    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", False)
     _check_fused_backward(cm, ref, torch.bfloat16, B, N, C, H, dist)
 
 

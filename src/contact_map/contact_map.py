@@ -271,9 +271,8 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
                                BACKWARD_FP16_PRODUCTS))
 
 
-# The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused): off until it has
-# passed on a GPU.
-BACKWARD_FP16_PRODUCTS = False
+# The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused); False: split TF32.
+BACKWARD_FP16_PRODUCTS = True
 
 
 _FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool
