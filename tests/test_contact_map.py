@@ -883,10 +883,10 @@ def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, dtype, B, N, 
     (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 40, 48, 16, "uniform"), (3, 9, 96, 32, "heavy"),
     (1, 1, 64, 32, "normal"), (1, 130, 128, 32, "normal"), (2, 64, 128, 64, "uniform"),
 ])
-def test_fused_backward_split_tf32_products_on_bf16(cm, ref, monkeypatch, B, N, C, H, dist):
-    """BACKWARD_FP16_PRODUCTS off (on by default), bfloat16 input: the split-TF32 products pass the same checks
-    (the bound of test_fused_backward_against_fp64_and_the_ops_backward, a repeat call bit-equal)."""
-    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", False)
+def test_fused_backward_fp16_products_on_bf16(cm, ref, monkeypatch, B, N, C, H, dist):
+    """BACKWARD_FP16_PRODUCTS on, bfloat16 input: the same checks as the split-TF32 products pass (the bound of
+    test_fused_backward_against_fp64_and_the_ops_backward, a repeat call bit-equal)."""
+    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", True)
     _check_fused_backward(cm, ref, torch.bfloat16, B, N, C, H, dist)
 
 
@@ -909,9 +909,10 @@ def test_fused_backward_fp16_products_run_only_for_bf16(cm, ref, monkeypatch):
         cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
 
 
-def _check_fused_backward(cm, ref, dtype, B, N, C, H, dist):
-    """test_fused_backward_against_fp64_and_the_ops_backward's checks for one case."""
+def _check_fused_backward(cm, ref, dtype, B, N, C, H, dist, g_scale=1.0):
+    """test_fused_backward_against_fp64_and_the_ops_backward's checks for one case, grad_out times g_scale."""
     x, params, g = _backward_case(ref, B, N, C, H, dist, dtype, seed=B * 1000 + N + C + H)
+    g = (g.double() * g_scale).to(dtype)
     assert cm.fused_backward_runs(x, params[2])
     junk = torch.full(x.shape, float("nan"), dtype=dtype, device="cuda")
     del junk
@@ -937,6 +938,17 @@ def test_backward_precision_tool_emulates_the_backward(load_module):
     result = tool.check_case(ref, tool.CASES[1], torch.float16, ["fp32", "bf16"])
     assert result["fp32"][1] == 0 and result["fp32"][0] <= 1.0, result
     assert result["bf16"][1] > 0, result
+
+
+def test_backward_precision_tool_scaled_fp16_operands_survive_small_gradients(load_module):
+    """tools/cm_backward_precision.py, bfloat16 input, grad_out times 1e-6 (a mean loss's size): fp16 operands put
+    some gradient over the fused-backward test's bound (dh2, dh1 below fp16's normal range), the same operands
+    scaled by a power of 2 ("fp16s", as BACKWARD_FP16_PRODUCTS's kernel does per tile) put none. CPU only."""
+    tool = load_module("tools/cm_backward_precision.py")
+    ref = load_module("reference/contact_map.py")
+    result = tool.check_case(ref, tool.CASES[0], torch.bfloat16, ["fp16", "fp16s"], g_scale=1e-6)
+    assert result["fp16"][1] > 0, result
+    assert result["fp16s"][1] == 0 and result["fp16s"][0] <= 1.0, result
 
 
 @gpu
