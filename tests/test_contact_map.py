@@ -879,15 +879,17 @@ def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, dtype, B, N, 
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("g_scale", [1.0, 1e-6, 1e3])
 @pytest.mark.parametrize("B, N, C, H, dist", [
     (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 40, 48, 16, "uniform"), (3, 9, 96, 32, "heavy"),
     (1, 1, 64, 32, "normal"), (1, 130, 128, 32, "normal"), (2, 64, 128, 64, "uniform"),
 ])
-def test_fused_backward_fp16_products_on_bf16(cm, ref, monkeypatch, B, N, C, H, dist):
-    """BACKWARD_FP16_PRODUCTS on, bfloat16 input: the same checks as the split-TF32 products pass (the bound of
-    test_fused_backward_against_fp64_and_the_ops_backward, a repeat call bit-equal)."""
+def test_fused_backward_fp16_products_on_bf16(cm, ref, monkeypatch, B, N, C, H, dist, g_scale):
+    """BACKWARD_FP16_PRODUCTS on, bfloat16 input, grad_out of normal values times g_scale (1e-6: a mean loss's
+    size, below fp16's normal range without the per-tile scaling): the same checks as the split-TF32 products pass
+    (the bound of test_fused_backward_against_fp64_and_the_ops_backward, a repeat call bit-equal)."""
     monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", True)
-    _check_fused_backward(cm, ref, torch.bfloat16, B, N, C, H, dist)
+    _check_fused_backward(cm, ref, torch.bfloat16, B, N, C, H, dist, g_scale)
 
 
 @gpu

@@ -17,7 +17,8 @@ namespace contact_map {
 // (column sums by one thread each) and dw3, db2, db3 (per warp) add up in shared memory. Each block writes
 // one fp32 partial of every parameter gradient; bw_sum_partials_kernel sums them in fp64. 16 warps of at
 // most 128 registers each (4 per scheduler). F16 (bfloat16 input, BACKWARD_FP16_PRODUCTS): the four backward
-// products (dW2, dh1, dW1, ds) on fp16 operands (bw_gemm16), h1 and h2 in split TF32 as always.
+// products (dW2, dh1, dW1, ds) on fp16 operands (bw_gemm16), dh2 and dh1 multiplied by a power of 2 per tile
+// (bw_pow2_scale of the block's largest |value|) and the products divided by it; h1 and h2 in split TF32 as always.
 //
 // The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
 // evaluations, and one position on the other side changes a weight's gradient by a whole term (several
@@ -48,10 +49,10 @@ __host__ __device__ inline int bw_partial_len(int C, int H) { return H * C + H *
 
 // Shared memory, in floats: the two sides' rows (x, then xhat) and s (then dy), 64 x ldx each; W1 (H x ldx),
 // W2 (H x ldh); h1 and h2 (then dh2, then dh1), 64 x ldh each; the vectors; the vector gradients' sums; per
-// warp C + H doubles.
+// warp C + H doubles; per warp two floats (F16's scales).
 // Row strides of 4 mod 32 floats: the m16n8k8 fragment loads of row-major operands are conflict-free.
 struct BwSmem {
-  int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, vacc, f64, total;
+  int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, vacc, f64, scl, total;
   __host__ __device__ BwSmem(int C, int H) {
     ldx = C + 4;
     ldh = H + 4;
@@ -65,7 +66,8 @@ struct BwSmem {
     vec = h2 + 64 * ldh;  // gamma, beta (C); b1, b2, w3, |W1_u|, |W2_u| (H); rstd_a, rstd_b, |s|, g_s (64)
     vacc = vec + 2 * C + 5 * H + 4 * 64;  // sums: dgamma, dbeta (C), db1 (H); per warp dw3, db2 (H), db3
     f64 = round_up(vacc + 2 * C + H + bwd::kWarps * (2 * H + 1), 4);
-    total = f64 + 2 * bwd::kWarps * (C + H);
+    scl = f64 + 2 * bwd::kWarps * (C + H);  // F16: per warp, the largest |dh2|, then |dh1|, of the tile
+    total = scl + 2 * bwd::kWarps;
   }
 };
 
@@ -114,22 +116,23 @@ __device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __re
   }
 }
 
-// bw_gemm's product with fp16 operands: each k16 step one m16n8k16 per n tile, A and B rounded to fp16 (round to
-// nearest) as they are loaded, fp32 accumulation; K a multiple of 16. The same strips and accumulator layout as
-// bw_gemm (m16n8k16's C fragment is m16n8k8's). For bfloat16 input only (BACKWARD_FP16_PRODUCTS): fp16 operands
-// keep every gradient of the fused-backward test within its bound there (tools/cm_backward_precision.py), bf16
-// operands do not, nor do fp16 operands for fp16 input.
+// bw_gemm's product with fp16 operands: each k16 step one m16n8k16 per n tile, A times sa (a power of 2) and B
+// rounded to fp16 (round to nearest) as they are loaded, fp32 accumulation: acc += sa A B; K a multiple of 16. The
+// same strips and accumulator layout as bw_gemm (m16n8k16's C fragment is m16n8k8's). For bfloat16 input only
+// (BACKWARD_FP16_PRODUCTS): fp16 operands, dh2 and dh1 scaled to [2^11, 2^12) per tile, keep every gradient of the
+// fused-backward test within its bound there at any scale of grad_out (tools/cm_backward_precision.py, "fp16s";
+// unscaled, a small grad_out underflows), bf16 operands do not, nor do fp16 operands for fp16 input.
 template <int R, bool RELU_A, bool RELU_B>
 __device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
                                           const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
-                                          int warp, int lane) {
+                                          float sa, int warp, int lane) {
   if (warp >= nstrips) return;
   asm volatile("" : "+r"(lane));  // the fragment addresses recomputed per call, not held across the tile loop
   const int g = lane >> 2, t = lane & 3;
   const float* pa = A + ((warp % MT) * 16 + g) * am + 2 * t * ak;
   const float* pb = Bm + g * bn + 2 * t * bk;
   auto a2 = [&](int k, int m) {  // A(m0 + g + m, k0 + 2t + k) and its k + 1 neighbour, as one fp16 pair
-    return pack2<__half>(bw_ld<RELU_A>(pa[k * ak + m * am]), bw_ld<RELU_A>(pa[(k + 1) * ak + m * am]));
+    return pack2<__half>(bw_ld<RELU_A>(pa[k * ak + m * am]) * sa, bw_ld<RELU_A>(pa[(k + 1) * ak + m * am]) * sa);
   };
 #pragma unroll 1
   for (int k0 = 0; k0 < K; k0 += 16) {
@@ -151,13 +154,32 @@ __device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __
   }
 }
 
-// The backward's products (dW2, dh1, dW1, ds): bw_gemm, or bw_gemm16 where F16.
+// The backward's products (dW2, dh1, dW1, ds): bw_gemm, or where F16 bw_gemm16 with A scaled by sa.
 template <bool F16, int R, bool RELU_A, bool RELU_B>
 __device__ __forceinline__ void bw_gemm_back(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
                                              const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
-                                             int warp, int lane) {
-  if constexpr (F16) bw_gemm16<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
+                                             float sa, int warp, int lane) {
+  if constexpr (F16) bw_gemm16<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, sa, warp, lane);
   else bw_gemm<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
+}
+
+// (2^e, 2^-e) bringing the largest of the warps' maxima m[0 .. kWarps - 1] (each >= 0) to [2^11, 2^12), e in
+// [-100, 100]; (1, 1) where they are all 0 or one is not finite.
+__device__ __forceinline__ float2 bw_pow2_scale(const float* m) {
+  float top = 0.f;
+#pragma unroll
+  for (int w = 0; w < bwd::kWarps; ++w) top = fmaxf(top, m[w]);
+  if (!(top > 0.f) || !isfinite(top)) return make_float2(1.f, 1.f);
+  int ex;
+  frexpf(top, &ex);  // top = f 2^ex, f in [0.5, 1)
+  const int e = min(max(12 - ex, -100), 100);
+  return make_float2(ldexpf(1.f, e), ldexpf(1.f, -e));
+}
+
+// The warp's largest of its lanes' v (>= 0) into *dst (lane 0).
+__device__ __forceinline__ void bw_warp_max_store(float v, float* dst, int lane) {
+  const unsigned top = __reduce_max_sync(0xffffffffu, __float_as_uint(v));  // (order of non-negative floats)
+  if (lane == 0) *dst = __uint_as_float(top);
 }
 
 // total += part, element by element.
@@ -169,6 +191,17 @@ __device__ __forceinline__ void bw_add(float (&total)[R][2][4], const float (&pa
     for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) total[r][n][e] += part[r][n][e];
+}
+
+// acc *= f, element by element.
+template <int R>
+__device__ __forceinline__ void bw_mul(float (&acc)[R][2][4], float f) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][n][e] *= f;
 }
 
 // f(row, column, value) for every accumulator element of bw_gemm's strips.
@@ -329,6 +362,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float *cacc = sm + L.vacc, *wacc = cacc + 2 * C + H + warp * (2 * H + 1);  // see BwSmem
   double* s64 = reinterpret_cast<double*>(sm + L.f64) + warp * (C + H);
+  float* scl = sm + L.scl;  // F16 only
 
   for (int e = tid; e < H * C; e += kThreads) w1s[(e / C) * ldx + e % C] = a.w1[e];
   for (int e = tid; e < H * H; e += kThreads) w2s[(e / H) * ldh + e % H] = a.w2[e];
@@ -502,6 +536,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         dz[k] = (i < N && j < N) ? wgt * gsym[p] * out * (1.f - out) : 0.f;
       }
       // dw3 += dz relu(h2), db2 += dh2 over the warp's positions, then one shared-memory update per unit
+      float dmax = 0.f;  // F16: the largest |dh2| of the lane's
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int u = lane + 32 * m;
@@ -515,6 +550,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
             s3 += dz[k] * fmaxf(h2, 0.f);
             s2 += d;
             h2r[u] = d;
+            if constexpr (F16) dmax = fmaxf(dmax, fabsf(d));
           }
           float* wv = sm + BwSmem(C, H).vacc + 2 * C + H + warp * (2 * H + 1);  // wacc (recomputed: registers)
           wv[u] += s3;
@@ -527,25 +563,39 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         for (int k = 0; k < kRows; ++k) t += dz[k];
         wacc[2 * H] += t;
       }
+      if constexpr (F16) bw_warp_max_store(dmax, scl + warp, lane);
     }
     __syncthreads();
 
-    {  // dW2 += dh2^T relu(h1) (K = 64 positions); dh1 = (dh2 W2) [h1 > 0] into h2s
+    {  // dW2 += dh2^T relu(h1) (K = 64 positions); dh1 = (dh2 W2) [h1 > 0] into h2s (F16: dh2 scaled)
+      // (the scale read again from shared memory where it is needed: fewer live registers)
       float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm_back<F16, 1, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
+      bw_gemm_back<F16, 1, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64,
+                                        F16 ? bw_pow2_scale(scl).x : 1.f, warp, lane);
+      if constexpr (F16) bw_mul(acc, bw_pow2_scale(scl).y);
       bw_add(dw2, acc);
       bw_zero(acc);
-      bw_gemm_back<F16, 1, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H, warp, lane);
+      bw_gemm_back<F16, 1, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H,
+                                         F16 ? bw_pow2_scale(scl).x : 1.f, warp, lane);
+      const float inv2 = F16 ? bw_pow2_scale(scl).y : 1.f;
       __syncthreads();
-      bw_each(acc, 4, H / 4, warp, lane,
-              [&](int p, int u, float v) { h2s[p * ldh + u] = h1s[p * ldh + u] > 0.f ? v : 0.f; });
+      float dmax = 0.f;  // F16: the largest |dh1| of the lane's
+      bw_each(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) {
+        if constexpr (F16) v *= inv2;
+        const float d = h1s[p * ldh + u] > 0.f ? v : 0.f;
+        h2s[p * ldh + u] = d;
+        if constexpr (F16) dmax = fmaxf(dmax, fabsf(d));
+      });
+      if constexpr (F16) bw_warp_max_store(dmax, scl + kWarps + warp, lane);
     }
     __syncthreads();
-    {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss
+    {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss (F16: dh1 scaled)
       float acc[2][2][4];
       bw_zero(acc);
-      bw_gemm_back<F16, 2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
+      bw_gemm_back<F16, 2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64,
+                                         F16 ? bw_pow2_scale(scl + kWarps).x : 1.f, warp, lane);
+      if constexpr (F16) bw_mul(acc, bw_pow2_scale(scl + kWarps).y);
       bw_add(dw1, acc);
       if (tid < H) {
         float d = 0.f;
@@ -553,9 +603,11 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         cacc[2 * C + tid] += d;
       }
       bw_zero(acc);
-      bw_gemm_back<F16, 2, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H, warp, lane);
+      bw_gemm_back<F16, 2, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H,
+                                         F16 ? bw_pow2_scale(scl + kWarps).x : 1.f, warp, lane);
+      float inv_w = diag ? 1.f : 0.5f;
+      if constexpr (F16) inv_w *= bw_pow2_scale(scl + kWarps).y;
       __syncthreads();
-      const float inv_w = diag ? 1.f : 0.5f;
       bw_each(acc, 4, C / 4, warp, lane, [&](int p, int c, float v) { ss[p * ldx + c] = v * inv_w; });
     }
     __syncthreads();

@@ -264,16 +264,17 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     other torch op (others are converted to float32 first, a strided pair copied). Only where
     fused_backward_runs() is True (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS
     on, the four backward products (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of
-    split TF32 (h1 and h2, whose ReLU masks the fp64 recomputation guards, stay in split TF32)."""
+    split TF32, dh2 and dh1 multiplied by a power of 2 per tile first (h1 and h2, whose ReLU masks the fp64
+    recomputation guards, stay in split TF32)."""
     if not isinstance(BACKWARD_FP16_PRODUCTS, bool):
         raise ValueError(f"contact_map: BACKWARD_FP16_PRODUCTS must be True or False, got {BACKWARD_FP16_PRODUCTS!r}")
     return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out,
                                BACKWARD_FP16_PRODUCTS))
 
 
-# The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused). Off: its dh2, dh1
-# operands underflow fp16 where grad_out is small (a mean loss: ~1e-5 per element; tools/cm_backward_precision.py
-# --g-scale), which the GPU checks (grad_out ~ N(0, 1)) did not cover.
+# The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused), dh2 and dh1 scaled
+# by a power of 2 per tile so that a small grad_out (a mean loss: ~1e-5 per element) does not underflow fp16
+# (tools/cm_backward_precision.py --g-scale). Off until the scaled kernel has passed on a GPU.
 BACKWARD_FP16_PRODUCTS = False
 
 
