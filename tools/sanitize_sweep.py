@@ -189,15 +189,16 @@ CM_CASES = [
 ]
 for _dt in DTYPES:
     _kernel = "wgmma" if _dt == F32 else "wgmma16"
+    _tf32 = {"f16": False} if _dt == BF16 else {}  # bfloat16: the split-TF32 instance; cm_backward_f16 the other
     CM_CASES.append(Case(
-        f"cm_backward_{_dt}", "contact_map", f"the fused backward, {_dt}; training steps through ModelNew",
-        [cm_call("cm_backward", _dt, 1, 19, 128, 64), cm_call("cm_backward", _dt, 2, 17, 64, 32),
-         cm_call("cm_backward", _dt, 1, 17, 48, 16), cm_call("cm_backward", _dt, 1, 1, 64, 32)]
-        + ([cm_call("cm_backward", _dt, 1, 17, 64, 32, params_dtype=F32)] if _dt == BF16 else [])
-        + [cm_call("cm_train", _dt, 2, 17, 64, 32, variant="small", expect="small"),
-           cm_call("cm_train", _dt, 2, 17, 64, 48, variant="auto", expect=_kernel),
-           cm_call("cm_train", _dt, 1, 19, 128, 64, variant="mma", expect="mma"),
-           cm_call("cm_backward", _dt, None, 17, 128, 64, walk=3, slow=True)]))
+        f"cm_backward_{_dt}", "contact_map", f"the fused backward, {_dt} (split TF32); training steps through ModelNew",
+        [cm_call("cm_backward", _dt, 1, 19, 128, 64, **_tf32), cm_call("cm_backward", _dt, 2, 17, 64, 32, **_tf32),
+         cm_call("cm_backward", _dt, 1, 17, 48, 16, **_tf32), cm_call("cm_backward", _dt, 1, 1, 64, 32, **_tf32)]
+        + ([cm_call("cm_backward", _dt, 1, 17, 64, 32, params_dtype=F32, **_tf32)] if _dt == BF16 else [])
+        + [cm_call("cm_train", _dt, 2, 17, 64, 32, variant="small", expect="small", **_tf32),
+           cm_call("cm_train", _dt, 2, 17, 64, 48, variant="auto", expect=_kernel, **_tf32),
+           cm_call("cm_train", _dt, 1, 19, 128, 64, variant="mma", expect="mma", **_tf32),
+           cm_call("cm_backward", _dt, None, 17, 128, 64, walk=3, slow=True, **_tf32)]))
 CM_CASES.append(Case(
     "cm_backward_f16", "contact_map", "the fused backward, bfloat16, with BACKWARD_FP16_PRODUCTS on (fp16 products)",
     [cm_call("cm_backward", BF16, 1, 19, 128, 64, f16=True), cm_call("cm_backward", BF16, 2, 17, 64, 32, f16=True),
@@ -447,7 +448,7 @@ def describe_call(call):
     extra = [f"{k}={call[k]}" for k in ("variant", "f16", "family", "epilogue", "backward", "train", "pair_g", "low",
                                         "mask", "mask_dtype", "offset", "params_dtype", "split", "block_tiles",
                                         "counts", "dab", "consume", "chunk", "split_j", "out_t")
-             if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t"))
+             if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t", "f16"))
              and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
     slow = "  (slow)" if call.get("slow") else ""
