@@ -203,6 +203,7 @@ CM_CASES.append(Case(
     "cm_backward_f16", "contact_map", "the fused backward, bfloat16, with BACKWARD_FP16_PRODUCTS on (fp16 products)",
     [cm_call("cm_backward", BF16, 1, 19, 128, 64, f16=True), cm_call("cm_backward", BF16, 2, 17, 64, 32, f16=True),
      cm_call("cm_backward", BF16, 1, 17, 48, 16, f16=True), cm_call("cm_backward", BF16, 1, 1, 64, 32, f16=True),
+     cm_call("cm_backward", BF16, 1, 19, 128, 48, f16=True),
      cm_call("cm_train", BF16, 2, 17, 64, 48, variant="auto", expect="wgmma16", f16=True),
      cm_call("cm_backward", BF16, None, 17, 128, 64, walk=3, slow=True, f16=True)]))
 

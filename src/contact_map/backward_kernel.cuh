@@ -74,21 +74,37 @@ struct BwSmem {
 template <bool RELU>
 __device__ __forceinline__ float bw_ld(float v) { return RELU ? fmaxf(v, 0.f) : v; }
 
-// acc[r] += A(16 rows, K) B(K, 16 columns) in split TF32 for the strips s = warp + 16 r < nstrips of an
-// (16 MT) x (16 nstrips / MT) output: strip s is m tile s % MT (= warp % MT: MT divides 16, so a warp's
-// strips share their A fragments, split once per k step), columns 16 (s / MT) .. + 15 (two n tiles).
-// A(m, k) = A[m am + k ak], B(k, n) = B[k bk + n bn], ReLU on load if asked. The k steps run in order
-// (R x 2 independent accumulators per step); each mma.sync truncates its fp32 sum, so a long sum goes
-// into fresh accumulators per tile and is added to its total in fp32 (bias ~2^-24 per step of the tile's
-// part instead of the whole sum's).
-template <int R, bool RELU_A, bool RELU_B>
+// The 16 x 16 strips of a (16 MT) x (16 nb) output (nstrips = MT nb, MT <= 4) that a warp owns: m tile
+// warp % MT (its strips share their A fragments, split once per k step) and column blocks warp / MT + r step,
+// step = 16 / MT, r < R (R step >= nb: the caller's R), those below nb; warps from MT step on own none (MT = 3:
+// warp 15). MTC > 0: MT known at compile time (shifts, not divisions).
+template <int MTC>
+struct BwStrips {
+  int mt, nb0, step, nb;
+  __device__ __forceinline__ BwStrips(int MT, int nstrips, int warp) {
+    const int m = MTC > 0 ? MTC : MT;
+    step = 16 / m;
+    mt = warp % m;
+    nb = nstrips / m;
+    nb0 = warp < m * step ? warp / m : nb;
+  }
+  __device__ __forceinline__ int block(int r) const { return nb0 + r * step; }  // below nb: a strip
+};
+
+// acc[r] += A(16 rows, K) B(K, 16 columns) in split TF32 for the warp's strips (BwStrips: strip r is m tile mt,
+// columns 16 block(r) .. + 15, two n tiles). A(m, k) = A[m am + k ak], B(k, n) = B[k bk + n bn], ReLU on load if
+// asked. The k steps run in order (R x 2 independent accumulators per step); each mma.sync truncates its fp32
+// sum, so a long sum goes into fresh accumulators per tile and is added to its total in fp32 (bias ~2^-24 per
+// step of the tile's part instead of the whole sum's).
+template <int R, bool RELU_A, bool RELU_B, int MTC = 0>
 __device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
                                         const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
                                         int warp, int lane) {
-  if (warp >= nstrips) return;
+  const BwStrips<MTC> st(MT, nstrips, warp);
+  if (st.nb0 >= st.nb) return;
   asm volatile("" : "+r"(lane));  // the fragment addresses recomputed per call, not held across the tile loop
   const int g = lane >> 2, t = lane & 3;
-  const float* pa = A + ((warp % MT) * 16 + g) * am + t * ak;
+  const float* pa = A + (st.mt * 16 + g) * am + t * ak;
   const float* pb = Bm + g * bn + t * bk;
 #pragma unroll 1
   for (int k0 = 0; k0 < K; k0 += 8) {
@@ -99,9 +115,8 @@ __device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __re
     split_tf32_fast<false>(bw_ld<RELU_A>(pa[(k0 + 4) * ak + 8 * am]), ah[3], al[3]);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int s = warp + bwd::kWarps * r;
-      if (s < nstrips) {
-        const float* b = pb + (s / MT) * 16 * bn + k0 * bk;
+      if (st.block(r) < st.nb) {
+        const float* b = pb + st.block(r) * 16 * bn + k0 * bk;
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
           uint32_t bh0, bl0, bh1, bl1;
@@ -122,14 +137,15 @@ __device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __re
 // (BACKWARD_FP16_PRODUCTS): fp16 operands, dh2 and dh1 scaled to [2^11, 2^12) per tile, keep every gradient of the
 // fused-backward test within its bound there at any scale of grad_out (tools/cm_backward_precision.py, "fp16s";
 // unscaled, a small grad_out underflows), bf16 operands do not, nor do fp16 operands for fp16 input.
-template <int R, bool RELU_A, bool RELU_B>
+template <int R, bool RELU_A, bool RELU_B, int MTC = 0>
 __device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
                                           const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
                                           float sa, int warp, int lane) {
-  if (warp >= nstrips) return;
+  const BwStrips<MTC> st(MT, nstrips, warp);
+  if (st.nb0 >= st.nb) return;
   asm volatile("" : "+r"(lane));  // the fragment addresses recomputed per call, not held across the tile loop
   const int g = lane >> 2, t = lane & 3;
-  const float* pa = A + ((warp % MT) * 16 + g) * am + 2 * t * ak;
+  const float* pa = A + (st.mt * 16 + g) * am + 2 * t * ak;
   const float* pb = Bm + g * bn + 2 * t * bk;
   auto a2 = [&](int k, int m) {  // A(m0 + g + m, k0 + 2t + k) and its k + 1 neighbour, as one fp16 pair
     return pack2<__half>(bw_ld<RELU_A>(pa[k * ak + m * am]) * sa, bw_ld<RELU_A>(pa[(k + 1) * ak + m * am]) * sa);
@@ -139,9 +155,8 @@ __device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __
     const uint32_t a[4] = {a2(k0, 0), a2(k0, 8), a2(k0 + 8, 0), a2(k0 + 8, 8)};
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int s = warp + bwd::kWarps * r;
-      if (s < nstrips) {
-        const float* b = pb + (s / MT) * 16 * bn + k0 * bk;
+      if (st.block(r) < st.nb) {
+        const float* b = pb + st.block(r) * 16 * bn + k0 * bk;
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
           const float* bc = b + 8 * n * bn;
@@ -155,12 +170,12 @@ __device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __
 }
 
 // The backward's products (dW2, dh1, dW1, ds): bw_gemm, or where F16 bw_gemm16 with A scaled by sa.
-template <bool F16, int R, bool RELU_A, bool RELU_B>
+template <bool F16, int R, bool RELU_A, bool RELU_B, int MTC = 0>
 __device__ __forceinline__ void bw_gemm_back(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
                                              const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
                                              float sa, int warp, int lane) {
-  if constexpr (F16) bw_gemm16<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, sa, warp, lane);
-  else bw_gemm<R, RELU_A, RELU_B>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
+  if constexpr (F16) bw_gemm16<R, RELU_A, RELU_B, MTC>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, sa, warp, lane);
+  else bw_gemm<R, RELU_A, RELU_B, MTC>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
 }
 
 // (2^e, 2^-e) bringing the largest of the warps' maxima m[0 .. kWarps - 1] (each >= 0) to [2^11, 2^12), e in
@@ -204,15 +219,15 @@ __device__ __forceinline__ void bw_mul(float (&acc)[R][2][4], float f) {
       for (int e = 0; e < 4; ++e) acc[r][n][e] *= f;
 }
 
-// f(row, column, value) for every accumulator element of bw_gemm's strips.
-template <int R, typename F>
+// f(row, column, value) for every accumulator element of bw_gemm's strips (the same MT, nstrips and MTC).
+template <int MTC = 0, int R, typename F>
 __device__ __forceinline__ void bw_each(const float (&acc)[R][2][4], int MT, int nstrips, int warp, int lane, F&& f) {
+  const BwStrips<MTC> st(MT, nstrips, warp);
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int s = warp + bwd::kWarps * r;
-    if (s < nstrips) {
-      const int m = (s % MT) * 16 + g, n0 = (s / MT) * 16 + 2 * t;
+    if (st.block(r) < st.nb) {
+      const int m = st.mt * 16 + g, n0 = st.block(r) * 16 + 2 * t;
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -463,15 +478,15 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     {  // h1 = s W1^T + b1                                                          (64 x H)
       float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm<1, false, false>(acc, ss, ldx, 1, w1s, 1, ldx, 4, H / 4, C, warp, lane);
-      bw_each(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) { h1s[p * ldh + u] = v + b1s[u]; });
+      bw_gemm<1, false, false, 4>(acc, ss, ldx, 1, w1s, 1, ldx, 4, H / 4, C, warp, lane);
+      bw_each<4>(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) { h1s[p * ldh + u] = v + b1s[u]; });
     }
     __syncthreads();
     {  // h2 = relu(h1) W2^T + b2                                                   (64 x H)
       float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm<1, true, false>(acc, h1s, ldh, 1, w2s, 1, ldh, 4, H / 4, H, warp, lane);
-      bw_each(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) { h2s[p * ldh + u] = v + b2s[u]; });
+      bw_gemm<1, true, false, 4>(acc, h1s, ldh, 1, w2s, 1, ldh, 4, H / 4, H, warp, lane);
+      bw_each<4>(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) { h2s[p * ldh + u] = v + b2s[u]; });
     }
     __syncthreads();
 
@@ -576,12 +591,12 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
       if constexpr (F16) bw_mul(acc, bw_pow2_scale(scl).y);
       bw_add(dw2, acc);
       bw_zero(acc);
-      bw_gemm_back<F16, 1, false, false>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H,
+      bw_gemm_back<F16, 1, false, false, 4>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H,
                                          F16 ? bw_pow2_scale(scl).x : 1.f, warp, lane);
       const float inv2 = F16 ? bw_pow2_scale(scl).y : 1.f;
       __syncthreads();
       float dmax = 0.f;  // F16: the largest |dh1| of the lane's
-      bw_each(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) {
+      bw_each<4>(acc, 4, H / 4, warp, lane, [&](int p, int u, float v) {
         if constexpr (F16) v *= inv2;
         const float d = h1s[p * ldh + u] > 0.f ? v : 0.f;
         h2s[p * ldh + u] = d;
@@ -603,12 +618,12 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         cacc[2 * C + tid] += d;
       }
       bw_zero(acc);
-      bw_gemm_back<F16, 2, false, false>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H,
+      bw_gemm_back<F16, 2, false, false, 4>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H,
                                          F16 ? bw_pow2_scale(scl + kWarps).x : 1.f, warp, lane);
       float inv_w = diag ? 1.f : 0.5f;
       if constexpr (F16) inv_w *= bw_pow2_scale(scl + kWarps).y;
       __syncthreads();
-      bw_each(acc, 4, C / 4, warp, lane, [&](int p, int c, float v) { ss[p * ldx + c] = v * inv_w; });
+      bw_each<4>(acc, 4, C / 4, warp, lane, [&](int p, int c, float v) { ss[p * ldx + c] = v * inv_w; });
     }
     __syncthreads();
 
