@@ -49,7 +49,7 @@ __host__ __device__ inline int bw_partial_len(int C, int H) { return H * C + H *
 
 // Shared memory, in floats: the two sides' rows (x, then xhat) and s (then dy), 64 x ldx each; W1 (H x ldx),
 // W2 (H x ldh); h1 and h2 (then dh2, then dh1), 64 x ldh each; the vectors; the vector gradients' sums; per
-// warp C + H doubles; per warp two floats (F16's scales).
+// warp C + H doubles; two floats (F16's scales).
 // Row strides of 4 mod 32 floats: the m16n8k8 fragment loads of row-major operands are conflict-free.
 struct BwSmem {
   int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, vacc, f64, scl, total;
@@ -66,8 +66,8 @@ struct BwSmem {
     vec = h2 + 64 * ldh;  // gamma, beta (C); b1, b2, w3, |W1_u|, |W2_u| (H); rstd_a, rstd_b, |s|, g_s (64)
     vacc = vec + 2 * C + 5 * H + 4 * 64;  // sums: dgamma, dbeta (C), db1 (H); per warp dw3, db2 (H), db3
     f64 = round_up(vacc + 2 * C + H + bwd::kWarps * (2 * H + 1), 4);
-    scl = f64 + 2 * bwd::kWarps * (C + H);  // F16: per warp, the largest |dh2|, then |dh1|, of the tile
-    total = scl + 2 * bwd::kWarps;
+    scl = f64 + 2 * bwd::kWarps * (C + H);  // F16: the tile's largest |dh2|, then |dh1|
+    total = scl + 2;
   }
 };
 
@@ -178,23 +178,21 @@ __device__ __forceinline__ void bw_gemm_back(float (&acc)[R][2][4], const float*
   else bw_gemm<R, RELU_A, RELU_B, MTC>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
 }
 
-// (2^e, 2^-e) bringing the largest of the warps' maxima m[0 .. kWarps - 1] (each >= 0) to [2^11, 2^12), e in
-// [-100, 100]; (1, 1) where they are all 0 or one is not finite.
+// (2^e, 2^-e) bringing top = *m (>= 0: the block's largest |value|, bw_warp_max_store's) to [2^11, 2^12), e in
+// [-100, 100]; (1, 1) where top is 0 or not finite. From the bits: top = f 2^(x - 126), f in [0.5, 1), for biased
+// exponent x >= 1, so e = 12 - (x - 126); a subnormal top (x = 0) takes e = 100 as frexp's exponent would.
 __device__ __forceinline__ float2 bw_pow2_scale(const float* m) {
-  float top = 0.f;
-#pragma unroll
-  for (int w = 0; w < bwd::kWarps; ++w) top = fmaxf(top, m[w]);
-  if (!(top > 0.f) || !isfinite(top)) return make_float2(1.f, 1.f);
-  int ex;
-  frexpf(top, &ex);  // top = f 2^ex, f in [0.5, 1)
-  const int e = min(max(12 - ex, -100), 100);
-  return make_float2(ldexpf(1.f, e), ldexpf(1.f, -e));
+  const unsigned u = __float_as_uint(*m);
+  if (u == 0u || u >= 0x7f800000u) return make_float2(1.f, 1.f);
+  const int e = min(max(138 - static_cast<int>(u >> 23), -100), 100);
+  return make_float2(__uint_as_float(static_cast<unsigned>(127 + e) << 23),
+                     __uint_as_float(static_cast<unsigned>(127 - e) << 23));
 }
 
-// The warp's largest of its lanes' v (>= 0) into *dst (lane 0).
+// *dst = max(*dst, the warp's largest v) (each v >= 0: their bits order as the values; *dst zeroed per tile).
 __device__ __forceinline__ void bw_warp_max_store(float v, float* dst, int lane) {
-  const unsigned top = __reduce_max_sync(0xffffffffu, __float_as_uint(v));  // (order of non-negative floats)
-  if (lane == 0) *dst = __uint_as_float(top);
+  const unsigned top = __reduce_max_sync(0xffffffffu, __float_as_uint(v));
+  if (lane == 0) atomicMax(reinterpret_cast<unsigned*>(dst), top);
 }
 
 // total += part, element by element.
@@ -253,10 +251,13 @@ __device__ __forceinline__ void bw_zero(float (&acc)[R][2][4]) {
 template <typename T>
 __device__ __forceinline__ void bw_load_sides(const T* __restrict__ x, int N, int C, int b, int I, int J, float* xa,
                                               int ldx) {
-  constexpr int V = 16 / static_cast<int>(sizeof(T)), U = 4;
-  const int cpr = C / V, per_side = 64 * cpr, total = 2 * per_side;
+  // chunk e: side e / (64 W), row q = (e / W) % 64, chunk cc = e % W of the row, W = kMaxC / V (a power of 2:
+  // shifts, no division; chunks cc >= C / V are skipped)
+  constexpr int V = 16 / static_cast<int>(sizeof(T)), U = 4, W = bwd::kMaxC / V, total = 2 * 64 * W;
+  const int cpr = C / V;
   auto chunk = [&](int e, int& dst) -> const T* {
-    const int side = e >= per_side, r = e - side * per_side, q = r / cpr, cc = r - q * cpr;
+    const unsigned u = static_cast<unsigned>(e);
+    const int side = u / (64 * W), q = (u / W) % 64, cc = u % W;
     const int hi = q >> 3, lo = q & 7;
     const int gi = (side ? J : I) * 8 + hi, gj = (side ? I : J) * 8 + lo;
     dst = side * 64 * ldx + (side ? lo * 8 + hi : hi * 8 + lo) * ldx + cc * V;
@@ -265,6 +266,7 @@ __device__ __forceinline__ void bw_load_sides(const T* __restrict__ x, int N, in
   if constexpr (std::is_same<T, float>::value) {
 #pragma unroll 1
     for (int e = threadIdx.x; e < total; e += bwd::kThreads) {
+      if ((e & (W - 1)) >= cpr) continue;
       int dst;
       const float* src = chunk(e, dst);
       cp_async16(xa + dst, src ? src : x, src != nullptr);
@@ -280,7 +282,7 @@ __device__ __forceinline__ void bw_load_sides(const T* __restrict__ x, int N, in
         const int e = e0 + k * bwd::kThreads;
         v[k] = make_uint4(0u, 0u, 0u, 0u);
         dst[k] = -1;
-        if (e < total) {
+        if (e < total && (e & (W - 1)) < cpr) {
           const T* src = chunk(e, dst[k]);
           if (src) v[k] = __ldg(reinterpret_cast<const uint4*>(src));
         }
@@ -423,6 +425,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
                                              a.g[(static_cast<long long>(b) * N + j) * N + i])
                                    : 0.f;
     }
+    if constexpr (F16)
+      if (tid < 2) scl[tid] = 0.f;  // (the previous tile's reads are two barriers behind)
     __syncthreads();
 
     // statistics of both sides, xhat in place, s and |s|; warp w: positions kRows w .. kRows (w + 1) - 1
@@ -578,7 +582,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         for (int k = 0; k < kRows; ++k) t += dz[k];
         wacc[2 * H] += t;
       }
-      if constexpr (F16) bw_warp_max_store(dmax, scl + warp, lane);
+      if constexpr (F16) bw_warp_max_store(dmax, scl, lane);
     }
     __syncthreads();
 
@@ -602,15 +606,15 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         h2s[p * ldh + u] = d;
         if constexpr (F16) dmax = fmaxf(dmax, fabsf(d));
       });
-      if constexpr (F16) bw_warp_max_store(dmax, scl + kWarps + warp, lane);
+      if constexpr (F16) bw_warp_max_store(dmax, scl + 1, lane);
     }
     __syncthreads();
     {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss (F16: dh1 scaled)
       float acc[2][2][4];
       bw_zero(acc);
       bw_gemm_back<F16, 2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64,
-                                         F16 ? bw_pow2_scale(scl + kWarps).x : 1.f, warp, lane);
-      if constexpr (F16) bw_mul(acc, bw_pow2_scale(scl + kWarps).y);
+                                         F16 ? bw_pow2_scale(scl + 1).x : 1.f, warp, lane);
+      if constexpr (F16) bw_mul(acc, bw_pow2_scale(scl + 1).y);
       bw_add(dw1, acc);
       if (tid < H) {
         float d = 0.f;
@@ -619,9 +623,9 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
       }
       bw_zero(acc);
       bw_gemm_back<F16, 2, false, false, 4>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H,
-                                         F16 ? bw_pow2_scale(scl + kWarps).x : 1.f, warp, lane);
+                                         F16 ? bw_pow2_scale(scl + 1).x : 1.f, warp, lane);
       float inv_w = diag ? 1.f : 0.5f;
-      if constexpr (F16) inv_w *= bw_pow2_scale(scl + kWarps).y;
+      if constexpr (F16) inv_w *= bw_pow2_scale(scl + 1).y;
       __syncthreads();
       bw_each<4>(acc, 4, C / 4, warp, lane, [&](int p, int c, float v) { ss[p * ldx + c] = v * inv_w; });
     }
