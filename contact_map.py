@@ -2994,8 +2994,9 @@ namespace contact_map {
 // (column sums by one thread each) and dw3, db2, db3 (per warp) add up in shared memory. Each block writes
 // one fp32 partial of every parameter gradient; bw_sum_partials_kernel sums them in fp64. 16 warps of at
 // most 128 registers each (4 per scheduler). F16 (bfloat16 input, BACKWARD_FP16_PRODUCTS): the four backward
-// products (dW2, dh1, dW1, ds) on fp16 operands (bw_gemm16), dh2 and dh1 multiplied by a power of 2 per tile
-// (bw_pow2_scale of the block's largest |value|) and the products divided by it; h1 and h2 in split TF32 as always.
+// products (dW2, dh1, dW1, ds) on fp16 operands (bw_gemm16s), dh2 and dh1 multiplied by a power of 2 per tile
+// (bw_pow2_scale of the block's largest |value|) and staged in fp16 (A fragments by ldmatrix), the products divided
+// by it; h1 and h2 in split TF32 as always.
 //
 // The ReLU masks follow fp64's sign: a unit within rounding of 0 takes its kink on either side in two
 // evaluations, and one position on the other side changes a weight's gradient by a whole term (several
@@ -3026,7 +3027,8 @@ __host__ __device__ inline int bw_partial_len(int C, int H) { return H * C + H *
 
 // Shared memory, in floats: the two sides' rows (x, then xhat) and s (then dy), 64 x ldx each; W1 (H x ldx),
 // W2 (H x ldh); h1 and h2 (then dh2, then dh1), 64 x ldh each; the vectors; the vector gradients' sums; per
-// warp C + H doubles; two floats (F16's scales).
+// warp C + H doubles (F16: after the kink phase, 64 x (H + 8) fp16 values of dh2, then of dh1, in their place); two
+// floats (F16's scales).
 // Row strides of 4 mod 32 floats: the m16n8k8 fragment loads of row-major operands are conflict-free.
 struct BwSmem {
   int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, vacc, f64, scl, total;
@@ -3108,28 +3110,58 @@ __device__ __forceinline__ void bw_gemm(float (&acc)[R][2][4], const float* __re
   }
 }
 
-// bw_gemm's product with fp16 operands: each k16 step one m16n8k16 per n tile, A times sa (a power of 2) and B
-// rounded to fp16 (round to nearest) as they are loaded, fp32 accumulation: acc += sa A B; K a multiple of 16. The
-// same strips and accumulator layout as bw_gemm (m16n8k16's C fragment is m16n8k8's). For bfloat16 input only
-// (BACKWARD_FP16_PRODUCTS): fp16 operands, dh2 and dh1 scaled to [2^11, 2^12) per tile, keep every gradient of the
-// fused-backward test within its bound there at any scale of grad_out (tools/cm_backward_precision.py, "fp16s";
+// Four 8 x 8 matrices of 16-bit values from shared memory (ldmatrix .x4): lane l gives the 16-byte aligned address
+// of row l % 8 of matrix l / 8; r[i] gets matrix i's element (row lane / 4, columns 2 (lane % 4), + 1), or with TRANS
+// (rows 2 (lane % 4), + 1, column lane / 4): the transposed matrix's.
+template <bool TRANS>
+__device__ __forceinline__ void bw_ldsm_x4(uint32_t (&r)[4], const __half* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// dst[p ldd + u] = fp16(src[p lds + u] sa) for u < H and the tile's 64 positions p: thread t converts 8 values of
+// row t / 8 (H <= 64; rows 16-byte aligned: lds % 4 == 0, ldd % 8 == 0), rounded to nearest.
+__device__ __forceinline__ void bw_stage16(__half* dst, int ldd, const float* src, int lds, int H, float sa) {
+  static_assert(bwd::kThreads == 64 * 8 && bwd::kMaxH <= 8 * 8, "one thread per 8 values of a row");
+  const int p = threadIdx.x >> 3, u = (threadIdx.x & 7) * 8;
+  if (u < H) {
+    const float4 v0 = *reinterpret_cast<const float4*>(src + p * lds + u);
+    const float4 v1 = *reinterpret_cast<const float4*>(src + p * lds + u + 4);
+    *reinterpret_cast<uint4*>(dst + p * ldd + u) =
+        make_uint4(pack2<__half>(v0.x * sa, v0.y * sa), pack2<__half>(v0.z * sa, v0.w * sa),
+                   pack2<__half>(v1.x * sa, v1.y * sa), pack2<__half>(v1.z * sa, v1.w * sa));
+  }
+}
+
+// bw_gemm's product with fp16 operands: each k16 step one m16n8k16 per n tile, fp32 accumulation: acc += A B, A
+// from fp16 values in shared memory (bw_stage16's, scaled: A(m, k) = As[m lda + k], or As[k lda + m] where A_T;
+// lda % 8 == 0), one ldmatrix per k step, and B rounded to fp16 (round to nearest) as it is loaded; K a multiple of
+// 16. The same strips and accumulator layout as bw_gemm (m16n8k16's C fragment is m16n8k8's). For bfloat16 input
+// only (BACKWARD_FP16_PRODUCTS): fp16 operands, dh2 and dh1 scaled to [2^11, 2^12) per tile, keep every gradient of
+// the fused-backward test within its bound there at any scale of grad_out (tools/cm_backward_precision.py, "fp16s";
 // unscaled, a small grad_out underflows), bf16 operands do not, nor do fp16 operands for fp16 input.
-template <int R, bool RELU_A, bool RELU_B, int MTC = 0>
-__device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
-                                          const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
-                                          float sa, int warp, int lane) {
+template <int R, bool RELU_B, bool A_T, int MTC = 0>
+__device__ __forceinline__ void bw_gemm16s(float (&acc)[R][2][4], const __half* __restrict__ As, int lda,
+                                           const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
+                                           int warp, int lane) {
   const BwStrips<MTC> st(MT, nstrips, warp);
   if (st.nb0 >= st.nb) return;
   asm volatile("" : "+r"(lane));  // the fragment addresses recomputed per call, not held across the tile loop
-  const int g = lane >> 2, t = lane & 3;
-  const float* pa = A + (st.mt * 16 + g) * am + 2 * t * ak;
+  const int g = lane >> 2, t = lane & 3, mi = lane >> 3, mr = lane & 7;
+  // the lane's row of matrix mi: m + 8 (mi & 1) (a1, a3), k + 8 (mi >> 1) (a2, a3)
+  const __half* pa = A_T ? As + (mr + 8 * (mi >> 1)) * lda + st.mt * 16 + 8 * (mi & 1)
+                         : As + (st.mt * 16 + mr + 8 * (mi & 1)) * lda + 8 * (mi >> 1);
+  const int astep = A_T ? 16 * lda : 16;
   const float* pb = Bm + g * bn + 2 * t * bk;
-  auto a2 = [&](int k, int m) {  // A(m0 + g + m, k0 + 2t + k) and its k + 1 neighbour, as one fp16 pair
-    return pack2<__half>(bw_ld<RELU_A>(pa[k * ak + m * am]) * sa, bw_ld<RELU_A>(pa[(k + 1) * ak + m * am]) * sa);
-  };
 #pragma unroll 1
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    const uint32_t a[4] = {a2(k0, 0), a2(k0, 8), a2(k0 + 8, 0), a2(k0 + 8, 8)};
+  for (int k0 = 0; k0 < K; k0 += 16, pa += astep) {
+    uint32_t a[4];
+    bw_ldsm_x4<A_T>(a, pa);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (st.block(r) < st.nb) {
@@ -3146,13 +3178,14 @@ __device__ __forceinline__ void bw_gemm16(float (&acc)[R][2][4], const float* __
   }
 }
 
-// The backward's products (dW2, dh1, dW1, ds): bw_gemm, or where F16 bw_gemm16 with A scaled by sa.
-template <bool F16, int R, bool RELU_A, bool RELU_B, int MTC = 0>
+// The backward's products (dW2, dh1, dW1, ds): bw_gemm on A, or where F16 bw_gemm16s on As (A staged in fp16,
+// scaled; A_T: As holds A transposed, as A(m, k) = A[m + k ak] does).
+template <bool F16, int R, bool RELU_B, bool A_T, int MTC = 0>
 __device__ __forceinline__ void bw_gemm_back(float (&acc)[R][2][4], const float* __restrict__ A, int am, int ak,
-                                             const float* __restrict__ Bm, int bk, int bn, int MT, int nstrips, int K,
-                                             float sa, int warp, int lane) {
-  if constexpr (F16) bw_gemm16<R, RELU_A, RELU_B, MTC>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, sa, warp, lane);
-  else bw_gemm<R, RELU_A, RELU_B, MTC>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
+                                             const __half* __restrict__ As, int lda, const float* __restrict__ Bm,
+                                             int bk, int bn, int MT, int nstrips, int K, int warp, int lane) {
+  if constexpr (F16) bw_gemm16s<R, RELU_B, A_T, MTC>(acc, As, lda, Bm, bk, bn, MT, nstrips, K, warp, lane);
+  else bw_gemm<R, false, RELU_B, MTC>(acc, A, am, ak, Bm, bk, bn, MT, nstrips, K, warp, lane);
 }
 
 // (2^e, 2^-e) bringing top = *m (>= 0: the block's largest |value|, bw_warp_max_store's) to [2^11, 2^12), e in
@@ -3357,6 +3390,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
   float *cacc = sm + L.vacc, *wacc = cacc + 2 * C + H + warp * (2 * H + 1);  // see BwSmem
   double* s64 = reinterpret_cast<double*>(sm + L.f64) + warp * (C + H);
   float* scl = sm + L.scl;  // F16 only
+  __half* stg = reinterpret_cast<__half*>(sm + L.f64);  // F16: dh2, then dh1, staged (over s64, unused then)
 
   for (int e = tid; e < H * C; e += kThreads) w1s[(e / C) * ldx + e % C] = a.w1[e];
   for (int e = tid; e < H * H; e += kThreads) w2s[(e / H) * ldh + e % H] = a.w2[e];
@@ -3562,18 +3596,20 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
       if constexpr (F16) bw_warp_max_store(dmax, scl, lane);
     }
     __syncthreads();
+    if constexpr (F16) {  // dh2 times its scale, in fp16, into stg
+      bw_stage16(stg, H + 8, h2s, ldh, H, bw_pow2_scale(scl).x);
+      __syncthreads();
+    }
 
-    {  // dW2 += dh2^T relu(h1) (K = 64 positions); dh1 = (dh2 W2) [h1 > 0] into h2s (F16: dh2 scaled)
+    {  // dW2 += dh2^T relu(h1) (K = 64 positions); dh1 = (dh2 W2) [h1 > 0] into h2s (F16: from stg, dh2 scaled)
       // (the scale read again from shared memory where it is needed: fewer live registers)
       float acc[1][2][4];
       bw_zero(acc);
-      bw_gemm_back<F16, 1, false, true>(acc, h2s, 1, ldh, h1s, ldh, 1, MH, MH * (H / 16), 64,
-                                        F16 ? bw_pow2_scale(scl).x : 1.f, warp, lane);
+      bw_gemm_back<F16, 1, true, true>(acc, h2s, 1, ldh, stg, H + 8, h1s, ldh, 1, MH, MH * (H / 16), 64, warp, lane);
       if constexpr (F16) bw_mul(acc, bw_pow2_scale(scl).y);
       bw_add(dw2, acc);
       bw_zero(acc);
-      bw_gemm_back<F16, 1, false, false, 4>(acc, h2s, ldh, 1, w2s, ldh, 1, 4, H / 4, H,
-                                         F16 ? bw_pow2_scale(scl).x : 1.f, warp, lane);
+      bw_gemm_back<F16, 1, false, false, 4>(acc, h2s, ldh, 1, stg, H + 8, w2s, ldh, 1, 4, H / 4, H, warp, lane);
       const float inv2 = F16 ? bw_pow2_scale(scl).y : 1.f;
       __syncthreads();
       float dmax = 0.f;  // F16: the largest |dh1| of the lane's
@@ -3586,11 +3622,14 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
       if constexpr (F16) bw_warp_max_store(dmax, scl + 1, lane);
     }
     __syncthreads();
-    {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss (F16: dh1 scaled)
+    if constexpr (F16) {  // dh1 times its scale, in fp16, into stg
+      bw_stage16(stg, H + 8, h2s, ldh, H, bw_pow2_scale(scl + 1).x);
+      __syncthreads();
+    }
+    {  // dW1 += dh1^T s, db1; ds = dh1 W1, dy = ds / w into ss (F16: from stg, dh1 scaled)
       float acc[2][2][4];
       bw_zero(acc);
-      bw_gemm_back<F16, 2, false, false>(acc, h2s, 1, ldh, ss, ldx, 1, MH, MH * (C / 16), 64,
-                                         F16 ? bw_pow2_scale(scl + 1).x : 1.f, warp, lane);
+      bw_gemm_back<F16, 2, false, true>(acc, h2s, 1, ldh, stg, H + 8, ss, ldx, 1, MH, MH * (C / 16), 64, warp, lane);
       if constexpr (F16) bw_mul(acc, bw_pow2_scale(scl + 1).y);
       bw_add(dw1, acc);
       if (tid < H) {
@@ -3599,8 +3638,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
         cacc[2 * C + tid] += d;
       }
       bw_zero(acc);
-      bw_gemm_back<F16, 2, false, false, 4>(acc, h2s, ldh, 1, w1s, ldx, 1, 4, C / 4, H,
-                                         F16 ? bw_pow2_scale(scl + 1).x : 1.f, warp, lane);
+      bw_gemm_back<F16, 2, false, false, 4>(acc, h2s, ldh, 1, stg, H + 8, w1s, ldx, 1, 4, C / 4, H, warp, lane);
       float inv_w = diag ? 1.f : 0.5f;
       if constexpr (F16) inv_w *= bw_pow2_scale(scl + 1).y;
       __syncthreads();
