@@ -4291,9 +4291,9 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
 
 # The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused), dh2 and dh1 scaled
 # by a power of 2 per tile so that a small grad_out (a mean loss: ~1e-5 per element) does not underflow fp16
-# (tools/cm_backward_precision.py --g-scale). On: it passed the fused-backward tests (grad_out times 1, 1e-6, 1e3),
-# the four sanitizers and the harness's gradient checks on an H100 (2026-12-07, 01bb73a; NOTES, b7). False restores
-# split TF32 for every product.
+# (tools/cm_backward_precision.py --g-scale). On since c4be8e4, after the fused-backward tests (grad_out times 1, 1e-6,
+# 1e3), the four sanitizers and the harness's gradient checks passed on an H100 (NOTES: b7-b9, sanitizer record (q)).
+# False restores split TF32 for every product.
 BACKWARD_FP16_PRODUCTS = True
 
 
