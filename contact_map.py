@@ -3375,7 +3375,82 @@ __device__ __forceinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int 
   __syncwarp();
 }
 
-template <typename T, bool F16>
+// bw_refine with shorter dependency chains (REFINE_ILP; not the default until a GPU has checked it): the lane's
+// values of both rows read from global memory once (C <= 128: 4 per lane) for the statistics and s, which keep
+// bw_refine's order; each h1 and h2 dot product in 4 partial sums (k mod 4) added pairwise, then the bias. fp64
+// throughout: the masks differ from bw_refine's only where |h| is within ~2^-50 of its bound.
+template <typename T>
+__device__ __forceinline__ void bw_refine_ilp(const BwArgs<T>& a, int b, int i, int j, const float* gam,
+                                              const float* bet, const float* w1s, const float* w2s, const float* b1s,
+                                              const float* b2s, int ldx, int ldh, double* s64, float* h1r, float* h2r,
+                                              int lane) {
+  static_assert(bwd::kMaxC <= 4 * 32, "four values of a row per lane");
+  const int C = a.C, H = a.H, N = a.N;
+  const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
+  const T* rb = a.x + ((static_cast<long long>(b) * N + j) * N + i) * C;
+  double* a64 = s64 + C;
+  float va[4], vb[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int c = lane + 32 * q;
+    va[q] = c < C ? to_f32(ra[c]) : 0.f;
+    vb[q] = c < C ? to_f32(rb[c]) : 0.f;
+  }
+  double sa = 0.0, sb = 0.0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    if (lane + 32 * q < C) {
+      sa += static_cast<double>(va[q]);
+      sb += static_cast<double>(vb[q]);
+    }
+  const double ma = warp_sum_d(sa) / C, mb = warp_sum_d(sb) / C;
+  double qa = 0.0, qb = 0.0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    if (lane + 32 * q < C) {
+      const double da = static_cast<double>(va[q]) - ma, db = static_cast<double>(vb[q]) - mb;
+      qa += da * da;
+      qb += db * db;
+    }
+  const double rsa = 1.0 / sqrt(warp_sum_d(qa) / C + a.eps), rsb = 1.0 / sqrt(warp_sum_d(qb) / C + a.eps);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int c = lane + 32 * q;
+    if (c < C) {
+      const double gc = gam[c], bc = bet[c];
+      const double ya = (static_cast<double>(va[q]) - ma) * rsa * gc + bc;
+      const double yb = (static_cast<double>(vb[q]) - mb) * rsb * gc + bc;
+      s64[c] = 0.5 * (ya + yb);
+    }
+  }
+  __syncwarp();
+  // sum_k w[k] v[k] over K (a multiple of 4) in 4 partial sums; w 16-byte aligned, v's pairs 16-byte aligned
+  auto dot4 = [](const float* w, const double* v, int K) {
+    double p0 = 0.0, p1 = 0.0, p2 = 0.0, p3 = 0.0;
+#pragma unroll 2
+    for (int k = 0; k < K; k += 4) {
+      const float4 wk = *reinterpret_cast<const float4*>(w + k);
+      const double2 v01 = *reinterpret_cast<const double2*>(v + k), v23 = *reinterpret_cast<const double2*>(v + k + 2);
+      p0 += static_cast<double>(wk.x) * v01.x;
+      p1 += static_cast<double>(wk.y) * v01.y;
+      p2 += static_cast<double>(wk.z) * v23.x;
+      p3 += static_cast<double>(wk.w) * v23.y;
+    }
+    return (p0 + p1) + (p2 + p3);
+  };
+#pragma unroll 1
+  for (int u = lane; u < H; u += 32) {
+    const double h = dot4(w1s + u * ldx, s64, C) + b1s[u];
+    h1r[u] = bw_kink_f32(h);
+    a64[u] = h > 0.0 ? h : 0.0;
+  }
+  __syncwarp();
+#pragma unroll 1
+  for (int u = lane; u < H; u += 32) h2r[u] = bw_kink_f32(dot4(w2s + u * ldh, a64, H) + b2s[u]);
+  __syncwarp();
+}
+
+template <typename T, bool F16, bool ILP>
 __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(const BwArgs<T> a) {
   using namespace bwd;
   extern __shared__ __align__(16) float sm[];
@@ -3543,8 +3618,12 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     }
     for (; near_rows; near_rows &= near_rows - 1) {
       const int k = __ffs(near_rows) - 1, p = warp * kRows + k;
-      bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64, h1s + p * ldh,
-                h2s + p * ldh, lane);
+      if constexpr (ILP)
+        bw_refine_ilp(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
+                      h1s + p * ldh, h2s + p * ldh, lane);
+      else
+        bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
+                  h1s + p * ldh, h2s + p * ldh, lane);
     }
     {
       float dz[kRows];  // o, then dz
@@ -3753,11 +3832,11 @@ __global__ void __launch_bounds__(256) bw_sum_partials_kernel(const float* __res
   }
 }
 
-template <typename T, bool F16>
+template <typename T, bool F16, bool ILP>
 void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cudaStream_t stream) {
-  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16>), device,
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16, ILP>), device,
                           static_cast<int>(smem));
-  contact_map_backward_kernel<T, F16><<<grid, bwd::kThreads, smem, stream>>>(a);
+  contact_map_backward_kernel<T, F16, ILP><<<grid, bwd::kThreads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -3773,10 +3852,11 @@ namespace contact_map {
 // fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). Two
 // launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel. Raises
 // where backward_supported is false. fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1,
-// ds) on fp16 operands (bw_gemm16); other dtypes ignore it.
+// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it. refine_ilp: bw_refine_ilp instead of bw_refine.
 std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
                                     torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
-                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products) {
+                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products,
+                                    bool refine_ilp) {
   const auto dtype = pair.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kHalf || dtype == torch::kBFloat16,
               "contact_map backward: pair_repr must be float32, float16 or bfloat16, got ", c10::toString(dtype));
@@ -3843,11 +3923,13 @@ std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torc
                 static_cast<int>(N), static_cast<int>(C), static_cast<int>(H)};
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       if (fp16_products) {
-        launch_backward<T, true>(a, grid, smem, device, stream);
+        if (refine_ilp) launch_backward<T, true, true>(a, grid, smem, device, stream);
+        else launch_backward<T, true, false>(a, grid, smem, device, stream);
         return;
       }
     }
-    launch_backward<T, false>(a, grid, smem, device, stream);
+    if (refine_ilp) launch_backward<T, false, true>(a, grid, smem, device, stream);
+    else launch_backward<T, false, false>(a, grid, smem, device, stream);
   };
   if (dtype == torch::kFloat32) run(float{});
   else if (dtype == torch::kHalf) run(__half{});
@@ -4283,10 +4365,12 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     on, the four backward products (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of
     split TF32, dh2 and dh1 multiplied by a power of 2 per tile first (h1 and h2, whose ReLU masks the fp64
     recomputation guards, stay in split TF32)."""
-    if not isinstance(BACKWARD_FP16_PRODUCTS, bool):
-        raise ValueError(f"contact_map: BACKWARD_FP16_PRODUCTS must be True or False, got {BACKWARD_FP16_PRODUCTS!r}")
+    for name, value in (("BACKWARD_FP16_PRODUCTS", BACKWARD_FP16_PRODUCTS),
+                        ("BACKWARD_REFINE_ILP", BACKWARD_REFINE_ILP)):
+        if not isinstance(value, bool):
+            raise ValueError(f"contact_map: {name} must be True or False, got {value!r}")
     return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out,
-                               BACKWARD_FP16_PRODUCTS))
+                               BACKWARD_FP16_PRODUCTS, BACKWARD_REFINE_ILP))
 
 
 # The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused), dh2 and dh1 scaled
@@ -4295,6 +4379,11 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
 # 1e3), the four sanitizers and the harness's gradient checks passed on an H100 (NOTES: b7-b9, sanitizer record (q)).
 # False restores split TF32 for every product.
 BACKWARD_FP16_PRODUCTS = True
+
+# The fused backward's fp64 recomputation of positions near a ReLU kink with shorter dependency chains (each warp's
+# rows read once, dot products in 4 partial sums: bw_refine_ilp). While one warp recomputes, the block's other 15
+# wait at the next barrier (9% of the bf16 kernel's stall samples at crop: NOTES). Off until a GPU has checked it.
+BACKWARD_REFINE_ILP = False
 
 
 _FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool

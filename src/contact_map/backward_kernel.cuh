@@ -398,7 +398,82 @@ __device__ __forceinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int 
   __syncwarp();
 }
 
-template <typename T, bool F16>
+// bw_refine with shorter dependency chains (REFINE_ILP; not the default until a GPU has checked it): the lane's
+// values of both rows read from global memory once (C <= 128: 4 per lane) for the statistics and s, which keep
+// bw_refine's order; each h1 and h2 dot product in 4 partial sums (k mod 4) added pairwise, then the bias. fp64
+// throughout: the masks differ from bw_refine's only where |h| is within ~2^-50 of its bound.
+template <typename T>
+__device__ __forceinline__ void bw_refine_ilp(const BwArgs<T>& a, int b, int i, int j, const float* gam,
+                                              const float* bet, const float* w1s, const float* w2s, const float* b1s,
+                                              const float* b2s, int ldx, int ldh, double* s64, float* h1r, float* h2r,
+                                              int lane) {
+  static_assert(bwd::kMaxC <= 4 * 32, "four values of a row per lane");
+  const int C = a.C, H = a.H, N = a.N;
+  const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
+  const T* rb = a.x + ((static_cast<long long>(b) * N + j) * N + i) * C;
+  double* a64 = s64 + C;
+  float va[4], vb[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int c = lane + 32 * q;
+    va[q] = c < C ? to_f32(ra[c]) : 0.f;
+    vb[q] = c < C ? to_f32(rb[c]) : 0.f;
+  }
+  double sa = 0.0, sb = 0.0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    if (lane + 32 * q < C) {
+      sa += static_cast<double>(va[q]);
+      sb += static_cast<double>(vb[q]);
+    }
+  const double ma = warp_sum_d(sa) / C, mb = warp_sum_d(sb) / C;
+  double qa = 0.0, qb = 0.0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    if (lane + 32 * q < C) {
+      const double da = static_cast<double>(va[q]) - ma, db = static_cast<double>(vb[q]) - mb;
+      qa += da * da;
+      qb += db * db;
+    }
+  const double rsa = 1.0 / sqrt(warp_sum_d(qa) / C + a.eps), rsb = 1.0 / sqrt(warp_sum_d(qb) / C + a.eps);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int c = lane + 32 * q;
+    if (c < C) {
+      const double gc = gam[c], bc = bet[c];
+      const double ya = (static_cast<double>(va[q]) - ma) * rsa * gc + bc;
+      const double yb = (static_cast<double>(vb[q]) - mb) * rsb * gc + bc;
+      s64[c] = 0.5 * (ya + yb);
+    }
+  }
+  __syncwarp();
+  // sum_k w[k] v[k] over K (a multiple of 4) in 4 partial sums; w 16-byte aligned, v's pairs 16-byte aligned
+  auto dot4 = [](const float* w, const double* v, int K) {
+    double p0 = 0.0, p1 = 0.0, p2 = 0.0, p3 = 0.0;
+#pragma unroll 2
+    for (int k = 0; k < K; k += 4) {
+      const float4 wk = *reinterpret_cast<const float4*>(w + k);
+      const double2 v01 = *reinterpret_cast<const double2*>(v + k), v23 = *reinterpret_cast<const double2*>(v + k + 2);
+      p0 += static_cast<double>(wk.x) * v01.x;
+      p1 += static_cast<double>(wk.y) * v01.y;
+      p2 += static_cast<double>(wk.z) * v23.x;
+      p3 += static_cast<double>(wk.w) * v23.y;
+    }
+    return (p0 + p1) + (p2 + p3);
+  };
+#pragma unroll 1
+  for (int u = lane; u < H; u += 32) {
+    const double h = dot4(w1s + u * ldx, s64, C) + b1s[u];
+    h1r[u] = bw_kink_f32(h);
+    a64[u] = h > 0.0 ? h : 0.0;
+  }
+  __syncwarp();
+#pragma unroll 1
+  for (int u = lane; u < H; u += 32) h2r[u] = bw_kink_f32(dot4(w2s + u * ldh, a64, H) + b2s[u]);
+  __syncwarp();
+}
+
+template <typename T, bool F16, bool ILP>
 __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(const BwArgs<T> a) {
   using namespace bwd;
   extern __shared__ __align__(16) float sm[];
@@ -566,8 +641,12 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     }
     for (; near_rows; near_rows &= near_rows - 1) {
       const int k = __ffs(near_rows) - 1, p = warp * kRows + k;
-      bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64, h1s + p * ldh,
-                h2s + p * ldh, lane);
+      if constexpr (ILP)
+        bw_refine_ilp(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
+                      h1s + p * ldh, h2s + p * ldh, lane);
+      else
+        bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
+                  h1s + p * ldh, h2s + p * ldh, lane);
     }
     {
       float dz[kRows];  // o, then dz
@@ -776,11 +855,11 @@ __global__ void __launch_bounds__(256) bw_sum_partials_kernel(const float* __res
   }
 }
 
-template <typename T, bool F16>
+template <typename T, bool F16, bool ILP>
 void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cudaStream_t stream) {
-  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16>), device,
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16, ILP>), device,
                           static_cast<int>(smem));
-  contact_map_backward_kernel<T, F16><<<grid, bwd::kThreads, smem, stream>>>(a);
+  contact_map_backward_kernel<T, F16, ILP><<<grid, bwd::kThreads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
