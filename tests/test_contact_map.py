@@ -918,23 +918,26 @@ def test_fused_backward_fp16_products_run_only_for_bf16(cm, ref, monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, f16, instance", [
+    (torch.float32, True, "<float, false, true>"), (torch.float16, True, "<__half, false, true>"),
+    (torch.bfloat16, True, "<__nv_bfloat16, true, true>"), (torch.bfloat16, False, "<__nv_bfloat16, false, true>"),
+])
 @pytest.mark.parametrize("B, N, C, H, dist", [
     (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 1, 64, 32, "normal"), (1, 20, 128, 48, "normal"),
 ])
-def test_fused_backward_refine_ilp(cm, ref, monkeypatch, dtype, B, N, C, H, dist):
-    """BACKWARD_REFINE_ILP on (bw_refine_ilp recomputes the positions near a kink): the fused-backward test's
-    checks pass (bfloat16 with its default fp16 products), the kernel instance with ILP runs, and a value other
-    than True / False raises."""
+def test_fused_backward_refine_ilp(cm, ref, monkeypatch, dtype, f16, instance, B, N, C, H, dist):
+    """BACKWARD_REFINE_ILP on (bw_refine_ilp recomputes the positions near a kink), with BACKWARD_FP16_PRODUCTS as
+    given: the fused-backward test's checks pass, the kernel instance with ILP runs, and a value other than True /
+    False raises."""
     monkeypatch.setattr(cm, "BACKWARD_REFINE_ILP", True)
+    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", f16)
     _check_fused_backward(cm, ref, dtype, B, N, C, H, dist)
     x, params, g = _backward_case(ref, 1, 17, 64, 32, "normal", dtype, seed=5)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    want = "<float, false, true>" if dtype == torch.float32 else "<__nv_bfloat16, true, true>"
-    assert any("contact_map_backward_kernel" + want in n for n in names), names
+    assert any("contact_map_backward_kernel" + instance in n for n in names), names
     monkeypatch.setattr(cm, "BACKWARD_REFINE_ILP", 0)
     with pytest.raises(ValueError, match="BACKWARD_REFINE_ILP"):
         cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)

@@ -209,7 +209,9 @@ CM_CASES.append(Case(
 CM_CASES.append(Case(
     "cm_backward_refine_ilp", "contact_map", "the fused backward with BACKWARD_REFINE_ILP on (fp64 recomputation)",
     [cm_call("cm_backward", dt, B, N, C, H, refine_ilp=True)
-     for dt in (F32, BF16) for B, N, C, H in ((1, 19, 128, 64), (2, 17, 64, 32), (1, 19, 128, 48))]))
+     for dt in (F32, BF16) for B, N, C, H in ((1, 19, 128, 64), (2, 17, 64, 32), (1, 19, 128, 48))]
+    + [cm_call("cm_backward", F16, 1, 19, 128, 64, refine_ilp=True),
+       cm_call("cm_backward", BF16, 1, 19, 128, 64, refine_ilp=True, f16=False)]))
 
 # The outer product mean's forced variants (its _ALL_VARIANTS less "auto"; the tests check this list against it).
 OPM_ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg2", "outer_wg",
