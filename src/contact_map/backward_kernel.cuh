@@ -26,8 +26,8 @@ namespace contact_map {
 // times the fp32 reference's whole error). A position with any |h1| or |h2| below kKink (|s| |W_u| +
 // |b_u|) (the Cauchy-Schwarz bound on the unit's input; fp32 and split-TF32 rounding of h is about 2^-21
 // of that bound / sqrt(K), so 2^-17 leaves a wide margin) is computed again in fp64 from x by its warp
-// (0.3-1.6% of the positions at crop and batch with random weights), and its h1, h2 replaced by the fp64
-// values rounded to fp32.
+// (0.3-1.6% of the positions at crop and batch with random weights; bw_refine, or bw_refine_ilp where ILP:
+// BACKWARD_REFINE_ILP), and its h1, h2 replaced by the fp64 values rounded to fp32.
 namespace bwd {
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kRows = 64 / kWarps;  // positions per warp in the per-row steps
@@ -52,7 +52,8 @@ __host__ __device__ inline int bw_partial_len(int C, int H) { return H * C + H *
 // W2 (H x ldh); h1 and h2 (then dh2, then dh1), 64 x ldh each; the vectors; the vector gradients' sums; per
 // warp C + H doubles (F16: after the kink phase, 64 x (H + 8) fp16 values of dh2, then of dh1, in their place); two
 // floats (F16's scales).
-// Row strides of 4 mod 32 floats: the m16n8k8 fragment loads of row-major operands are conflict-free.
+// Row strides of 4 times an odd number, mod 32 floats: the m16n8k8 fragment loads of row-major operands are
+// conflict-free.
 struct BwSmem {
   int ldx, ldh, xa, xb, s, w1, w2, h1, h2, vec, vacc, f64, scl, total;
   __host__ __device__ BwSmem(int C, int H) {
@@ -77,7 +78,7 @@ template <bool RELU>
 __device__ __forceinline__ float bw_ld(float v) { return RELU ? fmaxf(v, 0.f) : v; }
 
 // The 16 x 16 strips of a (16 MT) x (16 nb) output (nstrips = MT nb, MT <= 4) that a warp owns: m tile
-// warp % MT (its strips share their A fragments, split once per k step) and column blocks warp / MT + r step,
+// warp % MT (its strips share their A fragments, split or loaded once per k step), column blocks warp / MT + r step,
 // step = 16 / MT, r < R (R step >= nb: the caller's R), those below nb; warps from MT step on own none (MT = 3:
 // warp 15). MTC > 0: MT known at compile time (shifts, not divisions).
 template <int MTC>
@@ -398,10 +399,11 @@ __device__ __forceinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int 
   __syncwarp();
 }
 
-// bw_refine with shorter dependency chains (REFINE_ILP; not the default until a GPU has checked it): the lane's
+// bw_refine with shorter dependency chains (BACKWARD_REFINE_ILP; off until a GPU has checked it): the lane's
 // values of both rows read from global memory once (C <= 128: 4 per lane) for the statistics and s, which keep
 // bw_refine's order; each h1 and h2 dot product in 4 partial sums (k mod 4) added pairwise, then the bias. fp64
-// throughout: the masks differ from bw_refine's only where |h| is within ~2^-50 of its bound.
+// throughout: the masks differ from bw_refine's only where |h| is within the sums' reordering (~2^-46 of its bound
+// at most).
 template <typename T>
 __device__ __forceinline__ void bw_refine_ilp(const BwArgs<T>& a, int b, int i, int j, const float* gam,
                                               const float* bet, const float* w1s, const float* w2s, const float* b1s,

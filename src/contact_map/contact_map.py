@@ -265,7 +265,8 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     fused_backward_runs() is True (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS
     on, the four backward products (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of
     split TF32, dh2 and dh1 multiplied by a power of 2 per tile first (h1 and h2, whose ReLU masks the fp64
-    recomputation guards, stay in split TF32)."""
+    recomputation guards, stay in split TF32). BACKWARD_REFINE_ILP on: that recomputation by bw_refine_ilp. A
+    setting other than True / False raises ValueError."""
     for name, value in (("BACKWARD_FP16_PRODUCTS", BACKWARD_FP16_PRODUCTS),
                         ("BACKWARD_REFINE_ILP", BACKWARD_REFINE_ILP)):
         if not isinstance(value, bool):
