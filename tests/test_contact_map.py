@@ -861,22 +861,26 @@ GRAD_NAMES = ("pair", "layer_norm.weight", "layer_norm.bias", "mlp.0.weight", "m
               "mlp.2.bias", "mlp.4.weight", "mlp.4.bias")
 
 
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("B, N, C, H, dist", [
+# The fused-backward tests' cases (B, N, pair_dim, hidden_dim, distribution); tools/cm_backward_precision.py takes
+# them too. hidden_dim 48 at pair_dim 96 / 128: dW1's three m tiles, a warp's two strips (BwStrips) in one of them.
+FUSED_BACKWARD_CASES = [
     (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 40, 48, 16, "uniform"), (3, 9, 96, 32, "heavy"),
     (1, 1, 64, 32, "normal"), (1, 130, 128, 32, "normal"), (2, 64, 128, 64, "uniform"), (1, 20, 128, 48, "normal"),
     (2, 11, 96, 48, "uniform"),
-])
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, N, C, H, dist", FUSED_BACKWARD_CASES)
 def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, monkeypatch, dtype, B, N, C, H, dist):
     """contact_map_backward_fused with split-TF32 products (BACKWARD_FP16_PRODUCTS off; bfloat16's default, on, is
     the next test) and contact_map_backward (PyTorch ops) on the same inputs, both against fp64
     autograd of the reference: each fused gradient's max error (relative to its largest value) at most
     max(2x the ops backward's, a floor: 1e-5 in fp32, 2^-11 in fp16, 2^-8 in bf16). Shapes and dtypes equal the
     ops backward's; d_pair finite after a NaN-filled block of its size is freed just before the call (the
-    caching allocator's usual reuse); a repeat call bit-equal (fixed tile order, partials summed in order).
-    hidden_dim 48 at pair_dim 96 / 128: dW1's three m tiles, a warp's two strips (BwStrips) in one of them."""
+    caching allocator's usual reuse); a repeat call bit-equal (fixed tile order, partials summed in order)."""
     monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", False)
     _check_fused_backward(cm, ref, dtype, B, N, C, H, dist)
 
@@ -884,11 +888,7 @@ def test_fused_backward_against_fp64_and_the_ops_backward(cm, ref, monkeypatch, 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("g_scale", [1.0, 1e-6, 1e3])
-@pytest.mark.parametrize("B, N, C, H, dist", [
-    (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 40, 48, 16, "uniform"), (3, 9, 96, 32, "heavy"),
-    (1, 1, 64, 32, "normal"), (1, 130, 128, 32, "normal"), (2, 64, 128, 64, "uniform"), (1, 20, 128, 48, "normal"),
-    (2, 11, 96, 48, "uniform"),
-])
+@pytest.mark.parametrize("B, N, C, H, dist", FUSED_BACKWARD_CASES)
 def test_fused_backward_fp16_products_on_bf16(cm, ref, monkeypatch, B, N, C, H, dist, g_scale):
     """BACKWARD_FP16_PRODUCTS on (the default), bfloat16 input, grad_out of normal values times g_scale (1e-6: a mean
     loss's size, below fp16's normal range without the per-tile scaling): the same checks as the split-TF32 products

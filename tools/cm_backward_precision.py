@@ -10,13 +10,12 @@ dh1 = dh2 W2, dW1 = dh1^T s, ds = dh1 W1) rounded to the operand type (float64 s
 accumulation), LayerNorm statistics in fp32 and the ReLU masks of fp64, as the fused kernel takes them; "fp16s": fp16
 with dh2 and dh1 multiplied by a power of 2 before rounding (their largest magnitude to 2^12) and the products divided
 by it after, as a kernel must where grad_out is small (--g-scale multiplies grad_out: a mean loss gives ~1e-5 per
-element, where unscaled fp16 operands underflow). Cases print as (B, N, pair_dim, hidden_dim, distribution). Each gradient,
-rounded to the input dtype, is compared with fp64 autograd of reference/contact_map.py: error = max |got - want| / max
-|want|, bound = max(2x the error of fp32 autograd rounded to the input dtype (the ops backward's arithmetic), 2^-8 for
-bf16 inputs, 2^-11 for fp16). Prints, per case and operand type, the worst error over its bound (above 1: over; fp32
-operands read ~0.5, their error being the ops backward's) and how many of the nine gradients exceed it, then a summary
-line per input dtype and operand type. No GPU, no CUDA build.
-"""
+element, where unscaled fp16 operands underflow). Cases print as (B, N, pair_dim, hidden_dim, distribution). Each
+gradient, rounded to the input dtype, is compared with fp64 autograd of reference/contact_map.py: error = max |got -
+want| / max |want|, bound = max(2x the error of fp32 autograd rounded to the input dtype (the ops backward's
+arithmetic), 2^-8 for bf16 inputs, 2^-11 for fp16). Prints, per case and operand type, the worst error over its bound
+(above 1: over; fp32 operands read ~0.5, their error being the ops backward's) and how many of the nine gradients exceed
+it, then a summary line per input dtype and operand type. No GPU, no CUDA build."""
 import argparse
 import math
 import os
@@ -28,15 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import harness  # noqa: E402  (the repository's module loader)
-from test_contact_map import _draw, _randomise, _rel_errs  # noqa: E402  (the fused-backward test's inputs)
+from test_contact_map import FUSED_BACKWARD_CASES, _draw, _randomise, _rel_errs  # noqa: E402  (the test's inputs)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OPERANDS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "fp16": (torch.float16, False),
             "fp16s": (torch.float16, True)}  # name: (operand type, dh2 / dh1 scaled by a power of 2)
 FLOORS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 # The fused-backward test's cases (B, N, C, H, distribution), less N = 1.
-CASES = [(1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 40, 48, 16, "uniform"), (3, 9, 96, 32, "heavy"),
-         (1, 130, 128, 32, "normal"), (2, 64, 128, 64, "uniform")]
+CASES = [c for c in FUSED_BACKWARD_CASES if c[1] > 1]
 F64 = torch.float64
 
 
