@@ -7,8 +7,14 @@ distributions, strides and parameter values, at atol = rtol = 1e-4; on an H100 /
 wgmma kernel's own checks.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -961,6 +967,17 @@ def _check_fused_backward(cm, ref, dtype, B, N, C, H, dist, g_scale=1.0):
     floor = 1e-5 if dtype == torch.float32 else (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11)
     for name, e_f, e_o in zip(GRAD_NAMES, _rel_errs(fused, want), _rel_errs(ops, want)):
         assert e_f <= max(2 * e_o, floor), f"{name}: fused {e_f:.2e} vs ops {e_o:.2e} (relative to the largest)"
+
+
+def test_backward_ab_tool_checks_its_arguments():
+    """tools/cm_backward_ab.py refuses a shape or dtype it does not know (exit 2, naming it) before building
+    anything, and without a GPU says so (exit 1)."""
+    tool = [sys.executable, os.path.join(ROOT, "tools", "cm_backward_ab.py"), os.path.join(ROOT, "contact_map.py")]
+    bad = subprocess.run(tool + ["--shapes", "crop,nope", "--dtypes", "float64"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown dtype or shape: float64, nope" in bad.stderr, bad.stderr
+    if not torch.cuda.is_available():
+        run = subprocess.run(tool + ["--shapes", "crop"], capture_output=True, text=True)
+        assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr, run.stderr
 
 
 def test_backward_precision_tool_emulates_the_backward(load_module):
