@@ -3003,8 +3003,8 @@ namespace contact_map {
 // times the fp32 reference's whole error). A position with any |h1| or |h2| below kKink (|s| |W_u| +
 // |b_u|) (the Cauchy-Schwarz bound on the unit's input; fp32 and split-TF32 rounding of h is about 2^-21
 // of that bound / sqrt(K), so 2^-17 leaves a wide margin) is computed again in fp64 from x by its warp
-// (0.3-1.6% of the positions at crop and batch with random weights; bw_refine, or bw_refine_ilp where ILP:
-// BACKWARD_REFINE_ILP), and its h1, h2 replaced by the fp64 values rounded to fp32.
+// (0.3-1.6% of the positions at crop and batch with random weights; bw_refine), and its h1, h2 replaced by the
+// fp64 values rounded to fp32.
 namespace bwd {
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kRows = 64 / kWarps;  // positions per warp in the per-row steps
@@ -3323,69 +3323,15 @@ __device__ __forceinline__ float bw_kink_f32(double v) {
 }
 
 // Position (b, i, j) again in fp64 by one warp, from x and the fp32 parameters (exact copies): h1 and h2
-// (pre-activation) into the rows h1r, h2r. s64 / a64: the warp's C + H doubles. Loops kept rolled: the
-// kernel has 128 registers per thread.
+// (pre-activation) into the rows h1r, h2r. s64 / a64: the warp's C + H doubles. Short dependency chains (while
+// one warp recomputes, the block's other 15 wait at the next barrier): the lane's values of both rows read from
+// global memory once (C <= 128: 4 per lane) for the statistics and s; each h1 and h2 dot product in 4 partial sums
+// (k mod 4) added pairwise, then the bias.
 template <typename T>
 __device__ __forceinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int j, const float* gam,
                                           const float* bet, const float* w1s, const float* w2s, const float* b1s,
                                           const float* b2s, int ldx, int ldh, double* s64, float* h1r, float* h2r,
                                           int lane) {
-  const int C = a.C, H = a.H, N = a.N;
-  const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
-  const T* rb = a.x + ((static_cast<long long>(b) * N + j) * N + i) * C;
-  double* a64 = s64 + C;
-  double sa = 0.0, sb = 0.0;
-#pragma unroll 1
-  for (int c = lane; c < C; c += 32) {
-    sa += static_cast<double>(to_f32(ra[c]));
-    sb += static_cast<double>(to_f32(rb[c]));
-  }
-  const double ma = warp_sum_d(sa) / C, mb = warp_sum_d(sb) / C;
-  double qa = 0.0, qb = 0.0;
-#pragma unroll 1
-  for (int c = lane; c < C; c += 32) {
-    const double da = static_cast<double>(to_f32(ra[c])) - ma, db = static_cast<double>(to_f32(rb[c])) - mb;
-    qa += da * da;
-    qb += db * db;
-  }
-  const double rsa = 1.0 / sqrt(warp_sum_d(qa) / C + a.eps), rsb = 1.0 / sqrt(warp_sum_d(qb) / C + a.eps);
-#pragma unroll 1
-  for (int c = lane; c < C; c += 32) {
-    const double gc = gam[c], bc = bet[c];
-    const double ya = (static_cast<double>(to_f32(ra[c])) - ma) * rsa * gc + bc;
-    const double yb = (static_cast<double>(to_f32(rb[c])) - mb) * rsb * gc + bc;
-    s64[c] = 0.5 * (ya + yb);
-  }
-  __syncwarp();
-#pragma unroll 1
-  for (int u = lane; u < H; u += 32) {
-    double h = b1s[u];
-#pragma unroll 4
-    for (int c = 0; c < C; ++c) h += static_cast<double>(w1s[u * ldx + c]) * s64[c];
-    h1r[u] = bw_kink_f32(h);
-    a64[u] = h > 0.0 ? h : 0.0;
-  }
-  __syncwarp();
-#pragma unroll 1
-  for (int u = lane; u < H; u += 32) {
-    double h = b2s[u];
-#pragma unroll 4
-    for (int k = 0; k < H; ++k) h += static_cast<double>(w2s[u * ldh + k]) * a64[k];
-    h2r[u] = bw_kink_f32(h);
-  }
-  __syncwarp();
-}
-
-// bw_refine with shorter dependency chains (BACKWARD_REFINE_ILP; off until a GPU has checked it): the lane's
-// values of both rows read from global memory once (C <= 128: 4 per lane) for the statistics and s, which keep
-// bw_refine's order; each h1 and h2 dot product in 4 partial sums (k mod 4) added pairwise, then the bias. fp64
-// throughout: the masks differ from bw_refine's only where |h| is within the sums' reordering (~2^-46 of its bound
-// at most).
-template <typename T>
-__device__ __forceinline__ void bw_refine_ilp(const BwArgs<T>& a, int b, int i, int j, const float* gam,
-                                              const float* bet, const float* w1s, const float* w2s, const float* b1s,
-                                              const float* b2s, int ldx, int ldh, double* s64, float* h1r, float* h2r,
-                                              int lane) {
   static_assert(bwd::kMaxC <= 4 * 32, "four values of a row per lane");
   const int C = a.C, H = a.H, N = a.N;
   const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
@@ -3452,7 +3398,7 @@ __device__ __forceinline__ void bw_refine_ilp(const BwArgs<T>& a, int b, int i, 
   __syncwarp();
 }
 
-template <typename T, bool F16, bool ILP>
+template <typename T, bool F16>
 __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(const BwArgs<T> a) {
   using namespace bwd;
   extern __shared__ __align__(16) float sm[];
@@ -3620,12 +3566,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     }
     for (; near_rows; near_rows &= near_rows - 1) {
       const int k = __ffs(near_rows) - 1, p = warp * kRows + k;
-      if constexpr (ILP)
-        bw_refine_ilp(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
-                      h1s + p * ldh, h2s + p * ldh, lane);
-      else
-        bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
-                  h1s + p * ldh, h2s + p * ldh, lane);
+      bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
+                h1s + p * ldh, h2s + p * ldh, lane);
     }
     {
       float dz[kRows];  // o, then dz
@@ -3834,11 +3776,11 @@ __global__ void __launch_bounds__(256) bw_sum_partials_kernel(const float* __res
   }
 }
 
-template <typename T, bool F16, bool ILP>
+template <typename T, bool F16>
 void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cudaStream_t stream) {
-  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16, ILP>), device,
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16>), device,
                           static_cast<int>(smem));
-  contact_map_backward_kernel<T, F16, ILP><<<grid, bwd::kThreads, smem, stream>>>(a);
+  contact_map_backward_kernel<T, F16><<<grid, bwd::kThreads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -3854,11 +3796,10 @@ namespace contact_map {
 // fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). Two
 // launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel. Raises
 // where backward_supported is false. fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1,
-// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it. refine_ilp: bw_refine_ilp instead of bw_refine.
+// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it.
 std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
                                     torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
-                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products,
-                                    bool refine_ilp) {
+                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products) {
   const auto dtype = pair.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kHalf || dtype == torch::kBFloat16,
               "contact_map backward: pair_repr must be float32, float16 or bfloat16, got ", c10::toString(dtype));
@@ -3925,13 +3866,11 @@ std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torc
                 static_cast<int>(N), static_cast<int>(C), static_cast<int>(H)};
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       if (fp16_products) {
-        if (refine_ilp) launch_backward<T, true, true>(a, grid, smem, device, stream);
-        else launch_backward<T, true, false>(a, grid, smem, device, stream);
+        launch_backward<T, true>(a, grid, smem, device, stream);
         return;
       }
     }
-    if (refine_ilp) launch_backward<T, false, true>(a, grid, smem, device, stream);
-    else launch_backward<T, false, false>(a, grid, smem, device, stream);
+    launch_backward<T, false>(a, grid, smem, device, stream);
   };
   if (dtype == torch::kFloat32) run(float{});
   else if (dtype == torch::kHalf) run(__half{});
@@ -4366,14 +4305,11 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     fused_backward_runs() is True (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS
     on, the four backward products (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of
     split TF32, dh2 and dh1 multiplied by a power of 2 per tile first (h1 and h2, whose ReLU masks the fp64
-    recomputation guards, stay in split TF32). BACKWARD_REFINE_ILP on: that recomputation by bw_refine_ilp. A
-    setting other than True / False raises ValueError."""
-    for name, value in (("BACKWARD_FP16_PRODUCTS", BACKWARD_FP16_PRODUCTS),
-                        ("BACKWARD_REFINE_ILP", BACKWARD_REFINE_ILP)):
-        if not isinstance(value, bool):
-            raise ValueError(f"contact_map: {name} must be True or False, got {value!r}")
+    recomputation guards, stay in split TF32)."""
+    if not isinstance(BACKWARD_FP16_PRODUCTS, bool):
+        raise ValueError(f"contact_map: BACKWARD_FP16_PRODUCTS must be True or False, got {BACKWARD_FP16_PRODUCTS!r}")
     return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out,
-                               BACKWARD_FP16_PRODUCTS, BACKWARD_REFINE_ILP))
+                               BACKWARD_FP16_PRODUCTS))
 
 
 # The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused), dh2 and dh1 scaled
@@ -4382,11 +4318,6 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
 # 1e3), the four sanitizers and the harness's gradient checks passed on an H100 (NOTES: b7-b9, sanitizer record (q)).
 # False restores split TF32 for every product.
 BACKWARD_FP16_PRODUCTS = True
-
-# The fused backward's fp64 recomputation of positions near a ReLU kink with shorter dependency chains (each warp's
-# rows read once, dot products in 4 partial sums: bw_refine_ilp). While one warp recomputes, the block's other 15
-# wait at the next barrier (9% of the bf16 kernel's stall samples at crop: NOTES). Off until a GPU has checked it.
-BACKWARD_REFINE_ILP = False
 
 
 _FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool

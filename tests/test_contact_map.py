@@ -909,8 +909,8 @@ def test_fused_backward_fp16_products_run_only_for_bf16(cm, ref, monkeypatch):
     """BACKWARD_FP16_PRODUCTS on: a bfloat16 pair runs the kernel's fp16-product instance, float16 and float32 pairs
     their own (the setting does not apply to them); a value other than True / False raises."""
     monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", True)
-    for dtype, name in ((torch.bfloat16, "<__nv_bfloat16, true, false>"), (torch.float16, "<__half, false, false>"),
-                        (torch.float32, "<float, false, false>")):
+    for dtype, name in ((torch.bfloat16, "<__nv_bfloat16, true>"), (torch.float16, "<__half, false>"),
+                        (torch.float32, "<float, false>")):
         x, params, g = _backward_case(ref, 1, 17, 64, 32, "normal", dtype, seed=5)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
@@ -919,33 +919,6 @@ def test_fused_backward_fp16_products_run_only_for_bf16(cm, ref, monkeypatch):
         assert any("contact_map_backward_kernel" + name in n for n in names), (dtype, names)
     monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", 1)
     with pytest.raises(ValueError, match="BACKWARD_FP16_PRODUCTS"):
-        cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype, f16, instance", [
-    (torch.float32, True, "<float, false, true>"), (torch.float16, True, "<__half, false, true>"),
-    (torch.bfloat16, True, "<__nv_bfloat16, true, true>"), (torch.bfloat16, False, "<__nv_bfloat16, false, true>"),
-])
-@pytest.mark.parametrize("B, N, C, H, dist", [
-    (1, 37, 128, 64, "normal"), (2, 24, 64, 32, "offset"), (1, 1, 64, 32, "normal"), (1, 20, 128, 48, "normal"),
-])
-def test_fused_backward_refine_ilp(cm, ref, monkeypatch, dtype, f16, instance, B, N, C, H, dist):
-    """BACKWARD_REFINE_ILP on (bw_refine_ilp recomputes the positions near a kink), with BACKWARD_FP16_PRODUCTS as
-    given: the fused-backward test's checks pass, the kernel instance with ILP runs, and a value other than True /
-    False raises."""
-    monkeypatch.setattr(cm, "BACKWARD_REFINE_ILP", True)
-    monkeypatch.setattr(cm, "BACKWARD_FP16_PRODUCTS", f16)
-    _check_fused_backward(cm, ref, dtype, B, N, C, H, dist)
-    x, params, g = _backward_case(ref, 1, 17, 64, 32, "normal", dtype, seed=5)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert any("contact_map_backward_kernel" + instance in n for n in names), names
-    monkeypatch.setattr(cm, "BACKWARD_REFINE_ILP", 0)
-    with pytest.raises(ValueError, match="BACKWARD_REFINE_ILP"):
         cm.contact_map_backward_fused(x, params[0], params[1], 1e-5, *params[2:], g)
 
 
@@ -1017,8 +990,7 @@ def test_fused_backward_is_two_kernels_with_each_parameters_dtype(cm, ref):
     on_gpu = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)
               if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(on_gpu) == 2, on_gpu
-    assert "contact_map_backward_kernel<float, false, false>" in on_gpu[0] and "bw_sum_partials_kernel" in on_gpu[1], \
-        on_gpu
+    assert "contact_map_backward_kernel<float, false>" in on_gpu[0] and "bw_sum_partials_kernel" in on_gpu[1], on_gpu
     xb = x.bfloat16()
     fused = cm.contact_map_backward_fused(xb, params[0], params[1], 1e-5, *params[2:], g)
     ops = cm.contact_map_backward(xb, params[0], params[1], 1e-5, *params[2:], g)
@@ -1032,13 +1004,11 @@ def test_fused_backward_is_two_kernels_with_each_parameters_dtype(cm, ref):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("refine_ilp", [False, True])
-def test_fused_backward_takes_fp64s_side_of_relu_kinks(cm, ref, monkeypatch, refine_ilp):
+def test_fused_backward_takes_fp64s_side_of_relu_kinks(cm, ref):
     """Hidden unit u set within fp32 rounding of 0 at one position each (b1_u = -(s W1_u) at that position in
     fp64, rounded to fp32): the fused backward's masks are fp64's, so every gradient stays within 1e-5 of fp64
     autograd (relative to its largest value); masks taken on the fp32 side move a weight's gradient by a whole
-    term, as the ops backward (fp32 masks) shows on the same inputs. Both fp64 recomputations (BACKWARD_REFINE_ILP)."""
-    monkeypatch.setattr(cm, "BACKWARD_REFINE_ILP", refine_ilp)
+    term, as the ops backward (fp32 masks) shows on the same inputs."""
     B, N, C, H = 1, 24, 64, 32
     x, params, g = _backward_case(ref, B, N, C, H, "normal", torch.float32, seed=7)
     x64, lw, lb, w1 = x.double(), params[0].double(), params[1].double(), params[2].double()

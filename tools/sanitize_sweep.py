@@ -206,12 +206,6 @@ CM_CASES.append(Case(
      cm_call("cm_backward", BF16, 1, 19, 128, 48, f16=True),
      cm_call("cm_train", BF16, 2, 17, 64, 48, variant="auto", expect="wgmma16", f16=True),
      cm_call("cm_backward", BF16, None, 17, 128, 64, walk=3, slow=True, f16=True)]))
-CM_CASES.append(Case(
-    "cm_backward_refine_ilp", "contact_map", "the fused backward with BACKWARD_REFINE_ILP on (fp64 recomputation)",
-    [cm_call("cm_backward", dt, B, N, C, H, refine_ilp=True)
-     for dt in (F32, BF16) for B, N, C, H in ((1, 19, 128, 64), (2, 17, 64, 32), (1, 19, 128, 48))]
-    + [cm_call("cm_backward", F16, 1, 19, 128, 64, refine_ilp=True),
-       cm_call("cm_backward", BF16, 1, 19, 128, 64, refine_ilp=True, f16=False)]))
 
 # The outer product mean's forced variants (its _ALL_VARIANTS less "auto"; the tests check this list against it).
 OPM_ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg2", "outer_wg",
@@ -452,9 +446,9 @@ def batch_of(call, sms):
 def describe_call(call):
     keys = ("B", "N", "C", "H") if call["op"].startswith("cm_") else ("B", "S", "N", "cm", "c", "cz")
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
-    extra = [f"{k}={call[k]}" for k in ("variant", "f16", "refine_ilp", "family", "epilogue", "backward", "train",
-                                        "pair_g", "low", "mask", "mask_dtype", "offset", "params_dtype", "split",
-                                        "block_tiles", "counts", "dab", "consume", "chunk", "split_j", "out_t")
+    extra = [f"{k}={call[k]}" for k in ("variant", "f16", "family", "epilogue", "backward", "train", "pair_g", "low",
+                                        "mask", "mask_dtype", "offset", "params_dtype", "split", "block_tiles",
+                                        "counts", "dab", "consume", "chunk", "split_j", "out_t")
              if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t", "f16"))
              and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
@@ -539,8 +533,7 @@ def _cm_backward(torch, mod, call, sms):
         params = [p.to(getattr(torch, call["params_dtype"])) for p in params]
     if not mod.fused_backward_runs(x, params[2]):
         raise RuntimeError("fused_backward_runs is False: the case would test the PyTorch-ops backward")
-    with _module_setting(mod, "BACKWARD_FP16_PRODUCTS", call.get("f16")), \
-            _module_setting(mod, "BACKWARD_REFINE_ILP", call.get("refine_ilp")):
+    with _module_setting(mod, "BACKWARD_FP16_PRODUCTS", call.get("f16")):
         _fetch(torch, *mod.contact_map_backward_fused(x, params[0], params[1], model.layer_norm.eps, *params[2:], g))
 
 

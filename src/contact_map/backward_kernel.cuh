@@ -26,8 +26,8 @@ namespace contact_map {
 // times the fp32 reference's whole error). A position with any |h1| or |h2| below kKink (|s| |W_u| +
 // |b_u|) (the Cauchy-Schwarz bound on the unit's input; fp32 and split-TF32 rounding of h is about 2^-21
 // of that bound / sqrt(K), so 2^-17 leaves a wide margin) is computed again in fp64 from x by its warp
-// (0.3-1.6% of the positions at crop and batch with random weights; bw_refine, or bw_refine_ilp where ILP:
-// BACKWARD_REFINE_ILP), and its h1, h2 replaced by the fp64 values rounded to fp32.
+// (0.3-1.6% of the positions at crop and batch with random weights; bw_refine), and its h1, h2 replaced by the
+// fp64 values rounded to fp32.
 namespace bwd {
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kRows = 64 / kWarps;  // positions per warp in the per-row steps
@@ -346,69 +346,15 @@ __device__ __forceinline__ float bw_kink_f32(double v) {
 }
 
 // Position (b, i, j) again in fp64 by one warp, from x and the fp32 parameters (exact copies): h1 and h2
-// (pre-activation) into the rows h1r, h2r. s64 / a64: the warp's C + H doubles. Loops kept rolled: the
-// kernel has 128 registers per thread.
+// (pre-activation) into the rows h1r, h2r. s64 / a64: the warp's C + H doubles. Short dependency chains (while
+// one warp recomputes, the block's other 15 wait at the next barrier): the lane's values of both rows read from
+// global memory once (C <= 128: 4 per lane) for the statistics and s; each h1 and h2 dot product in 4 partial sums
+// (k mod 4) added pairwise, then the bias.
 template <typename T>
 __device__ __forceinline__ void bw_refine(const BwArgs<T>& a, int b, int i, int j, const float* gam,
                                           const float* bet, const float* w1s, const float* w2s, const float* b1s,
                                           const float* b2s, int ldx, int ldh, double* s64, float* h1r, float* h2r,
                                           int lane) {
-  const int C = a.C, H = a.H, N = a.N;
-  const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
-  const T* rb = a.x + ((static_cast<long long>(b) * N + j) * N + i) * C;
-  double* a64 = s64 + C;
-  double sa = 0.0, sb = 0.0;
-#pragma unroll 1
-  for (int c = lane; c < C; c += 32) {
-    sa += static_cast<double>(to_f32(ra[c]));
-    sb += static_cast<double>(to_f32(rb[c]));
-  }
-  const double ma = warp_sum_d(sa) / C, mb = warp_sum_d(sb) / C;
-  double qa = 0.0, qb = 0.0;
-#pragma unroll 1
-  for (int c = lane; c < C; c += 32) {
-    const double da = static_cast<double>(to_f32(ra[c])) - ma, db = static_cast<double>(to_f32(rb[c])) - mb;
-    qa += da * da;
-    qb += db * db;
-  }
-  const double rsa = 1.0 / sqrt(warp_sum_d(qa) / C + a.eps), rsb = 1.0 / sqrt(warp_sum_d(qb) / C + a.eps);
-#pragma unroll 1
-  for (int c = lane; c < C; c += 32) {
-    const double gc = gam[c], bc = bet[c];
-    const double ya = (static_cast<double>(to_f32(ra[c])) - ma) * rsa * gc + bc;
-    const double yb = (static_cast<double>(to_f32(rb[c])) - mb) * rsb * gc + bc;
-    s64[c] = 0.5 * (ya + yb);
-  }
-  __syncwarp();
-#pragma unroll 1
-  for (int u = lane; u < H; u += 32) {
-    double h = b1s[u];
-#pragma unroll 4
-    for (int c = 0; c < C; ++c) h += static_cast<double>(w1s[u * ldx + c]) * s64[c];
-    h1r[u] = bw_kink_f32(h);
-    a64[u] = h > 0.0 ? h : 0.0;
-  }
-  __syncwarp();
-#pragma unroll 1
-  for (int u = lane; u < H; u += 32) {
-    double h = b2s[u];
-#pragma unroll 4
-    for (int k = 0; k < H; ++k) h += static_cast<double>(w2s[u * ldh + k]) * a64[k];
-    h2r[u] = bw_kink_f32(h);
-  }
-  __syncwarp();
-}
-
-// bw_refine with shorter dependency chains (BACKWARD_REFINE_ILP; off until a GPU has checked it): the lane's
-// values of both rows read from global memory once (C <= 128: 4 per lane) for the statistics and s, which keep
-// bw_refine's order; each h1 and h2 dot product in 4 partial sums (k mod 4) added pairwise, then the bias. fp64
-// throughout: the masks differ from bw_refine's only where |h| is within the sums' reordering (~2^-46 of its bound
-// at most).
-template <typename T>
-__device__ __forceinline__ void bw_refine_ilp(const BwArgs<T>& a, int b, int i, int j, const float* gam,
-                                              const float* bet, const float* w1s, const float* w2s, const float* b1s,
-                                              const float* b2s, int ldx, int ldh, double* s64, float* h1r, float* h2r,
-                                              int lane) {
   static_assert(bwd::kMaxC <= 4 * 32, "four values of a row per lane");
   const int C = a.C, H = a.H, N = a.N;
   const T* ra = a.x + ((static_cast<long long>(b) * N + i) * N + j) * C;
@@ -475,7 +421,7 @@ __device__ __forceinline__ void bw_refine_ilp(const BwArgs<T>& a, int b, int i, 
   __syncwarp();
 }
 
-template <typename T, bool F16, bool ILP>
+template <typename T, bool F16>
 __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(const BwArgs<T> a) {
   using namespace bwd;
   extern __shared__ __align__(16) float sm[];
@@ -643,12 +589,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1) contact_map_backward_kernel(
     }
     for (; near_rows; near_rows &= near_rows - 1) {
       const int k = __ffs(near_rows) - 1, p = warp * kRows + k;
-      if constexpr (ILP)
-        bw_refine_ilp(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
-                      h1s + p * ldh, h2s + p * ldh, lane);
-      else
-        bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
-                  h1s + p * ldh, h2s + p * ldh, lane);
+      bw_refine(a, b, I * 8 + (p >> 3), J * 8 + (p & 7), gam, bet, w1s, w2s, b1s, b2s, ldx, ldh, s64,
+                h1s + p * ldh, h2s + p * ldh, lane);
     }
     {
       float dz[kRows];  // o, then dz
@@ -857,11 +799,11 @@ __global__ void __launch_bounds__(256) bw_sum_partials_kernel(const float* __res
   }
 }
 
-template <typename T, bool F16, bool ILP>
+template <typename T, bool F16>
 void launch_backward(const BwArgs<T>& a, int grid, size_t smem, int device, cudaStream_t stream) {
-  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16, ILP>), device,
+  ensure_max_dynamic_smem(reinterpret_cast<const void*>(&contact_map_backward_kernel<T, F16>), device,
                           static_cast<int>(smem));
-  contact_map_backward_kernel<T, F16, ILP><<<grid, bwd::kThreads, smem, stream>>>(a);
+  contact_map_backward_kernel<T, F16><<<grid, bwd::kThreads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

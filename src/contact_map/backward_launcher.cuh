@@ -9,11 +9,10 @@ namespace contact_map {
 // fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). Two
 // launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel. Raises
 // where backward_supported is false. fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1,
-// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it. refine_ilp: bw_refine_ilp instead of bw_refine.
+// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it.
 std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
                                     torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
-                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products,
-                                    bool refine_ilp) {
+                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products) {
   const auto dtype = pair.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kHalf || dtype == torch::kBFloat16,
               "contact_map backward: pair_repr must be float32, float16 or bfloat16, got ", c10::toString(dtype));
@@ -80,13 +79,11 @@ std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torc
                 static_cast<int>(N), static_cast<int>(C), static_cast<int>(H)};
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       if (fp16_products) {
-        if (refine_ilp) launch_backward<T, true, true>(a, grid, smem, device, stream);
-        else launch_backward<T, true, false>(a, grid, smem, device, stream);
+        launch_backward<T, true>(a, grid, smem, device, stream);
         return;
       }
     }
-    if (refine_ilp) launch_backward<T, false, true>(a, grid, smem, device, stream);
-    else launch_backward<T, false, false>(a, grid, smem, device, stream);
+    launch_backward<T, false>(a, grid, smem, device, stream);
   };
   if (dtype == torch::kFloat32) run(float{});
   else if (dtype == torch::kHalf) run(__half{});

@@ -265,14 +265,11 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     fused_backward_runs() is True (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS
     on, the four backward products (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of
     split TF32, dh2 and dh1 multiplied by a power of 2 per tile first (h1 and h2, whose ReLU masks the fp64
-    recomputation guards, stay in split TF32). BACKWARD_REFINE_ILP on: that recomputation by bw_refine_ilp. A
-    setting other than True / False raises ValueError."""
-    for name, value in (("BACKWARD_FP16_PRODUCTS", BACKWARD_FP16_PRODUCTS),
-                        ("BACKWARD_REFINE_ILP", BACKWARD_REFINE_ILP)):
-        if not isinstance(value, bool):
-            raise ValueError(f"contact_map: {name} must be True or False, got {value!r}")
+    recomputation guards, stay in split TF32)."""
+    if not isinstance(BACKWARD_FP16_PRODUCTS, bool):
+        raise ValueError(f"contact_map: BACKWARD_FP16_PRODUCTS must be True or False, got {BACKWARD_FP16_PRODUCTS!r}")
     return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out,
-                               BACKWARD_FP16_PRODUCTS, BACKWARD_REFINE_ILP))
+                               BACKWARD_FP16_PRODUCTS))
 
 
 # The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused), dh2 and dh1 scaled
@@ -281,11 +278,6 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
 # 1e3), the four sanitizers and the harness's gradient checks passed on an H100 (NOTES: b7-b9, sanitizer record (q)).
 # False restores split TF32 for every product.
 BACKWARD_FP16_PRODUCTS = True
-
-# The fused backward's fp64 recomputation of positions near a ReLU kink with shorter dependency chains (each warp's
-# rows read once, dot products in 4 partial sums: bw_refine_ilp). While one warp recomputes, the block's other 15
-# wait at the next barrier (9% of the bf16 kernel's stall samples at crop: NOTES). Off until a GPU has checked it.
-BACKWARD_REFINE_ILP = False
 
 
 _FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool
