@@ -1004,6 +1004,43 @@ def test_fused_backward_is_two_kernels_with_each_parameters_dtype(cm, ref):
 
 @gpu
 @needs_cuda
+def test_fused_backward_one_conversion(cm, ref, monkeypatch):
+    """BACKWARD_ONE_CONVERSION on: grad_out and the parameters that are not contiguous float32 reach the kernel
+    through one fp32 buffer (one cat, one conversion). With a mix (grad_out a transposed bfloat16 view; float64,
+    float16, bfloat16 and float32 parameters) and with all bfloat16, every gradient is bit-equal to the setting off
+    (one conversion per tensor: the same fp32 values), in its parameter's dtype; with all bfloat16 the GPU runs four
+    kernels instead of eleven (cat, conversion, the kernel, the sum of its partials); a value other than True /
+    False raises."""
+    B, N, C, H = 2, 21, 64, 32
+    x, params, g = _backward_case(ref, B, N, C, H, "normal", torch.float32, seed=13)
+    xb = x.bfloat16()
+    mixed = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.bfloat16,
+             torch.float16, torch.float32]
+    for dts in (mixed, [torch.bfloat16] * 8):
+        ps = [p.to(dt) for p, dt in zip(params, dts)]
+        gb = g.bfloat16().transpose(1, 2).contiguous().transpose(1, 2) if dts is mixed else g.bfloat16()
+        assert gb.is_contiguous() is (dts is not mixed)
+        got = {}
+        for on in (True, False):
+            monkeypatch.setattr(cm, "BACKWARD_ONE_CONVERSION", on)
+            got[on] = cm.contact_map_backward_fused(xb, ps[0], ps[1], 1e-5, *ps[2:], gb)
+        for name, a, b, p in zip(GRAD_NAMES, got[True], got[False], [xb] + ps):
+            assert a.dtype == p.dtype and a.shape == p.shape, (name, a.dtype, p.dtype)
+            assert torch.equal(a, b), name
+    for on, kernels in ((True, 4), (False, 11)):
+        monkeypatch.setattr(cm, "BACKWARD_ONE_CONVERSION", on)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            cm.contact_map_backward_fused(xb, ps[0], ps[1], 1e-5, *ps[2:], gb)
+            torch.cuda.synchronize()
+        on_gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(on_gpu) == kernels, (on, on_gpu)
+    monkeypatch.setattr(cm, "BACKWARD_ONE_CONVERSION", 1)
+    with pytest.raises(ValueError, match="BACKWARD_ONE_CONVERSION"):
+        cm.contact_map_backward_fused(xb, ps[0], ps[1], 1e-5, *ps[2:], gb)
+
+
+@gpu
+@needs_cuda
 def test_fused_backward_takes_fp64s_side_of_relu_kinks(cm, ref):
     """Hidden unit u set within fp32 rounding of 0 at one position each (b1_u = -(s W1_u) at that position in
     fp64, rounded to fp32): the fused backward's masks are fp64's, so every gradient stays within 1e-5 of fp64

@@ -955,11 +955,12 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
     def cm_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out):
         assert grad_out.shape == pair.shape[:3]
         assert cm.BACKWARD_FP16_PRODUCTS is bool(now["call"].get("f16"))  # the call's setting, else the default
+        assert cm.BACKWARD_ONE_CONVERSION is bool(now["call"].get("one_conversion"))
         return (torch.zeros_like(pair),) + tuple(torch.zeros_like(p) for p in (ln_w, ln_b, w1, b1, w2, b2, w3, b3))
 
     cm = type("CM", (), {"ModelNew": CMModel, "contact_map_backward_fused": staticmethod(cm_backward_fused),
                          "fused_backward_runs": staticmethod(lambda pair, w1: w1.shape[0] % 16 == 0),
-                         "BACKWARD_FP16_PRODUCTS": False})
+                         "BACKWARD_FP16_PRODUCTS": False, "BACKWARD_ONE_CONVERSION": False})
 
     class OPMModel(nn.Module):
         def __init__(self, msa_dim, pair_dim, hidden_dim=32):

@@ -206,6 +206,13 @@ CM_CASES.append(Case(
      cm_call("cm_backward", BF16, 1, 19, 128, 48, f16=True),
      cm_call("cm_train", BF16, 2, 17, 64, 48, variant="auto", expect="wgmma16", f16=True),
      cm_call("cm_backward", BF16, None, 17, 128, 64, walk=3, slow=True, f16=True)]))
+CM_CASES.append(Case(
+    "cm_backward_one_conversion", "contact_map",
+    "the fused backward with BACKWARD_ONE_CONVERSION on (16-bit grad_out and parameters in one fp32 buffer)",
+    [cm_call("cm_backward", BF16, 1, 19, 128, 64, one_conversion=True),
+     cm_call("cm_backward", F16, 2, 17, 64, 32, one_conversion=True),
+     cm_call("cm_backward", F32, 1, 17, 48, 16, params_dtype=BF16, one_conversion=True),
+     cm_call("cm_train", BF16, 2, 17, 64, 48, variant="auto", expect="wgmma16", one_conversion=True)]))
 
 # The outer product mean's forced variants (its _ALL_VARIANTS less "auto"; the tests check this list against it).
 OPM_ORDERS = ("outer_first", "w_first", "w_first_small", "w_first_tc", "w_first_tc2", "w_first_wg2", "outer_wg",
@@ -446,9 +453,9 @@ def batch_of(call, sms):
 def describe_call(call):
     keys = ("B", "N", "C", "H") if call["op"].startswith("cm_") else ("B", "S", "N", "cm", "c", "cz")
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
-    extra = [f"{k}={call[k]}" for k in ("variant", "f16", "family", "epilogue", "backward", "train", "pair_g", "low",
-                                        "mask", "mask_dtype", "offset", "params_dtype", "split", "block_tiles",
-                                        "counts", "dab", "consume", "chunk", "split_j", "out_t")
+    extra = [f"{k}={call[k]}" for k in ("variant", "f16", "one_conversion", "family", "epilogue", "backward", "train",
+                                        "pair_g", "low", "mask", "mask_dtype", "offset", "params_dtype", "split",
+                                        "block_tiles", "counts", "dab", "consume", "chunk", "split_j", "out_t")
              if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t", "f16"))
              and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
@@ -533,7 +540,8 @@ def _cm_backward(torch, mod, call, sms):
         params = [p.to(getattr(torch, call["params_dtype"])) for p in params]
     if not mod.fused_backward_runs(x, params[2]):
         raise RuntimeError("fused_backward_runs is False: the case would test the PyTorch-ops backward")
-    with _module_setting(mod, "BACKWARD_FP16_PRODUCTS", call.get("f16")):
+    with _module_setting(mod, "BACKWARD_FP16_PRODUCTS", call.get("f16")), \
+            _module_setting(mod, "BACKWARD_ONE_CONVERSION", call.get("one_conversion")):
         _fetch(torch, *mod.contact_map_backward_fused(x, params[0], params[1], model.layer_norm.eps, *params[2:], g))
 
 
@@ -543,7 +551,8 @@ def _cm_train(torch, mod, call, sms):
     x.requires_grad_(True)
     out = model(x)
     _expect("last_variant", model.last_variant, call.get("expect"))
-    with _module_setting(mod, "BACKWARD_FP16_PRODUCTS", call.get("f16")):
+    with _module_setting(mod, "BACKWARD_FP16_PRODUCTS", call.get("f16")), \
+            _module_setting(mod, "BACKWARD_ONE_CONVERSION", call.get("one_conversion")):
         out.backward(g)
     _expect("last_backward", model.last_backward, "fused")
     _fetch(torch, x.grad, *(p.grad for p in model.parameters()))

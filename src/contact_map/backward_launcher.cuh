@@ -7,12 +7,14 @@ namespace contact_map {
 // The fused backward: (d_pair in pair's dtype, d_ln_w, d_ln_b, d_w1, d_b1, d_w2, d_b2, d_w3, d_b3), each
 // parameter's gradient in its shape and dtype (float32, float16, bfloat16 or float64). pair (B, N, N, C) fp32 /
 // fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). Two
-// launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel. Raises
+// launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel (after
+// conversions where grad_out or a parameter is not contiguous float32 on pair's device). Raises
 // where backward_supported is false. fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1,
-// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it.
+// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it. one_conversion: see below.
 std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
                                     torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
-                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products) {
+                                    torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products,
+                                    bool one_conversion) {
   const auto dtype = pair.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kHalf || dtype == torch::kBFloat16,
               "contact_map backward: pair_repr must be float32, float16 or bfloat16, got ", c10::toString(dtype));
@@ -36,11 +38,34 @@ std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torc
   const auto x = pair.contiguous();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "contact_map backward: pair_repr's data must be 16-byte aligned");
-  auto f = [&](const torch::Tensor& t) {
-    return t.to(t.options().dtype(torch::kFloat32).device(pair.device())).contiguous();
-  };
-  const auto g = f(grad_out), lw = f(ln_w), lb = f(ln_b), w1c = f(w1), b1c = f(b1), w2c = f(w2), b2c = f(b2),
-             w3c = f(w3), b3c = f(b3);
+  // grad_out and the parameters as contiguous fp32 on pair's device (the kernel's scalar loads). one_conversion:
+  // each that is not already goes into one buffer, by one torch::cat and one conversion (the nine conversions, one
+  // per tensor, took ~250 us of host time per bfloat16 training step at crop); else one conversion per tensor.
+  const torch::Tensor* in[9] = {&grad_out, &ln_w, &ln_b, &w1, &b1, &w2, &b2, &w3, &b3};
+  const float* f32[9];
+  int64_t at[9] = {};
+  std::vector<torch::Tensor> pieces, kept;  // (kept alive until the launches are queued)
+  int64_t len = 0;
+  for (int k = 0; k < 9; ++k) {
+    const torch::Tensor& t = *in[k];
+    if (!one_conversion) {
+      kept.push_back(t.to(t.options().dtype(torch::kFloat32).device(pair.device())).contiguous());
+      f32[k] = kept.back().data_ptr<float>();
+    } else if (t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device() == pair.device()) {
+      f32[k] = t.data_ptr<float>();
+    } else {
+      f32[k] = nullptr;
+      at[k] = len;
+      len += t.numel();
+      pieces.push_back(t.to(pair.device()).reshape({-1}));
+    }
+  }
+  torch::Tensor converted;
+  if (!pieces.empty()) {
+    converted = (pieces.size() == 1 ? pieces[0] : torch::cat(pieces)).to(torch::kFloat32).contiguous();
+    for (int k = 0; k < 9; ++k)
+      if (f32[k] == nullptr) f32[k] = converted.data_ptr<float>() + at[k];
+  }
   auto dx = torch::empty_like(x, at::MemoryFormat::Contiguous);
   // the gradients in bw_partial_len's order, each like its parameter
   const torch::Tensor* like[8] = {&w1, &w2, &ln_w, &ln_b, &w3, &b2, &b3, &b1};
@@ -72,10 +97,8 @@ std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torc
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    BwArgs<T> a{reinterpret_cast<const T*>(x.data_ptr()), g.data_ptr<float>(), lw.data_ptr<float>(),
-                lb.data_ptr<float>(), w1c.data_ptr<float>(), b1c.data_ptr<float>(), w2c.data_ptr<float>(),
-                b2c.data_ptr<float>(), w3c.data_ptr<float>(), b3c.data_ptr<float>(),
-                reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), eps, static_cast<int>(B),
+    BwArgs<T> a{reinterpret_cast<const T*>(x.data_ptr()), f32[0], f32[1], f32[2], f32[3], f32[4], f32[5], f32[6],
+                f32[7], f32[8], reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), eps, static_cast<int>(B),
                 static_cast<int>(N), static_cast<int>(C), static_cast<int>(H)};
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       if (fp16_products) {

@@ -261,15 +261,18 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
     comment): the same arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of
     every parameter gradient per block; a second kernel sums the partials in float64 and writes each gradient
     in its parameter's dtype: for a contiguous pair and float32 parameters and grad_out, two launches and no
-    other torch op (others are converted to float32 first, a strided pair copied). Only where
-    fused_backward_runs() is True (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS
-    on, the four backward products (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of
-    split TF32, dh2 and dh1 multiplied by a power of 2 per tile first (h1 and h2, whose ReLU masks the fp64
-    recomputation guards, stay in split TF32)."""
-    if not isinstance(BACKWARD_FP16_PRODUCTS, bool):
-        raise ValueError(f"contact_map: BACKWARD_FP16_PRODUCTS must be True or False, got {BACKWARD_FP16_PRODUCTS!r}")
+    other torch op (the others go to float32 first: one conversion each, or with BACKWARD_ONE_CONVERSION on, together
+    by one torch.cat and one conversion; a strided pair copied). Only where fused_backward_runs() is True (otherwise
+    the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS on, the four backward products (dW2, dh1,
+    dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of split TF32, dh2 and dh1 multiplied by a power of 2
+    per tile first (h1 and h2, whose ReLU masks the fp64 recomputation guards, stay in split TF32). A setting other
+    than True / False raises ValueError."""
+    for name, value in (("BACKWARD_FP16_PRODUCTS", BACKWARD_FP16_PRODUCTS),
+                        ("BACKWARD_ONE_CONVERSION", BACKWARD_ONE_CONVERSION)):
+        if not isinstance(value, bool):
+            raise ValueError(f"contact_map: {name} must be True or False, got {value!r}")
     return tuple(_ext.backward(pair, ln_w, ln_b, float(eps), w1, b1, w2, b2, w3, b3, grad_out,
-                               BACKWARD_FP16_PRODUCTS))
+                               BACKWARD_FP16_PRODUCTS, BACKWARD_ONE_CONVERSION))
 
 
 # The fused backward's products for bfloat16 input on fp16 operands (contact_map_backward_fused), dh2 and dh1 scaled
@@ -278,6 +281,11 @@ def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, gr
 # 1e3), the four sanitizers and the harness's gradient checks passed on an H100 (NOTES: b7-b9, sanitizer record (q)).
 # False restores split TF32 for every product.
 BACKWARD_FP16_PRODUCTS = True
+
+# The fused backward's grad_out and parameters that are not contiguous float32 converted together, by one torch.cat
+# and one conversion, instead of one conversion each: nine per step where module and input are bfloat16 or float16,
+# ~250 us of host time per crop training step (torch.profiler, H100, 2026-12-07). Off until a GPU has checked it.
+BACKWARD_ONE_CONVERSION = False
 
 
 _FUSED_FITS = {}  # (pair_dim, hidden_dim, device index) -> bool
