@@ -3793,11 +3793,11 @@ namespace contact_map {
 
 // The fused backward: (d_pair in pair's dtype, d_ln_w, d_ln_b, d_w1, d_b1, d_w2, d_b2, d_w3, d_b3), each
 // parameter's gradient in its shape and dtype (float32, float16, bfloat16 or float64). pair (B, N, N, C) fp32 /
-// fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). Two
-// launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel (after
-// conversions where grad_out or a parameter is not contiguous float32 on pair's device). Raises
-// where backward_supported is false. fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1,
-// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it. one_conversion: see below.
+// fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). After the
+// conversions of those that are not contiguous float32 on pair's device, two launches: contact_map_backward_kernel
+// (d_pair, one fp32 partial per block), bw_sum_partials_kernel. Raises where backward_supported is false.
+// fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1, ds) on fp16 operands (bw_gemm16s);
+// other dtypes ignore it. one_conversion: see below.
 std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
                                     torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
                                     torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products,
@@ -3826,8 +3826,10 @@ std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torc
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "contact_map backward: pair_repr's data must be 16-byte aligned");
   // grad_out and the parameters as contiguous fp32 on pair's device (the kernel's scalar loads). one_conversion:
-  // each that is not already goes into one buffer, by one torch::cat and one conversion (the nine conversions, one
-  // per tensor, took ~250 us of host time per bfloat16 training step at crop); else one conversion per tensor.
+  // each that is not already goes into one buffer (a strided or other-device one copied first), by one torch::cat
+  // (none for a single one; float64 among them makes the buffer float64 until the conversion) and one conversion
+  // (the nine conversions, one per tensor, took ~255 us per bfloat16 crop step under torch.profiler); else one
+  // conversion per tensor.
   const torch::Tensor* in[9] = {&grad_out, &ln_w, &ln_b, &w1, &b1, &w2, &b2, &w3, &b3};
   const float* f32[9];
   int64_t at[9] = {};
@@ -4320,16 +4322,16 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
 
 
 def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out):
-    """contact_map_backward's gradients from the fused CUDA kernel (pair read once; see the kernel's
-    comment): the same arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of
-    every parameter gradient per block; a second kernel sums the partials in float64 and writes each gradient
-    in its parameter's dtype: for a contiguous pair and float32 parameters and grad_out, two launches and no
-    other torch op (the others go to float32 first: one conversion each, or with BACKWARD_ONE_CONVERSION on, together
-    by one torch.cat and one conversion; a strided pair copied). Only where fused_backward_runs() is True (otherwise
-    the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS on, the four backward products (dW2, dh1,
-    dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of split TF32, dh2 and dh1 multiplied by a power of 2
-    per tile first (h1 and h2, whose ReLU masks the fp64 recomputation guards, stay in split TF32). A setting other
-    than True / False raises ValueError."""
+    """contact_map_backward's gradients from the fused CUDA kernel (pair read once; see the kernel's comment): the same
+    arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of every parameter gradient
+    per block; a second kernel sums the partials in float64 and writes each gradient in its parameter's dtype: for a
+    contiguous pair and float32 parameters and grad_out, two launches and no other torch op (the others go to
+    float32 first: one conversion each, or with BACKWARD_ONE_CONVERSION on, together by one torch.cat and one
+    conversion, a strided one copied first; a strided pair copied). Only where fused_backward_runs() is True
+    (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS on, the four backward products
+    (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of split TF32, dh2 and dh1 multiplied by
+    a power of 2 per tile first (h1 and h2, whose ReLU masks the fp64 recomputation guards, stay in split TF32). A
+    setting other than True / False raises ValueError."""
     for name, value in (("BACKWARD_FP16_PRODUCTS", BACKWARD_FP16_PRODUCTS),
                         ("BACKWARD_ONE_CONVERSION", BACKWARD_ONE_CONVERSION)):
         if not isinstance(value, bool):
@@ -4347,7 +4349,7 @@ BACKWARD_FP16_PRODUCTS = True
 
 # The fused backward's grad_out and parameters that are not contiguous float32 converted together, by one torch.cat
 # and one conversion, instead of one conversion each: nine per step where module and input are bfloat16 or float16,
-# ~250 us of host time per crop training step (torch.profiler, H100, 2026-12-07). Off until a GPU has checked it.
+# ~255 us of a crop training step's host time under torch.profiler (H100, 2026-12-07). Off until a GPU has checked it.
 BACKWARD_ONE_CONVERSION = False
 
 

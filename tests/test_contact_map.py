@@ -1006,37 +1006,41 @@ def test_fused_backward_is_two_kernels_with_each_parameters_dtype(cm, ref):
 @needs_cuda
 def test_fused_backward_one_conversion(cm, ref, monkeypatch):
     """BACKWARD_ONE_CONVERSION on: grad_out and the parameters that are not contiguous float32 reach the kernel
-    through one fp32 buffer (one cat, one conversion). With a mix (grad_out a transposed bfloat16 view; float64,
-    float16, bfloat16 and float32 parameters) and with all bfloat16, every gradient is bit-equal to the setting off
-    (one conversion per tensor: the same fp32 values), in its parameter's dtype; with all bfloat16 the GPU runs four
-    kernels instead of eleven (cat, conversion, the kernel, the sum of its partials); a value other than True /
-    False raises."""
+    through one fp32 buffer (one cat, one conversion). Every gradient is bit-equal to the setting off (one conversion
+    per tensor: the same fp32 values), in its parameter's dtype, for: a mix (grad_out a transposed bfloat16 view;
+    float64, float16, bfloat16 and float32 parameters), all bfloat16, float32 parameters with an expanded grad_out
+    (the buffer of one piece: no cat) and all float32 (no buffer). The GPU runs four kernels instead of eleven for
+    all bfloat16 (cat, conversion, the kernel, the sum of its partials) and two for all float32; a value other than
+    True / False raises."""
     B, N, C, H = 2, 21, 64, 32
     x, params, g = _backward_case(ref, B, N, C, H, "normal", torch.float32, seed=13)
     xb = x.bfloat16()
     mixed = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.bfloat16,
              torch.float16, torch.float32]
-    for dts in (mixed, [torch.bfloat16] * 8):
-        ps = [p.to(dt) for p, dt in zip(params, dts)]
-        gb = g.bfloat16().transpose(1, 2).contiguous().transpose(1, 2) if dts is mixed else g.bfloat16()
-        assert gb.is_contiguous() is (dts is not mixed)
+    g_strided = g.bfloat16().transpose(1, 2).contiguous().transpose(1, 2)
+    cases = {"mixed": (xb, [p.to(dt) for p, dt in zip(params, mixed)], g_strided),
+             "bf16": (xb, [p.bfloat16() for p in params], g.bfloat16()),
+             "fp32, expanded grad_out": (x, params, g[:1, :1, :1].expand(B, N, N)),
+             "fp32": (x, params, g)}
+    for case, (pair, ps, go) in cases.items():
         got = {}
         for on in (True, False):
             monkeypatch.setattr(cm, "BACKWARD_ONE_CONVERSION", on)
-            got[on] = cm.contact_map_backward_fused(xb, ps[0], ps[1], 1e-5, *ps[2:], gb)
-        for name, a, b, p in zip(GRAD_NAMES, got[True], got[False], [xb] + ps):
-            assert a.dtype == p.dtype and a.shape == p.shape, (name, a.dtype, p.dtype)
-            assert torch.equal(a, b), name
-    for on, kernels in ((True, 4), (False, 11)):
+            got[on] = cm.contact_map_backward_fused(pair, ps[0], ps[1], 1e-5, *ps[2:], go)
+        for name, a, b, p in zip(GRAD_NAMES, got[True], got[False], [pair] + ps):
+            assert a.dtype == p.dtype and a.shape == p.shape, (case, name, a.dtype, p.dtype)
+            assert torch.equal(a, b), (case, name)
+    for case, on, kernels in (("bf16", True, 4), ("bf16", False, 11), ("fp32", True, 2)):
+        pair, ps, go = cases[case]
         monkeypatch.setattr(cm, "BACKWARD_ONE_CONVERSION", on)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            cm.contact_map_backward_fused(xb, ps[0], ps[1], 1e-5, *ps[2:], gb)
+            cm.contact_map_backward_fused(pair, ps[0], ps[1], 1e-5, *ps[2:], go)
             torch.cuda.synchronize()
         on_gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        assert len(on_gpu) == kernels, (on, on_gpu)
+        assert len(on_gpu) == kernels, (case, on, on_gpu)
     monkeypatch.setattr(cm, "BACKWARD_ONE_CONVERSION", 1)
     with pytest.raises(ValueError, match="BACKWARD_ONE_CONVERSION"):
-        cm.contact_map_backward_fused(xb, ps[0], ps[1], 1e-5, *ps[2:], gb)
+        cm.contact_map_backward_fused(xb, *cases["bf16"][1][:2], 1e-5, *cases["bf16"][1][2:], g.bfloat16())
 
 
 @gpu

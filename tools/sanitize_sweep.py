@@ -208,7 +208,7 @@ CM_CASES.append(Case(
      cm_call("cm_backward", BF16, None, 17, 128, 64, walk=3, slow=True, f16=True)]))
 CM_CASES.append(Case(
     "cm_backward_one_conversion", "contact_map",
-    "the fused backward with BACKWARD_ONE_CONVERSION on (16-bit grad_out and parameters in one fp32 buffer)",
+    "the fused backward with BACKWARD_ONE_CONVERSION on (non-fp32 grad_out / parameters in one fp32 buffer)",
     [cm_call("cm_backward", BF16, 1, 19, 128, 64, one_conversion=True),
      cm_call("cm_backward", F16, 2, 17, 64, 32, one_conversion=True),
      cm_call("cm_backward", F32, 1, 17, 48, 16, params_dtype=BF16, one_conversion=True),

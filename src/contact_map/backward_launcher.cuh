@@ -6,11 +6,11 @@ namespace contact_map {
 
 // The fused backward: (d_pair in pair's dtype, d_ln_w, d_ln_b, d_w1, d_b1, d_w2, d_b2, d_w3, d_b3), each
 // parameter's gradient in its shape and dtype (float32, float16, bfloat16 or float64). pair (B, N, N, C) fp32 /
-// fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). Two
-// launches: contact_map_backward_kernel (d_pair, one fp32 partial per block), bw_sum_partials_kernel (after
-// conversions where grad_out or a parameter is not contiguous float32 on pair's device). Raises
-// where backward_supported is false. fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1,
-// ds) on fp16 operands (bw_gemm16s); other dtypes ignore it. one_conversion: see below.
+// fp16 / bf16, 16-byte aligned; parameters and grad_out (B, N, N) any of those dtypes (used in fp32). After the
+// conversions of those that are not contiguous float32 on pair's device, two launches: contact_map_backward_kernel
+// (d_pair, one fp32 partial per block), bw_sum_partials_kernel. Raises where backward_supported is false.
+// fp16_products: for a bfloat16 pair, the four backward products (dW2, dh1, dW1, ds) on fp16 operands (bw_gemm16s);
+// other dtypes ignore it. one_conversion: see below.
 std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torch::Tensor ln_b, double eps,
                                     torch::Tensor w1, torch::Tensor b1, torch::Tensor w2, torch::Tensor b2,
                                     torch::Tensor w3, torch::Tensor b3, torch::Tensor grad_out, bool fp16_products,
@@ -39,8 +39,10 @@ std::vector<torch::Tensor> backward(torch::Tensor pair, torch::Tensor ln_w, torc
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "contact_map backward: pair_repr's data must be 16-byte aligned");
   // grad_out and the parameters as contiguous fp32 on pair's device (the kernel's scalar loads). one_conversion:
-  // each that is not already goes into one buffer, by one torch::cat and one conversion (the nine conversions, one
-  // per tensor, took ~250 us of host time per bfloat16 training step at crop); else one conversion per tensor.
+  // each that is not already goes into one buffer (a strided or other-device one copied first), by one torch::cat
+  // (none for a single one; float64 among them makes the buffer float64 until the conversion) and one conversion
+  // (the nine conversions, one per tensor, took ~255 us per bfloat16 crop step under torch.profiler); else one
+  // conversion per tensor.
   const torch::Tensor* in[9] = {&grad_out, &ln_w, &ln_b, &w1, &b1, &w2, &b2, &w3, &b3};
   const float* f32[9];
   int64_t at[9] = {};

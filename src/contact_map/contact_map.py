@@ -257,16 +257,16 @@ def contact_map_backward(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out
 
 
 def contact_map_backward_fused(pair, ln_w, ln_b, eps, w1, b1, w2, b2, w3, b3, grad_out):
-    """contact_map_backward's gradients from the fused CUDA kernel (pair read once; see the kernel's
-    comment): the same arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of
-    every parameter gradient per block; a second kernel sums the partials in float64 and writes each gradient
-    in its parameter's dtype: for a contiguous pair and float32 parameters and grad_out, two launches and no
-    other torch op (the others go to float32 first: one conversion each, or with BACKWARD_ONE_CONVERSION on, together
-    by one torch.cat and one conversion; a strided pair copied). Only where fused_backward_runs() is True (otherwise
-    the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS on, the four backward products (dW2, dh1,
-    dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of split TF32, dh2 and dh1 multiplied by a power of 2
-    per tile first (h1 and h2, whose ReLU masks the fp64 recomputation guards, stay in split TF32). A setting other
-    than True / False raises ValueError."""
+    """contact_map_backward's gradients from the fused CUDA kernel (pair read once; see the kernel's comment): the same
+    arguments and returns. The kernel writes d_pair (pair's dtype) and one fp32 partial of every parameter gradient
+    per block; a second kernel sums the partials in float64 and writes each gradient in its parameter's dtype: for a
+    contiguous pair and float32 parameters and grad_out, two launches and no other torch op (the others go to
+    float32 first: one conversion each, or with BACKWARD_ONE_CONVERSION on, together by one torch.cat and one
+    conversion, a strided one copied first; a strided pair copied). Only where fused_backward_runs() is True
+    (otherwise the extension raises). For a bfloat16 pair with BACKWARD_FP16_PRODUCTS on, the four backward products
+    (dW2, dh1, dW1, ds) take fp16 operands, one m16n8k16 per 16 k, instead of split TF32, dh2 and dh1 multiplied by
+    a power of 2 per tile first (h1 and h2, whose ReLU masks the fp64 recomputation guards, stay in split TF32). A
+    setting other than True / False raises ValueError."""
     for name, value in (("BACKWARD_FP16_PRODUCTS", BACKWARD_FP16_PRODUCTS),
                         ("BACKWARD_ONE_CONVERSION", BACKWARD_ONE_CONVERSION)):
         if not isinstance(value, bool):
@@ -284,7 +284,7 @@ BACKWARD_FP16_PRODUCTS = True
 
 # The fused backward's grad_out and parameters that are not contiguous float32 converted together, by one torch.cat
 # and one conversion, instead of one conversion each: nine per step where module and input are bfloat16 or float16,
-# ~250 us of host time per crop training step (torch.profiler, H100, 2026-12-07). Off until a GPU has checked it.
+# ~255 us of a crop training step's host time under torch.profiler (H100, 2026-12-07). Off until a GPU has checked it.
 BACKWARD_ONE_CONVERSION = False
 
 
