@@ -88,8 +88,10 @@ Training (`--backward`; shapes flagged reference_may_oom are not checked):
     reference's is finite; a parameter that does not require grad; an output that does not require
     grad; the step raising, changing an input or a parameter, or running another variant.
   * timing: forward + backward (torch.autograd.grad of the same loss) of ModelNew, the eager
-    reference and torch.compile(reference) in the same run, and the peak device memory of one
-    training step (torch.cuda.max_memory_allocated around it, inputs excluded; n/a on the CPU).
+    reference and torch.compile(reference) in the same run, per call and as one step captured in a
+    CUDA graph (replays: GPU time alone; a step that cannot be captured says so in graph_error), and
+    the peak device memory of one training step (torch.cuda.max_memory_allocated around it, inputs
+    excluded; n/a on the CPU).
 
 Conventions honoured in the solution file: `ModelNew.VARIANTS` (optional tuple of str) lists kernel
 variants (those that run on this machine; a model's own VARIANTS may leave out those that do not run for
@@ -148,9 +150,9 @@ such as reference_may_oom optional, 0 or 1), dimensions >= 1.
 
 Limits: the fit check is an estimate from the reference's `peak_bytes` (fp32 sizes in every dtype);
 timing numbers on the CPU (`--cpu-timing`, for testing the harness) mean nothing; the floor uses
-nominal H200 ceilings, fp32 ones in every dtype; --backward's timing has no CUDA-graph figure; the
-KernelBench-style timing runs the models in eval() mode (KernelBench leaves them in training mode; the
-references have no dropout or batch norm) and gives no CUDA-graph figure.
+nominal H200 ceilings, fp32 ones in every dtype; the KernelBench-style timing runs the models in
+eval() mode (KernelBench leaves them in training mode; the references have no dropout or batch norm)
+and gives no CUDA-graph figure.
 """
 import argparse
 import contextlib
@@ -1152,7 +1154,8 @@ class Timer:
         return ms
 
     def time_graph(self, fn, args):
-        """GPU-only time (ms per replay) of one forward captured in a CUDA graph, or raises."""
+        """GPU-only time (ms per replay) of one call (a forward, or a training step) captured in a CUDA graph, or
+        raises."""
         if not self.cuda:
             raise RuntimeError("CUDA graphs need a CUDA device")
         side = torch.cuda.Stream(device=self.device)
@@ -1560,14 +1563,14 @@ def time_training(refmod, ref, new, sets, name, dims, args, timer, time_variants
         shape = tuple(ref(*sets[0]).shape)
     gen = torch.Generator(device=timer.device).manual_seed(args.seed + 77)
     g = torch.randn(shape, generator=gen, device=timer.device).to(args.torch_dtype)
-    no_graph = "not captured for forward+backward"
+    cuda = timer.cuda
     _time_each_variant(res, new, time_variants, " forward+backward", train_step(new, g), tsets, timer,
-                       want_graph=False, no_graph=no_graph)
+                       want_graph=cuda)
     res["eager"] = time_candidate(timer, "eager reference forward+backward", train_step(ref, g), tsets,
-                                  want_graph=False, no_graph=no_graph)
+                                  want_graph=cuda)
     if do_compile:
         res["compile"] = _time_compiled(ref, lambda m: train_step(m, g), tsets, name, timer,
-                                        "torch.compile(reference) forward+backward", no_graph=no_graph)
+                                        "torch.compile(reference) forward+backward")
     else:
         res["compile_note"] = _compile_note(args, False)
     _speedups(res)
@@ -1798,14 +1801,14 @@ def train_table_rows(report):
     show = _show_dtype(report)
     rows = [["shape"] + (["dtype"] if show else []) + [
         "variant", "grads", "grad err64 new/ref", "held", "f+b ms new", "eager ms", "compile ms",
-        "vs eager", "vs compile", "step peak MB new/ref"]]
+        "vs eager", "vs compile", "graph ms new/eager/compile", "step peak MB new/ref"]]
     for s in report["shapes"]:
         bw = (s.get("correctness") or {}).get("backward")
         if s.get("skip_reason") or not bw:
             continue
         lead = [s["name"]] + ([s.get("dtype", "fp32")] if show else [])
         if bw.get("skipped"):
-            rows.append(lead + ["-", "skipped"] + [""] * 8)
+            rows.append(lead + ["-", "skipped"] + [""] * 9)
             continue
         train = (s.get("timing") or {}).get("train") or {}
         news, eager, comp = train.get("new") or {}, train.get("eager"), train.get("compile")
@@ -1823,12 +1826,13 @@ def train_table_rows(report):
             row = lead + [_variant_label(key, lasts), "PASS" if ok else "FAIL", f"{_e(worst[0])}/{_e(worst[1])}",
                           " ".join(f"{k}:{n}" for k, n in sorted(held.items())) or "-"]
             if r is None:
-                rows.append(row + ["-"] * 6)
+                rows.append(row + ["-"] * 7)
                 continue
             comp_ms = _ms(comp) if comp else ("skip" if train.get("compile_note") else "n/a")
+            graphs = "/".join(_ms(x, "graph") for x in (r, eager, comp))
             peaks = (r.get("peak_bytes"), (eager or {}).get("peak_bytes"))
             rows.append(row + [_ms(r), _ms(eager), comp_ms, _x(r.get("speedup_vs_eager")),
-                               _x(r.get("speedup_vs_compile")),
+                               _x(r.get("speedup_vs_compile")), graphs,
                                "n/a" if peaks == (None, None) else f"{_mb(peaks[0])}/{_mb(peaks[1])}"])
     return rows if len(rows) > 1 else None
 
@@ -1873,7 +1877,8 @@ def print_summary(report):
         log("\n" + format_table(train))
         log("--backward: grad err64 = worst max abs gradient error vs float64 (ModelNew / reference); held = "
             "criterion met per gradient and trial (allclose to the reference, fp64x2: error <= 2x the "
-            "reference's, both); f+b = forward + backward; step peak = one training step")
+            "reference's, both); f+b = forward + backward, per call; graph = one step captured in a CUDA graph, "
+            "median per replay (GPU time alone; n/a where capture failed); step peak = one training step")
     for n in dict.fromkeys(report["notes"]):
         log(f"note: {n}")
 

@@ -604,8 +604,8 @@ def test_compare_fp64x2_outputs():
 
 
 def test_backward_cpu_timing_and_reference_may_oom(run_harness, tmp_path):
-    """--backward --cpu-timing: forward + backward timed per variant, eager too; peak memory n/a on the
-    CPU. A reference_may_oom shape is not checked for gradients (said so), and still passes."""
+    """--backward --cpu-timing: forward + backward timed per variant, eager too; peak memory and the CUDA-graph
+    step n/a on the CPU. A reference_may_oom shape is not checked for gradients (said so), and still passes."""
     js = tmp_path / "t.json"
     code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), "--device", "cpu", "--cpu-timing",
                             "--no-compile", "--samples", "2", "--input-sets", "2", "--trials", "2", "--shapes",
@@ -619,13 +619,33 @@ def test_backward_cpu_timing_and_reference_may_oom(run_harness, tmp_path):
     assert train["new"]["w_first"]["last_variant"] == "w_first" and train["new"]["w_first"]["speedup_vs_eager"] > 0
     lines = out.splitlines()
     hdr = next(i for i, ln in enumerate(lines) if ln.startswith("shape ") and "f+b ms new" in ln)
-    assert lines[hdr + 2].split()[:3] == ["awkward_17", "outer_first", "PASS"] and lines[hdr + 2].endswith("n/a")
+    assert "graph ms new/eager/compile" in lines[hdr]
+    row = lines[hdr + 2].split()
+    assert row[:3] == ["awkward_17", "outer_first", "PASS"] and row[-2:] == ["n/a/n/a/n/a", "n/a"], row
     shape = "B=2,S=3,N=23,msa_dim=16,hidden_dim=8,pair_dim=8,reference_may_oom=1"
     code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shape", shape, "--rows", "5",
                             "--trials", "2", "--backward", "--json", js)
     assert code == harness.EXIT_OK, out[-3000:]
     bw = json.loads(js.read_text())["shapes"][0]["correctness"]["backward"]
     assert bw["skipped"] and "reference_may_oom" in bw["skipped"] and "--backward: custom0 flagged" in out
+
+
+@pytest.mark.gpu
+def test_backward_timing_captures_the_step_in_a_cuda_graph(run_harness, tmp_path):
+    """--backward on a CUDA device: ModelNew's and the eager reference's training steps are timed per call and
+    as CUDA-graph replays (each replay at most its per-call median: the host's launches are gone), and the
+    table shows both graph times."""
+    js = tmp_path / "g.json"
+    code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), "--no-compile", "--samples", "10",
+                            "--input-sets", "1", "--trials", "1", "--shapes", "awkward_37", "--backward",
+                            "--json", js)
+    assert code == harness.EXIT_OK, out[-3000:]
+    train = json.loads(js.read_text())["shapes"][0]["timing"]["train"]
+    for r in list(train["new"].values()) + [train["eager"]]:
+        assert r["graph"] and r["graph_error"] is None, r
+        assert 0 < r["graph"]["median_ms"] <= r["per_call"]["median_ms"], r
+    hdr = next(ln for ln in out.splitlines() if "graph ms new/eager/compile" in ln)
+    assert hdr.startswith("shape ")
 
 
 # --- KernelBench-style timing -----------------------------------------------------------------
