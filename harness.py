@@ -91,7 +91,7 @@ Training (`--backward`; shapes flagged reference_may_oom are not checked):
     reference and torch.compile(reference) in the same run, per call and as one step captured in a
     CUDA graph (replays: GPU time alone; a step that cannot be captured says so in graph_error), and
     the peak device memory of one training step (torch.cuda.max_memory_allocated around it, inputs
-    excluded; n/a on the CPU).
+    excluded); graph and peak are n/a on the CPU.
 
 Conventions honoured in the solution file: `ModelNew.VARIANTS` (optional tuple of str) lists kernel
 variants (those that run on this machine; a model's own VARIANTS may leave out those that do not run for
@@ -1829,7 +1829,7 @@ def train_table_rows(report):
                 rows.append(row + ["-"] * 7)
                 continue
             comp_ms = _ms(comp) if comp else ("skip" if train.get("compile_note") else "n/a")
-            graphs = "/".join(_ms(x, "graph") for x in (r, eager, comp))
+            graphs = "/".join([_ms(r, "graph"), _ms(eager, "graph"), _ms(comp, "graph") if comp else comp_ms])
             peaks = (r.get("peak_bytes"), (eager or {}).get("peak_bytes"))
             rows.append(row + [_ms(r), _ms(eager), comp_ms, _x(r.get("speedup_vs_eager")),
                                _x(r.get("speedup_vs_compile")), graphs,
@@ -1878,7 +1878,7 @@ def print_summary(report):
         log("--backward: grad err64 = worst max abs gradient error vs float64 (ModelNew / reference); held = "
             "criterion met per gradient and trial (allclose to the reference, fp64x2: error <= 2x the "
             "reference's, both); f+b = forward + backward, per call; graph = one step captured in a CUDA graph, "
-            "median per replay (GPU time alone; n/a where capture failed); step peak = one training step")
+            "median per replay (GPU time alone; n/a without CUDA or where capture failed); step peak = one training step")
     for n in dict.fromkeys(report["notes"]):
         log(f"note: {n}")
 

@@ -621,7 +621,7 @@ def test_backward_cpu_timing_and_reference_may_oom(run_harness, tmp_path):
     hdr = next(i for i, ln in enumerate(lines) if ln.startswith("shape ") and "f+b ms new" in ln)
     assert "graph ms new/eager/compile" in lines[hdr]
     row = lines[hdr + 2].split()
-    assert row[:3] == ["awkward_17", "outer_first", "PASS"] and row[-2:] == ["n/a/n/a/n/a", "n/a"], row
+    assert row[:3] == ["awkward_17", "outer_first", "PASS"] and row[-2:] == ["n/a/n/a/skip", "n/a"], row
     shape = "B=2,S=3,N=23,msa_dim=16,hidden_dim=8,pair_dim=8,reference_may_oom=1"
     code, out = run_harness(os.path.join(SOL, "outer_product_mean_good.py"), *CPU, "--shape", shape, "--rows", "5",
                             "--trials", "2", "--backward", "--json", js)
@@ -633,8 +633,8 @@ def test_backward_cpu_timing_and_reference_may_oom(run_harness, tmp_path):
 @pytest.mark.gpu
 def test_backward_timing_captures_the_step_in_a_cuda_graph(run_harness, tmp_path):
     """--backward on a CUDA device: ModelNew's and the eager reference's training steps are timed per call and
-    as CUDA-graph replays (each replay at most its per-call median: the host's launches are gone), and the
-    table shows both graph times."""
+    as CUDA-graph replays (a replay, GPU time alone, within 5% of the per-call median or below it: at this small
+    shape the host's launches dominate a call), and the table shows both graph times."""
     js = tmp_path / "g.json"
     code, out = run_harness(os.path.join(SOL, "contact_map_good.py"), "--no-compile", "--samples", "10",
                             "--input-sets", "1", "--trials", "1", "--shapes", "awkward_37", "--backward",
@@ -643,7 +643,7 @@ def test_backward_timing_captures_the_step_in_a_cuda_graph(run_harness, tmp_path
     train = json.loads(js.read_text())["shapes"][0]["timing"]["train"]
     for r in list(train["new"].values()) + [train["eager"]]:
         assert r["graph"] and r["graph_error"] is None, r
-        assert 0 < r["graph"]["median_ms"] <= r["per_call"]["median_ms"], r
+        assert 0 < r["graph"]["median_ms"] <= 1.05 * r["per_call"]["median_ms"], r
     hdr = next(ln for ln in out.splitlines() if "graph ms new/eager/compile" in ln)
     assert hdr.startswith("shape ")
 
