@@ -1878,7 +1878,8 @@ def print_summary(report):
         log("--backward: grad err64 = worst max abs gradient error vs float64 (ModelNew / reference); held = "
             "criterion met per gradient and trial (allclose to the reference, fp64x2: error <= 2x the "
             "reference's, both); f+b = forward + backward, per call; graph = one step captured in a CUDA graph, "
-            "median per replay (GPU time alone; n/a without CUDA or where capture failed); step peak = one training step")
+            "median per replay (GPU time alone; n/a without CUDA or where capture failed); step peak = one training "
+            "step")
     for n in dict.fromkeys(report["notes"]):
         log(f"note: {n}")
 
