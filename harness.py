@@ -1310,9 +1310,9 @@ def kb_stats(ms):
     return dict(stats(ms), std_ms=float(a.std()), max_ms=float(a.max()))
 
 
-def time_candidate(timer, label, fn, input_sets, want_graph=True, no_graph="needs CUDA"):
+def time_candidate(timer, label, fn, input_sets, want_graph=True):
     """Per-call stats, CUDA-graph stats and peak memory of one callable; errors reported, not raised.
-    Without want_graph, graph_error says `no_graph`."""
+    Without want_graph (no CUDA), graph_error says so."""
     r = dict(per_call=None, graph=None, graph_error=None, peak_bytes=None, error=None, oom=False)
     log(f"    timing {label} ...")
     try:
@@ -1334,7 +1334,7 @@ def time_candidate(timer, label, fn, input_sets, want_graph=True, no_graph="need
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(timer.device)
     else:
-        r["graph_error"] = no_graph
+        r["graph_error"] = "needs CUDA"
     _free(timer.device)
     return r
 
@@ -1485,9 +1485,9 @@ def _compile_note(args, ref_oom):
         "skipped (--no-compile)" if args.no_compile else "skipped for this shape (default: non-awkward shapes only; --compile-all)")
 
 
-def _time_compiled(ref, step, sets, name, timer, label, no_graph=None):
+def _time_compiled(ref, step, sets, name, timer, label):
     """torch.compile(ref) compiled by a first call of step(compiled), then timed (a T dict with
-    compile_s), or a dict with the error. CUDA graph timing unless `no_graph` gives the reason."""
+    compile_s, CUDA graph timing on CUDA), or a dict with the error."""
     log(f"    compiling torch.compile(reference) for {name} (20-60 s per shape on the GPU machine) ...")
     try:
         torch._dynamo.reset()
@@ -1497,8 +1497,7 @@ def _time_compiled(ref, step, sets, name, timer, label, no_graph=None):
         fn(*sets[0])
         timer.sync()
         log(f"    compiled in {time.perf_counter() - t0:.1f} s")
-        want_graph = timer.cuda and no_graph is None
-        r = time_candidate(timer, label, fn, sets, want_graph=want_graph, no_graph=no_graph or "needs CUDA")
+        r = time_candidate(timer, label, fn, sets, want_graph=timer.cuda)
         r["compile_s"] = time.perf_counter() - t0
         del compiled, fn
     except Exception as e:
