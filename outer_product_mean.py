@@ -2840,16 +2840,20 @@ namespace opm {
 //   per warp per tile), and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which sit
 //   between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond the
 //   row mode's. The row mode's instances (kPair false) are unchanged.
+// kKeepO (16-bit only): also writes O_q times the row's factor (1 / denom; s1 in the pair modes), rounded to T,
+//   to on[b, i, j, 32 h + k] (B, N, N, 1024; the tiles of z chunk 0) from phase A's accumulators, for the
+//   backward's dWo = g^T on; the other instances take on as nullptr and never read it.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kPair = false>
+template <typename T, bool kPair = false, bool kKeepO = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
-    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz) {
+    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz, T* __restrict__ on) {
 #if defined(OPM_WG_DEVICE)
   constexpr bool kSplit = std::is_same_v<T, float>;
+  static_assert(!(kKeepO && kSplit), "opm_outer_wg_kernel: kKeepO is for fp16 / bf16");
   constexpr int kSlot = kSplit ? kOwStage : kOwSlot16, kStages = kSplit ? kOwStages : kOwStages16;
   constexpr int kKSteps = kSplit ? kOwSK / 8 : kOwS16 / 16;  // wgmma k steps per phase-A stage
   constexpr int kPromo = kWgPromo;  // split TF32: k steps per promotion (64 s)
@@ -3158,6 +3162,27 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             Os16[p * kOwLDO16 + g * 16 + ow_os16_word(g, m)] =
                 pack2_16<__half>(acc[4 * jj + 2 * hr] * rowf[hr][jj / 4], acc[4 * jj + 2 * hr + 1] * rowf[hr][jj / 4]);
           }
+        if constexpr (kKeepO) {  // O_q times the row's factor (1 / denom, or s1) in T: on[b, i, j, 32 h + k]
+          if (zc == 0) {
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr;
+              if (i >= N) continue;
+              [[maybe_unused]] const float inv_row = kPair ? 0.f : inv_denom[b * N + i];
+#pragma unroll
+              for (int jl = 0; jl < kOwTJ; ++jl) {
+                if (jt * kOwTJ + jl >= N) continue;
+                float inv = inv_row;
+                if constexpr (kPair) inv = s1p[hr][jl];
+                T* dst = on + ((b * N + i) * N + jt * kOwTJ + jl) * (kOwNQ * 256) + (8 * q + g) * 32 + 2 * t4;
+#pragma unroll
+                for (int jq = 0; jq < 4; ++jq)
+                  *reinterpret_cast<uint32_t*>(dst + 8 * jq) = pack2_16<T>(acc[4 * (4 * jl + jq) + 2 * hr] * inv,
+                                                                           acc[4 * (4 * jl + jq) + 2 * hr + 1] * inv);
+              }
+            }
+          }
+        }
         consumers_sync();  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
         // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
@@ -5706,28 +5731,39 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 // out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
-// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom. on defined (16-bit
+// out, hidden_dim 32): the kKeepO instances also write O times the row's factor to it (B, N, N, 1024, out's dtype).
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
-                                  const at::Tensor& pair_scale) {
-  const bool kp = pair_scale.defined();
+                                  const at::Tensor& pair_scale, const at::Tensor& on = at::Tensor()) {
+  const bool kp = pair_scale.defined(), ko = on.defined();
+  TORCH_INTERNAL_ASSERT(!ko || (out.scalar_type() != at::kFloat && on.scalar_type() == out.scalar_type() &&
+                                on.numel() == B * N * N * kOwNQ * 256 && on.is_contiguous()),
+                        "outer_product_mean: outer_wg's kept O is (B, N, N, 1024) in out's 16-bit dtype");
   auto run = [&](auto kernel, auto* outp, size_t smem) {
+    using OT = std::remove_pointer_t<decltype(outp)>;
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
     const int64_t tiles = B * od.nzc * od.NBB * od.NIT;  // < 2^31 (the callers' ow_tiles_ok)
     const int g = grid_for(std::min<int64_t>(tiles, d.sms));
     kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
                                             (kp ? pair_scale : inv_denom).data_ptr<float>(), bo, outp, B, N, od.KB,
-                                            od.NIT, od.NBB, od.nzc, cz);
+                                            od.NIT, od.NBB, od.nzc, cz,
+                                            ko ? reinterpret_cast<OT*>(on.data_ptr()) : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (out.scalar_type() == at::kBFloat16)
-    run(kp ? opm_outer_wg_kernel<__nv_bfloat16, true> : opm_outer_wg_kernel<__nv_bfloat16>,
-        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ow_smem_bytes<__nv_bfloat16>());
-  else if (out.scalar_type() == at::kHalf)
-    run(kp ? opm_outer_wg_kernel<__half, true> : opm_outer_wg_kernel<__half>, reinterpret_cast<__half*>(out.data_ptr()),
-        ow_smem_bytes<__half>());
-  else
+  if (out.scalar_type() == at::kBFloat16) {
+    using T = __nv_bfloat16;
+    run(ko ? (kp ? opm_outer_wg_kernel<T, true, true> : opm_outer_wg_kernel<T, false, true>)
+           : (kp ? opm_outer_wg_kernel<T, true> : opm_outer_wg_kernel<T>),
+        reinterpret_cast<T*>(out.data_ptr()), ow_smem_bytes<T>());
+  } else if (out.scalar_type() == at::kHalf) {
+    using T = __half;
+    run(ko ? (kp ? opm_outer_wg_kernel<T, true, true> : opm_outer_wg_kernel<T, false, true>)
+           : (kp ? opm_outer_wg_kernel<T, true> : opm_outer_wg_kernel<T>),
+        reinterpret_cast<T*>(out.data_ptr()), ow_smem_bytes<T>());
+  } else {
     run(kp ? opm_outer_wg_kernel<float, true> : opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
+  }
 }
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1, the faster of 1, 2 and 4
 // at crop and deep (NOTES.md, outer product mean: what did not pay).
@@ -5847,7 +5883,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
-                            const at::Tensor& pair_scale = at::Tensor()) {
+                            const at::Tensor& pair_scale = at::Tensor(), const at::Tensor& on = at::Tensor()) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -5858,7 +5894,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale, on);
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)
@@ -6086,10 +6122,13 @@ static int mask_kind_of(at::ScalarType st) {
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
 // ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
-std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
+// keep_o: where outer_wg runs on a 16-bit msa with hidden_dim 32 (the pair modes: with pair_fused), the sixth
+// output is O times the row's factor (O / denom; s1 O in the pair modes), (B, N, N, 1024) in msa's dtype, as its
+// fused kernel's phase A summed it (the backward's dWo = g^T of it); else an undefined tensor (None).
+std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, int64_t pair_counts) {
+    double norm_eps, bool pair_fused, int64_t pair_counts, bool keep_o) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -6248,7 +6287,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   // bfloat16 / float16 in and out: outer_wg, and fused_small where the parameters have msa's dtype too
   const bool half_io = half_input && (used == kOuterWg || (used == kFusedSmall && p16));
   at::Tensor out = at::empty({B, N, N, cz}, half_io ? msa.options() : f32);
-  if (out.numel() == 0) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
+  if (out.numel() == 0) return {out, used, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
 
   // contiguous and 16-byte aligned (the prep kernels' 16-byte loads and bulk copies): a contiguous view
   // at an odd storage offset is copied; a 16-bit msa becomes float32 except where the variant reads it
@@ -6285,13 +6324,16 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
       a = at::empty({B, S, N, 32}, f32);
       b = at::empty({B, S, N, 32}, f32);
     }
+    at::Tensor on;
+    if (keep_o && c == 32 && out.scalar_type() != at::kFloat && (!pair || fused))
+      on = at::empty({B, N, N, 1024}, out.options());
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream, pscale);
+                    d, stream, pscale, on);
     finish();
-    if (!a.defined()) return {out, used, a, b, at::Tensor()};
-    return {out, used, a, b, inv_denom};
+    if (!a.defined()) return {out, used, a, b, at::Tensor(), on};
+    return {out, used, a, b, inv_denom, on};
   }
   if (used == kFusedSmall) {  // one kernel; its a and b rows (channels padded to 32) are the kept a, b at c = 32
     at::Tensor a = at::empty({B, S, N, kFsCP}, f32), b = at::empty({B, S, N, kFsCP}, f32);
@@ -6301,8 +6343,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                        keep || pair ? inv_denom.data_ptr<float>() : nullptr, out, B, S, N, static_cast<int>(cm),
                        static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps), d, stream);
     finish();
-    if (!keep) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
-    return {out, used, a, b, inv_denom};
+    if (!keep) return {out, used, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {out, used, a, b, inv_denom, at::Tensor()};
   }
   // aT's rows are Npad = round_up(N, 4) long for 16-byte copies. The kernels copy a row's last group of 4 by
   // cp.async with src-size 4 (N - i0) < 16, which reads only the valid floats and zero-fills the rest, but
@@ -6341,7 +6383,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   }
 #undef OPM_DISPATCH
   finish();
-  return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
+  return {out, used, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
 // A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a
@@ -6820,12 +6862,12 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("opm_forward", torch::wrap_pybind_function(opm::opm_forward),
-        "forward: (out, the variant that ran, a, b, inv_denom where kept for the backward); norm 0 rows, 1 OpenFold "
-        "(norm_eps), 2 Boltz",
+        "forward: (out, the variant that ran, a, b, inv_denom where kept for the backward, O times the row's factor "
+        "where kept); norm 0 rows, 1 OpenFold (norm_eps), 2 Boltz",
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts") = 0);
+        py::arg("pair_counts") = 0, py::arg("keep_o") = false);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");
@@ -7053,7 +7095,7 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O), which must be True or False: an assigned "0" would otherwise read as
     on."""
     value = globals()[name]
     if not isinstance(value, bool):
@@ -7107,7 +7149,15 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # slower (NOTES.md); False: one tile per chunk. OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read
 # by each low-memory backward whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", True)
-# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
+# The forward keeps O for the backward (KEEP_O): where outer_wg runs on a float16 / bfloat16 msa with hidden_dim 32 and
+# gradients are needed, its fused kernel also writes O / denom (s1 O in the pair modes) in the msa's dtype, (B, N, N,
+# 1024), if that takes at most KEEP_O_MAX_BYTES; the backward's dWo is then one matrix product g^T O (the reference's
+# own) in place of opm_backward_wo's recomputation of O, and the tensor is freed with a, b (LOW_MEMORY_BACKWARD).
+# True: that memory for a faster step where S is large (crop: 128 MiB); False (the default): O recomputed.
+# OPM_KEEP_O ("1" / "0") at import, then this attribute, read at each forward.
+KEEP_O = _env_flag("OPM_KEEP_O", False)
+KEEP_O_MAX_BYTES = 256 << 20
+# Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7174,7 +7224,7 @@ def pair_scales(mask, norm, eps=1e-3):
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
                                 rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3,
-                                pair_kernels=None, low_memory=False, release_ab=False):
+                                pair_kernels=None, low_memory=False, release_ab=False, o=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
@@ -7221,7 +7271,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     calls it under no_grad). parts: a list to which the names of the parts computed by this file's
     kernels are appended, in this order: "a, b" (given by the forward or by the prep kernel; with `ab`
     given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
-    run (ModelNew.last_backward holds them as a tuple once the call returns).
+    run (ModelNew.last_backward holds them as a tuple once the call returns). o: the forward's O times the row's
+    factor (O / d; s1 O in the pair modes), (B, N, N, c*c) in the msa's dtype, as opm_forward's keep_o returns it, or
+    None: where given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product in that dtype (the
+    reference's own; part "dWo from O" in place of "dWo"), and o's storage is freed after it with release_ab.
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r rows
     i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
@@ -7250,6 +7303,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     pair = norm != NORM_ROWS
     if pair and not (pair_backward.current() == "kernels" if pair_kernels is None else pair_kernels):  # chunks for dWo, da, db
         wo_in_kernel = ab_in_kernel = False
+    wo_from_o = o is not None and wo_in_kernel  # (then dWo by one product over the forward's O)
+    wo_in_kernel = wo_in_kernel and not wo_from_o
+    wo_done = wo_in_kernel or wo_from_o
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
     # dWo, da and db's products: split TF32, or in the msa's 16-bit type (grad_out's rows 16-byte aligned
@@ -7257,8 +7313,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     half = msa.dtype in (torch.float16, torch.bfloat16)
     ops = _dtype_name(msa.dtype) if half and not split and c_z % 8 == 0 else "split"
     if parts is not None:
-        parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("da, db", ab_in_kernel),
-                                 ("LayerNorm", ln_in_kernel)) if k]
+        parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("dWo from O", wo_from_o),
+                                 ("da, db", ab_in_kernel), ("LayerNorm", ln_in_kernel)) if k]
     R = B * S * N
     msa_rows = msa.reshape(R, c_m)
     # the kernels take float32, bool and integer masks as they are
@@ -7270,7 +7326,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         s1, s2 = scale[..., 0], scale[..., 1]
     elif pair:
         s1, s2 = (t.to(ct) for t in pair_scales(mask, norm, norm_eps))                 # (B, N, N)
-    elif not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
+    elif not (rows_in_kernel and wo_done and ab_in_kernel):
         acc = torch.float64 if mask.is_floating_point() else torch.int64
         denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                # d (B, N)
 
@@ -7316,7 +7372,12 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
-    if wo_in_kernel:
+    if wo_from_o:  # sum over the pairs of g^T (O / d) (s1 O: the pair modes' grad_out unscaled), in o's dtype
+        d_wo = grad_out.reshape(B * N * N, c_z).to(o.dtype).t() @ o.view(B * N * N, c * c)
+        if release_ab and o.untyped_storage().resizable():
+            o.untyped_storage().resize_(0)
+        del o
+    elif wo_in_kernel:
         d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20,
                                     low_memory and _flag("LOW_MEMORY_SPLIT_J"))
     else:
@@ -7327,7 +7388,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
-    if wo_in_kernel and ab_in_kernel:
+    if wo_done and ab_in_kernel:
         d_bo = d_bo_pair if pair else _ext.opm_backward_dbo(g_k)  # (c_z % 4 == 0 where the da / db kernel runs)
     else:  # chunks: O for dWo and / or G for da, db, whichever no kernel computes
         d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
@@ -7345,7 +7406,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             else:
                 d_bo += g.sum((0, 1, 2))
                 g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)          # g / d (B r N, c_z)
-            if not wo_in_kernel:
+            if not wo_done:
                 # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
                 o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
                 o = o.reshape(B * r * N, c * c)                                        # (B r N, c c)
@@ -7438,28 +7499,39 @@ def _f32(t):
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=False, norm=(NORM_ROWS, 0.0)):
+def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=False, norm=(NORM_ROWS, 0.0),
+                 keep_o=False):
     """The CUDA forward, returned in out_dtype. Where msa and every parameter are float16 / bfloat16 of one
     dtype they go to the extension as they are: outer_wg reads them and runs both products on the
     16-bit tensor cores (module docstring), fused_small reads them in fp32 FMA, the other variants
     convert them to float32 inside the extension. Otherwise they are converted to float32 here. Masks of
     every dtype the kernels take go as they are. Records the variant that ran in model.last_variant.
-    keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom as outer_wg's prep or
-    fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then
-    takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
-    pair mode (PAIR_EPILOGUE "fused": outer_wg and w_first_wg2 scale each pair in their epilogues; otherwise the
-    kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel). same: _output_dtype's (every
-    parameter in msa's dtype)."""
+    keep_ab: returns (out, ab, o): ab = (a, b, inv_denom), the masked projections and 1 / denom as outer_wg's prep
+    or fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then takes
+    them instead of recomputing; no extra launch), else None; o the forward's O times the row's factor where keep_o
+    asked for it and outer_wg kept it (opm_forward's keep_o), else None. norm: (mode, eps), NORM_ROWS or a pair mode
+    (PAIR_EPILOGUE "fused": outer_wg and w_first_wg2 scale each pair in their epilogues; otherwise the kernels'
+    zero-bias output rescaled per pair by opm_pair_epilogue_kernel). same: _output_dtype's (every parameter in
+    msa's dtype)."""
     if not same:  # mixed dtypes (CUDA autocast): float32 copies
         msa, params = _f32(msa), [_f32(p) for p in params]
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
                                              _pair_counts())
-    out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra)
+    out, ran, a, b, inv_d, o = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra, keep_o=keep_o)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not keep_ab:
         return out
-    return out, (None if a is None else (a, b, inv_d))
+    return out, (None if a is None else (a, b, inv_d)), o
+
+
+def _keep_o(msa, params, same):
+    """Whether a forward that saves for the backward keeps O (KEEP_O): a float16 / bfloat16 msa with its parameters
+    in that dtype, hidden_dim 32, and O's (B, N, N, 1024) in that dtype at most KEEP_O_MAX_BYTES."""
+    if not (_flag("KEEP_O") and same and msa.dtype in (torch.float16, torch.bfloat16) and params[2].shape[0] == 32):
+        return False
+    B, _, N, _ = msa.shape
+    return B * N * N * 1024 * msa.element_size() <= KEEP_O_MAX_BYTES
 
 
 class _OuterProductMean(torch.autograd.Function):
@@ -7473,22 +7545,26 @@ class _OuterProductMean(torch.autograd.Function):
         # call: (model, variant code, eps, out_dtype, same, norm) in one argument (each argument costs apply time)
         model, code, eps, out_dtype, same, norm = call
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
-        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm)
+        out, ab, o = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm,
+                                  keep_o=_keep_o(msa, params, same))
         ctx.low = _flag("LOW_MEMORY_BACKWARD")
-        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))  # (a low-memory backward frees a, b)
+        # (a low-memory backward frees a, b and o)
+        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)), o if ab is not None else None)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        params, ab = params[:8], params[8:]  # (None where none were kept or an earlier backward freed them: recomputed)
+        # (None where none were kept or an earlier backward freed them: recomputed)
+        params, ab, o = params[:8], params[8:11], params[11]
         freed = ab[0] is not None and ab[0].numel() > 0 and ab[0].untyped_storage().nbytes() == 0
         ab = None if ab[0] is None or freed else tuple(ab)
+        o = None if ab is None or o is None else o
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
                                             ab=ab, parts=parts, norm=ctx.norm[0], norm_eps=ctx.norm[1],
-                                            low_memory=ctx.low, release_ab=ctx.low)
+                                            low_memory=ctx.low, release_ab=ctx.low, o=o)
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
         need = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[3:]
         grads = tuple(g if n else None for g, n in zip(grads, need))

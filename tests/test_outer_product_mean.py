@@ -1249,8 +1249,8 @@ def test_forward_keeps_a_b_equal_to_the_backward_rows_kernel(opm, ref, B, S, N, 
     mask = _mask(B, S, N, mask_kind, gen).cuda()
     params = [p.detach() for p in new.parameters()]
     eps = new.layer_norm.eps
-    out, ran, a, b, inv_d = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("outer_wg"), True)
-    assert ALL_VARIANTS[ran] == "outer_wg" and a is not None
+    out, ran, a, b, inv_d, o = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("outer_wg"), True)
+    assert ALL_VARIANTS[ran] == "outer_wg" and a is not None and o is None
     a2, b2, inv_d2 = opm._ext.opm_backward_rows(msa, mask, *params[:6], eps, False)
     assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(inv_d, inv_d2)
     p64 = [p.double() for p in params]
@@ -1261,7 +1261,117 @@ def test_forward_keeps_a_b_equal_to_the_backward_rows_kernel(opm, ref, B, S, N, 
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     assert (inv_d.double() - 1 / mask.double().sum(1).clamp(min=1)).abs().max() <= 1e-7
     _, ran, *rest = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("outer_first"), True)
-    assert ALL_VARIANTS[ran] == "outer_first" and rest == [None, None, None]
+    assert ALL_VARIANTS[ran] == "outer_first" and rest == [None, None, None, None]
+
+
+def _kept_o_fp64(a, b, scale, dtype):
+    """O times the row's factor in fp64 from the forward's a, b rounded to dtype (as its planes), and the bound of the
+    kernel's error: one rounding to dtype of the value plus 2^-20 of the sum of |a b| (fp32 sums over S)."""
+    a, b = (t.to(dtype).double() for t in (a, b))
+    B, S, N, c = a.shape
+    o = torch.einsum("bsih,bsjk->bijhk", a, b).reshape(B, N, N, c * c) * scale
+    mag = torch.einsum("bsih,bsjk->bijhk", a.abs(), b.abs()).reshape(B, N, N, c * c) * scale.abs()
+    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    return o, unit * o.abs() + 2.0**-20 * mag + 1e-30
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, S, N, cm, cz, mask_kind, norm", [(1, 40, 37, 256, 128, "binary", 0),
+                                                              (2, 9, 20, 64, 24, "bool", 0),
+                                                              (1, 33, 19, 128, 64, "binary", 1),
+                                                              (2, 7, 21, 64, 64, "int8", 2)])
+def test_forward_keeps_o(opm, ref, B, S, N, cm, cz, mask_kind, norm, dtype):
+    """opm_forward with keep_o where outer_wg runs on a 16-bit msa (hidden_dim 32): the output is bit-equal to the
+    run without it, and the kept O (B, N, N, 1024) is O / denom (the pair modes, fused epilogue: s1 O) within one
+    rounding to the dtype of fp64 from the forward's own a, b; every element written (the block it lands in was
+    filled with NaN first). keep_o is ignored in float32 and where the pair modes' epilogue runs unfused."""
+    if not _caps(opm)[2]:
+        pytest.skip("outer_wg needs a Hopper GPU and an sm_90a build")
+    gen = torch.Generator().manual_seed(B + S + N + cm + norm)
+    _, new = _pair(opm, ref, cm, cz, 32, seed=S)
+    msa = _msa((B, S, N, cm), "normal", gen).to(dtype).cuda()
+    mask = _mask(B, S, N, mask_kind, gen).cuda()
+    params = [p.detach().to(dtype) for p in new.parameters()]
+    eps, code = new.layer_norm.eps, ALL_VARIANTS.index("outer_wg")
+    extra = (norm, 1e-3, True, 0)
+
+    def run(keep_o, x=msa):
+        return opm._ext.opm_forward(x, mask, *params, eps, code, True, *extra, keep_o=keep_o)
+
+    out0, _, a0, b0, *_ = run(True)
+    out0.fill_(float("nan"))
+    poison = run(True)[5]
+    poison.fill_(float("nan"))
+    del poison  # the next call's O of the same size takes this block from the caching allocator
+    out1, ran, a, b, inv_d, o = run(True)
+    out2, _, a2, b2, _, none = run(False)
+    assert ALL_VARIANTS[ran] == "outer_wg" and none is None and o.dtype == dtype and o.shape == (B, N, N, 1024)
+    assert torch.equal(out1, out2) and torch.equal(a, a2) and torch.equal(b, b2)
+    if norm == 0:
+        scale = inv_d.double()[:, :, None, None]
+    else:
+        s1, _ = opm.pair_scales(mask, norm, 1e-3)
+        scale = s1.double()[..., None]
+    want, bound = _kept_o_fp64(a, b, scale, dtype)
+    err = (o.double() - want).abs()
+    assert torch.isfinite(o).all() and (err <= bound).all(), (err / bound).max().item()
+    if norm:  # the unfused epilogue (a row-mode run, then a pass over out): not kept
+        assert opm._ext.opm_forward(msa, mask, *params, eps, code, True, norm, 1e-3, False, 0, keep_o=True)[5] is None
+    p32 = [p.float() for p in params]
+    assert opm._ext.opm_forward(msa.float(), mask, *p32, eps, code, True, *extra, keep_o=True)[5] is None
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", [None, "openfold"])
+def test_training_step_with_kept_o(opm, ref, monkeypatch, family, dtype):
+    """KEEP_O on: the step's dWo is one product over the forward's O ("dWo from O" in last_backward); every other
+    gradient is bit-equal to the step with KEEP_O off, and dWo is within two roundings to the dtype of fp64's from the
+    forward's own a, b (and of the dWo kernel's); the kept O's storage is freed by the low-memory backward."""
+    if not _caps(opm)[2]:
+        pytest.skip("outer_wg needs a Hopper GPU and an sm_90a build")
+    B, S, N, cm, cz = 1, 40, 37, 256, 128
+    gen = torch.Generator().manual_seed(77)
+    if family:
+        new = opm.FAMILIES[family](cm, cz, 32)
+        _randomise(new, torch.Generator().manual_seed(7))
+    else:
+        new = _pair(opm, ref, cm, cz, 32, seed=7)[1]
+    new = new.to(dtype).cuda()
+    msa = _msa((B, S, N, cm), "normal", gen).to(dtype).cuda()
+    mask = _mask(B, S, N, "binary", gen).cuda().to(dtype)
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+
+    def step(keep):
+        monkeypatch.setattr(opm, "KEEP_O", keep)
+        x = msa.clone().requires_grad_(True)
+        out = new(x, mask)
+        grads = torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
+        return new.last_backward, grads
+
+    parts_off, off = step(False)
+    parts_on, on = step(True)
+    assert "dWo" in parts_off and "dWo from O" in parts_on and "dWo" not in parts_on
+    names = ["msa"] + [n for n, _ in new.named_parameters()]
+    iwo = names.index("out_proj.weight") if "out_proj.weight" in names else names.index("linear_out.weight")
+    for i, (w, t) in enumerate(zip(off, on)):
+        if i != iwo:
+            assert torch.equal(w, t), names[i]
+    # fp64 dWo from the forward's a, b (opm_forward's own, row or pair scale)
+    lins = (new.linear_1, new.linear_2, new.linear_out) if family else (new.proj_a, new.proj_b, new.out_proj)
+    params = [new.layer_norm.weight, new.layer_norm.bias] + [t for lin in lins for t in (lin.weight, opm._proj_bias(lin))]
+    extra = (opm.NORM_OPENFOLD, new.eps, True, 0) if family else ()
+    *_, a, b, inv_d, _ = opm._ext.opm_forward(msa, mask, *[p.detach() for p in params], new.layer_norm.eps,
+                                              ALL_VARIANTS.index("outer_wg"), True, *extra)
+    scale = (inv_d.double()[:, :, None, None] if not family
+             else opm.pair_scales(mask, opm.NORM_OPENFOLD, new.eps)[0].double()[..., None])
+    o64, _ = _kept_o_fp64(a, b, scale, dtype)
+    g64 = g.double().reshape(-1, cz)
+    want = g64.t() @ o64.reshape(-1, 1024)
+    bound = 2 * 2.0**-8 * (g64.abs().t() @ o64.abs().reshape(-1, 1024)) + 1e-30
+    for got in (on[iwo], off[iwo]):
+        assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max().item()
 
 
 @gpu
@@ -1508,7 +1618,8 @@ def test_fused_small_keeps_a_b_and_inv_denom(opm, ref):
         _, new, msa, mask = _fs_inputs(opm, ref, B, S, N, cm, c, 24, "int32", seed=3 + c)
         params = [p.detach() for p in new.parameters()]
         eps = new.layer_norm.eps
-        out, ran, a, b, inv_d = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("fused_small"), True)
+        out, ran, a, b, inv_d, _ = opm._ext.opm_forward(msa, mask, *params, eps, ALL_VARIANTS.index("fused_small"),
+                                                        True)
         assert ALL_VARIANTS[ran] == "fused_small"
         if c != 32:
             assert a is None and b is None and inv_d is None

@@ -985,8 +985,10 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         def forward(self, msa_repr, msa_mask):
             assert msa_mask.shape == msa_repr.shape[:3]
             B, S, N, _ = msa_repr.shape
-            self.last_variant, self.last_backward = ran(now["call"]), tuple(now["call"].get("expect") or ())
+            kept = ("dWo from O",) if opm.KEEP_O else ()  # (a pair call names no parts: the kept O's alone)
+            self.last_variant, self.last_backward = ran(now["call"]), tuple(now["call"].get("expect") or kept)
             assert opm.LOW_MEMORY_BACKWARD is bool(now["call"].get("low"))  # the call's setting, else the default
+            assert opm.KEEP_O is bool(now["call"].get("keep_o"))
             z = msa_repr.float().sum() + zero_like_sum(*self.parameters())  # (sum: finite where S = 0)
             return (torch.zeros(B, N, N, self.out_proj.out_features) + z).to(msa_repr.dtype)
 
@@ -1079,7 +1081,7 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
                            "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
                            "pair_epilogue": setting("epilogue", ("fused", "unfused")),
                            "pair_backward": setting("backward", ("chunks", "kernels")),
-                           "PAIR_G_KERNEL": False, "LOW_MEMORY_BACKWARD": False})
+                           "PAIR_G_KERNEL": False, "LOW_MEMORY_BACKWARD": False, "KEEP_O": False})
     monkeypatch.setattr(sw, "_MODULES", {"contact_map": cm, "outer_product_mean": opm})
     for name, fn in list(sw._OPS.items()):
         def wrapped(torch_, mod, call, sms, fn=fn):
@@ -1088,7 +1090,8 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         monkeypatch.setitem(sw._OPS, name, wrapped)
     for case in sw.CASES:
         sw.run_case(torch, case, quick=False)
-    assert opm.PAIR_G_KERNEL is False and opm.LOW_MEMORY_BACKWARD is False  # the calls' settings were restored
+    # the calls' settings were restored
+    assert opm.PAIR_G_KERNEL is False and opm.LOW_MEMORY_BACKWARD is False and opm.KEEP_O is False
     # a path other than the expected one raises, naming the case and the call
     monkeypatch.setattr(cm, "fused_backward_runs", staticmethod(lambda pair, w1: False))
     with pytest.raises(RuntimeError, match=r"cm_backward_float32 call 0: cm_backward .*fused_backward_runs is False"):

@@ -429,9 +429,12 @@ class _FakeOpmExtension:
 
     def __init__(self, real):
         self.real, self.dtypes, self.msa_dtypes, self.mask_dtypes, self.norms = real, [], [], [], []
+        self.keep_o = []
 
     def opm_forward(self, msa, mask, lw, lb, wa, ba, wb, bb, wo, bo, eps, code, keep_ab, norm=0, norm_eps=1e-3,
-                    pair_fused=False, pair_counts=0):
+                    pair_fused=False, pair_counts=0, keep_o=False):
+        self.keep_o.append(keep_o)
+        out_dtype = msa.dtype
         self.dtypes.append({t.dtype for t in (lw, lb, wa, ba, wb, bb, wo, bo)})
         self.norms.append((norm, norm_eps, pair_fused))
         self.msa_dtypes.append(msa.dtype)
@@ -451,11 +454,13 @@ class _FakeOpmExtension:
             s1 = 1 / (n + norm_eps) if norm == 1 else 1 / n.clamp(min=1)
             s2 = s1 if norm == 1 else torch.ones_like(n)
             out = s1[..., None] * (o @ wo.t()) + s2[..., None] * bo
-            return (out, 1, a, b, inv_d) if keep_ab and c == 32 else (out, 1, None, None, None)
-        o = o / denom[:, :, None, None]
-        if keep_ab and c == 32:
-            return o @ wo.t() + bo, 1, a, b, inv_d
-        return o @ wo.t() + bo, 1, None, None, None
+            o = s1[..., None] * o
+        else:
+            o = o / denom[:, :, None, None]
+            out = o @ wo.t() + bo
+        kept = (o.to(out_dtype) if keep_o and c == 32 and out_dtype != torch.float32 and (not norm or pair_fused)
+                else None)
+        return (out, 1, a, b, inv_d, kept) if keep_ab and c == 32 else (out, 1, None, None, None, kept)
 
     def opm_device_caps(self, device):
         return (False, False, False)
@@ -555,6 +560,72 @@ def test_opm_model_new_half_precision(opm_cpu, dtype):
     assert fake.dtypes and all(d == {dtype} for d in fake.dtypes)
     assert fake.msa_dtypes and all(d == dtype for d in fake.msa_dtypes)
     assert fake.mask_dtypes and all(d == dtype for d in fake.mask_dtypes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_opm_keep_o_wiring(opm_cpu, monkeypatch, dtype):
+    """KEEP_O: a 16-bit forward that saves for the backward asks the extension for O (keep_o); the backward takes
+    dWo from it ("dWo from O", one product over the kept O) where dWo's kernel would run, and every gradient stays
+    close to the reference's. Not asked for with KEEP_O off, for O over KEEP_O_MAX_BYTES, in float32, under
+    no_grad."""
+    mod, fake = opm_cpu
+    monkeypatch.setattr(mod, "KEEP_O", True)
+    monkeypatch.setattr(mod, "_wo_kernel_runs", lambda *args: True)  # (a kept O replaces the dWo kernel's call)
+    monkeypatch.setattr(mod, "_ab_kernel_runs", lambda *args: False)
+    model, new = _opm_pair(mod, seed=54, c=32)
+    new = new.to(dtype)
+    msa, mask = _opm_inputs(154)
+    g = torch.randn(2, 7, 7, 10, generator=torch.Generator().manual_seed(254))
+    want = _ref_grads(model, OPM_NAMES, [msa, mask], g)
+    got = _ref_grads(new, OPM_NAMES, [msa.to(dtype), mask.to(dtype)], g.to(dtype))
+    assert fake.keep_o == [True] and new.last_backward == ("a, b", "dWo from O")
+    for name, w, o in zip(("msa",) + OPM_NAMES, want, got):
+        assert o.dtype == dtype, name
+        if name == "out_proj.weight":  # a sum over 98 pairs of O rounded to dtype (on the CPU, its sums too)
+            assert (o.float() - w).abs().max() <= 4e-2 * w.abs().max(), (o.float() - w).abs().max().item()
+        else:
+            assert torch.allclose(o.float(), w, atol=2e-2, rtol=2e-2), (name, (o.float() - w).abs().max().item())
+    x = msa.to(dtype).requires_grad_(True)
+    monkeypatch.setattr(mod, "KEEP_O_MAX_BYTES", 2 * 7 * 7 * 1024 * 2 - 1)  # one byte under this O
+    new(x, mask.to(dtype))
+    monkeypatch.setattr(mod, "KEEP_O_MAX_BYTES", 2 * 7 * 7 * 1024 * 2)
+    new(x, mask.to(dtype))
+    with torch.no_grad():
+        new(x, mask.to(dtype))
+    new.float()(msa.requires_grad_(True), mask)
+    monkeypatch.setattr(mod, "KEEP_O", False)
+    new.to(dtype)(x, mask.to(dtype))
+    assert fake.keep_o == [True, False, True, False, False, False]
+
+
+@pytest.mark.parametrize("norm", [1, 2])
+def test_opm_backward_dwo_from_kept_o_pair_modes(kernel_module, norm):
+    """outer_product_mean_backward with the forward's O given (the pair modes: s1 O, grad_out unscaled) and dWo's
+    kernel on: dWo = grad_out^T o in o's dtype, close to the chunks' float32 dWo of the same call without o (within
+    two bfloat16 roundings); the other gradients unchanged."""
+    mod = kernel_module("outer_product_mean.py", "outer_product_mean")
+    model, new = _opm_pair(mod, seed=55, c=32)
+    msa, mask = _opm_inputs(155)
+    g = torch.randn(2, 7, 7, 10, generator=torch.Generator().manual_seed(255))
+    params = [p.detach() for p in new.parameters()]
+    eps = new.layer_norm.eps
+    x = torch.nn.functional.layer_norm(msa, (12,), params[0], params[1], eps)
+    a, b = (x @ params[2].t() + params[3]) * mask[..., None], (x @ params[4].t() + params[5]) * mask[..., None]
+    s1, _ = mod.pair_scales(mask, norm, 1e-3)
+    o = (torch.einsum("bsih,bsjk->bijhk", a, b).reshape(2, 7, 7, 1024) * s1[..., None]).to(torch.bfloat16)
+    kw = dict(ab_kernel=False, ln_kernel=False, rows_kernel=False, norm=norm, norm_eps=1e-3, pair_kernels=True)
+    parts = []
+    got = mod.outer_product_mean_backward(msa, mask, params[0], params[1], eps, *params[2:], g, wo_kernel=True,
+                                          o=o, parts=parts, **kw)
+    want = mod.outer_product_mean_backward(msa, mask, params[0], params[1], eps, *params[2:], g, wo_kernel=False,
+                                           **kw)
+    assert parts == ["dWo from O"]
+    for i, (w, t) in enumerate(zip(want, got)):
+        if i == 7:  # d_wo
+            bound = 2 * 2.0**-8 * (g.abs().reshape(-1, 10).t() @ o.float().abs().reshape(-1, 1024))
+            assert ((t - w).abs() <= bound + 1e-6).all(), (t - w).abs().max().item()
+        else:
+            assert torch.equal(t, w), i
 
 
 def test_opm_model_new_rejects_other_dtypes(opm_cpu):

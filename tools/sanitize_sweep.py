@@ -356,6 +356,23 @@ def _opm_low_memory_case():
     return Case("opm_low_memory", "outer_product_mean", "the backward with and without LOW_MEMORY_BACKWARD", calls)
 
 
+def _opm_keep_o_case():
+    """KEEP_O on: outer_wg's kKeepO instances write O for the backward's dWo (one product over it): 16-bit training
+    steps with edge tiles (N 19, 37), LOW_MEMORY_BACKWARD on and off, the pair modes' kPair instances (O times s1), and
+    more tiles than SMs (walk)."""
+    def parts(cm, cz):
+        return ["dWo from O" if p == "dWo" else p for p in opm_parts(cm, cz)]
+    calls = [opm_call("opm_train", dt, B, S, N, cm, 32, cz, variant="outer_wg", expect=parts(cm, cz), keep_o=True,
+                      low=low)
+             for dt, B, S, N, cm, cz, low in ((BF16, 1, 5, 19, 128, 64, True), (F16, 2, 9, 37, 256, 128, False),
+                                              (BF16, 1, 40, 17, 64, 24, True))]
+    calls += [opm_call("opm_pair", dt, 1, 4, 17, 64, 32, 64, family=fam, variant="outer_wg", train=True,
+                       backward="kernels", keep_o=True) for dt, fam in ((BF16, "openfold"), (F16, "boltz"))]
+    calls.append(opm_call("opm_train", BF16, None, 37, 40, 64, 32, 128, variant="outer_wg", expect=parts(64, 128),
+                          keep_o=True, walk=3, slow=True))
+    return Case("opm_keep_o", "outer_product_mean", "KEEP_O: O written by the fused kernel for the backward", calls)
+
+
 def _opm_ln_in_place_case():
     """The LayerNorm kernel alone (opm_backward_ln), its blocks' partials written over da, db's rows (consume): at
     msa_dim 128 a partial is 17 chunks of a 16-bit tile's da or db rows (9 tiles) or 9 fp32 ones (5 tiles), so N = R
@@ -424,6 +441,7 @@ OPM_CASES = [
     _opm_pair_case(),
     _opm_pair_walk_case(),
     _opm_low_memory_case(),
+    _opm_keep_o_case(),
     _opm_ln_in_place_case(),
     _opm_wo_split_j_case(),
     _opm_ab16_case(),
@@ -455,7 +473,8 @@ def describe_call(call):
     shape = " ".join(f"{k}={call[k]}" if not (k == "B" and call[k] is None) else f"B=walk{call['walk']}" for k in keys)
     extra = [f"{k}={call[k]}" for k in ("variant", "f16", "one_conversion", "family", "epilogue", "backward", "train",
                                         "pair_g", "low", "mask", "mask_dtype", "offset", "params_dtype", "split",
-                                        "block_tiles", "counts", "dab", "consume", "chunk", "split_j", "out_t")
+                                        "block_tiles", "counts", "dab", "consume", "chunk", "split_j", "out_t",
+                                        "keep_o")
              if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t", "f16"))
              and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
@@ -638,11 +657,13 @@ def _opm_rows(torch, mod, call, sms):
 
 
 def _opm_train(torch, mod, call, sms):
-    """A ModelNew training step with the variant forced (and LOW_MEMORY_BACKWARD = call["low"] where given)."""
+    """A ModelNew training step with the variant forced (and LOW_MEMORY_BACKWARD = call["low"], KEEP_O =
+    call["keep_o"] where given)."""
     model, msa, mask, g = _opm_setup(torch, mod, call, sms)
     model.variant = call["variant"]
     x = msa.detach().requires_grad_(True)
-    with _module_setting(mod, "LOW_MEMORY_BACKWARD", call.get("low")):
+    with _module_setting(mod, "LOW_MEMORY_BACKWARD", call.get("low")), \
+            _module_setting(mod, "KEEP_O", call.get("keep_o")):
         out = model(x, mask)
         _expect("last_variant", model.last_variant, call["variant"])
         out.backward(g)
@@ -653,7 +674,7 @@ def _opm_train(torch, mod, call, sms):
 def _opm_pair(torch, mod, call, sms):
     """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
     forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]) (and PAIR_G_KERNEL =
-    call["pair_g"] where given); a forward under no_grad, or with train a training step."""
+    call["pair_g"], KEEP_O = call["keep_o"] where given); a forward under no_grad, or with train a training step."""
     _, msa, mask, g = _opm_setup(torch, mod, call, sms)
     gen = torch.Generator().manual_seed(_seed(call) + 1)
     fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
@@ -664,10 +685,12 @@ def _opm_pair(torch, mod, call, sms):
     fam = fam.to(msa.dtype).cuda()
     fam.variant = call["variant"]
     with _module_setting(mod, "PAIR_G_KERNEL", call.get("pair_g")), mod.pair_epilogue(call.get("epilogue", "fused")), \
-            mod.pair_backward(call.get("backward", "chunks")):
+            mod.pair_backward(call.get("backward", "chunks")), _module_setting(mod, "KEEP_O", call.get("keep_o")):
         if call.get("train"):
             x = msa.detach().requires_grad_(True)
             fam(x, mask).backward(g)
+            if call.get("keep_o"):
+                _expect("dWo from O", "dWo from O" in (fam.last_backward or ()), True)
             _fetch(torch, x.grad, *(p.grad for p in fam.parameters()))
         else:
             with torch.no_grad():

@@ -50,10 +50,13 @@ static int mask_kind_of(at::ScalarType st) {
 // instance (the scale per pair in its own epilogue, the bias as given), w_first_wg2 its opm_wfirst_wg_kernel<true>.
 // pair_counts: how float masks' pair counts are summed (PairCounts: 0 fp64 FMA, 1 DMMA, 2 DMMA fed by a cp.async
 // ring, 3 the ring with 16-bit masks on HMMA; launch_pair_scale).
-std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
+// keep_o: where outer_wg runs on a 16-bit msa with hidden_dim 32 (the pair modes: with pair_fused), the sixth
+// output is O times the row's factor (O / denom; s1 O in the pair modes), (B, N, N, 1024) in msa's dtype, as its
+// fused kernel's phase A summed it (the backward's dWo = g^T of it); else an undefined tensor (None).
+std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor> opm_forward(
     at::Tensor msa, at::Tensor mask, at::Tensor ln_w, at::Tensor ln_b, at::Tensor wa, at::Tensor ba, at::Tensor wb,
     at::Tensor bb, at::Tensor wo, at::Tensor bo, double eps, int64_t variant, bool keep_ab, int64_t norm,
-    double norm_eps, bool pair_fused, int64_t pair_counts) {
+    double norm_eps, bool pair_fused, int64_t pair_counts, bool keep_o) {
   // ---- checks that need no device: rank, dtype, sizes, limits ----
   TORCH_CHECK(msa.dim() == 4, "outer_product_mean: msa_repr must be 4-D (B, S, N, msa_dim), got shape ",
               shape_str(msa));
@@ -212,7 +215,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   // bfloat16 / float16 in and out: outer_wg, and fused_small where the parameters have msa's dtype too
   const bool half_io = half_input && (used == kOuterWg || (used == kFusedSmall && p16));
   at::Tensor out = at::empty({B, N, N, cz}, half_io ? msa.options() : f32);
-  if (out.numel() == 0) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
+  if (out.numel() == 0) return {out, used, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
 
   // contiguous and 16-byte aligned (the prep kernels' 16-byte loads and bulk copies): a contiguous view
   // at an odd storage offset is copied; a 16-bit msa becomes float32 except where the variant reads it
@@ -249,13 +252,16 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
       a = at::empty({B, S, N, 32}, f32);
       b = at::empty({B, S, N, 32}, f32);
     }
+    at::Tensor on;
+    if (keep_o && c == 32 && out.scalar_type() != at::kFloat && (!pair || fused))
+      on = at::empty({B, N, N, 1024}, out.options());
     launch_outer_wg(x, m, mask_kind, lw, lb, wa_c, ba_c, wb_c, bb_c, wo_c, bo_c, inv_denom, out, B, S, N,
                     static_cast<int>(cm), static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps),
                     a.defined() ? a.data_ptr<float>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr,
-                    d, stream, pscale);
+                    d, stream, pscale, on);
     finish();
-    if (!a.defined()) return {out, used, a, b, at::Tensor()};
-    return {out, used, a, b, inv_denom};
+    if (!a.defined()) return {out, used, a, b, at::Tensor(), on};
+    return {out, used, a, b, inv_denom, on};
   }
   if (used == kFusedSmall) {  // one kernel; its a and b rows (channels padded to 32) are the kept a, b at c = 32
     at::Tensor a = at::empty({B, S, N, kFsCP}, f32), b = at::empty({B, S, N, kFsCP}, f32);
@@ -265,8 +271,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
                        keep || pair ? inv_denom.data_ptr<float>() : nullptr, out, B, S, N, static_cast<int>(cm),
                        static_cast<int>(c), static_cast<int>(cz), static_cast<float>(eps), d, stream);
     finish();
-    if (!keep) return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
-    return {out, used, a, b, inv_denom};
+    if (!keep) return {out, used, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {out, used, a, b, inv_denom, at::Tensor()};
   }
   // aT's rows are Npad = round_up(N, 4) long for 16-byte copies. The kernels copy a row's last group of 4 by
   // cp.async with src-size 4 (N - i0) < 16, which reads only the valid floats and zero-fills the rest, but
@@ -305,7 +311,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor> opm_forward(
   }
 #undef OPM_DISPATCH
   finish();
-  return {out, used, at::Tensor(), at::Tensor(), at::Tensor()};
+  return {out, used, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
 // A pair mode's (s1, s2) per pair as the forward computes them (launch_pair_scale, no row scale): mask (B, S, N) of a

@@ -174,28 +174,39 @@ static OwPlanes ow_planes(int64_t B, const OwDims& od, const at::TensorOptions& 
           at::empty({static_cast<int64_t>(od.nzc) * kOwNQ * kOwHC * 2 * kOwWPlane}, f32)};
 }
 // out in the msa's dtype (float32, bfloat16 or float16), as the planes. pair_scale defined: the pair modes'
-// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom.
+// instance (kPair) reads it (launch_pair_scale's (s1, s2), no row scale) in place of inv_denom. on defined (16-bit
+// out, hidden_dim 32): the kKeepO instances also write O times the row's factor to it (B, N, N, 1024, out's dtype).
 static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom, const float* bo, at::Tensor& out,
                                   int64_t B, int64_t N, const OwDims& od, int cz, const DevInfo& d, cudaStream_t stream,
-                                  const at::Tensor& pair_scale) {
-  const bool kp = pair_scale.defined();
+                                  const at::Tensor& pair_scale, const at::Tensor& on = at::Tensor()) {
+  const bool kp = pair_scale.defined(), ko = on.defined();
+  TORCH_INTERNAL_ASSERT(!ko || (out.scalar_type() != at::kFloat && on.scalar_type() == out.scalar_type() &&
+                                on.numel() == B * N * N * kOwNQ * 256 && on.is_contiguous()),
+                        "outer_product_mean: outer_wg's kept O is (B, N, N, 1024) in out's 16-bit dtype");
   auto run = [&](auto kernel, auto* outp, size_t smem) {
+    using OT = std::remove_pointer_t<decltype(outp)>;
     set_smem(kernel, smem, d, "the wgmma outer-first kernel");
     const int64_t tiles = B * od.nzc * od.NBB * od.NIT;  // < 2^31 (the callers' ow_tiles_ok)
     const int g = grid_for(std::min<int64_t>(tiles, d.sms));
     kernel<<<g, kOwThreads, smem, stream>>>(p.Aow.data_ptr(), p.Bow.data_ptr(), p.WoP.data_ptr(),
                                             (kp ? pair_scale : inv_denom).data_ptr<float>(), bo, outp, B, N, od.KB,
-                                            od.NIT, od.NBB, od.nzc, cz);
+                                            od.NIT, od.NBB, od.nzc, cz,
+                                            ko ? reinterpret_cast<OT*>(on.data_ptr()) : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (out.scalar_type() == at::kBFloat16)
-    run(kp ? opm_outer_wg_kernel<__nv_bfloat16, true> : opm_outer_wg_kernel<__nv_bfloat16>,
-        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ow_smem_bytes<__nv_bfloat16>());
-  else if (out.scalar_type() == at::kHalf)
-    run(kp ? opm_outer_wg_kernel<__half, true> : opm_outer_wg_kernel<__half>, reinterpret_cast<__half*>(out.data_ptr()),
-        ow_smem_bytes<__half>());
-  else
+  if (out.scalar_type() == at::kBFloat16) {
+    using T = __nv_bfloat16;
+    run(ko ? (kp ? opm_outer_wg_kernel<T, true, true> : opm_outer_wg_kernel<T, false, true>)
+           : (kp ? opm_outer_wg_kernel<T, true> : opm_outer_wg_kernel<T>),
+        reinterpret_cast<T*>(out.data_ptr()), ow_smem_bytes<T>());
+  } else if (out.scalar_type() == at::kHalf) {
+    using T = __half;
+    run(ko ? (kp ? opm_outer_wg_kernel<T, true, true> : opm_outer_wg_kernel<T, false, true>)
+           : (kp ? opm_outer_wg_kernel<T, true> : opm_outer_wg_kernel<T>),
+        reinterpret_cast<T*>(out.data_ptr()), ow_smem_bytes<T>());
+  } else {
     run(kp ? opm_outer_wg_kernel<float, true> : opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
+  }
 }
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1, the faster of 1, 2 and 4
 // at crop and deep (NOTES.md, outer product mean: what did not pay).
@@ -315,7 +326,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
                             const at::Tensor& bb, const at::Tensor& wo, const at::Tensor& bo, at::Tensor& inv_denom,
                             at::Tensor& out, int64_t B, int64_t S, int64_t N, int cm, int c, int cz, float eps,
                             float* a_rows, float* b_rows, const DevInfo& d, cudaStream_t stream,
-                            const at::Tensor& pair_scale = at::Tensor()) {
+                            const at::Tensor& pair_scale = at::Tensor(), const at::Tensor& on = at::Tensor()) {
   TORCH_INTERNAL_ASSERT(out.scalar_type() == x.scalar_type(), "outer_product_mean: outer_wg's out has msa's dtype");
   const OwDims od = ow_dims(S, N, cz, ow_sb(x.scalar_type()));
   const OwPlanes p = ow_planes(B, od, x.options());
@@ -326,7 +337,7 @@ static void launch_outer_wg(const at::Tensor& x, const at::Tensor& mask, int mas
   const float* bof = ln_w.scalar_type() == at::kFloat ? bo.data_ptr<float>() : Wf.data_ptr<float>() + ow_wf_floats(cm) + 128;
   launch_prep_ow<true>(x, mask, mask_kind, Wf, p.Aow.data_ptr(), p.Bow.data_ptr(), a_rows, b_rows, B, S, N, cm, eps, od,
                        inv_denom, d, stream);
-  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale);
+  launch_outer_wg_fused(p, inv_denom, bof, out, B, N, od, cz, d, stream, pair_scale, on);
 }
 
 // The pair modes' per-pair (s1, s2) (opm_pair_scale_kernel; see "Normalisations"): a float2 (B, N, N)

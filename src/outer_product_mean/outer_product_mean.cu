@@ -27,12 +27,12 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("opm_forward", torch::wrap_pybind_function(opm::opm_forward),
-        "forward: (out, the variant that ran, a, b, inv_denom where kept for the backward); norm 0 rows, 1 OpenFold "
-        "(norm_eps), 2 Boltz",
+        "forward: (out, the variant that ran, a, b, inv_denom where kept for the backward, O times the row's factor "
+        "where kept); norm 0 rows, 1 OpenFold (norm_eps), 2 Boltz",
         py::arg("msa"), py::arg("mask"), py::arg("ln_w"), py::arg("ln_b"), py::arg("wa"), py::arg("ba"), py::arg("wb"),
         py::arg("bb"), py::arg("wo"), py::arg("bo"), py::arg("eps"), py::arg("variant"), py::arg("keep_ab"),
         py::arg("norm") = 0, py::arg("norm_eps") = 1e-3, py::arg("pair_fused") = false,
-        py::arg("pair_counts") = 0);
+        py::arg("pair_counts") = 0, py::arg("keep_o") = false);
   m.def("opm_device_caps", torch::wrap_pybind_function(opm::device_caps),
         "(tc_ok, wg_ok, ow_ok) of a CUDA device: where w_first_tc / _tc2, w_first_wg2 and outer_wg run");
   m.def("opm_backward_wo", torch::wrap_pybind_function(opm::opm_backward_wo), "backward: dWo on wgmma");

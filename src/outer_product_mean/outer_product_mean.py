@@ -215,7 +215,7 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J), which must be True or False: an assigned "0" would otherwise read as
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O), which must be True or False: an assigned "0" would otherwise read as
     on."""
     value = globals()[name]
     if not isinstance(value, bool):
@@ -269,7 +269,15 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 # slower (NOTES.md); False: one tile per chunk. OPM_LOW_MEMORY_SPLIT_J ("1" / "0") at import, then this attribute, read
 # by each low-memory backward whose dWo runs in its kernel.
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", True)
-# Each of the six on / off attributes takes only True or False (others raise at the next call that reads it).
+# The forward keeps O for the backward (KEEP_O): where outer_wg runs on a float16 / bfloat16 msa with hidden_dim 32 and
+# gradients are needed, its fused kernel also writes O / denom (s1 O in the pair modes) in the msa's dtype, (B, N, N,
+# 1024), if that takes at most KEEP_O_MAX_BYTES; the backward's dWo is then one matrix product g^T O (the reference's
+# own) in place of opm_backward_wo's recomputation of O, and the tensor is freed with a, b (LOW_MEMORY_BACKWARD).
+# True: that memory for a faster step where S is large (crop: 128 MiB); False (the default): O recomputed.
+# OPM_KEEP_O ("1" / "0") at import, then this attribute, read at each forward.
+KEEP_O = _env_flag("OPM_KEEP_O", False)
+KEEP_O_MAX_BYTES = 256 << 20
+# Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -336,7 +344,7 @@ def pair_scales(mask, norm, eps=1e-3):
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
                                 rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3,
-                                pair_kernels=None, low_memory=False, release_ab=False):
+                                pair_kernels=None, low_memory=False, release_ab=False, o=None):
     """Gradients of the outer product mean with respect to msa and every parameter (not the mask).
 
     norm: NORM_ROWS (0, below), or a pair mode (NORM_OPENFOLD with eps norm_eps, NORM_BOLTZ), where
@@ -383,7 +391,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     calls it under no_grad). parts: a list to which the names of the parts computed by this file's
     kernels are appended, in this order: "a, b" (given by the forward or by the prep kernel; with `ab`
     given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
-    run (ModelNew.last_backward holds them as a tuple once the call returns).
+    run (ModelNew.last_backward holds them as a tuple once the call returns). o: the forward's O times the row's
+    factor (O / d; s1 O in the pair modes), (B, N, N, c*c) in the msa's dtype, as opm_forward's keep_o returns it, or
+    None: where given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product in that dtype (the
+    reference's own; part "dWo from O" in place of "dWo"), and o's storage is freed after it with release_ab.
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r rows
     i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
@@ -412,6 +423,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     pair = norm != NORM_ROWS
     if pair and not (pair_backward.current() == "kernels" if pair_kernels is None else pair_kernels):  # chunks for dWo, da, db
         wo_in_kernel = ab_in_kernel = False
+    wo_from_o = o is not None and wo_in_kernel  # (then dWo by one product over the forward's O)
+    wo_in_kernel = wo_in_kernel and not wo_from_o
+    wo_done = wo_in_kernel or wo_from_o
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
     rows_in_kernel = ab is not None or (_rows_kernel_runs(msa, c, c_m) if rows_kernel is None else rows_kernel)
     # dWo, da and db's products: split TF32, or in the msa's 16-bit type (grad_out's rows 16-byte aligned
@@ -419,8 +433,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     half = msa.dtype in (torch.float16, torch.bfloat16)
     ops = _dtype_name(msa.dtype) if half and not split and c_z % 8 == 0 else "split"
     if parts is not None:
-        parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("da, db", ab_in_kernel),
-                                 ("LayerNorm", ln_in_kernel)) if k]
+        parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("dWo from O", wo_from_o),
+                                 ("da, db", ab_in_kernel), ("LayerNorm", ln_in_kernel)) if k]
     R = B * S * N
     msa_rows = msa.reshape(R, c_m)
     # the kernels take float32, bool and integer masks as they are
@@ -432,7 +446,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         s1, s2 = scale[..., 0], scale[..., 1]
     elif pair:
         s1, s2 = (t.to(ct) for t in pair_scales(mask, norm, norm_eps))                 # (B, N, N)
-    elif not (rows_in_kernel and wo_in_kernel and ab_in_kernel):
+    elif not (rows_in_kernel and wo_done and ab_in_kernel):
         acc = torch.float64 if mask.is_floating_point() else torch.int64
         denom = mask.to(acc).sum(1).clamp(min=1).to(ct)                                # d (B, N)
 
@@ -478,7 +492,12 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
-    if wo_in_kernel:
+    if wo_from_o:  # sum over the pairs of g^T (O / d) (s1 O: the pair modes' grad_out unscaled), in o's dtype
+        d_wo = grad_out.reshape(B * N * N, c_z).to(o.dtype).t() @ o.view(B * N * N, c * c)
+        if release_ab and o.untyped_storage().resizable():
+            o.untyped_storage().resize_(0)
+        del o
+    elif wo_in_kernel:
         d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20,
                                     low_memory and _flag("LOW_MEMORY_SPLIT_J"))
     else:
@@ -489,7 +508,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     else:
         da = torch.empty((B, S, N, c), dtype=ct, device=dev)
         db = torch.zeros((B, S, N, c), dtype=ct, device=dev)
-    if wo_in_kernel and ab_in_kernel:
+    if wo_done and ab_in_kernel:
         d_bo = d_bo_pair if pair else _ext.opm_backward_dbo(g_k)  # (c_z % 4 == 0 where the da / db kernel runs)
     else:  # chunks: O for dWo and / or G for da, db, whichever no kernel computes
         d_bo = torch.zeros((c_z,), dtype=ct, device=dev)
@@ -507,7 +526,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             else:
                 d_bo += g.sum((0, 1, 2))
                 g = (g / denom[:, r0:r1, None, None]).reshape(B * r * N, c_z)          # g / d (B r N, c_z)
-            if not wo_in_kernel:
+            if not wo_done:
                 # O[b,i,j,h,k]: one product (B, r c, N c) laid out (i, h, j, k), copied to (i, j, h k)
                 o = (a_r.transpose(1, 2) @ b_flat).reshape(B, r, c, N, c).permute(0, 1, 3, 2, 4)
                 o = o.reshape(B * r * N, c * c)                                        # (B r N, c c)
@@ -600,28 +619,39 @@ def _f32(t):
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=False, norm=(NORM_ROWS, 0.0)):
+def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=False, norm=(NORM_ROWS, 0.0),
+                 keep_o=False):
     """The CUDA forward, returned in out_dtype. Where msa and every parameter are float16 / bfloat16 of one
     dtype they go to the extension as they are: outer_wg reads them and runs both products on the
     16-bit tensor cores (module docstring), fused_small reads them in fp32 FMA, the other variants
     convert them to float32 inside the extension. Otherwise they are converted to float32 here. Masks of
     every dtype the kernels take go as they are. Records the variant that ran in model.last_variant.
-    keep_ab: returns (out, (a, b, inv_denom)), the masked projections and 1 / denom as outer_wg's prep or
-    fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then
-    takes them instead of recomputing; no extra launch), else (out, None). norm: (mode, eps), NORM_ROWS or a
-    pair mode (PAIR_EPILOGUE "fused": outer_wg and w_first_wg2 scale each pair in their epilogues; otherwise the
-    kernels' zero-bias output rescaled per pair by opm_pair_epilogue_kernel). same: _output_dtype's (every
-    parameter in msa's dtype)."""
+    keep_ab: returns (out, ab, o): ab = (a, b, inv_denom), the masked projections and 1 / denom as outer_wg's prep
+    or fused_small's first phase computed them where that variant ran with hidden_dim 32 (the backward then takes
+    them instead of recomputing; no extra launch), else None; o the forward's O times the row's factor where keep_o
+    asked for it and outer_wg kept it (opm_forward's keep_o), else None. norm: (mode, eps), NORM_ROWS or a pair mode
+    (PAIR_EPILOGUE "fused": outer_wg and w_first_wg2 scale each pair in their epilogues; otherwise the kernels'
+    zero-bias output rescaled per pair by opm_pair_epilogue_kernel). same: _output_dtype's (every parameter in
+    msa's dtype)."""
     if not same:  # mixed dtypes (CUDA autocast): float32 copies
         msa, params = _f32(msa), [_f32(p) for p in params]
     extra = () if norm[0] == NORM_ROWS else (norm[0], float(norm[1]), pair_epilogue.current() == "fused",
                                              _pair_counts())
-    out, ran, a, b, inv_d = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra)
+    out, ran, a, b, inv_d, o = _ext.opm_forward(msa, mask, *params, eps, code, keep_ab, *extra, keep_o=keep_o)
     object.__setattr__(model, "last_variant", _ALL_VARIANTS[ran])
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not keep_ab:
         return out
-    return out, (None if a is None else (a, b, inv_d))
+    return out, (None if a is None else (a, b, inv_d)), o
+
+
+def _keep_o(msa, params, same):
+    """Whether a forward that saves for the backward keeps O (KEEP_O): a float16 / bfloat16 msa with its parameters
+    in that dtype, hidden_dim 32, and O's (B, N, N, 1024) in that dtype at most KEEP_O_MAX_BYTES."""
+    if not (_flag("KEEP_O") and same and msa.dtype in (torch.float16, torch.bfloat16) and params[2].shape[0] == 32):
+        return False
+    B, _, N, _ = msa.shape
+    return B * N * N * 1024 * msa.element_size() <= KEEP_O_MAX_BYTES
 
 
 class _OuterProductMean(torch.autograd.Function):
@@ -635,22 +665,26 @@ class _OuterProductMean(torch.autograd.Function):
         # call: (model, variant code, eps, out_dtype, same, norm) in one argument (each argument costs apply time)
         model, code, eps, out_dtype, same, norm = call
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
-        out, ab = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm)
+        out, ab, o = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm,
+                                  keep_o=_keep_o(msa, params, same))
         ctx.low = _flag("LOW_MEMORY_BACKWARD")
-        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)))  # (a low-memory backward frees a, b)
+        # (a low-memory backward frees a, b and o)
+        ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)), o if ab is not None else None)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         msa, mask, *params = ctx.saved_tensors
-        params, ab = params[:8], params[8:]  # (None where none were kept or an earlier backward freed them: recomputed)
+        # (None where none were kept or an earlier backward freed them: recomputed)
+        params, ab, o = params[:8], params[8:11], params[11]
         freed = ab[0] is not None and ab[0].numel() > 0 and ab[0].untyped_storage().nbytes() == 0
         ab = None if ab[0] is None or freed else tuple(ab)
+        o = None if ab is None or o is None else o
         parts = []
         grads = outer_product_mean_backward(msa, mask, params[0], params[1], ctx.eps, *params[2:], grad_out,
                                             ab=ab, parts=parts, norm=ctx.norm[0], norm_eps=ctx.norm[1],
-                                            low_memory=ctx.low, release_ab=ctx.low)
+                                            low_memory=ctx.low, release_ab=ctx.low, o=o)
         object.__setattr__(ctx.model, "last_backward", tuple(parts))
         need = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[3:]
         grads = tuple(g if n else None for g, n in zip(grads, need))

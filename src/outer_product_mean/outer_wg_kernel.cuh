@@ -39,16 +39,20 @@ namespace opm {
 //   per warp per tile), and o = s2 bo is formed while q = 0's first phase-B wgmmas run: the stagings, which sit
 //   between the warpgroups' named barriers on the tile's critical path, take one instruction per row beyond the
 //   row mode's. The row mode's instances (kPair false) are unchanged.
+// kKeepO (16-bit only): also writes O_q times the row's factor (1 / denom; s1 in the pair modes), rounded to T,
+//   to on[b, i, j, 32 h + k] (B, N, N, 1024; the tiles of z chunk 0) from phase A's accumulators, for the
+//   backward's dWo = g^T on; the other instances take on as nullptr and never read it.
 // Assumptions: kOwThreads threads; Aow, Bow, WoP as opm_prep_ow_kernel<., T> / opm_ow_params_kernel write
 //   them; 16-byte aligned.
 // ---------------------------------------------------------------------------------------------
-template <typename T, bool kPair = false>
+template <typename T, bool kPair = false, bool kKeepO = false>
 __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
     const void* __restrict__ Aow_v, const void* __restrict__ Bow_v, const void* __restrict__ WoP_v,
     const float* __restrict__ inv_denom, const float* __restrict__ bo, T* __restrict__ out, int64_t B, int64_t N,
-    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz) {
+    int64_t KBS, int64_t NIT, int64_t NBB, int nzc, int cz, T* __restrict__ on) {
 #if defined(OPM_WG_DEVICE)
   constexpr bool kSplit = std::is_same_v<T, float>;
+  static_assert(!(kKeepO && kSplit), "opm_outer_wg_kernel: kKeepO is for fp16 / bf16");
   constexpr int kSlot = kSplit ? kOwStage : kOwSlot16, kStages = kSplit ? kOwStages : kOwStages16;
   constexpr int kKSteps = kSplit ? kOwSK / 8 : kOwS16 / 16;  // wgmma k steps per phase-A stage
   constexpr int kPromo = kWgPromo;  // split TF32: k steps per promotion (64 s)
@@ -357,6 +361,27 @@ __global__ void __launch_bounds__(kOwThreads, 1) opm_outer_wg_kernel(
             Os16[p * kOwLDO16 + g * 16 + ow_os16_word(g, m)] =
                 pack2_16<__half>(acc[4 * jj + 2 * hr] * rowf[hr][jj / 4], acc[4 * jj + 2 * hr + 1] * rowf[hr][jj / 4]);
           }
+        if constexpr (kKeepO) {  // O_q times the row's factor (1 / denom, or s1) in T: on[b, i, j, 32 h + k]
+          if (zc == 0) {
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int64_t i = it * kOwTI + 8 * wg + 2 * w4 + hr;
+              if (i >= N) continue;
+              [[maybe_unused]] const float inv_row = kPair ? 0.f : inv_denom[b * N + i];
+#pragma unroll
+              for (int jl = 0; jl < kOwTJ; ++jl) {
+                if (jt * kOwTJ + jl >= N) continue;
+                float inv = inv_row;
+                if constexpr (kPair) inv = s1p[hr][jl];
+                T* dst = on + ((b * N + i) * N + jt * kOwTJ + jl) * (kOwNQ * 256) + (8 * q + g) * 32 + 2 * t4;
+#pragma unroll
+                for (int jq = 0; jq < 4; ++jq)
+                  *reinterpret_cast<uint32_t*>(dst + 8 * jq) = pack2_16<T>(acc[4 * (4 * jl + jq) + 2 * hr] * inv,
+                                                                           acc[4 * (4 * jl + jq) + 2 * hr + 1] * inv);
+              }
+            }
+          }
+        }
         consumers_sync();  // Os16, Osc complete
         const float rs[2] = {Osc[16 * w4 + g], Osc[16 * w4 + g + 8]};  // this thread's phase-B rows' 1 / scale
         // ---- phase B: o[p, z] += Osc[p] sum_kap Os16[p][kap] WoP16_q[z][kap] on wgmma m64n64k16 (fp16), two
