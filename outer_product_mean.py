@@ -7373,7 +7373,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
     if wo_from_o:  # sum over the pairs of g^T (O / d) (s1 O: the pair modes' grad_out unscaled), in o's dtype
-        d_wo = grad_out.reshape(B * N * N, c_z).to(o.dtype).t() @ o.view(B * N * N, c * c)
+        # (onto zeros: initcheck does not see the library product's stores of its output as initialising it)
+        d_wo = torch.zeros((c_z, c * c), dtype=o.dtype, device=dev)
+        d_wo.addmm_(grad_out.reshape(B * N * N, c_z).to(o.dtype).t(), o.view(B * N * N, c * c))
         if release_ab and o.untyped_storage().resizable():
             o.untyped_storage().resize_(0)
         del o
