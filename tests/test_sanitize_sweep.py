@@ -982,13 +982,13 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
             self.out_proj = nn.Linear(hidden_dim * hidden_dim, pair_dim)
             self.variant, self.last_variant, self.last_backward = "auto", None, None
 
+        ALL_VARIANTS = ("auto", "outer_wg")
+
         def forward(self, msa_repr, msa_mask):
             assert msa_mask.shape == msa_repr.shape[:3]
             B, S, N, _ = msa_repr.shape
-            kept = ("dWo from O",) if opm.KEEP_O else ()  # (a pair call names no parts: the kept O's alone)
-            self.last_variant, self.last_backward = ran(now["call"]), tuple(now["call"].get("expect") or kept)
+            self.last_variant, self.last_backward = ran(now["call"]), tuple(now["call"].get("expect") or ())
             assert opm.LOW_MEMORY_BACKWARD is bool(now["call"].get("low"))  # the call's setting, else the default
-            assert opm.KEEP_O is bool(now["call"].get("keep_o"))
             z = msa_repr.float().sum() + zero_like_sum(*self.parameters())  # (sum: finite where S = 0)
             return (torch.zeros(B, N, N, self.out_proj.out_features) + z).to(msa_repr.dtype)
 
@@ -1072,7 +1072,16 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         assert isinstance(out_t, bool)
         return (torch.zeros_like(a),) * 2
 
+    def opm_forward(msa, mask, ln_w, ln_b, wa, ba, wb, bb, wo, bo, eps, variant, keep_ab, norm=0, norm_eps=1e-3,
+                    pair_fused=False, pair_counts=0, keep_o=False):  # (the opm_keep_o calls alone)
+        assert keep_ab and keep_o and pair_fused and norm in (0, 1, 2) and OPMModel.ALL_VARIANTS[variant] == "outer_wg"
+        assert msa.dtype in (torch.float16, torch.bfloat16) and all(p.dtype == msa.dtype for p in (ln_w, wa, wo, bo))
+        B, S, N, _ = msa.shape
+        return (torch.zeros(B, N, N, wo.shape[0], dtype=msa.dtype), variant, None, None, None,
+                torch.zeros(B, N, N, 1024, dtype=msa.dtype))
+
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows),
+                           "opm_forward": staticmethod(opm_forward),
                            "opm_pair_scale": staticmethod(opm_pair_scale),
                            "opm_backward_ln": staticmethod(opm_backward_ln),
                            "opm_backward_wo": staticmethod(opm_backward_wo),
@@ -1081,7 +1090,7 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
                            "_ext": ext, "FAMILIES": {"openfold": OpenFoldModel, "boltz": BoltzModel},
                            "pair_epilogue": setting("epilogue", ("fused", "unfused")),
                            "pair_backward": setting("backward", ("chunks", "kernels")),
-                           "PAIR_G_KERNEL": False, "LOW_MEMORY_BACKWARD": False, "KEEP_O": False})
+                           "PAIR_G_KERNEL": False, "LOW_MEMORY_BACKWARD": False})
     monkeypatch.setattr(sw, "_MODULES", {"contact_map": cm, "outer_product_mean": opm})
     for name, fn in list(sw._OPS.items()):
         def wrapped(torch_, mod, call, sms, fn=fn):
@@ -1090,8 +1099,7 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         monkeypatch.setitem(sw._OPS, name, wrapped)
     for case in sw.CASES:
         sw.run_case(torch, case, quick=False)
-    # the calls' settings were restored
-    assert opm.PAIR_G_KERNEL is False and opm.LOW_MEMORY_BACKWARD is False and opm.KEEP_O is False
+    assert opm.PAIR_G_KERNEL is False and opm.LOW_MEMORY_BACKWARD is False  # the calls' settings were restored
     # a path other than the expected one raises, naming the case and the call
     monkeypatch.setattr(cm, "fused_backward_runs", staticmethod(lambda pair, w1: False))
     with pytest.raises(RuntimeError, match=r"cm_backward_float32 call 0: cm_backward .*fused_backward_runs is False"):

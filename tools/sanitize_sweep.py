@@ -357,20 +357,16 @@ def _opm_low_memory_case():
 
 
 def _opm_keep_o_case():
-    """KEEP_O on: outer_wg's kKeepO instances write O for the backward's dWo (one product over it): 16-bit training
-    steps with edge tiles (N 19, 37), LOW_MEMORY_BACKWARD on and off, the pair modes' kPair instances (O times s1), and
-    more tiles than SMs (walk)."""
-    def parts(cm, cz):
-        return ["dWo from O" if p == "dWo" else p for p in opm_parts(cm, cz)]
-    calls = [opm_call("opm_train", dt, B, S, N, cm, 32, cz, variant="outer_wg", expect=parts(cm, cz), keep_o=True,
-                      low=low)
-             for dt, B, S, N, cm, cz, low in ((BF16, 1, 5, 19, 128, 64, True), (F16, 2, 9, 37, 256, 128, False),
-                                              (BF16, 1, 40, 17, 64, 24, True))]
-    calls += [opm_call("opm_pair", dt, 1, 4, 17, 64, 32, 64, family=fam, variant="outer_wg", train=True,
-                       backward="kernels", keep_o=True) for dt, fam in ((BF16, "openfold"), (F16, "boltz"))]
-    calls.append(opm_call("opm_train", BF16, None, 37, 40, 64, 32, 128, variant="outer_wg", expect=parts(64, 128),
-                          keep_o=True, walk=3, slow=True))
-    return Case("opm_keep_o", "outer_product_mean", "KEEP_O: O written by the fused kernel for the backward", calls)
+    """KEEP_O's kernels: outer_wg's kKeepO instances (opm_forward with keep_o: O written beside out) in both 16-bit
+    dtypes, row mode and the pair modes' kPair instances, edge tiles (N 19, 37), two z chunks (pair_dim 200: the second
+    chunk's tiles write no O), more tiles than SMs (walk). The training step's dWo over the kept O is a library matrix
+    product (its own kernels draw racecheck and initcheck reports, NOTES.md): the GPU tests check that path."""
+    shapes = ((BF16, 1, 5, 19, 128, 64, 0, F32), (F16, 2, 9, 37, 256, 128, 0, "bool"),
+              (BF16, 1, 40, 17, 64, 200, 0, BF16), (BF16, 1, 4, 17, 64, 64, 1, "int8"), (F16, 1, 4, 17, 64, 64, 2, F16))
+    calls = [opm_call("opm_keep_o", dt, B, S, N, cm, 32, cz, norm=norm, mask_dtype=md)
+             for dt, B, S, N, cm, cz, norm, md in shapes]
+    calls.append(opm_call("opm_keep_o", BF16, None, 37, 40, 64, 32, 128, norm=0, walk=3, slow=True))
+    return Case("opm_keep_o", "outer_product_mean", "KEEP_O: O written by the fused kernel's kKeepO instances", calls)
 
 
 def _opm_ln_in_place_case():
@@ -474,7 +470,7 @@ def describe_call(call):
     extra = [f"{k}={call[k]}" for k in ("variant", "f16", "one_conversion", "family", "epilogue", "backward", "train",
                                         "pair_g", "low", "mask", "mask_dtype", "offset", "params_dtype", "split",
                                         "block_tiles", "counts", "dab", "consume", "chunk", "split_j", "out_t",
-                                        "keep_o")
+                                        "norm")
              if k in call and (call[k] not in (None, False) or k in ("low", "consume", "split_j", "out_t", "f16"))
              and not (k == "mask" and call[k] == "mixed")]
     expect = f" -> {call['expect']}" if call.get("expect") else ""
@@ -657,13 +653,11 @@ def _opm_rows(torch, mod, call, sms):
 
 
 def _opm_train(torch, mod, call, sms):
-    """A ModelNew training step with the variant forced (and LOW_MEMORY_BACKWARD = call["low"], KEEP_O =
-    call["keep_o"] where given)."""
+    """A ModelNew training step with the variant forced (and LOW_MEMORY_BACKWARD = call["low"] where given)."""
     model, msa, mask, g = _opm_setup(torch, mod, call, sms)
     model.variant = call["variant"]
     x = msa.detach().requires_grad_(True)
-    with _module_setting(mod, "LOW_MEMORY_BACKWARD", call.get("low")), \
-            _module_setting(mod, "KEEP_O", call.get("keep_o")):
+    with _module_setting(mod, "LOW_MEMORY_BACKWARD", call.get("low")):
         out = model(x, mask)
         _expect("last_variant", model.last_variant, call["variant"])
         out.backward(g)
@@ -674,7 +668,7 @@ def _opm_train(torch, mod, call, sms):
 def _opm_pair(torch, mod, call, sms):
     """OpenFoldOuterProductMean / BoltzOuterProductMean (call["family"]) with ModelNew's parameters, the variant
     forced, under pair_epilogue(call["epilogue"]) and pair_backward(call["backward"]) (and PAIR_G_KERNEL =
-    call["pair_g"], KEEP_O = call["keep_o"] where given); a forward under no_grad, or with train a training step."""
+    call["pair_g"] where given); a forward under no_grad, or with train a training step."""
     _, msa, mask, g = _opm_setup(torch, mod, call, sms)
     gen = torch.Generator().manual_seed(_seed(call) + 1)
     fam = mod.FAMILIES[call["family"]](call["cm"], call["cz"], call["c"])
@@ -685,17 +679,26 @@ def _opm_pair(torch, mod, call, sms):
     fam = fam.to(msa.dtype).cuda()
     fam.variant = call["variant"]
     with _module_setting(mod, "PAIR_G_KERNEL", call.get("pair_g")), mod.pair_epilogue(call.get("epilogue", "fused")), \
-            mod.pair_backward(call.get("backward", "chunks")), _module_setting(mod, "KEEP_O", call.get("keep_o")):
+            mod.pair_backward(call.get("backward", "chunks")):
         if call.get("train"):
             x = msa.detach().requires_grad_(True)
             fam(x, mask).backward(g)
-            if call.get("keep_o"):
-                _expect("dWo from O", "dWo from O" in (fam.last_backward or ()), True)
             _fetch(torch, x.grad, *(p.grad for p in fam.parameters()))
         else:
             with torch.no_grad():
                 _fetch(torch, fam(msa, mask))
     _expect("last_variant", fam.last_variant, call["variant"])
+
+
+def _opm_keep_o(torch, mod, call, sms):
+    """_ext.opm_forward on outer_wg with keep_o (the kKeepO instances; call["norm"]: row mode 0 or a pair mode with the
+    fused epilogue) in the call's 16-bit dtype: out and the kept O fetched."""
+    model, msa, mask, _ = _opm_setup(torch, mod, call, sms)
+    params = [p.detach() for p in model.parameters()]
+    res = mod._ext.opm_forward(msa, mask, *params, model.layer_norm.eps, mod.ModelNew.ALL_VARIANTS.index("outer_wg"),
+                               True, call["norm"], 1e-3, True, 0, keep_o=True)
+    _expect("kept O", res[5] is not None, True)
+    _fetch(torch, res[0], res[5])
 
 
 def _opm_ln(torch, mod, call, sms):
@@ -750,7 +753,8 @@ def _opm_pair_counts(torch, mod, call, sms):
 
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,
         "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair,
-        "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln, "opm_wo": _opm_wo, "opm_ab": _opm_ab}
+        "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln, "opm_wo": _opm_wo, "opm_ab": _opm_ab,
+        "opm_keep_o": _opm_keep_o}
 
 
 def run_case(torch, case, quick):
