@@ -4689,6 +4689,119 @@ __global__ void __launch_bounds__(kThreads) opm_colsum_kernel(const G* __restric
 }
 
 }  // namespace opm
+#line 1 "src/outer_product_mean/backward_wo_kept.cuh"
+// outer_product_mean: the backward's dWo over the forward's kept O (KEEP_O), on mma.sync.
+#line 4 "src/outer_product_mean/backward_wo_kept.cuh"
+
+namespace opm {
+
+// opm_bw_wo_kept_kernel<T>: split partial sums of dWo[z, hk] = sum_p g[p, z] o[p, hk] (T float16 / bfloat16; g
+//   (P, c_z) and o (P, 1024), row-major in T: grad_out and the O times the row's factor that outer_wg's kKeepO
+//   instances wrote). Block x = (nt = x % 8, zt = x / 8 % ZT, split ks = x / (8 ZT)) owns the 128 z x 128 hk tile
+//   (z 128 zt .., hk 128 nt ..) over the pairs [ks PS, (ks + 1) PS) (PS a multiple of 32) and writes it in fp32
+//   to part[ks][z][hk] (z < c_z; ZT = cdiv(c_z, 128)); opm_block_sum_kernel adds the splits in order in fp64. A
+//   split's 8 hk tiles are neighbouring blocks: they read the same rows of g through L2.
+// Per 32 pairs: cp.async copies of the 32 rows of both tiles (16-byte items, zero-filled past the split and c_z)
+//   into one of two stages, rows of kWkLD = 136 T (272 bytes: the 8 rows of an 8 x 8 ldmatrix in distinct banks),
+//   issued one stage ahead; warp w (z 64 (w / 4) .., hk 32 (w % 4) ..) runs two k steps of m16n8k16 (fp32
+//   accumulation) on 4 x 4 tiles: A = g^T by ldmatrix.x4.trans from the g rows, B = o by ldmatrix.x4.trans from
+//   the o rows.
+// Assumptions: kThreads threads; c_z % 8 == 0; g, o 16-byte aligned; P >= 1; sm_80+.
+// ---------------------------------------------------------------------------------------------
+constexpr int kWkLD = 136, kWkRows = 32;
+// Four 8 x 8 matrices of 16-bit values from shared memory, transposed (ldmatrix .x4.trans): lane l gives the
+// 16-byte aligned address of row l % 8 of matrix l / 8; register i holds matrix i.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+#else
+  __trap();  // ldmatrix needs sm_75+ (the kernel's mma sm_80+)
+#endif
+}
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) opm_bw_wo_kept_kernel(
+    const T* __restrict__ g, const T* __restrict__ o, float* __restrict__ part, int64_t P, int cz, int ZT, int64_t PS) {
+  __shared__ __align__(16) T gs[2][kWkRows][kWkLD];
+  __shared__ __align__(16) T os[2][kWkRows][kWkLD];
+  const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, wz = w / 4, wn = w % 4;
+  const int nt = static_cast<int>(blockIdx.x % 8), zt = static_cast<int>(blockIdx.x / 8 % ZT);
+  const int64_t ks = blockIdx.x / (8 * ZT);
+  const int64_t p0 = ks * PS, p1 = min64(P, p0 + PS);
+  const int z0 = 128 * zt, n0 = 128 * nt;
+  // stage st <- the 32 rows from pair pb: items e = tid, tid + 256 (row e / 16, 8 T e % 16) of each tile
+  auto load = [&](int st, int64_t pb) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int e = tid + kThreads * q, r = e / 16, c = e % 16, z = z0 + 8 * c;
+      const int64_t p = pb + r;
+      const bool in = p < p1;
+      cp_async<16>(&gs[st][r][8 * c], g + (in ? p : 0) * cz + (z < cz ? z : 0), in && z < cz ? 16 : 0);
+      cp_async<16>(&os[st][r][8 * c], o + (in ? p : 0) * 1024 + n0 + 8 * c, in ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  float acc[4][4][4];  // [z m16 tile][hk n8 tile][mma accumulator]
+#pragma unroll
+  for (int mz = 0; mz < 4; ++mz)
+#pragma unroll
+    for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mz][nn][e] = 0.f;
+  const int64_t steps = p1 > p0 ? cdiv(p1 - p0, kWkRows) : 0;
+  const int m = lane / 8, r8 = lane % 8;  // this lane's ldmatrix matrix and row
+  if (steps > 0) load(0, p0);
+  for (int64_t it = 0; it < steps; ++it) {
+    const int st = static_cast<int>(it & 1);
+    if (it + 1 < steps) {
+      load(st ^ 1, p0 + kWkRows * (it + 1));
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // stage st has landed for every thread's copies
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {  // k steps of 16 pairs
+      uint32_t a[4][4], b[4][2];
+#pragma unroll
+      for (int mz = 0; mz < 4; ++mz)  // matrices (p 0-7, z 0-7), (p 0-7, z 8-15), (p 8-15, z 0-7), (p 8-15, z 8-15)
+        ldmatrix_x4_trans(a[mz], &gs[st][16 * kk + 8 * (m >> 1) + r8][64 * wz + 16 * mz + 8 * (m & 1)]);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {  // matrices (p 0-7, hk 0-7), (p 8-15, hk 0-7), (p 0-7, hk 8-15), (p 8-15, ..)
+        uint32_t t[4];
+        ldmatrix_x4_trans(t, &os[st][16 * kk + 8 * (m & 1) + r8][32 * wn + 16 * np + 8 * (m >> 1)]);
+        b[2 * np][0] = t[0];
+        b[2 * np][1] = t[1];
+        b[2 * np + 1][0] = t[2];
+        b[2 * np + 1][1] = t[3];
+      }
+#pragma unroll
+      for (int mz = 0; mz < 4; ++mz)
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn) {
+          if constexpr (std::is_same_v<T, __half>) mma_f16(acc[mz][nn], a[mz], b[nn][0], b[nn][1]);
+          else mma_bf16(acc[mz][nn], a[mz], b[nn][0], b[nn][1]);
+        }
+    }
+    __syncthreads();  // every warp is done with stage st before the next step's copies refill it
+  }
+  // acc[mz][nn][2 hh + e]: z = z0 + 64 wz + 16 mz + lane / 4 + 8 hh, hk = n0 + 32 wn + 8 nn + 2 (lane % 4) + e
+#pragma unroll
+  for (int mz = 0; mz < 4; ++mz)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int z = z0 + 64 * wz + 16 * mz + lane / 4 + 8 * hh;
+      if (z >= cz) continue;
+      float* row = part + (ks * cz + z) * 1024 + n0 + 32 * wn + 2 * (lane % 4);
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn)
+        *reinterpret_cast<float2*>(row + 8 * nn) = make_float2(acc[mz][nn][2 * hh], acc[mz][nn][2 * hh + 1]);
+    }
+}
+
+}  // namespace opm
 #line 1 "src/outer_product_mean/fused_small.cuh"
 // outer_product_mean: fused_small, the whole forward in one cooperative launch (small shapes).
 #line 3 "src/outer_product_mean/fused_small.cuh"
@@ -6795,6 +6908,51 @@ at::Tensor opm_backward_dbo(at::Tensor g) {
   return out;
 }
 
+// dWo over the forward's kept O (KEEP_O): g^T o, g (..., c_z) and o (..., 1024) float16 or bfloat16 of one dtype with
+// the same rows (the pairs), CUDA, c_z % 8 == 0; the result (c_z, 1024) float32, in a fixed order for a given device
+// (opm_bw_wo_kept_kernel's splits of at least 32 pairs, about two blocks per SM, added in order in fp64).
+at::Tensor opm_backward_wo_kept(at::Tensor g, at::Tensor o) {
+  const auto gt = g.scalar_type();
+  TORCH_CHECK(g.is_cuda() && o.device() == g.device() && (gt == at::kHalf || gt == at::kBFloat16) &&
+                  o.scalar_type() == gt && g.dim() >= 1 && o.dim() >= 1,
+              "outer_product_mean: opm_backward_wo_kept takes float16 or bfloat16 CUDA tensors g and o of one dtype");
+  const int64_t cz = g.size(-1), P = g.numel() / std::max<int64_t>(cz, 1);
+  TORCH_CHECK(cz >= 8 && cz % 8 == 0 && o.size(-1) == 1024 && o.numel() == P * 1024,
+              "outer_product_mean: opm_backward_wo_kept: g (..., c_z) with c_z % 8 == 0 and o (..., 1024) over the same "
+              "rows, got ", shape_str(g), " and ", shape_str(o));
+  const c10::cuda::CUDAGuard guard(g.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(g.get_device());
+  TORCH_CHECK(d.major >= 8, "outer_product_mean: opm_backward_wo_kept needs an sm_80+ GPU (mma.sync m16n8k16)");
+  at::Tensor gc = g.contiguous(), oc = o.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte copies
+  if (reinterpret_cast<uintptr_t>(oc.data_ptr()) % 16 != 0) oc = oc.clone();
+  const auto f32 = gc.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({cz, 1024}, f32);
+  if (P == 0) return out;
+  const int64_t ZT = cdiv(cz, 128);
+  const int64_t splits = std::max<int64_t>(1, std::min(cdiv(2ll * d.sms, 8 * ZT), cdiv(P, kWkRows)));
+  const int64_t PS = round_up(cdiv(P, splits), kWkRows);
+  const int64_t KS = cdiv(P, PS);
+  at::Tensor part = at::empty({KS * cz * 1024}, f32);
+  const int blocks = static_cast<int>(8 * ZT * KS);
+  if (gt == at::kHalf)
+    opm_bw_wo_kept_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const __half*>(gc.data_ptr()),
+                                                           reinterpret_cast<const __half*>(oc.data_ptr()),
+                                                           part.data_ptr<float>(), P, static_cast<int>(cz),
+                                                           static_cast<int>(ZT), PS);
+  else
+    opm_bw_wo_kept_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(gc.data_ptr()),
+                                                           reinterpret_cast<const __nv_bfloat16*>(oc.data_ptr()),
+                                                           part.data_ptr<float>(), P, static_cast<int>(cz),
+                                                           static_cast<int>(ZT), PS);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  opm_block_sum_kernel<<<static_cast<int>(cdiv(cz * 1024, kThreads)), kThreads, 0, stream>>>(
+      part.data_ptr<float>(), out.data_ptr<float>(), static_cast<int>(KS), cz * 1024);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 // The pair modes' (gk, dbo) for the row kernels (opm_pair_grad_kernel): g (..., c_z) float32, float16 or bfloat16
 // and s1 float32 with numel(g) / c_z elements (the pairs, in g's row order), CUDA; gk = s1 g in float32 (to_float)
 // or g's type, g's shape; dbo (c_z) float32 = the sum of s1 g (s2_is_s1: OpenFold) or of g (Boltz) over the rows,
@@ -6856,7 +7014,7 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 }
 
 }  // namespace opm
-#line 24 "src/outer_product_mean/outer_product_mean.cu"
+#line 25 "src/outer_product_mean/outer_product_mean.cu"
 
 // The extension's entry points (Python names opm_*), each wrapped as load_inline's `functions=` wraps them:
 // torch::wrap_pybind_function turns a TORCH_CHECK failure into the Python exception PyTorch raises for it.
@@ -6878,6 +7036,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("opm_backward_rows", torch::wrap_pybind_function(opm::opm_backward_rows),
         "backward: (a, b, inv_denom) as the forward computes them");
   m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
+  m.def("opm_backward_wo_kept", torch::wrap_pybind_function(opm::opm_backward_wo_kept),
+        "backward: dWo = g^T o over the forward's kept O, on mma.sync (float32)");
   m.def("opm_pair_scale", torch::wrap_pybind_function(opm::opm_pair_scale),
         "a pair mode's (s1, s2) per pair as the forward computes them; counts: 0 fp64 FMA, 1 DMMA, 2 DMMA by a ring");
   m.def("opm_backward_pair_g", torch::wrap_pybind_function(opm::opm_backward_pair_g),
@@ -7096,8 +7256,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O), which must be True or False: an assigned "0" would otherwise read as
-    on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O), which must be True or False: an assigned "0" would otherwise
+    read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -7152,12 +7312,18 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", True)
 # The forward keeps O for the backward (KEEP_O): where outer_wg runs on a float16 / bfloat16 msa with hidden_dim 32 and
 # gradients are needed, its fused kernel also writes O / denom (s1 O in the pair modes) in the msa's dtype, (B, N, N,
-# 1024), if that takes at most KEEP_O_MAX_BYTES; the backward's dWo is then one matrix product g^T O (the reference's
-# own) in place of opm_backward_wo's recomputation of O, and the tensor is freed with a, b (LOW_MEMORY_BACKWARD).
-# True: that memory for a faster step where S is large (crop: 128 MiB); False (the default): O recomputed.
-# OPM_KEEP_O ("1" / "0") at import, then this attribute, read at each forward.
+# 1024), if that takes at most KEEP_O_MAX_BYTES (per layer, until its backward) and the backward's dWo would run in its
+# kernel (Hopper, pair_dim <= 128; the pair modes: the fused epilogue, pair_backward "kernels"); the backward's dWo is
+# then one matrix product g^T O in place of opm_backward_wo's recomputation of O, and the tensor is freed right after it
+# (LOW_MEMORY_BACKWARD). True: that memory for a faster step where S is large (crop: 128 MiB); False (the default): O
+# recomputed, and a grad-mode forward (KernelBench times one) writes no O. OPM_KEEP_O ("1" / "0") at import, then this
+# attribute, read at each forward.
 KEEP_O = _env_flag("OPM_KEEP_O", False)
 KEEP_O_MAX_BYTES = 256 << 20
+# KEEP_O's dWo product: "library" (the default: a matrix product in the dtype, as the reference's) or "kernel"
+# (opm_backward_wo_kept: mma.sync with fp32 sums, deterministic splits; pair_dim % 8 == 0, else the library's; not yet
+# run on a GPU): OPM_KEEP_O_PRODUCT at import, then this attribute.
+KEEP_O_PRODUCT = os.environ.get("OPM_KEEP_O_PRODUCT", "library")
 # Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
@@ -7274,8 +7440,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
     run (ModelNew.last_backward holds them as a tuple once the call returns). o: the forward's O times the row's
     factor (O / d; s1 O in the pair modes), (B, N, N, c*c) in the msa's dtype, as opm_forward's keep_o returns it, or
-    None: where given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product in that dtype (the
-    reference's own; part "dWo from O" in place of "dWo"), and o's storage is freed after it with release_ab.
+    None: where given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product (KEEP_O_PRODUCT:
+    the library's in that dtype, the reference's own, or opm_backward_wo_kept; part "dWo from O" in place of "dWo"),
+    and o's storage is freed after it with release_ab.
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r rows
     i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
@@ -7305,6 +7472,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if pair and not (pair_backward.current() == "kernels" if pair_kernels is None else pair_kernels):  # chunks for dWo, da, db
         wo_in_kernel = ab_in_kernel = False
     wo_from_o = o is not None and wo_in_kernel  # (then dWo by one product over the forward's O)
+    if o is not None and not wo_from_o:  # not read here (the forward's _keep_o rules it out): freed at once
+        if release_ab and o.untyped_storage().resizable():
+            o.untyped_storage().resize_(0)
+        o = None
     wo_in_kernel = wo_in_kernel and not wo_from_o
     wo_done = wo_in_kernel or wo_from_o
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
@@ -7373,10 +7544,17 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
-    if wo_from_o:  # sum over the pairs of g^T (O / d) (s1 O: the pair modes' grad_out unscaled), in o's dtype
-        # (onto zeros: initcheck does not see the library product's stores of its output as initialising it)
-        d_wo = torch.zeros((c_z, c * c), dtype=o.dtype, device=dev)
-        d_wo.addmm_(grad_out.reshape(B * N * N, c_z).to(o.dtype).t(), o.view(B * N * N, c * c))
+    if wo_from_o:  # sum over the pairs of g^T (O / d) (s1 O: the pair modes' grad_out unscaled)
+        if KEEP_O_PRODUCT not in ("library", "kernel"):
+            raise ValueError(f"outer_product_mean: KEEP_O_PRODUCT must be 'library' or 'kernel', "
+                             f"got {KEEP_O_PRODUCT!r}")
+        g_o = grad_out.reshape(B * N * N, c_z).to(o.dtype)
+        if KEEP_O_PRODUCT == "kernel" and c_z % 8 == 0:  # float32 sums
+            d_wo = _ext.opm_backward_wo_kept(g_o, o.view(B * N * N, c * c))
+        else:  # in o's dtype (onto zeros: initcheck does not see the library's stores of its output)
+            d_wo = torch.zeros((c_z, c * c), dtype=o.dtype, device=dev)
+            d_wo.addmm_(g_o.t(), o.view(B * N * N, c * c))
+        del g_o
         if release_ab and o.untyped_storage().resizable():
             o.untyped_storage().resize_(0)
         del o
@@ -7528,10 +7706,12 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=F
     return out, (None if a is None else (a, b, inv_d)), o
 
 
-def _keep_o(msa, params, same):
+def _keep_o(msa, params, same, norm):
     """Whether a forward that saves for the backward keeps O (KEEP_O): a float16 / bfloat16 msa with its parameters
-    in that dtype, hidden_dim 32, and O's (B, N, N, 1024) in that dtype at most KEEP_O_MAX_BYTES."""
-    if not (_flag("KEEP_O") and same and msa.dtype in (torch.float16, torch.bfloat16) and params[2].shape[0] == 32):
+    in that dtype, hidden_dim 32, pair_dim up to 128 (where the backward's dWo would run in its kernel; the pair modes
+    with pair_backward "kernels"), and O's (B, N, N, 1024) in that dtype at most KEEP_O_MAX_BYTES."""
+    if not (_flag("KEEP_O") and same and msa.dtype in (torch.float16, torch.bfloat16) and params[2].shape[0] == 32
+            and 1 <= params[6].shape[0] <= 128 and (norm[0] == NORM_ROWS or pair_backward.current() == "kernels")):
         return False
     B, _, N, _ = msa.shape
     return B * N * N * 1024 * msa.element_size() <= KEEP_O_MAX_BYTES
@@ -7549,7 +7729,7 @@ class _OuterProductMean(torch.autograd.Function):
         model, code, eps, out_dtype, same, norm = call
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
         out, ab, o = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm,
-                                  keep_o=_keep_o(msa, params, same))
+                                  keep_o=_keep_o(msa, params, same, norm))
         ctx.low = _flag("LOW_MEMORY_BACKWARD")
         # (a low-memory backward frees a, b and o)
         ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)), o if ab is not None else None)

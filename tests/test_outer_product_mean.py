@@ -1264,6 +1264,90 @@ def test_forward_keeps_a_b_equal_to_the_backward_rows_kernel(opm, ref, B, S, N, 
     assert ALL_VARIANTS[ran] == "outer_first" and rest == [None, None, None, None]
 
 
+def _ldmatrix_x4_trans(smem, rows, cols):
+    """ldmatrix.sync.aligned.m8n8.x4.trans.b16 on a 2-D smem array: lane l addresses row rows[l] from column cols[l]
+    (row l % 8 of matrix l / 8); returns regs[lane][i] = (two 16-bit values) of matrix i transposed: lane T holds
+    (M_i[2 (T % 4)][T / 4], M_i[2 (T % 4) + 1][T / 4]), M_i[j][c] = smem[rows[8 i + j], cols[8 i + j] + c]."""
+    regs = [[None] * 4 for _ in range(32)]
+    for i in range(4):
+        M = torch.stack([smem[rows[8 * i + j], cols[8 * i + j]:cols[8 * i + j] + 8] for j in range(8)])
+        for T in range(32):
+            regs[T][i] = (M[2 * (T % 4), T // 4], M[2 * (T % 4) + 1, T // 4])
+    return regs
+
+
+def _mma_m16n8k16(acc, a, b):
+    """mma.sync m16n8k16 row.col, fp32 accumulate: a[lane][0..3], b[lane][0..1] (pairs), acc[lane][0..3] per PTX's
+    fragment layouts (g = lane / 4, t = lane % 4: a0 A[g][2t..], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..];
+    b0 B[2t..][g], b1 B[2t+8..][g]; c0, c1 C[g][2t..], c2, c3 C[g+8][2t..])."""
+    A, Bm = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    for T in range(32):
+        g, t = T // 4, T % 4
+        for e in range(2):
+            A[g, 2 * t + e], A[g + 8, 2 * t + e] = a[T][0][e], a[T][1][e]
+            A[g, 2 * t + 8 + e], A[g + 8, 2 * t + 8 + e] = a[T][2][e], a[T][3][e]
+            Bm[2 * t + e, g], Bm[2 * t + 8 + e, g] = b[T][0][e], b[T][1][e]
+    C = A @ Bm
+    for T in range(32):
+        g, t = T // 4, T % 4
+        acc[T][0] += C[g, 2 * t]; acc[T][1] += C[g, 2 * t + 1]
+        acc[T][2] += C[g + 8, 2 * t]; acc[T][3] += C[g + 8, 2 * t + 1]
+
+
+@pytest.mark.parametrize("P, cz, nt, zt, split", [(45, 24, 3, 0, (0, 64)), (200, 136, 7, 1, (64, 160))])
+def test_wo_kept_kernel_fragments_emulated(P, cz, nt, zt, split):
+    """opm_bw_wo_kept_kernel's index arithmetic, emulated on the CPU from its source's formulas with PTX's ldmatrix
+    .trans and m16n8k16 fragment layouts: a block's 128 z x 128 hk tile over its split of the pairs (partial steps,
+    rows past the split and z past c_z zero-filled) is g^T o there, in every warp's and lane's output places."""
+    gen = torch.Generator().manual_seed(P + cz)
+    g = torch.randn(P, cz, generator=gen, dtype=torch.float64)
+    o = torch.randn(P, 1024, generator=gen, dtype=torch.float64)
+    LD, z0, n0 = 136, 128 * zt, 128 * nt
+    p0, p1 = split[0], min(P, split[1])
+    part = torch.full((cz, 1024), float("nan"), dtype=torch.float64)
+    accs = [[[[0.0] * 4 for _ in range(4)] for _ in range(4)] for _ in range(256)]  # [tid][mz][nn][4]
+    for it in range(-(-(p1 - p0) // 32)):
+        gs, os_ = torch.zeros(32, LD, dtype=torch.float64), torch.zeros(32, LD, dtype=torch.float64)
+        for tid in range(256):  # the load lambda
+            for q in range(2):
+                e = tid + 256 * q
+                r, c = e // 16, e % 16
+                p, z = p0 + 32 * it + r, z0 + 8 * c
+                if p < p1 and z < cz:
+                    gs[r, 8 * c:8 * c + 8] = g[p, z:z + 8]
+                if p < p1:
+                    os_[r, 8 * c:8 * c + 8] = o[p, n0 + 8 * c:n0 + 8 * c + 8]
+        for w in range(8):
+            wz, wn = w // 4, w % 4
+            for kk in range(2):
+                lanes = range(32)
+                a = [_ldmatrix_x4_trans(gs, [16 * kk + 8 * ((l // 8) >> 1) + l % 8 for l in lanes],
+                                        [64 * wz + 16 * mz + 8 * ((l // 8) & 1) for l in lanes]) for mz in range(4)]
+                bt = [_ldmatrix_x4_trans(os_, [16 * kk + 8 * ((l // 8) & 1) + l % 8 for l in lanes],
+                                         [32 * wn + 16 * np_ + 8 * ((l // 8) >> 1) for l in lanes]) for np_ in range(2)]
+                b = [[(bt[nn // 2][T][2 * (nn % 2)], bt[nn // 2][T][2 * (nn % 2) + 1]) for T in range(32)]
+                     for nn in range(4)]
+                for mz in range(4):
+                    for nn in range(4):
+                        acc = [accs[32 * w + T][mz][nn] for T in range(32)]
+                        _mma_m16n8k16(acc, [a[mz][T] for T in range(32)], b[nn])
+    for tid in range(256):  # the stores
+        lane, w = tid % 32, tid // 32
+        wz, wn = w // 4, w % 4
+        for mz in range(4):
+            for hh in range(2):
+                z = z0 + 64 * wz + 16 * mz + lane // 4 + 8 * hh
+                if z >= cz:
+                    continue
+                for nn in range(4):
+                    hk = n0 + 32 * wn + 2 * (lane % 4) + 8 * nn
+                    part[z, hk], part[z, hk + 1] = accs[tid][mz][nn][2 * hh], accs[tid][mz][nn][2 * hh + 1]
+    want = g[p0:p1].t() @ o[p0:p1]
+    zs, hs = slice(z0, min(cz, z0 + 128)), slice(n0, n0 + 128)
+    assert torch.allclose(part[zs, hs], want[zs, hs], rtol=1e-12, atol=1e-12)
+    assert torch.isnan(part[:, :n0]).all() and torch.isnan(part[:z0]).all()  # nothing outside the tile
+
+
 def _kept_o_fp64(a, b, scale, dtype):
     """O times the row's factor in fp64 from the forward's a, b rounded to dtype (as its planes), and the bound of the
     kernel's error: one rounding to dtype of the value (half a subnormal step at least) plus 2^-20 of the sum of
@@ -1325,11 +1409,36 @@ def test_forward_keeps_o(opm, ref, B, S, N, cm, cz, mask_kind, norm, dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("P, cz", [(45, 8), (1369, 24), (70000, 128), (300, 136)])
+def test_wo_kept_kernel_against_fp64(opm, P, cz, dtype):
+    """opm_backward_wo_kept (KEEP_O_PRODUCT "kernel"): g^T o in float32 within fp32 summation error of fp64 from the
+    same 16-bit inputs (products exact), every element written (NaN-filled block reused), bit-equal on a second call;
+    partial 32-pair steps and splits, a partial z tile and two z tiles."""
+    if not HAS_CUDA or torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("needs an sm_80+ GPU")
+    gen = torch.Generator().manual_seed(P + cz)
+    g = torch.randn(P, cz, generator=gen).to(dtype).cuda()
+    o = torch.randn(P, 1024, generator=gen).to(dtype).cuda()
+    got = opm._ext.opm_backward_wo_kept(g, o)
+    got.fill_(float("nan"))
+    del got
+    got = opm._ext.opm_backward_wo_kept(g, o)
+    assert got.dtype == torch.float32 and got.shape == (cz, 1024)
+    g64, o64 = g.double(), o.double()
+    want, mag = g64.t() @ o64, g64.abs().t() @ o64.abs()
+    err = (got.double() - want).abs()
+    assert torch.isfinite(got).all() and (err <= 2.0**-20 * mag + 1e-30).all(), (err / (mag + 1e-30)).max().item()
+    assert torch.equal(got, opm._ext.opm_backward_wo_kept(g, o))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", [None, "openfold"])
-def test_training_step_with_kept_o(opm, ref, monkeypatch, family, dtype):
-    """KEEP_O on: the step's dWo is one product over the forward's O ("dWo from O" in last_backward); every other
-    gradient is bit-equal to the step with KEEP_O off, and dWo is within two roundings to the dtype of fp64's from the
-    forward's own a, b (and of the dWo kernel's); the kept O's storage is freed by the low-memory backward."""
+@pytest.mark.parametrize("product", ["library", "kernel"])
+def test_training_step_with_kept_o(opm, ref, monkeypatch, family, dtype, product):
+    """KEEP_O on: the step's dWo is one product over the forward's O ("dWo from O" in last_backward; the library's or
+    opm_bw_wo_kept_kernel, KEEP_O_PRODUCT); every other gradient is bit-equal to the step with KEEP_O off, and dWo is
+    within two roundings to the dtype of fp64's from the forward's own a, b (and so is the dWo kernel's)."""
     if not _caps(opm)[2]:
         pytest.skip("outer_wg needs a Hopper GPU and an sm_90a build")
     B, S, N, cm, cz = 1, 40, 37, 256, 128
@@ -1346,6 +1455,8 @@ def test_training_step_with_kept_o(opm, ref, monkeypatch, family, dtype):
 
     new.variant = "outer_wg"  # ("auto" may take fused_small in float16 here)
 
+    monkeypatch.setattr(opm, "KEEP_O_PRODUCT", product)
+
     def step(keep):
         monkeypatch.setattr(opm, "KEEP_O", keep)
         x = msa.clone().requires_grad_(True)
@@ -1354,8 +1465,12 @@ def test_training_step_with_kept_o(opm, ref, monkeypatch, family, dtype):
         return new.last_backward, grads
 
     parts_off, off = step(False)
-    parts_on, on = step(True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        parts_on, on = step(True)
+        torch.cuda.synchronize()
     assert "dWo" in parts_off and "dWo from O" in parts_on and "dWo" not in parts_on
+    ran = any("opm_bw_wo_kept_kernel" in e.name for e in prof.events())
+    assert ran == (product == "kernel"), [e.name for e in prof.events()]
     names = ["msa"] + [n for n, _ in new.named_parameters()]
     iwo = names.index("out_proj.weight") if "out_proj.weight" in names else names.index("linear_out.weight")
     for i, (w, t) in enumerate(zip(off, on)):

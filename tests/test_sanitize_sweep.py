@@ -1080,7 +1080,13 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         return (torch.zeros(B, N, N, wo.shape[0], dtype=msa.dtype), variant, None, None, None,
                 torch.zeros(B, N, N, 1024, dtype=msa.dtype))
 
+    def opm_backward_wo_kept(g, o):
+        assert g.dtype == o.dtype and g.dtype in (torch.float16, torch.bfloat16) and g.shape[-1] % 8 == 0
+        assert o.shape == (g.shape[0], 1024)
+        return torch.zeros(g.shape[-1], 1024)
+
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows),
+                           "opm_backward_wo_kept": staticmethod(opm_backward_wo_kept),
                            "opm_forward": staticmethod(opm_forward),
                            "opm_pair_scale": staticmethod(opm_pair_scale),
                            "opm_backward_ln": staticmethod(opm_backward_ln),

@@ -567,7 +567,7 @@ def test_opm_keep_o_wiring(opm_cpu, monkeypatch, dtype):
     """KEEP_O: a 16-bit forward that saves for the backward asks the extension for O (keep_o); the backward takes
     dWo from it ("dWo from O", one product over the kept O) where dWo's kernel would run, and every gradient stays
     close to the reference's. Not asked for with KEEP_O off, for O over KEEP_O_MAX_BYTES, in float32, under
-    no_grad."""
+    no_grad, for pair_dim over 128 or a pair mode's "chunks" backward (dWo not in its kernel there)."""
     mod, fake = opm_cpu
     monkeypatch.setattr(mod, "KEEP_O", True)
     monkeypatch.setattr(mod, "_wo_kernel_runs", lambda *args: True)  # (a kept O replaces the dWo kernel's call)
@@ -596,6 +596,14 @@ def test_opm_keep_o_wiring(opm_cpu, monkeypatch, dtype):
     monkeypatch.setattr(mod, "KEEP_O", False)
     new.to(dtype)(x, mask.to(dtype))
     assert fake.keep_o == [True, False, True, False, False, False]
+    # where the backward's dWo would not run in its kernel: pair_dim over 128, a pair mode's chunks
+    monkeypatch.setattr(mod, "KEEP_O", True)
+    mod.ModelNew(12, 129, 32).to(dtype)(x, mask.to(dtype))
+    fam = mod.OpenFoldOuterProductMean(12, 10, 32).to(dtype)
+    for backward in ("chunks", "kernels"):
+        with mod.pair_backward(backward):
+            fam(x, mask.to(dtype))
+    assert fake.keep_o[6:] == [False, False, True]
 
 
 @pytest.mark.parametrize("norm", [1, 2])

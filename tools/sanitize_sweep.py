@@ -359,14 +359,19 @@ def _opm_low_memory_case():
 def _opm_keep_o_case():
     """KEEP_O's kernels: outer_wg's kKeepO instances (opm_forward with keep_o: O written beside out) in both 16-bit
     dtypes, row mode and the pair modes' kPair instances, edge tiles (N 19, 37), two z chunks (pair_dim 200: the second
-    chunk's tiles write no O), more tiles than SMs (walk). The training step's dWo over the kept O is a library matrix
-    product (its own kernels draw racecheck and initcheck reports, NOTES.md): the GPU tests check that path."""
+    chunk's tiles write no O), more tiles than SMs (walk); the "kernel" dWo product alone. The training step's default
+    dWo over the kept O is a library matrix product (its kernels draw racecheck and initcheck reports, NOTES.md): the
+    GPU tests check that path."""
     shapes = ((BF16, 1, 5, 19, 128, 64, 0, F32), (F16, 2, 9, 37, 256, 128, 0, "bool"),
               (BF16, 1, 40, 17, 64, 200, 0, BF16), (BF16, 1, 4, 17, 64, 64, 1, "int8"), (F16, 1, 4, 17, 64, 64, 2, F16))
     calls = [opm_call("opm_keep_o", dt, B, S, N, cm, 32, cz, norm=norm, mask_dtype=md)
              for dt, B, S, N, cm, cz, norm, md in shapes]
     calls.append(opm_call("opm_keep_o", BF16, None, 37, 40, 64, 32, 128, norm=0, walk=3, slow=True))
-    return Case("opm_keep_o", "outer_product_mean", "KEEP_O: O written by the fused kernel's kKeepO instances", calls)
+    # opm_bw_wo_kept_kernel (KEEP_O_PRODUCT "kernel") alone: P = B N N pairs in partial 32-pair steps, one partial z
+    # tile (24), two z tiles (136)
+    calls += [opm_call("opm_wo_kept", dt, B, 1, N, 64, 32, cz)
+              for dt, B, N, cz in ((BF16, 1, 7, 24), (F16, 2, 13, 136))]
+    return Case("opm_keep_o", "outer_product_mean", "KEEP_O: the kKeepO forwards and opm_bw_wo_kept_kernel", calls)
 
 
 def _opm_ln_in_place_case():
@@ -701,6 +706,15 @@ def _opm_keep_o(torch, mod, call, sms):
     _fetch(torch, res[0], res[5])
 
 
+def _opm_wo_kept(torch, mod, call, sms):
+    """_ext.opm_backward_wo_kept alone: g (B N N, cz) and o (B N N, 1024) in the call's 16-bit dtype."""
+    gen = torch.Generator().manual_seed(_seed(call))
+    P, dt = call["B"] * call["N"] * call["N"], getattr(torch, call["dtype"])
+    g = torch.randn(P, call["cz"], generator=gen).to(dt).cuda()
+    o = torch.randn(P, 1024, generator=gen).to(dt).cuda()
+    _fetch(torch, mod._ext.opm_backward_wo_kept(g, o))
+
+
 def _opm_ln(torch, mod, call, sms):
     """_ext.opm_backward_ln alone over R = B S N rows: x_in (R, cm) in the call's dtype, da, db (R, 32) in call["dab"],
     the call's mask (make_mask) as (R), float32 LayerNorm and projection weights; da, db consumed where
@@ -754,7 +768,7 @@ def _opm_pair_counts(torch, mod, call, sms):
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,
         "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair,
         "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln, "opm_wo": _opm_wo, "opm_ab": _opm_ab,
-        "opm_keep_o": _opm_keep_o}
+        "opm_keep_o": _opm_keep_o, "opm_wo_kept": _opm_wo_kept}
 
 
 def run_case(torch, case, quick):

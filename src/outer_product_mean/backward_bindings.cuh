@@ -359,6 +359,51 @@ at::Tensor opm_backward_dbo(at::Tensor g) {
   return out;
 }
 
+// dWo over the forward's kept O (KEEP_O): g^T o, g (..., c_z) and o (..., 1024) float16 or bfloat16 of one dtype with
+// the same rows (the pairs), CUDA, c_z % 8 == 0; the result (c_z, 1024) float32, in a fixed order for a given device
+// (opm_bw_wo_kept_kernel's splits of at least 32 pairs, about two blocks per SM, added in order in fp64).
+at::Tensor opm_backward_wo_kept(at::Tensor g, at::Tensor o) {
+  const auto gt = g.scalar_type();
+  TORCH_CHECK(g.is_cuda() && o.device() == g.device() && (gt == at::kHalf || gt == at::kBFloat16) &&
+                  o.scalar_type() == gt && g.dim() >= 1 && o.dim() >= 1,
+              "outer_product_mean: opm_backward_wo_kept takes float16 or bfloat16 CUDA tensors g and o of one dtype");
+  const int64_t cz = g.size(-1), P = g.numel() / std::max<int64_t>(cz, 1);
+  TORCH_CHECK(cz >= 8 && cz % 8 == 0 && o.size(-1) == 1024 && o.numel() == P * 1024,
+              "outer_product_mean: opm_backward_wo_kept: g (..., c_z) with c_z % 8 == 0 and o (..., 1024) over the same "
+              "rows, got ", shape_str(g), " and ", shape_str(o));
+  const c10::cuda::CUDAGuard guard(g.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(g.get_device());
+  TORCH_CHECK(d.major >= 8, "outer_product_mean: opm_backward_wo_kept needs an sm_80+ GPU (mma.sync m16n8k16)");
+  at::Tensor gc = g.contiguous(), oc = o.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte copies
+  if (reinterpret_cast<uintptr_t>(oc.data_ptr()) % 16 != 0) oc = oc.clone();
+  const auto f32 = gc.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({cz, 1024}, f32);
+  if (P == 0) return out;
+  const int64_t ZT = cdiv(cz, 128);
+  const int64_t splits = std::max<int64_t>(1, std::min(cdiv(2ll * d.sms, 8 * ZT), cdiv(P, kWkRows)));
+  const int64_t PS = round_up(cdiv(P, splits), kWkRows);
+  const int64_t KS = cdiv(P, PS);
+  at::Tensor part = at::empty({KS * cz * 1024}, f32);
+  const int blocks = static_cast<int>(8 * ZT * KS);
+  if (gt == at::kHalf)
+    opm_bw_wo_kept_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const __half*>(gc.data_ptr()),
+                                                           reinterpret_cast<const __half*>(oc.data_ptr()),
+                                                           part.data_ptr<float>(), P, static_cast<int>(cz),
+                                                           static_cast<int>(ZT), PS);
+  else
+    opm_bw_wo_kept_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(gc.data_ptr()),
+                                                           reinterpret_cast<const __nv_bfloat16*>(oc.data_ptr()),
+                                                           part.data_ptr<float>(), P, static_cast<int>(cz),
+                                                           static_cast<int>(ZT), PS);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  opm_block_sum_kernel<<<static_cast<int>(cdiv(cz * 1024, kThreads)), kThreads, 0, stream>>>(
+      part.data_ptr<float>(), out.data_ptr<float>(), static_cast<int>(KS), cz * 1024);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 // The pair modes' (gk, dbo) for the row kernels (opm_pair_grad_kernel): g (..., c_z) float32, float16 or bfloat16
 // and s1 float32 with numel(g) / c_z elements (the pairs, in g's row order), CUDA; gk = s1 g in float32 (to_float)
 // or g's type, g's shape; dbo (c_z) float32 = the sum of s1 g (s2_is_s1: OpenFold) or of g (Boltz) over the rows,

@@ -1,7 +1,7 @@
 // outer_product_mean: fused_small, the whole forward in one cooperative launch (small shapes).
 #pragma once
 #include <cooperative_groups.h>
-#include "backward_ln.cuh"
+#include "backward_wo_kept.cuh"
 
 namespace opm {
 

@@ -216,8 +216,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O), which must be True or False: an assigned "0" would otherwise read as
-    on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O), which must be True or False: an assigned "0" would otherwise
+    read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -272,12 +272,18 @@ LOW_MEMORY_BACKWARD = _env_flag("OPM_LOW_MEMORY_BACKWARD", True)
 LOW_MEMORY_SPLIT_J = _env_flag("OPM_LOW_MEMORY_SPLIT_J", True)
 # The forward keeps O for the backward (KEEP_O): where outer_wg runs on a float16 / bfloat16 msa with hidden_dim 32 and
 # gradients are needed, its fused kernel also writes O / denom (s1 O in the pair modes) in the msa's dtype, (B, N, N,
-# 1024), if that takes at most KEEP_O_MAX_BYTES; the backward's dWo is then one matrix product g^T O (the reference's
-# own) in place of opm_backward_wo's recomputation of O, and the tensor is freed with a, b (LOW_MEMORY_BACKWARD).
-# True: that memory for a faster step where S is large (crop: 128 MiB); False (the default): O recomputed.
-# OPM_KEEP_O ("1" / "0") at import, then this attribute, read at each forward.
+# 1024), if that takes at most KEEP_O_MAX_BYTES (per layer, until its backward) and the backward's dWo would run in its
+# kernel (Hopper, pair_dim <= 128; the pair modes: the fused epilogue, pair_backward "kernels"); the backward's dWo is
+# then one matrix product g^T O in place of opm_backward_wo's recomputation of O, and the tensor is freed right after it
+# (LOW_MEMORY_BACKWARD). True: that memory for a faster step where S is large (crop: 128 MiB); False (the default): O
+# recomputed, and a grad-mode forward (KernelBench times one) writes no O. OPM_KEEP_O ("1" / "0") at import, then this
+# attribute, read at each forward.
 KEEP_O = _env_flag("OPM_KEEP_O", False)
 KEEP_O_MAX_BYTES = 256 << 20
+# KEEP_O's dWo product: "library" (the default: a matrix product in the dtype, as the reference's) or "kernel"
+# (opm_backward_wo_kept: mma.sync with fp32 sums, deterministic splits; pair_dim % 8 == 0, else the library's; not yet
+# run on a GPU): OPM_KEEP_O_PRODUCT at import, then this attribute.
+KEEP_O_PRODUCT = os.environ.get("OPM_KEEP_O_PRODUCT", "library")
 # Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
@@ -394,8 +400,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
     run (ModelNew.last_backward holds them as a tuple once the call returns). o: the forward's O times the row's
     factor (O / d; s1 O in the pair modes), (B, N, N, c*c) in the msa's dtype, as opm_forward's keep_o returns it, or
-    None: where given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product in that dtype (the
-    reference's own; part "dWo from O" in place of "dWo"), and o's storage is freed after it with release_ab.
+    None: where given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product (KEEP_O_PRODUCT:
+    the library's in that dtype, the reference's own, or opm_backward_wo_kept; part "dWo from O" in place of "dWo"),
+    and o's storage is freed after it with release_ab.
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r rows
     i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
@@ -425,6 +432,10 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     if pair and not (pair_backward.current() == "kernels" if pair_kernels is None else pair_kernels):  # chunks for dWo, da, db
         wo_in_kernel = ab_in_kernel = False
     wo_from_o = o is not None and wo_in_kernel  # (then dWo by one product over the forward's O)
+    if o is not None and not wo_from_o:  # not read here (the forward's _keep_o rules it out): freed at once
+        if release_ab and o.untyped_storage().resizable():
+            o.untyped_storage().resize_(0)
+        o = None
     wo_in_kernel = wo_in_kernel and not wo_from_o
     wo_done = wo_in_kernel or wo_from_o
     ln_in_kernel = _ln_kernel_runs(msa, c, c_m) if ln_kernel is None else ln_kernel
@@ -493,10 +504,17 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # Outer product and its gradient, chunks of rows i                             (B, r, N, c, c)
     if wo_in_kernel or ab_in_kernel:
         inv_d = inv_d.contiguous()
-    if wo_from_o:  # sum over the pairs of g^T (O / d) (s1 O: the pair modes' grad_out unscaled), in o's dtype
-        # (onto zeros: initcheck does not see the library product's stores of its output as initialising it)
-        d_wo = torch.zeros((c_z, c * c), dtype=o.dtype, device=dev)
-        d_wo.addmm_(grad_out.reshape(B * N * N, c_z).to(o.dtype).t(), o.view(B * N * N, c * c))
+    if wo_from_o:  # sum over the pairs of g^T (O / d) (s1 O: the pair modes' grad_out unscaled)
+        if KEEP_O_PRODUCT not in ("library", "kernel"):
+            raise ValueError(f"outer_product_mean: KEEP_O_PRODUCT must be 'library' or 'kernel', "
+                             f"got {KEEP_O_PRODUCT!r}")
+        g_o = grad_out.reshape(B * N * N, c_z).to(o.dtype)
+        if KEEP_O_PRODUCT == "kernel" and c_z % 8 == 0:  # float32 sums
+            d_wo = _ext.opm_backward_wo_kept(g_o, o.view(B * N * N, c * c))
+        else:  # in o's dtype (onto zeros: initcheck does not see the library's stores of its output)
+            d_wo = torch.zeros((c_z, c * c), dtype=o.dtype, device=dev)
+            d_wo.addmm_(g_o.t(), o.view(B * N * N, c * c))
+        del g_o
         if release_ab and o.untyped_storage().resizable():
             o.untyped_storage().resize_(0)
         del o
@@ -648,10 +666,12 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=F
     return out, (None if a is None else (a, b, inv_d)), o
 
 
-def _keep_o(msa, params, same):
+def _keep_o(msa, params, same, norm):
     """Whether a forward that saves for the backward keeps O (KEEP_O): a float16 / bfloat16 msa with its parameters
-    in that dtype, hidden_dim 32, and O's (B, N, N, 1024) in that dtype at most KEEP_O_MAX_BYTES."""
-    if not (_flag("KEEP_O") and same and msa.dtype in (torch.float16, torch.bfloat16) and params[2].shape[0] == 32):
+    in that dtype, hidden_dim 32, pair_dim up to 128 (where the backward's dWo would run in its kernel; the pair modes
+    with pair_backward "kernels"), and O's (B, N, N, 1024) in that dtype at most KEEP_O_MAX_BYTES."""
+    if not (_flag("KEEP_O") and same and msa.dtype in (torch.float16, torch.bfloat16) and params[2].shape[0] == 32
+            and 1 <= params[6].shape[0] <= 128 and (norm[0] == NORM_ROWS or pair_backward.current() == "kernels")):
         return False
     B, _, N, _ = msa.shape
     return B * N * N * 1024 * msa.element_size() <= KEEP_O_MAX_BYTES
@@ -669,7 +689,7 @@ class _OuterProductMean(torch.autograd.Function):
         model, code, eps, out_dtype, same, norm = call
         ctx.eps, ctx.model, ctx.norm = eps, model, norm
         out, ab, o = _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=True, norm=norm,
-                                  keep_o=_keep_o(msa, params, same))
+                                  keep_o=_keep_o(msa, params, same, norm))
         ctx.low = _flag("LOW_MEMORY_BACKWARD")
         # (a low-memory backward frees a, b and o)
         ctx.save_for_backward(msa, mask, *params, *(ab or (None, None, None)), o if ab is not None else None)
