@@ -5865,19 +5865,18 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
                                             ko ? reinterpret_cast<OT*>(on.data_ptr()) : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (out.scalar_type() == at::kBFloat16) {
-    using T = __nv_bfloat16;
+  auto run16 = [&](auto* outp) {  // fp16 / bf16: the kPair and kKeepO instances
+    using T = std::remove_pointer_t<decltype(outp)>;
     run(ko ? (kp ? opm_outer_wg_kernel<T, true, true> : opm_outer_wg_kernel<T, false, true>)
            : (kp ? opm_outer_wg_kernel<T, true> : opm_outer_wg_kernel<T>),
-        reinterpret_cast<T*>(out.data_ptr()), ow_smem_bytes<T>());
-  } else if (out.scalar_type() == at::kHalf) {
-    using T = __half;
-    run(ko ? (kp ? opm_outer_wg_kernel<T, true, true> : opm_outer_wg_kernel<T, false, true>)
-           : (kp ? opm_outer_wg_kernel<T, true> : opm_outer_wg_kernel<T>),
-        reinterpret_cast<T*>(out.data_ptr()), ow_smem_bytes<T>());
-  } else {
+        outp, ow_smem_bytes<T>());
+  };
+  if (out.scalar_type() == at::kBFloat16)
+    run16(reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+  else if (out.scalar_type() == at::kHalf)
+    run16(reinterpret_cast<__half*>(out.data_ptr()));
+  else
     run(kp ? opm_outer_wg_kernel<float, true> : opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
-  }
 }
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1, the faster of 1, 2 and 4
 // at crop and deep (NOTES.md, outer product mean: what did not pay).
@@ -7388,6 +7387,14 @@ def pair_scales(mask, norm, eps=1e-3):
     return 1.0 / n.clamp(min=1), torch.ones_like(n)
 
 
+def _free_storage(*tensors):
+    """Frees each tensor's storage (resized to 0 bytes) where it can be resized; the tensors stay, empty (a low-memory
+    backward's a, b and kept O: whoever holds them, the autograd Function's saved copies too)."""
+    for t in tensors:
+        if t.untyped_storage().resizable():
+            t.untyped_storage().resize_(0)
+
+
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
                                 chunk_bytes=256 << 20, wo_kernel=None, ab_kernel=None, ln_kernel=None,
                                 rows_kernel=None, ab=None, parts=None, split=False, norm=0, norm_eps=1e-3,
@@ -7473,8 +7480,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
         wo_in_kernel = ab_in_kernel = False
     wo_from_o = o is not None and wo_in_kernel  # (then dWo by one product over the forward's O)
     if o is not None and not wo_from_o:  # not read here (the forward's _keep_o rules it out): freed at once
-        if release_ab and o.untyped_storage().resizable():
-            o.untyped_storage().resize_(0)
+        if release_ab:
+            _free_storage(o)
         o = None
     wo_in_kernel = wo_in_kernel and not wo_from_o
     wo_done = wo_in_kernel or wo_from_o
@@ -7555,8 +7562,8 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             d_wo = torch.zeros((c_z, c * c), dtype=o.dtype, device=dev)
             d_wo.addmm_(g_o.t(), o.view(B * N * N, c * c))
         del g_o
-        if release_ab and o.untyped_storage().resizable():
-            o.untyped_storage().resize_(0)
+        if release_ab:
+            _free_storage(o)
         del o
     elif wo_in_kernel:
         d_wo = _ext.opm_backward_wo(a, b, inv_d, g_k, ops, (32 if low_memory else 256) << 20,
@@ -7602,9 +7609,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             del g, a_r
         del b_flat
     if release_ab and ab is not None:  # the given a, b are not read past here (a storage that cannot resize stays)
-        for t in (a, b):
-            if t.untyped_storage().resizable():
-                t.untyped_storage().resize_(0)
+        _free_storage(a, b)
     del a, b, g_k
 
     # The mask, projections and LayerNorm backward: one CUDA pass where _ln_kernel_runs, else chunks of
@@ -7708,13 +7713,15 @@ def _run_kernels(model, code, msa, mask, params, eps, out_dtype, same, keep_ab=F
 
 def _keep_o(msa, params, same, norm):
     """Whether a forward that saves for the backward keeps O (KEEP_O): a float16 / bfloat16 msa with its parameters
-    in that dtype, hidden_dim 32, pair_dim up to 128 (where the backward's dWo would run in its kernel; the pair modes
-    with pair_backward "kernels"), and O's (B, N, N, 1024) in that dtype at most KEEP_O_MAX_BYTES."""
-    if not (_flag("KEEP_O") and same and msa.dtype in (torch.float16, torch.bfloat16) and params[2].shape[0] == 32
-            and 1 <= params[6].shape[0] <= 128 and (norm[0] == NORM_ROWS or pair_backward.current() == "kernels")):
+    in that dtype, where the backward's dWo would run in its kernel (_wo_kernel_runs: hidden_dim 32, pair_dim up to
+    128; the pair modes with pair_backward "kernels"), and O's (B, N, N, 1024) in that dtype at most
+    KEEP_O_MAX_BYTES."""
+    if not (_flag("KEEP_O") and same and msa.dtype in (torch.float16, torch.bfloat16)
+            and (norm[0] == NORM_ROWS or pair_backward.current() == "kernels")):
         return False
     B, _, N, _ = msa.shape
-    return B * N * N * 1024 * msa.element_size() <= KEEP_O_MAX_BYTES
+    return (B * N * N * 1024 * msa.element_size() <= KEEP_O_MAX_BYTES
+            and _wo_kernel_runs(msa, params[2].shape[0], params[6].shape[0], torch.float32))
 
 
 class _OuterProductMean(torch.autograd.Function):

@@ -570,7 +570,8 @@ def test_opm_keep_o_wiring(opm_cpu, monkeypatch, dtype):
     no_grad, for pair_dim over 128 or a pair mode's "chunks" backward (dWo not in its kernel there)."""
     mod, fake = opm_cpu
     monkeypatch.setattr(mod, "KEEP_O", True)
-    monkeypatch.setattr(mod, "_wo_kernel_runs", lambda *args: True)  # (a kept O replaces the dWo kernel's call)
+    # where dWo's kernel would run on a GPU (hidden_dim 32, pair_dim <= 128; a kept O replaces the kernel's call)
+    monkeypatch.setattr(mod, "_wo_kernel_runs", lambda msa, c, c_z, ct: c == 32 and c_z <= 128)
     monkeypatch.setattr(mod, "_ab_kernel_runs", lambda *args: False)
     model, new = _opm_pair(mod, seed=54, c=32)
     new = new.to(dtype)

@@ -194,19 +194,18 @@ static void launch_outer_wg_fused(const OwPlanes& p, const at::Tensor& inv_denom
                                             ko ? reinterpret_cast<OT*>(on.data_ptr()) : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (out.scalar_type() == at::kBFloat16) {
-    using T = __nv_bfloat16;
+  auto run16 = [&](auto* outp) {  // fp16 / bf16: the kPair and kKeepO instances
+    using T = std::remove_pointer_t<decltype(outp)>;
     run(ko ? (kp ? opm_outer_wg_kernel<T, true, true> : opm_outer_wg_kernel<T, false, true>)
            : (kp ? opm_outer_wg_kernel<T, true> : opm_outer_wg_kernel<T>),
-        reinterpret_cast<T*>(out.data_ptr()), ow_smem_bytes<T>());
-  } else if (out.scalar_type() == at::kHalf) {
-    using T = __half;
-    run(ko ? (kp ? opm_outer_wg_kernel<T, true, true> : opm_outer_wg_kernel<T, false, true>)
-           : (kp ? opm_outer_wg_kernel<T, true> : opm_outer_wg_kernel<T>),
-        reinterpret_cast<T*>(out.data_ptr()), ow_smem_bytes<T>());
-  } else {
+        outp, ow_smem_bytes<T>());
+  };
+  if (out.scalar_type() == at::kBFloat16)
+    run16(reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+  else if (out.scalar_type() == at::kHalf)
+    run16(reinterpret_cast<__half*>(out.data_ptr()));
+  else
     run(kp ? opm_outer_wg_kernel<float, true> : opm_outer_wg_kernel<float>, out.data_ptr<float>(), ow_smem_bytes<float>());
-  }
 }
 // opm_prep_ow_kernel's m16 tiles per block (rows / 16): 2 to c_m = 256, else 1, the faster of 1, 2 and 4
 // at crop and deep (NOTES.md, outer product mean: what did not pay).
