@@ -4709,16 +4709,23 @@ namespace opm {
 // Assumptions: kThreads threads; c_z % 8 == 0; g, o 16-byte aligned; P >= 1; sm_80+.
 // ---------------------------------------------------------------------------------------------
 constexpr int kWkLD = 136, kWkRows = 32;
-// Four 8 x 8 matrices of 16-bit values from shared memory, transposed (ldmatrix .x4.trans): lane l gives the
-// 16-byte aligned address of row l % 8 of matrix l / 8; register i holds matrix i.
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+// Four 8 x 8 matrices of 16-bit values from shared memory (ldmatrix .x4; kTrans: .trans): lane l gives the 16-byte
+// aligned address of row l % 8 of matrix l / 8; register i holds matrix i (lane t: row t / 4, columns 2 (t % 4) and
+// 2 (t % 4) + 1; transposed: column t / 4, rows 2 (t % 4) and 2 (t % 4) + 1).
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
 #else
-  __trap();  // ldmatrix needs sm_75+ (the kernel's mma sm_80+)
+  __trap();  // ldmatrix needs sm_75+ (the kernels' mma sm_80+)
 #endif
 }
 template <typename T>
@@ -4767,11 +4774,11 @@ __global__ void __launch_bounds__(kThreads, 2) opm_bw_wo_kept_kernel(
       uint32_t a[4][4], b[4][2];
 #pragma unroll
       for (int mz = 0; mz < 4; ++mz)  // matrices (p 0-7, z 0-7), (p 0-7, z 8-15), (p 8-15, z 0-7), (p 8-15, z 8-15)
-        ldmatrix_x4_trans(a[mz], &gs[st][16 * kk + 8 * (m >> 1) + r8][64 * wz + 16 * mz + 8 * (m & 1)]);
+        ldmatrix_x4<true>(a[mz], &gs[st][16 * kk + 8 * (m >> 1) + r8][64 * wz + 16 * mz + 8 * (m & 1)]);
 #pragma unroll
       for (int np = 0; np < 2; ++np) {  // matrices (p 0-7, hk 0-7), (p 8-15, hk 0-7), (p 0-7, hk 8-15), (p 8-15, ..)
         uint32_t t[4];
-        ldmatrix_x4_trans(t, &os[st][16 * kk + 8 * (m & 1) + r8][32 * wn + 16 * np + 8 * (m >> 1)]);
+        ldmatrix_x4<true>(t, &os[st][16 * kk + 8 * (m & 1) + r8][32 * wn + 16 * np + 8 * (m >> 1)]);
         b[2 * np][0] = t[0];
         b[2 * np][1] = t[1];
         b[2 * np + 1][0] = t[2];
@@ -4799,6 +4806,116 @@ __global__ void __launch_bounds__(kThreads, 2) opm_bw_wo_kept_kernel(
       for (int nn = 0; nn < 4; ++nn)
         *reinterpret_cast<float2*>(row + 8 * nn) = make_float2(acc[mz][nn][2 * hh], acc[mz][nn][2 * hh + 1]);
     }
+}
+
+}  // namespace opm
+#line 1 "src/outer_product_mean/backward_g.cuh"
+// outer_product_mean: the backward's G in memory (G_MEM), on mma.sync, for da and db as two library products.
+#line 4 "src/outer_product_mean/backward_g.cuh"
+
+namespace opm {
+
+// opm_bw_g_kernel<T>: G with rows (i, h) and columns (j, k) of one (32 N) x (32 N) matrix per batch (T float16 /
+//   bfloat16; g (B, N, N, c_z) and wo (c_z, 1024) row-major in T, inv_denom (B, N) float32):
+//     G[((b*N + i)*32 + h)*32 N + 32 j + k] = T(inv_denom[b, i] sum_z g[b, i, j, z] wo[z, 32 h + k])
+//   so that da = v_b G^T and db = v_a G over the rows (b, s) (v_a, v_b: a, b as (B, S, 32 N)). Block x =
+//   (b*N + i)*JT + jt owns the 128 residues j = 128 jt .. of row i, every h and k: g's 128 rows once, then wo in
+//   16 chunks of 64 columns hk (2 h), each copied one chunk ahead into one of two stages. Warp w (j 32 (w % 4) ..,
+//   h = 2 hc + w / 4 of chunk hc) runs cdiv(c_z, 16) k steps of m16n8k16 (fp32 accumulation) on 2 x 4 tiles:
+//   A = g by ldmatrix.x4 from its rows, B = wo by ldmatrix.x4.trans from its rows z; the sums are scaled by
+//   inv_denom in fp32 and rounded to T once (as the fused kernel's G). Rows past N and z past c_z are copied as
+//   zeros; rows j past N are not stored. Shared rows of kc + 8 T (g) and 72 T (wo): 16-byte padding puts the 8
+//   rows of an 8 x 8 ldmatrix in distinct banks.
+// Assumptions: kThreads threads; c_z % 8 == 0 and c_z <= 128 (kGmMaxCz); g, wo 16-byte aligned; sm_80+.
+// ---------------------------------------------------------------------------------------------
+constexpr int kGmJ = 128, kGmMaxCz = 128, kGmHK = 64, kGmWoLD = kGmHK + 8;
+__host__ __device__ __forceinline__ int gm_g_ld(int cz) { return static_cast<int>(round_up(cz, 16)) + 8; }
+__host__ __device__ __forceinline__ size_t gm_smem_bytes(int cz, size_t tsize) {
+  const size_t kc = round_up(cz, 16);
+  return tsize * (kGmJ * static_cast<size_t>(gm_g_ld(cz)) + 2 * kc * kGmWoLD);
+}
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) opm_bw_g_kernel(
+    const T* __restrict__ g, const T* __restrict__ wo, const float* __restrict__ inv_denom, T* __restrict__ G,
+    int64_t N, int cz, int64_t JT) {
+  extern __shared__ float4 smem_f4[];
+  T* gs = reinterpret_cast<T*>(smem_f4);  // [kGmJ][ld]
+  const int ld = gm_g_ld(cz), kc = ld - 8, ksteps = kc / 16;
+  T* ws = gs + kGmJ * ld;                 // [2][kc][kGmWoLD]
+  const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, wm = w % 4, wn = w / 4;
+  const int64_t jt = blockIdx.x % JT, bi = blockIdx.x / JT;  // bi = b*N + i
+  const int64_t j0 = kGmJ * jt;
+  const T* grow = g + (bi * N + j0) * cz;  // g[b, i, j0, 0]
+  // g's 128 rows: kc / 8 items of 16 bytes per row
+  for (int e = tid; e < kGmJ * (kc / 8); e += kThreads) {
+    const int r = e / (kc / 8), c = e % (kc / 8);
+    const bool in = j0 + r < N && 8 * c < cz;
+    cp_async<16>(gs + r * ld + 8 * c, in ? grow + static_cast<int64_t>(r) * cz + 8 * c : g, in ? 16 : 0);
+  }
+  // stage st <- wo's columns 64 hc .. (kc rows z, 8 items each)
+  auto load_wo = [&](int st, int hc) {
+    for (int e = tid; e < kc * 8; e += kThreads) {
+      const int z = e / 8, c = e % 8;
+      const bool in = z < cz;
+      cp_async<16>(ws + (st * kc + z) * kGmWoLD + 8 * c, in ? wo + z * 1024 + kGmHK * hc + 8 * c : wo, in ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  load_wo(0, 0);  // (one group with g's rows)
+  const float scale = __ldg(inv_denom + bi);
+  const int m = lane / 8, r8 = lane % 8;  // this lane's ldmatrix matrix and row
+  T* gout = G + bi * 32 * N * 32;         // G[b, i, h = 0, j = 0, k = 0]
+  for (int hc = 0; hc < 1024 / kGmHK; ++hc) {
+    const int st = hc & 1;
+    if (hc + 1 < 1024 / kGmHK) {
+      load_wo(st ^ 1, hc + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // stage st (and g's rows) landed for every thread's copies
+    float acc[2][4][4];  // [j m16 tile][k n8 tile][mma accumulator]
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][nn][e] = 0.f;
+    const T* wst = ws + st * kc * kGmWoLD;
+    for (int ks = 0; ks < ksteps; ++ks) {
+      uint32_t a[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)  // matrices (j 0-7, z 0-7), (j 8-15, z 0-7), (j 0-7, z 8-15), (j 8-15, z 8-15)
+        ldmatrix_x4<false>(a[mi], gs + (32 * wm + 16 * mi + 8 * (m & 1) + r8) * ld + 16 * ks + 8 * (m >> 1));
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {  // matrices (z 0-7, k 0-7), (z 8-15, k 0-7), (z 0-7, k 8-15), (z 8-15, ..):
+        uint32_t t[4];                  // the B fragments of n8 tiles 2 np (t[0], t[1]) and 2 np + 1 (t[2], t[3])
+        ldmatrix_x4<true>(t, wst + (16 * ks + 8 * (m & 1) + r8) * kGmWoLD + 32 * wn + 16 * np + 8 * (m >> 1));
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            if constexpr (std::is_same_v<T, __half>) mma_f16(acc[mi][2 * np + q], a[mi], t[2 * q], t[2 * q + 1]);
+            else mma_bf16(acc[mi][2 * np + q], a[mi], t[2 * q], t[2 * q + 1]);
+          }
+      }
+    }
+    __syncthreads();  // every warp is done with stage st before the next chunk's copies refill it
+    // acc[mi][nn][2 hh + e]: j = j0 + 32 wm + 16 mi + lane / 4 + 8 hh, h = 2 hc + wn, k = 8 nn + 2 (lane % 4) + e
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int64_t j = j0 + 32 * wm + 16 * mi + lane / 4 + 8 * hh;
+        if (j >= N) continue;
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn) {
+          const int h = 2 * hc + wn, k = 8 * nn + 2 * (lane % 4);
+          *reinterpret_cast<uint32_t*>(gout + (h * N + j) * 32 + k) =
+              pack2_16<T>(acc[mi][nn][2 * hh] * scale, acc[mi][nn][2 * hh + 1] * scale);
+        }
+      }
+  }
 }
 
 }  // namespace opm
@@ -6952,6 +7069,50 @@ at::Tensor opm_backward_wo_kept(at::Tensor g, at::Tensor o) {
   return out;
 }
 
+// G in memory (G_MEM): g (B, N, N, c_z) and wo (c_z, 1024) float16 or bfloat16 of one dtype, inv_denom (B, N) float32,
+// CUDA, c_z % 8 == 0 and c_z <= 128; returns G (B, 32 N, 32 N) in g's dtype, rows (i, h) and columns (j, k):
+// G[b, 32 i + h, 32 j + k] = inv_denom[b, i] sum_z g[b, i, j, z] wo[z, 32 h + k], rounded once (opm_bw_g_kernel).
+at::Tensor opm_backward_g(at::Tensor g, at::Tensor wo, at::Tensor inv_denom) {
+  const auto gt = g.scalar_type();
+  TORCH_CHECK(g.is_cuda() && wo.device() == g.device() && inv_denom.device() == g.device() &&
+                  (gt == at::kHalf || gt == at::kBFloat16) && wo.scalar_type() == gt &&
+                  inv_denom.scalar_type() == at::kFloat,
+              "outer_product_mean: opm_backward_g takes float16 or bfloat16 CUDA tensors g and wo of one dtype and a "
+              "float32 inv_denom");
+  TORCH_CHECK(g.dim() == 4 && g.size(1) == g.size(2), "outer_product_mean: opm_backward_g: g (B, N, N, c_z), got ",
+              shape_str(g));
+  const int64_t B = g.size(0), N = g.size(1), cz = g.size(3);
+  TORCH_CHECK(cz >= 8 && cz % 8 == 0 && cz <= kGmMaxCz && wo.dim() == 2 && wo.size(0) == cz && wo.size(1) == 1024 &&
+                  inv_denom.numel() == B * N,
+              "outer_product_mean: opm_backward_g: c_z % 8 == 0 up to ", kGmMaxCz, ", wo (c_z, 1024), inv_denom (B, N); "
+              "got g ", shape_str(g), ", wo ", shape_str(wo), ", inv_denom ", shape_str(inv_denom));
+  const c10::cuda::CUDAGuard guard(g.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(g.get_device());
+  TORCH_CHECK(d.major >= 8, "outer_product_mean: opm_backward_g needs an sm_80+ GPU (mma.sync m16n8k16)");
+  at::Tensor gc = g.contiguous(), wc = wo.contiguous(), ic = inv_denom.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte copies
+  if (reinterpret_cast<uintptr_t>(wc.data_ptr()) % 16 != 0) wc = wc.clone();
+  at::Tensor out = at::empty({B, 32 * N, 32 * N}, gc.options());
+  if (out.numel() == 0) return out;
+  const int64_t JT = cdiv(N, kGmJ), blocks = B * N * JT;
+  TORCH_CHECK(blocks <= INT32_MAX, "outer_product_mean: opm_backward_g: too many blocks");
+  const size_t smem = gm_smem_bytes(static_cast<int>(cz), gc.element_size());
+  if (gt == at::kHalf) {
+    set_smem(opm_bw_g_kernel<__half>, smem, d, "the backward's G kernel");
+    opm_bw_g_kernel<<<static_cast<int>(blocks), kThreads, smem, stream>>>(
+        reinterpret_cast<const __half*>(gc.data_ptr()), reinterpret_cast<const __half*>(wc.data_ptr()),
+        ic.data_ptr<float>(), reinterpret_cast<__half*>(out.data_ptr()), N, static_cast<int>(cz), JT);
+  } else {
+    set_smem(opm_bw_g_kernel<__nv_bfloat16>, smem, d, "the backward's G kernel");
+    opm_bw_g_kernel<<<static_cast<int>(blocks), kThreads, smem, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(gc.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(wc.data_ptr()),
+        ic.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), N, static_cast<int>(cz), JT);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 // The pair modes' (gk, dbo) for the row kernels (opm_pair_grad_kernel): g (..., c_z) float32, float16 or bfloat16
 // and s1 float32 with numel(g) / c_z elements (the pairs, in g's row order), CUDA; gk = s1 g in float32 (to_float)
 // or g's type, g's shape; dbo (c_z) float32 = the sum of s1 g (s2_is_s1: OpenFold) or of g (Boltz) over the rows,
@@ -7013,7 +7174,7 @@ std::tuple<bool, bool, bool> device_caps(int64_t device) {
 }
 
 }  // namespace opm
-#line 25 "src/outer_product_mean/outer_product_mean.cu"
+#line 26 "src/outer_product_mean/outer_product_mean.cu"
 
 // The extension's entry points (Python names opm_*), each wrapped as load_inline's `functions=` wraps them:
 // torch::wrap_pybind_function turns a TORCH_CHECK failure into the Python exception PyTorch raises for it.
@@ -7037,6 +7198,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
   m.def("opm_backward_wo_kept", torch::wrap_pybind_function(opm::opm_backward_wo_kept),
         "backward: dWo = g^T o over the forward's kept O, on mma.sync (float32)");
+  m.def("opm_backward_g", torch::wrap_pybind_function(opm::opm_backward_g),
+        "backward: G (B, 32 N, 32 N) in memory, rows (i, h) and columns (j, k), on mma.sync");
   m.def("opm_pair_scale", torch::wrap_pybind_function(opm::opm_pair_scale),
         "a pair mode's (s1, s2) per pair as the forward computes them; counts: 0 fp64 FMA, 1 DMMA, 2 DMMA by a ring");
   m.def("opm_backward_pair_g", torch::wrap_pybind_function(opm::opm_backward_pair_g),
@@ -7242,6 +7405,13 @@ def _ab_kernel_runs(msa, c, c_z, ct):
     return _wo_kernel_runs(msa, c, c_z, ct) and c_z % 4 == 0
 
 
+def _g_mem_runs(B, S, N, c_z, itemsize):
+    """Whether a backward whose da and db would run in opm_bw_ab_kernel on the 16-bit tensor cores forms G in memory
+    instead (G_MEM): S >= G_MEM_MIN_S, pair_dim <= 128 and G at most G_MEM_MAX_BYTES."""
+    return (_flag("G_MEM") and S >= G_MEM_MIN_S and c_z <= 128
+            and B * N * N * 1024 * itemsize <= G_MEM_MAX_BYTES)
+
+
 def _env_flag(name, default):
     """An on / off setting from the environment variable name: "1" on, "0" off, unset the default; other values
     raise (a misspelt "true" would otherwise turn the setting off in silence)."""
@@ -7255,8 +7425,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O), which must be True or False: an assigned "0" would otherwise
-    read as on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O, G_MEM), which must be True or False: an assigned "0" would
+    otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -7323,7 +7493,17 @@ KEEP_O_MAX_BYTES = 256 << 20
 # (opm_backward_wo_kept: mma.sync with fp32 sums, deterministic splits; pair_dim % 8 == 0, else the library's; not yet
 # run on a GPU): OPM_KEEP_O_PRODUCT at import, then this attribute.
 KEEP_O_PRODUCT = os.environ.get("OPM_KEEP_O_PRODUCT", "library")
-# Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
+# The backward's da and db over G in memory (G_MEM): where they would run in opm_bw_ab_kernel on the 16-bit tensor
+# cores (a float16 / bfloat16 msa, pair_dim % 8 == 0), S >= G_MEM_MIN_S and G (B, 32 N, 32 N) in the msa's dtype takes
+# at most G_MEM_MAX_BYTES, opm_backward_g writes G once (rows (i, h), columns (j, k)) and da = b G^T, db = a G are two
+# of the library's matrix products in that dtype (the reference's backward rounds the same way), da and db rounded to
+# it. True: G formed once instead of once per product, the products at the library's rate (crop: 128 MiB for G until
+# da, db are formed); False (the default; not yet run on a GPU): opm_bw_ab_kernel. OPM_G_MEM ("1" / "0") at import,
+# then this attribute, read by each backward.
+G_MEM = _env_flag("OPM_G_MEM", False)
+G_MEM_MAX_BYTES = 256 << 20
+G_MEM_MIN_S = 256
+# Each of the eight on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -7393,6 +7573,19 @@ def _free_storage(*tensors):
     for t in tensors:
         if t.untyped_storage().resizable():
             t.untyped_storage().resize_(0)
+
+
+def _converted_together(tensors, dtypes):
+    """tensors[n].to(dtypes[n]), as contiguous views of one concatenation converted at once where every dtype is one
+    and more than one tensor needs converting (two launches instead of one per tensor: the backward's parameters and
+    their gradients), with each view starting 16 bytes after the one before (every numel but the last a multiple of 8,
+    else converted one by one)."""
+    todo = [t.dtype != d for t, d in zip(tensors, dtypes)]
+    if (sum(todo) < 2 or len(set(dtypes)) != 1 or any(t.numel() % 8 for t in tensors[:-1])
+            or len({t.device for t in tensors}) != 1):
+        return tuple(t.to(d) for t, d in zip(tensors, dtypes))
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtypes[0])
+    return tuple(v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors))
 
 
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
@@ -7468,8 +7661,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     c, c_z = wa.shape[0], wo.shape[0]
     ct = torch.promote_types(msa.dtype, torch.float32)
     dev = msa.device
-    lw, lb = ln_w.to(ct), ln_b.to(ct)
-    Wa, Ba, Wb, Bb, Wo = (t.to(ct) for t in (wa, ba, wb, bb, wo))
+    Wo, Wa, Wb, lw, lb, Ba, Bb = _converted_together((wo, wa, wb, ln_w, ln_b, ba, bb), (ct,) * 7)
     itemsize = torch.empty((), dtype=ct).element_size()
     rows_outer, rows_ln = outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes)
 
@@ -7491,9 +7683,11 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # in it for the kernels' loads and da, db's tensor map: pair_dim % 8 == 0)
     half = msa.dtype in (torch.float16, torch.bfloat16)
     ops = _dtype_name(msa.dtype) if half and not split and c_z % 8 == 0 else "split"
+    g_mem = ab_in_kernel and ops != "split" and _g_mem_runs(B, S, N, c_z, msa.element_size())
     if parts is not None:
         parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("dWo from O", wo_from_o),
-                                 ("da, db", ab_in_kernel), ("LayerNorm", ln_in_kernel)) if k]
+                                 ("da, db", ab_in_kernel and not g_mem), ("da, db from G", g_mem),
+                                 ("LayerNorm", ln_in_kernel)) if k]
     R = B * S * N
     msa_rows = msa.reshape(R, c_m)
     # the kernels take float32, bool and integer masks as they are
@@ -7570,7 +7764,15 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
                                     low_memory and _flag("LOW_MEMORY_SPLIT_J"))
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
-    if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
+    if g_mem:  # G once in memory, then two products in the msa's dtype (da, db rounded to it)
+        G = _ext.opm_backward_g(g_k, wo.to(msa.dtype), inv_d)                          # (B, 32 N, 32 N)
+        v_a, v_b = (t.to(msa.dtype).reshape(B, S, N * c) for t in (a, b))
+        da = (v_b @ G.transpose(1, 2)).view(B, S, N, c)                                # sum_{j,k} b G
+        db = (v_a @ G).view(B, S, N, c)                                                # sum_{i,h} a G
+        del G, v_a, v_b
+        if not ln_in_kernel:
+            da, db = da.to(ct), db.to(ct)
+    elif ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
         da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
                                       low_memory and ops != "split" and ln_in_kernel)
     else:
@@ -7646,8 +7848,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             d_msa_rows[r0:r1] = dx
             del xin, mean, rstd, dy, dx, dlw, dlb
 
-    return (d_msa, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_wa.to(wa.dtype), d_ba.to(ba.dtype),
-            d_wb.to(wb.dtype), d_bb.to(bb.dtype), d_wo.to(wo.dtype), d_bo.to(bo.dtype))
+    d_wo, d_wa, d_wb, d_ln_w, d_ln_b, d_ba, d_bb, d_bo = _converted_together(
+        (d_wo, d_wa, d_wb, d_ln_w, d_ln_b, d_ba, d_bb, d_bo), tuple(t.dtype for t in (wo, wa, wb, ln_w, ln_b, ba, bb, bo)))
+    return d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo
 
 
 # =============================================================================================

@@ -1276,6 +1276,17 @@ def _ldmatrix_x4_trans(smem, rows, cols):
     return regs
 
 
+def _ldmatrix_x4(smem, rows, cols):
+    """ldmatrix.sync.aligned.m8n8.x4.b16 (not transposed), addressed as _ldmatrix_x4_trans: lane T holds
+    (M_i[T / 4][2 (T % 4)], M_i[T / 4][2 (T % 4) + 1])."""
+    regs = [[None] * 4 for _ in range(32)]
+    for i in range(4):
+        M = torch.stack([smem[rows[8 * i + j], cols[8 * i + j]:cols[8 * i + j] + 8] for j in range(8)])
+        for T in range(32):
+            regs[T][i] = (M[T // 4, 2 * (T % 4)], M[T // 4, 2 * (T % 4) + 1])
+    return regs
+
+
 def _mma_m16n8k16(acc, a, b):
     """mma.sync m16n8k16 row.col, fp32 accumulate: a[lane][0..3], b[lane][0..1] (pairs), acc[lane][0..3] per PTX's
     fragment layouts (g = lane / 4, t = lane % 4: a0 A[g][2t..], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..];
@@ -1346,6 +1357,61 @@ def test_wo_kept_kernel_fragments_emulated(P, cz, nt, zt, split):
     zs, hs = slice(z0, min(cz, z0 + 128)), slice(n0, n0 + 128)
     assert torch.allclose(part[zs, hs], want[zs, hs], rtol=1e-12, atol=1e-12)
     assert torch.isnan(part[:, :n0]).all() and torch.isnan(part[:z0]).all()  # nothing outside the tile
+
+
+@pytest.mark.parametrize("N, cz, i, jt", [(37, 24, 5, 0), (200, 136 - 8, 199, 1)])
+def test_g_kernel_fragments_emulated(N, cz, i, jt):
+    """opm_bw_g_kernel's index arithmetic, emulated on the CPU from its source's formulas with PTX's ldmatrix, ldmatrix
+    .trans and m16n8k16 fragment layouts: one block (row i, 128 residues j from 128 jt) writes G[32 i + h, 32 j + k] =
+    inv_denom[i] sum_z g[i, j, z] wo[z, 32 h + k] for every h, k and j < N there and nothing else (partial j tile, c_z
+    not a multiple of 16: rows and z past the ends copied as zeros)."""
+    gen = torch.Generator().manual_seed(N + cz)
+    g = torch.randn(N, N, cz, generator=gen, dtype=torch.float64)
+    wo = torch.randn(cz, 1024, generator=gen, dtype=torch.float64)
+    scale = 0.37
+    kc = -(-cz // 16) * 16
+    ld, j0 = kc + 8, 128 * jt
+    G = torch.full((32 * N, 32 * N), float("nan"), dtype=torch.float64)
+    gs = torch.zeros(128, ld, dtype=torch.float64)
+    for e in range(128 * (kc // 8)):  # g's rows (every thread's items together)
+        r, c = e // (kc // 8), e % (kc // 8)
+        if j0 + r < N and 8 * c < cz:
+            gs[r, 8 * c:8 * c + 8] = g[i, j0 + r, 8 * c:8 * c + 8]
+    lanes = range(32)
+    for hc in range(16):
+        ws = torch.zeros(kc, 72, dtype=torch.float64)
+        for e in range(kc * 8):  # load_wo
+            z, c = e // 8, e % 8
+            if z < cz:
+                ws[z, 8 * c:8 * c + 8] = wo[z, 64 * hc + 8 * c:64 * hc + 8 * c + 8]
+        for w in range(8):
+            wm, wn = w % 4, w // 4
+            acc = [[[[0.0] * 4 for _ in range(32)] for _ in range(4)] for _ in range(2)]  # [mi][nn][lane][4]
+            for ks in range(kc // 16):
+                a = [_ldmatrix_x4(gs, [32 * wm + 16 * mi + 8 * ((l // 8) & 1) + l % 8 for l in lanes],
+                                  [16 * ks + 8 * ((l // 8) >> 1) for l in lanes]) for mi in range(2)]
+                bt = [_ldmatrix_x4_trans(ws, [16 * ks + 8 * ((l // 8) & 1) + l % 8 for l in lanes],
+                                         [32 * wn + 16 * np_ + 8 * ((l // 8) >> 1) for l in lanes]) for np_ in range(2)]
+                b = [[(bt[nn // 2][T][2 * (nn % 2)], bt[nn // 2][T][2 * (nn % 2) + 1]) for T in range(32)]
+                     for nn in range(4)]
+                for mi in range(2):
+                    for nn in range(4):
+                        _mma_m16n8k16(acc[mi][nn], [a[mi][T] for T in range(32)], b[nn])
+            for lane in lanes:  # the stores
+                for mi in range(2):
+                    for hh in range(2):
+                        j = j0 + 32 * wm + 16 * mi + lane // 4 + 8 * hh
+                        if j >= N:
+                            continue
+                        for nn in range(4):
+                            h, k = 2 * hc + wn, 8 * nn + 2 * (lane % 4)
+                            G[32 * i + h, 32 * j + k] = acc[mi][nn][lane][2 * hh] * scale
+                            G[32 * i + h, 32 * j + k + 1] = acc[mi][nn][lane][2 * hh + 1] * scale
+    js = slice(j0, min(N, j0 + 128))
+    want = (g[i, js] @ wo).reshape(-1, 32, 32).permute(1, 0, 2).reshape(32, -1) * scale  # rows h, columns (j, k)
+    got = G[32 * i:32 * i + 32, 32 * j0:32 * min(N, j0 + 128)]
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.isnan(G[:32 * i]).all() and torch.isnan(G[:, :32 * j0]).all()  # nothing outside the block's part
 
 
 def _kept_o_fp64(a, b, scale, dtype):
@@ -1431,6 +1497,39 @@ def test_wo_kept_kernel_against_fp64(opm, P, cz, dtype):
     assert torch.equal(got, opm._ext.opm_backward_wo_kept(g, o))
 
 
+def _step_setup(opm, ref, family, dtype, shape, seed):
+    """(module on outer_wg, msa, mask, grad_out) on the GPU in dtype for a training step: ModelNew (family None) or
+    the family's module with random parameters, a normal msa, a binary mask in dtype, a normal grad_out."""
+    B, S, N, cm, cz = shape
+    gen = torch.Generator().manual_seed(70 + seed)
+    if family:
+        new = opm.FAMILIES[family](cm, cz, 32)
+        _randomise(new, torch.Generator().manual_seed(seed))
+    else:
+        new = _pair(opm, ref, cm, cz, 32, seed=seed)[1]
+    new = new.to(dtype).cuda()
+    new.variant = "outer_wg"  # ("auto" may take fused_small in float16 here)
+    msa = _msa((B, S, N, cm), "normal", gen).to(dtype).cuda()
+    mask = _mask(B, S, N, "binary", gen).cuda().to(dtype)
+    return new, msa, mask, torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+
+
+def _steps_off_on(opm, monkeypatch, flag, new, msa, mask, g):
+    """Two training steps of new with the module attribute flag False, then True: ((last_backward, gradients of msa
+    and every parameter) off, the same on, the names of the CUDA kernels the second step ran)."""
+    def step(on):
+        monkeypatch.setattr(opm, flag, on)
+        x = msa.clone().requires_grad_(True)
+        out = new(x, mask)
+        return new.last_backward, torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
+
+    off = step(False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        on = step(True)
+        torch.cuda.synchronize()
+    return off, on, [e.name for e in prof.events()]
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", [None, "openfold"])
@@ -1442,35 +1541,13 @@ def test_training_step_with_kept_o(opm, ref, monkeypatch, family, dtype, product
     if not _caps(opm)[2]:
         pytest.skip("outer_wg needs a Hopper GPU and an sm_90a build")
     B, S, N, cm, cz = 1, 40, 37, 256, 128
-    gen = torch.Generator().manual_seed(77)
-    if family:
-        new = opm.FAMILIES[family](cm, cz, 32)
-        _randomise(new, torch.Generator().manual_seed(7))
-    else:
-        new = _pair(opm, ref, cm, cz, 32, seed=7)[1]
-    new = new.to(dtype).cuda()
-    msa = _msa((B, S, N, cm), "normal", gen).to(dtype).cuda()
-    mask = _mask(B, S, N, "binary", gen).cuda().to(dtype)
-    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
-
-    new.variant = "outer_wg"  # ("auto" may take fused_small in float16 here)
+    new, msa, mask, g = _step_setup(opm, ref, family, dtype, (B, S, N, cm, cz), 7)
 
     monkeypatch.setattr(opm, "KEEP_O_PRODUCT", product)
 
-    def step(keep):
-        monkeypatch.setattr(opm, "KEEP_O", keep)
-        x = msa.clone().requires_grad_(True)
-        out = new(x, mask)
-        grads = torch.autograd.grad((out * g).sum(), [x] + list(new.parameters()))
-        return new.last_backward, grads
-
-    parts_off, off = step(False)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        parts_on, on = step(True)
-        torch.cuda.synchronize()
+    (parts_off, off), (parts_on, on), kernels = _steps_off_on(opm, monkeypatch, "KEEP_O", new, msa, mask, g)
     assert "dWo" in parts_off and "dWo from O" in parts_on and "dWo" not in parts_on
-    ran = any("opm_bw_wo_kept_kernel" in e.name for e in prof.events())
-    assert ran == (product == "kernel"), [e.name for e in prof.events()]
+    assert any("opm_bw_wo_kept_kernel" in k for k in kernels) == (product == "kernel"), kernels
     names = ["msa"] + [n for n, _ in new.named_parameters()]
     iwo = names.index("out_proj.weight") if "out_proj.weight" in names else names.index("linear_out.weight")
     for i, (w, t) in enumerate(zip(off, on)):
@@ -1491,6 +1568,67 @@ def test_training_step_with_kept_o(opm, ref, monkeypatch, family, dtype, product
     bound = 2 * 2.0**-8 * (g64.abs().t() @ (o64.abs().reshape(-1, 1024) + sub)) + 1e-30
     for got in (on[iwo], off[iwo]):
         assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max().item()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, N, cz", [(1, 37, 24), (2, 130, 128), (1, 129, 120)])
+def test_g_kernel_against_fp64(opm, B, N, cz, dtype):
+    """opm_backward_g (G_MEM): G[b, 32 i + h, 32 j + k] = inv_denom[b, i] sum_z g[b, i, j, z] wo[z, 32 h + k] within one
+    rounding to the dtype (and fp32 summation error) of fp64 from the same 16-bit inputs, every element written
+    (NaN-filled block reused), bit-equal on a second call; partial j tiles, c_z not a multiple of 16, two batches."""
+    if not HAS_CUDA or torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("needs an sm_80+ GPU")
+    gen = torch.Generator().manual_seed(B * 1000 + N + cz)
+    g = torch.randn(B, N, N, cz, generator=gen).to(dtype).cuda()
+    wo = (torch.randn(cz, 1024, generator=gen) * 0.1).to(dtype).cuda()
+    inv_d = (1.0 / torch.randint(1, 50, (B, N), generator=gen).float()).cuda()
+    got = opm._ext.opm_backward_g(g, wo, inv_d)
+    got.fill_(float("nan"))
+    del got
+    got = opm._ext.opm_backward_g(g, wo, inv_d)
+    assert got.dtype == dtype and got.shape == (B, 32 * N, 32 * N)
+
+    def as_g(t):  # (B, N i, N j, 32 h, 32 k) -> rows (i, h), columns (j, k)
+        return (t.reshape(B, N, N, 32, 32) * inv_d.double()[:, :, None, None, None]).permute(0, 1, 3, 2, 4).reshape(
+            B, 32 * N, 32 * N)
+
+    g64, w64 = g.double().reshape(B, N * N, cz), wo.double()
+    want, mag = as_g(g64 @ w64), as_g(g64.abs() @ w64.abs())
+    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    bound = unit * want.abs() + 2.0**-20 * mag + 2.0**-24
+    err = (got.double() - want).abs()
+    assert torch.isfinite(got).all() and (err <= bound).all(), (err / bound).max().item()
+    assert torch.equal(got, opm._ext.opm_backward_g(g, wo, inv_d))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", [None, "openfold"])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_training_step_with_g_mem(opm, ref, monkeypatch, family, dtype, low_memory):
+    """G_MEM on: da, db come from G in memory and two library products ("da, db from G" in last_backward, the G kernel
+    in the profile); dWo and dbo are bit-equal to the step with G_MEM off (opm_bw_ab_kernel), and every other gradient
+    is within the relative error of da, db's rounding to the dtype of it (a transposed or misplaced G would be off by
+    the gradient's size)."""
+    if not _caps(opm)[2]:
+        pytest.skip("outer_wg needs a Hopper GPU and an sm_90a build")
+    B, S, N, cm, cz = 2, 40, 37, 256, 128
+    new, msa, mask, g = _step_setup(opm, ref, family, dtype, (B, S, N, cm, cz), 8)
+    monkeypatch.setattr(opm, "G_MEM_MIN_S", 1)
+    monkeypatch.setattr(opm, "LOW_MEMORY_BACKWARD", low_memory)
+
+    (parts_off, off), (parts_on, on), kernels = _steps_off_on(opm, monkeypatch, "G_MEM", new, msa, mask, g)
+    assert "da, db" in parts_off and "da, db from G" in parts_on and "da, db" not in parts_on
+    assert any("opm_bw_g_kernel" in k for k in kernels) and not any("opm_bw_ab_kernel" in k for k in kernels)
+    names = ["msa"] + [n for n, _ in new.named_parameters()]
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for name, w, t in zip(names, off, on):
+        if "out_proj" in name or "linear_out" in name:
+            assert torch.equal(w, t), name
+        else:
+            rel = ((t.double() - w.double()).norm() / w.double().norm()).item()
+            assert torch.isfinite(t).all() and rel <= tol, (name, rel)
 
 
 @gpu

@@ -1085,7 +1085,14 @@ def test_worker_runs_every_call_against_stand_ins(monkeypatch):
         assert o.shape == (g.shape[0], 1024)
         return torch.zeros(g.shape[-1], 1024)
 
+    def opm_backward_g(g, wo, inv_denom):
+        B, N, _, cz = g.shape
+        assert g.dtype == wo.dtype and g.dtype in (torch.float16, torch.bfloat16) and wo.shape == (cz, 1024)
+        assert g.shape == (B, N, N, cz) and inv_denom.shape == (B, N) and inv_denom.dtype == torch.float32
+        return torch.zeros(B, 32 * N, 32 * N, dtype=g.dtype)
+
     ext = type("Ext", (), {"opm_backward_rows": staticmethod(opm_backward_rows),
+                           "opm_backward_g": staticmethod(opm_backward_g),
                            "opm_backward_wo_kept": staticmethod(opm_backward_wo_kept),
                            "opm_forward": staticmethod(opm_forward),
                            "opm_pair_scale": staticmethod(opm_pair_scale),

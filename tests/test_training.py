@@ -637,6 +637,60 @@ def test_opm_backward_dwo_from_kept_o_pair_modes(kernel_module, norm):
             assert torch.equal(t, w), i
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", [0, 1])
+def test_opm_backward_g_mem_wiring(kernel_module, monkeypatch, dtype, norm):
+    """G_MEM: outer_product_mean_backward with da, db from G in memory (opm_backward_g replaced by its definition in
+    float32 PyTorch ops, the two products in dtype) gives every gradient of the same call with da, db from the
+    chunks (float32) within dtype's rounding of da, db, dWo and dbo within a rounding ("da, db from G" in parts; G
+    asked for from grad_out in dtype, Wo in dtype and float32 1 / denom); not taken with G_MEM off, S under
+    G_MEM_MIN_S or G over G_MEM_MAX_BYTES."""
+    mod = kernel_module("outer_product_mean.py", "outer_product_mean")
+    calls = []
+
+    def opm_backward_g(g, wo, inv_d):
+        calls.append((g.dtype, wo.dtype, inv_d.dtype))
+        B, N, cz = g.shape[0], g.shape[1], g.shape[3]
+        G = (g.float().reshape(B, N * N, cz) @ wo.float()).reshape(B, N, N, 32, 32) * inv_d[:, :, None, None, None]
+        return G.permute(0, 1, 3, 2, 4).reshape(B, 32 * N, 32 * N).to(g.dtype)
+
+    def opm_backward_ab(a, b, inv_d, g_k, wo, ops, low):  # (where G_MEM does not take da, db)
+        calls.append(ops)
+        return torch.zeros_like(a), torch.zeros_like(b)
+
+    monkeypatch.setattr(mod._ext, "opm_backward_g", opm_backward_g, raising=False)
+    monkeypatch.setattr(mod._ext, "opm_backward_ab", opm_backward_ab)
+    monkeypatch.setattr(mod, "G_MEM", True)
+    monkeypatch.setattr(mod, "G_MEM_MIN_S", 4)
+    _, new = _opm_pair(mod, seed=56, c_z=16, c=32)
+    new = new.to(dtype)
+    msa, mask = _opm_inputs(156, dtype)
+    g = torch.randn(2, 7, 7, 16, generator=torch.Generator().manual_seed(256)).to(dtype)
+    params = [p.detach() for p in new.parameters()]
+    eps = new.layer_norm.eps
+    kw = dict(wo_kernel=False, ln_kernel=False, rows_kernel=False, norm=norm, norm_eps=1e-3, pair_kernels=True)
+
+    def backward(ab_kernel):
+        parts = []
+        grads = mod.outer_product_mean_backward(msa, mask, params[0], params[1], eps, *params[2:], g,
+                                                ab_kernel=ab_kernel, parts=parts, **kw)
+        return parts, grads
+
+    parts, got = backward(True)
+    assert parts == ["da, db from G"] and calls == [(dtype, dtype, torch.float32)]
+    _, want = backward(False)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for i, (w, t) in enumerate(zip(want, got)):
+        assert t.dtype == w.dtype == dtype, i
+        rel = ((t.double() - w.double()).norm() / w.double().norm()).item()
+        assert rel <= (2.0**-10 if i >= 7 else tol), (i, rel)  # (d_wo, d_bo: the chunks' in both, up to a rounding)
+    for attr, value in (("G_MEM", False), ("G_MEM_MIN_S", 5), ("G_MEM_MAX_BYTES", 2 * 7 * 7 * 1024 * 2 - 1)):
+        with monkeypatch.context() as m:
+            m.setattr(mod, attr, value)
+            assert backward(True)[0] == ["da, db"], attr
+    assert calls[1:] == [mod._dtype_name(dtype)] * 3
+
+
 def test_opm_model_new_rejects_other_dtypes(opm_cpu):
     mod, _ = opm_cpu
     _, new = _opm_pair(mod, seed=53)

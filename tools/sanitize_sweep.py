@@ -374,6 +374,13 @@ def _opm_keep_o_case():
     return Case("opm_keep_o", "outer_product_mean", "KEEP_O: the kKeepO forwards and opm_bw_wo_kept_kernel", calls)
 
 
+def _opm_g_mem_case():
+    """G_MEM's kernel alone (opm_bw_g_kernel: G in memory; its two products are the library's): a partial j tile and
+    c_z not a multiple of 16 (N 37, c_z 24), two batches with two j tiles, the second partial (N 130, c_z 128)."""
+    calls = [opm_call("opm_g_mem", dt, B, 1, N, 64, 32, cz) for dt, B, N, cz in ((BF16, 1, 37, 24), (F16, 2, 130, 128))]
+    return Case("opm_g_mem", "outer_product_mean", "G_MEM: opm_bw_g_kernel", calls)
+
+
 def _opm_ln_in_place_case():
     """The LayerNorm kernel alone (opm_backward_ln), its blocks' partials written over da, db's rows (consume): at
     msa_dim 128 a partial is 17 chunks of a 16-bit tile's da or db rows (9 tiles) or 9 fp32 ones (5 tiles), so N = R
@@ -443,6 +450,7 @@ OPM_CASES = [
     _opm_pair_walk_case(),
     _opm_low_memory_case(),
     _opm_keep_o_case(),
+    _opm_g_mem_case(),
     _opm_ln_in_place_case(),
     _opm_wo_split_j_case(),
     _opm_ab16_case(),
@@ -715,6 +723,16 @@ def _opm_wo_kept(torch, mod, call, sms):
     _fetch(torch, mod._ext.opm_backward_wo_kept(g, o))
 
 
+def _opm_g_mem(torch, mod, call, sms):
+    """_ext.opm_backward_g alone: g (B, N, N, cz) and wo (cz, 1024) in the call's 16-bit dtype, inv_denom (B, N)."""
+    gen = torch.Generator().manual_seed(_seed(call))
+    B, N, cz, dt = call["B"], call["N"], call["cz"], getattr(torch, call["dtype"])
+    g = torch.randn(B, N, N, cz, generator=gen).to(dt).cuda()
+    wo = torch.randn(cz, 1024, generator=gen).to(dt).cuda()
+    inv_d = torch.rand(B, N, generator=gen).cuda()
+    _fetch(torch, mod._ext.opm_backward_g(g, wo, inv_d))
+
+
 def _opm_ln(torch, mod, call, sms):
     """_ext.opm_backward_ln alone over R = B S N rows: x_in (R, cm) in the call's dtype, da, db (R, 32) in call["dab"],
     the call's mask (make_mask) as (R), float32 LayerNorm and projection weights; da, db consumed where
@@ -768,7 +786,8 @@ def _opm_pair_counts(torch, mod, call, sms):
 _OPS = {"cm_forward": _cm_forward, "cm_backward": _cm_backward, "cm_train": _cm_train, "opm_forward": _opm_forward,
         "opm_backward": _opm_backward, "opm_rows": _opm_rows, "opm_train": _opm_train, "opm_pair": _opm_pair,
         "opm_pair_counts": _opm_pair_counts, "opm_ln": _opm_ln, "opm_wo": _opm_wo, "opm_ab": _opm_ab,
-        "opm_keep_o": _opm_keep_o, "opm_wo_kept": _opm_wo_kept}
+        "opm_keep_o": _opm_keep_o, "opm_wo_kept": _opm_wo_kept,
+        "opm_g_mem": _opm_g_mem}
 
 
 def run_case(torch, case, quick):

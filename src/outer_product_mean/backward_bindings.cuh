@@ -404,6 +404,50 @@ at::Tensor opm_backward_wo_kept(at::Tensor g, at::Tensor o) {
   return out;
 }
 
+// G in memory (G_MEM): g (B, N, N, c_z) and wo (c_z, 1024) float16 or bfloat16 of one dtype, inv_denom (B, N) float32,
+// CUDA, c_z % 8 == 0 and c_z <= 128; returns G (B, 32 N, 32 N) in g's dtype, rows (i, h) and columns (j, k):
+// G[b, 32 i + h, 32 j + k] = inv_denom[b, i] sum_z g[b, i, j, z] wo[z, 32 h + k], rounded once (opm_bw_g_kernel).
+at::Tensor opm_backward_g(at::Tensor g, at::Tensor wo, at::Tensor inv_denom) {
+  const auto gt = g.scalar_type();
+  TORCH_CHECK(g.is_cuda() && wo.device() == g.device() && inv_denom.device() == g.device() &&
+                  (gt == at::kHalf || gt == at::kBFloat16) && wo.scalar_type() == gt &&
+                  inv_denom.scalar_type() == at::kFloat,
+              "outer_product_mean: opm_backward_g takes float16 or bfloat16 CUDA tensors g and wo of one dtype and a "
+              "float32 inv_denom");
+  TORCH_CHECK(g.dim() == 4 && g.size(1) == g.size(2), "outer_product_mean: opm_backward_g: g (B, N, N, c_z), got ",
+              shape_str(g));
+  const int64_t B = g.size(0), N = g.size(1), cz = g.size(3);
+  TORCH_CHECK(cz >= 8 && cz % 8 == 0 && cz <= kGmMaxCz && wo.dim() == 2 && wo.size(0) == cz && wo.size(1) == 1024 &&
+                  inv_denom.numel() == B * N,
+              "outer_product_mean: opm_backward_g: c_z % 8 == 0 up to ", kGmMaxCz, ", wo (c_z, 1024), inv_denom (B, N); "
+              "got g ", shape_str(g), ", wo ", shape_str(wo), ", inv_denom ", shape_str(inv_denom));
+  const c10::cuda::CUDAGuard guard(g.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DevInfo d = dev_info(g.get_device());
+  TORCH_CHECK(d.major >= 8, "outer_product_mean: opm_backward_g needs an sm_80+ GPU (mma.sync m16n8k16)");
+  at::Tensor gc = g.contiguous(), wc = wo.contiguous(), ic = inv_denom.contiguous();
+  if (reinterpret_cast<uintptr_t>(gc.data_ptr()) % 16 != 0) gc = gc.clone();  // 16-byte copies
+  if (reinterpret_cast<uintptr_t>(wc.data_ptr()) % 16 != 0) wc = wc.clone();
+  at::Tensor out = at::empty({B, 32 * N, 32 * N}, gc.options());
+  if (out.numel() == 0) return out;
+  const int64_t JT = cdiv(N, kGmJ), blocks = B * N * JT;
+  TORCH_CHECK(blocks <= INT32_MAX, "outer_product_mean: opm_backward_g: too many blocks");
+  const size_t smem = gm_smem_bytes(static_cast<int>(cz), gc.element_size());
+  if (gt == at::kHalf) {
+    set_smem(opm_bw_g_kernel<__half>, smem, d, "the backward's G kernel");
+    opm_bw_g_kernel<<<static_cast<int>(blocks), kThreads, smem, stream>>>(
+        reinterpret_cast<const __half*>(gc.data_ptr()), reinterpret_cast<const __half*>(wc.data_ptr()),
+        ic.data_ptr<float>(), reinterpret_cast<__half*>(out.data_ptr()), N, static_cast<int>(cz), JT);
+  } else {
+    set_smem(opm_bw_g_kernel<__nv_bfloat16>, smem, d, "the backward's G kernel");
+    opm_bw_g_kernel<<<static_cast<int>(blocks), kThreads, smem, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(gc.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(wc.data_ptr()),
+        ic.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), N, static_cast<int>(cz), JT);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 // The pair modes' (gk, dbo) for the row kernels (opm_pair_grad_kernel): g (..., c_z) float32, float16 or bfloat16
 // and s1 float32 with numel(g) / c_z elements (the pairs, in g's row order), CUDA; gk = s1 g in float32 (to_float)
 // or g's type, g's shape; dbo (c_z) float32 = the sum of s1 g (s2_is_s1: OpenFold) or of g (Boltz) over the rows,

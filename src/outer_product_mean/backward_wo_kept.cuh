@@ -18,16 +18,23 @@ namespace opm {
 // Assumptions: kThreads threads; c_z % 8 == 0; g, o 16-byte aligned; P >= 1; sm_80+.
 // ---------------------------------------------------------------------------------------------
 constexpr int kWkLD = 136, kWkRows = 32;
-// Four 8 x 8 matrices of 16-bit values from shared memory, transposed (ldmatrix .x4.trans): lane l gives the
-// 16-byte aligned address of row l % 8 of matrix l / 8; register i holds matrix i.
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+// Four 8 x 8 matrices of 16-bit values from shared memory (ldmatrix .x4; kTrans: .trans): lane l gives the 16-byte
+// aligned address of row l % 8 of matrix l / 8; register i holds matrix i (lane t: row t / 4, columns 2 (t % 4) and
+// 2 (t % 4) + 1; transposed: column t / 4, rows 2 (t % 4) and 2 (t % 4) + 1).
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
 #else
-  __trap();  // ldmatrix needs sm_75+ (the kernel's mma sm_80+)
+  __trap();  // ldmatrix needs sm_75+ (the kernels' mma sm_80+)
 #endif
 }
 template <typename T>
@@ -76,11 +83,11 @@ __global__ void __launch_bounds__(kThreads, 2) opm_bw_wo_kept_kernel(
       uint32_t a[4][4], b[4][2];
 #pragma unroll
       for (int mz = 0; mz < 4; ++mz)  // matrices (p 0-7, z 0-7), (p 0-7, z 8-15), (p 8-15, z 0-7), (p 8-15, z 8-15)
-        ldmatrix_x4_trans(a[mz], &gs[st][16 * kk + 8 * (m >> 1) + r8][64 * wz + 16 * mz + 8 * (m & 1)]);
+        ldmatrix_x4<true>(a[mz], &gs[st][16 * kk + 8 * (m >> 1) + r8][64 * wz + 16 * mz + 8 * (m & 1)]);
 #pragma unroll
       for (int np = 0; np < 2; ++np) {  // matrices (p 0-7, hk 0-7), (p 8-15, hk 0-7), (p 0-7, hk 8-15), (p 8-15, ..)
         uint32_t t[4];
-        ldmatrix_x4_trans(t, &os[st][16 * kk + 8 * (m & 1) + r8][32 * wn + 16 * np + 8 * (m >> 1)]);
+        ldmatrix_x4<true>(t, &os[st][16 * kk + 8 * (m & 1) + r8][32 * wn + 16 * np + 8 * (m >> 1)]);
         b[2 * np][0] = t[0];
         b[2 * np][1] = t[1];
         b[2 * np + 1][0] = t[2];

@@ -1,7 +1,7 @@
 // outer_product_mean: fused_small, the whole forward in one cooperative launch (small shapes).
 #pragma once
 #include <cooperative_groups.h>
-#include "backward_wo_kept.cuh"
+#include "backward_g.cuh"
 
 namespace opm {
 

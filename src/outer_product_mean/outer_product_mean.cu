@@ -17,6 +17,7 @@
 #include "backward_ab.cuh"
 #include "backward_ln.cuh"
 #include "backward_wo_kept.cuh"
+#include "backward_g.cuh"
 #include "fused_small.cuh"
 #include "pair_norm.cuh"
 #include "launchers.cuh"
@@ -45,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("opm_backward_dbo", torch::wrap_pybind_function(opm::opm_backward_dbo), "backward: d bo, the sum of g");
   m.def("opm_backward_wo_kept", torch::wrap_pybind_function(opm::opm_backward_wo_kept),
         "backward: dWo = g^T o over the forward's kept O, on mma.sync (float32)");
+  m.def("opm_backward_g", torch::wrap_pybind_function(opm::opm_backward_g),
+        "backward: G (B, 32 N, 32 N) in memory, rows (i, h) and columns (j, k), on mma.sync");
   m.def("opm_pair_scale", torch::wrap_pybind_function(opm::opm_pair_scale),
         "a pair mode's (s1, s2) per pair as the forward computes them; counts: 0 fp64 FMA, 1 DMMA, 2 DMMA by a ring");
   m.def("opm_backward_pair_g", torch::wrap_pybind_function(opm::opm_backward_pair_g),

@@ -203,6 +203,13 @@ def _ab_kernel_runs(msa, c, c_z, ct):
     return _wo_kernel_runs(msa, c, c_z, ct) and c_z % 4 == 0
 
 
+def _g_mem_runs(B, S, N, c_z, itemsize):
+    """Whether a backward whose da and db would run in opm_bw_ab_kernel on the 16-bit tensor cores forms G in memory
+    instead (G_MEM): S >= G_MEM_MIN_S, pair_dim <= 128 and G at most G_MEM_MAX_BYTES."""
+    return (_flag("G_MEM") and S >= G_MEM_MIN_S and c_z <= 128
+            and B * N * N * 1024 * itemsize <= G_MEM_MAX_BYTES)
+
+
 def _env_flag(name, default):
     """An on / off setting from the environment variable name: "1" on, "0" off, unset the default; other values
     raise (a misspelt "true" would otherwise turn the setting off in silence)."""
@@ -216,8 +223,8 @@ def _env_flag(name, default):
 
 def _flag(name):
     """The on / off module attribute name (PAIR_G_KERNEL, PAIR_COUNTS_DMMA, PAIR_COUNTS_RING, PAIR_COUNTS_HMMA,
-    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O), which must be True or False: an assigned "0" would otherwise
-    read as on."""
+    LOW_MEMORY_BACKWARD, LOW_MEMORY_SPLIT_J, KEEP_O, G_MEM), which must be True or False: an assigned "0" would
+    otherwise read as on."""
     value = globals()[name]
     if not isinstance(value, bool):
         raise ValueError(f"outer_product_mean: {name} must be True or False, got {value!r}")
@@ -284,7 +291,17 @@ KEEP_O_MAX_BYTES = 256 << 20
 # (opm_backward_wo_kept: mma.sync with fp32 sums, deterministic splits; pair_dim % 8 == 0, else the library's; not yet
 # run on a GPU): OPM_KEEP_O_PRODUCT at import, then this attribute.
 KEEP_O_PRODUCT = os.environ.get("OPM_KEEP_O_PRODUCT", "library")
-# Each of the seven on / off attributes takes only True or False (others raise at the next call that reads it).
+# The backward's da and db over G in memory (G_MEM): where they would run in opm_bw_ab_kernel on the 16-bit tensor
+# cores (a float16 / bfloat16 msa, pair_dim % 8 == 0), S >= G_MEM_MIN_S and G (B, 32 N, 32 N) in the msa's dtype takes
+# at most G_MEM_MAX_BYTES, opm_backward_g writes G once (rows (i, h), columns (j, k)) and da = b G^T, db = a G are two
+# of the library's matrix products in that dtype (the reference's backward rounds the same way), da and db rounded to
+# it. True: G formed once instead of once per product, the products at the library's rate (crop: 128 MiB for G until
+# da, db are formed); False (the default; not yet run on a GPU): opm_bw_ab_kernel. OPM_G_MEM ("1" / "0") at import,
+# then this attribute, read by each backward.
+G_MEM = _env_flag("OPM_G_MEM", False)
+G_MEM_MAX_BYTES = 256 << 20
+G_MEM_MIN_S = 256
+# Each of the eight on / off attributes takes only True or False (others raise at the next call that reads it).
 
 
 def _pair_counts():
@@ -354,6 +371,19 @@ def _free_storage(*tensors):
     for t in tensors:
         if t.untyped_storage().resizable():
             t.untyped_storage().resize_(0)
+
+
+def _converted_together(tensors, dtypes):
+    """tensors[n].to(dtypes[n]), as contiguous views of one concatenation converted at once where every dtype is one
+    and more than one tensor needs converting (two launches instead of one per tensor: the backward's parameters and
+    their gradients), with each view starting 16 bytes after the one before (every numel but the last a multiple of 8,
+    else converted one by one)."""
+    todo = [t.dtype != d for t, d in zip(tensors, dtypes)]
+    if (sum(todo) < 2 or len(set(dtypes)) != 1 or any(t.numel() % 8 for t in tensors[:-1])
+            or len({t.device for t in tensors}) != 1):
+        return tuple(t.to(d) for t, d in zip(tensors, dtypes))
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtypes[0])
+    return tuple(v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors))
 
 
 def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, bo, grad_out,
@@ -429,8 +459,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     c, c_z = wa.shape[0], wo.shape[0]
     ct = torch.promote_types(msa.dtype, torch.float32)
     dev = msa.device
-    lw, lb = ln_w.to(ct), ln_b.to(ct)
-    Wa, Ba, Wb, Bb, Wo = (t.to(ct) for t in (wa, ba, wb, bb, wo))
+    Wo, Wa, Wb, lw, lb, Ba, Bb = _converted_together((wo, wa, wb, ln_w, ln_b, ba, bb), (ct,) * 7)
     itemsize = torch.empty((), dtype=ct).element_size()
     rows_outer, rows_ln = outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes)
 
@@ -452,9 +481,11 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     # in it for the kernels' loads and da, db's tensor map: pair_dim % 8 == 0)
     half = msa.dtype in (torch.float16, torch.bfloat16)
     ops = _dtype_name(msa.dtype) if half and not split and c_z % 8 == 0 else "split"
+    g_mem = ab_in_kernel and ops != "split" and _g_mem_runs(B, S, N, c_z, msa.element_size())
     if parts is not None:
         parts += [n for n, k in (("a, b", rows_in_kernel), ("dWo", wo_in_kernel), ("dWo from O", wo_from_o),
-                                 ("da, db", ab_in_kernel), ("LayerNorm", ln_in_kernel)) if k]
+                                 ("da, db", ab_in_kernel and not g_mem), ("da, db from G", g_mem),
+                                 ("LayerNorm", ln_in_kernel)) if k]
     R = B * S * N
     msa_rows = msa.reshape(R, c_m)
     # the kernels take float32, bool and integer masks as they are
@@ -531,7 +562,15 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
                                     low_memory and _flag("LOW_MEMORY_SPLIT_J"))
     else:
         d_wo = torch.zeros((c_z, c * c), dtype=ct, device=dev)
-    if ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
+    if g_mem:  # G once in memory, then two products in the msa's dtype (da, db rounded to it)
+        G = _ext.opm_backward_g(g_k, wo.to(msa.dtype), inv_d)                          # (B, 32 N, 32 N)
+        v_a, v_b = (t.to(msa.dtype).reshape(B, S, N * c) for t in (a, b))
+        da = (v_b @ G.transpose(1, 2)).view(B, S, N, c)                                # sum_{j,k} b G
+        db = (v_a @ G).view(B, S, N, c)                                                # sum_{i,h} a G
+        del G, v_a, v_b
+        if not ln_in_kernel:
+            da, db = da.to(ct), db.to(ct)
+    elif ab_in_kernel:  # (da, db in the msa's type only for the LayerNorm kernel)
         da, db = _ext.opm_backward_ab(a, b, inv_d, g_k, Wo.contiguous(), ops,
                                       low_memory and ops != "split" and ln_in_kernel)
     else:
@@ -607,8 +646,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             d_msa_rows[r0:r1] = dx
             del xin, mean, rstd, dy, dx, dlw, dlb
 
-    return (d_msa, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_wa.to(wa.dtype), d_ba.to(ba.dtype),
-            d_wb.to(wb.dtype), d_bb.to(bb.dtype), d_wo.to(wo.dtype), d_bo.to(bo.dtype))
+    d_wo, d_wa, d_wb, d_ln_w, d_ln_b, d_ba, d_bb, d_bo = _converted_together(
+        (d_wo, d_wa, d_wb, d_ln_w, d_ln_b, d_ba, d_bb, d_bo), tuple(t.dtype for t in (wo, wa, wb, ln_w, ln_b, ba, bb, bo)))
+    return d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo
 
 
 # =============================================================================================
