@@ -73,7 +73,8 @@ with hidden_dim 32, pair_dim <= 128, wgmma kernels compute dWo and, for pair_dim
 (g / denom) Wo per tile on chip; split TF32, or 16-bit with pair_dim % 8 == 0), and for msa_dim 128 / 256 the
 LayerNorm part; else PyTorch ops build O and G for chunks of rows i (~256 MB). The pair modes run the same kernels on
 s1 g (PAIR_BACKWARD "kernels", the default; "chunks": PyTorch ops). KEEP_O (off): a 16-bit forward also keeps O
-for a one-product dWo. `model.last_backward` names the parts run in kernels. Gradients for msa_repr and every
+for a one-product dWo; G_MEM (off): a 16-bit backward forms G once in memory for two library products (da, db).
+`model.last_backward` names the parts run in kernels. Gradients for msa_repr and every
 parameter, none for the mask; double backward raises.
 
 Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST,
