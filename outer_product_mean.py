@@ -76,8 +76,8 @@ with hidden_dim 32, pair_dim <= 128, wgmma kernels compute dWo and, for pair_dim
 LayerNorm part; else PyTorch ops build O and G for chunks of rows i (~256 MB). The pair modes run the same kernels on
 s1 g (PAIR_BACKWARD "kernels", the default; "chunks": PyTorch ops). KEEP_O (off): a 16-bit forward also keeps O
 for a one-product dWo; G_MEM (off): a 16-bit backward forms G once in memory for two library products (da, db).
-`model.last_backward` names the parts run in kernels. Gradients for msa_repr and every
-parameter, none for the mask; double backward raises.
+`model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter, none for the mask;
+double backward raises.
 
 Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST,
 else the visible GPUs', else 9.0 (as sm_90a), ~2.5 min on 2 cores; OPM_VERBOSE=1: nvcc commands, `-Xptxas -v`.
@@ -7643,7 +7643,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     factor (O / d; s1 O in the pair modes), (B, N, N, c*c) in the msa's dtype, as opm_forward's keep_o returns it, or
     None: where given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product (KEEP_O_PRODUCT:
     the library's in that dtype, the reference's own, or opm_backward_wo_kept; part "dWo from O" in place of "dWo"),
-    and o's storage is freed after it with release_ab.
+    and o's storage is freed after it with release_ab. da, db: where _g_mem_runs holds (G_MEM) instead of their kernel,
+    G (B, 32 N, 32 N) in the msa's dtype by opm_backward_g and two library products in that dtype (part "da, db from
+    G" in place of "da, db").
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r rows
     i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
@@ -8011,7 +8013,8 @@ class ModelNew(_Variants, nn.Module):
     autocast). Differentiable with respect to msa_repr and every parameter; a mask that
     requires grad raises. After a forward last_variant names the variant that ran; after a backward
     last_backward is the tuple of its parts that ran in CUDA kernels (outer_product_mean_backward's
-    parts: "a, b", "dWo", "da, db", "LayerNorm"; () where PyTorch ops computed all).
+    parts: "a, b", "dWo" or "dWo from O", "da, db" or "da, db from G", "LayerNorm"; () where PyTorch ops computed
+    all).
     """
 
     def __init__(self, msa_dim, pair_dim, hidden_dim=32):
