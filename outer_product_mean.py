@@ -7498,9 +7498,10 @@ KEEP_O_PRODUCT = os.environ.get("OPM_KEEP_O_PRODUCT", "library")
 # cores (a float16 / bfloat16 msa, pair_dim % 8 == 0), S >= G_MEM_MIN_S and G (B, 32 N, 32 N) in the msa's dtype takes
 # at most G_MEM_MAX_BYTES, opm_backward_g writes G once (rows (i, h), columns (j, k)) and da = b G^T, db = a G are two
 # of the library's matrix products in that dtype (the reference's backward rounds the same way), da and db rounded to
-# it. True: G formed once instead of once per product, the products at the library's rate (crop: 128 MiB for G until
-# da, db are formed); False (the default; not yet run on a GPU): opm_bw_ab_kernel. OPM_G_MEM ("1" / "0") at import,
-# then this attribute, read by each backward.
+# it. True: G formed once instead of once per product, the products at the library's rate (where hidden_dim is 32,
+# pair_dim <= 128 on Hopper: crop, deep, not long or shallow; crop: 128 MiB for G until da, db are formed;
+# last_backward says "da, db from G"); False (the default, as True has not yet run on a GPU): opm_bw_ab_kernel.
+# OPM_G_MEM ("1" / "0") at import, then this attribute, read by each backward.
 G_MEM = _env_flag("OPM_G_MEM", False)
 G_MEM_MAX_BYTES = 256 << 20
 G_MEM_MIN_S = 256
@@ -7577,10 +7578,10 @@ def _free_storage(*tensors):
 
 
 def _converted_together(tensors, dtypes):
-    """tensors[n].to(dtypes[n]), as contiguous views of one concatenation converted at once where every dtype is one
-    and more than one tensor needs converting (two launches instead of one per tensor: the backward's parameters and
-    their gradients), with each view starting 16 bytes after the one before (every numel but the last a multiple of 8,
-    else converted one by one)."""
+    """tensors[n].to(dtypes[n]): where all dtypes are the same, two or more tensors need converting and all are on one
+    device, contiguous views of one concatenation converted at once (two launches instead of one per tensor: the
+    backward's parameters, used only inside it), each view at a 16-byte aligned offset (every numel but the last a
+    multiple of 8); else each converted on its own. The views share one storage: not for tensors handed out."""
     todo = [t.dtype != d for t, d in zip(tensors, dtypes)]
     if (sum(todo) < 2 or len(set(dtypes)) != 1 or any(t.numel() % 8 for t in tensors[:-1])
             or len({t.device for t in tensors}) != 1):
@@ -7622,43 +7623,41 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     projections) where _rows_kernel_runs holds (rows_kernel None) or rows_kernel is True, elsewhere by
     ATen's LayerNorm (torch.native_layer_norm) and addmm per contiguous chunk of the B*S*N msa rows.
 
-    out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma)
-    where _wo_kernel_runs holds (wo_kernel None) or wo_kernel is True; da and db likewise
-    (opm_bw_ab_kernel: G per tile on chip) where _ab_kernel_runs holds (ab_kernel None) or ab_kernel is
-    True. The chunks below form O where dWo has no kernel and G where da, db have none (none with
-    both). These two kernels run split TF32 (about fp32's precision) for a float32 msa or where split is
-    True; for a float16 / bfloat16 msa they otherwise run on that type's tensor cores (a, b, Wo, g / d
-    and the intermediate O and G rounded to it, where the reference in that dtype rounds a, b, O and
-    its products; fp32 accumulation) and take grad_out in that type, where pair_dim % 8 == 0 (16-byte
-    rows of it; else split TF32 on an fp32 copy). With both, dbo is the column sums of grad_out
-    (opm_colsum_kernel), else the chunks' sums. The rest (the mask, dy, the LayerNorm backward, dWa,
-    dba, dWb, dbb, d_ln_w, d_ln_b) runs in one sweep over the msa rows (opm_bw_ln_kernel: the msa in its dtype, fp32 math,
-    its products split TF32 for a float32 msa and single TF32 for float16 / bfloat16 whatever split
-    says) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in chunks of rows
-    with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's backward
-    calls it under no_grad). parts: a list to which the names of the parts computed by this file's
-    kernels are appended, in this order: "a, b" (given by the forward or by the prep kernel; with `ab`
-    given, "a, b" stands for the forward's kernels), "dWo", "da, db", "LayerNorm", appended before they
-    run (ModelNew.last_backward holds them as a tuple once the call returns). o: the forward's O times the row's
-    factor (O / d; s1 O in the pair modes), (B, N, N, c*c) in the msa's dtype, as opm_forward's keep_o returns it, or
-    None: where given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product (KEEP_O_PRODUCT:
-    the library's in that dtype, the reference's own, or opm_backward_wo_kept; part "dWo from O" in place of "dWo"),
-    and o's storage is freed after it with release_ab. da, db: where _g_mem_runs holds (G_MEM) instead of their kernel,
-    G (B, 32 N, 32 N) in the msa's dtype by opm_backward_g and two library products in that dtype (part "da, db from
-    G" in place of "da, db").
+    out_proj's weight gradient runs in a CUDA kernel (opm_bw_wo_kernel: O per tile on chip, wgmma) where _wo_kernel_runs
+    holds (wo_kernel None) or wo_kernel is True; da and db likewise (opm_bw_ab_kernel: G per tile on chip) where
+    _ab_kernel_runs holds (ab_kernel None) or ab_kernel is True. The chunks below form O where dWo has no kernel and G
+    where da, db have none (none with both). These two kernels run split TF32 (about fp32's precision) for a float32 msa
+    or where split is True; for a float16 / bfloat16 msa they otherwise run on that type's tensor cores (a, b, Wo, g / d
+    and the intermediate O and G rounded to it, where the reference in that dtype rounds a, b, O and its products; fp32
+    accumulation) and take grad_out in that type, where pair_dim % 8 == 0 (16-byte rows of it; else split TF32 on an
+    fp32 copy). With both, dbo is the column sums of grad_out (opm_colsum_kernel), else the chunks' sums. The rest (the
+    mask, dy, the LayerNorm backward, dWa, dba, dWb, dbb, d_ln_w, d_ln_b) runs in one sweep over the msa rows
+    (opm_bw_ln_kernel: the msa in its dtype, fp32 math, its products split TF32 for a float32 msa and single TF32 for
+    float16 / bfloat16 whatever split says) where _ln_kernel_runs holds (ln_kernel None) or ln_kernel is True, else in
+    chunks of rows with ATen's native_layer_norm_backward. Takes detached tensors (the autograd Function's backward
+    calls it under no_grad). parts: a list to which the names of the parts computed by this file's kernels are appended,
+    in this order: "a, b" (given by the forward or by the prep kernel; with `ab` given, "a, b" stands for the forward's
+    kernels), "dWo" (or "dWo from O"), "da, db" (or "da, db from G"), "LayerNorm", appended before they run
+    (ModelNew.last_backward holds them as a tuple once the call returns). o: the forward's O times the row's factor (O /
+    d; s1 O in the pair modes), (B, N, N, c*c) in the msa's dtype, as opm_forward's keep_o returns it, or None: where
+    given and dWo would run in its kernel, dWo = grad_out^T o by one matrix product (KEEP_O_PRODUCT: the library's in
+    that dtype, the reference's own, or opm_backward_wo_kept; part "dWo from O" in place of "dWo"), and o's storage is
+    freed after it with release_ab. da, db: where _g_mem_runs holds (G_MEM) instead of their kernel, G (B, 32 N, 32 N)
+    in the msa's dtype by opm_backward_g and two library products in that dtype (part "da, db from G" in place of "da,
+    db").
 
     Memory: a, b (B, S, N, c) in ct until da, db are formed, da, db to the end; the outer product and G only for r rows
     i at a time (B, r, N, c, c), r from chunk_bytes (at least 1); x is recomputed per chunk of msa rows when needed,
-    never held whole. low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its forward read
-    it), where the kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i tile: 64 MB in
-    fp32 at N = 1024; with LOW_MEMORY_SPLIT_J, chunks of that tile's j blocks instead), not 256; da, db in the msa's
-    16-bit type where the da / db and LayerNorm kernels run on it; the LayerNorm kernel writes its block partials over
-    da, db's rows it has read (no buffer of its own: da, db hold them afterwards). release_ab: the given a, b's storage
-    is freed (resized to 0 bytes, where it is resizable) once da, db are formed, whoever holds them (the autograd
-    Function's saved a, b: a second backward through a retained graph finds them empty and recomputes them). The
-    denominator sums float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the forward kernel
-    does). Returns (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo),
-    each in its tensor's dtype.
+    never held whole; with G_MEM, G whole (at most G_MEM_MAX_BYTES) and a, b in the msa's dtype until da, db are formed.
+    low_memory (default False here; ModelNew's backward passes LOW_MEMORY_BACKWARD as its forward read it), where the
+    kernels run: the dWo kernel's G planes in chunks of 32 MB (at least one 64-residue i tile: 64 MB in fp32 at N =
+    1024; with LOW_MEMORY_SPLIT_J, chunks of that tile's j blocks instead), not 256; da, db in the msa's 16-bit type
+    where the da / db and LayerNorm kernels run on it; the LayerNorm kernel writes its block partials over da, db's rows
+    it has read (no buffer of its own: da, db hold them afterwards). release_ab: the given a, b's storage is freed
+    (resized to 0 bytes, where it is resizable) once da, db are formed, whoever holds them (the autograd Function's
+    saved a, b: a second backward through a retained graph finds them empty and recomputes them). The denominator sums
+    float masks in fp64 and bool / integer masks in int64 (exact for 0/1 masks, as the forward kernel does). Returns
+    (d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo), each in its tensor's dtype.
     """
     B, S, N, c_m = msa.shape
     c, c_z = wa.shape[0], wo.shape[0]
@@ -7851,9 +7850,9 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
             d_msa_rows[r0:r1] = dx
             del xin, mean, rstd, dy, dx, dlw, dlb
 
-    d_wo, d_wa, d_wb, d_ln_w, d_ln_b, d_ba, d_bb, d_bo = _converted_together(
-        (d_wo, d_wa, d_wb, d_ln_w, d_ln_b, d_ba, d_bb, d_bo), tuple(t.dtype for t in (wo, wa, wb, ln_w, ln_b, ba, bb, bo)))
-    return d_msa, d_ln_w, d_ln_b, d_wa, d_ba, d_wb, d_bb, d_wo, d_bo
+    # (one by one: each gradient its own storage, as autograd hands them out as .grad)
+    return (d_msa, d_ln_w.to(ln_w.dtype), d_ln_b.to(ln_b.dtype), d_wa.to(wa.dtype), d_ba.to(ba.dtype),
+            d_wb.to(wb.dtype), d_bb.to(bb.dtype), d_wo.to(wo.dtype), d_bo.to(bo.dtype))
 
 
 # =============================================================================================

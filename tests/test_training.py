@@ -712,6 +712,18 @@ def test_opm_converted_together(kernel_module):
         assert len({g.untyped_storage().data_ptr() for g in got}) == len(got)
 
 
+def test_opm_parameter_grads_own_storage(opm_cpu):
+    """A 16-bit step's parameter gradients (converted from the backward's float32 sums) each have a storage of their
+    own: freeing or resizing one .grad leaves the others alone."""
+    mod, _ = opm_cpu
+    _, new = _opm_pair(mod, seed=58, c_m=16, c_z=16, c=32)  # (every numel a multiple of 8)
+    new = new.to(torch.bfloat16)
+    msa, mask = _opm_inputs(158, torch.bfloat16, c_m=16)
+    new(msa.requires_grad_(True), mask).float().square().sum().backward()
+    ptrs = [p.grad.untyped_storage().data_ptr() for p in new.parameters()]
+    assert all(p.grad.dtype == torch.bfloat16 for p in new.parameters()) and len(set(ptrs)) == len(ptrs)
+
+
 def test_opm_model_new_rejects_other_dtypes(opm_cpu):
     mod, _ = opm_cpu
     _, new = _opm_pair(mod, seed=53)
