@@ -68,14 +68,12 @@ b rounded to the input's dtype as the reference's are, O = a b^T on the 16-bit t
 against fp64: 0.54-0.93x the reference's in that dtype. fused_small reads and writes that dtype too (fp32 inside);
 other variants run the float32 kernels on converted copies; under CUDA autocast, the autocast dtype.
 Training: the backward (outer_product_mean_backward) saves the inputs, and a, b and 1 / denom where outer_wg or
-fused_small ran with hidden_dim 32 (else recomputes them: outer_wg's prep on Hopper, ATen elsewhere). On Hopper
-with hidden_dim 32, pair_dim <= 128, wgmma kernels compute dWo and, for pair_dim % 4 == 0, da and db (O, G =
-(g / denom) Wo per tile on chip; split TF32, or 16-bit with pair_dim % 8 == 0), and for msa_dim 128 / 256 the
-LayerNorm part; else PyTorch ops build O and G for chunks of rows i (~256 MB). The pair modes run the same kernels on
-s1 g (PAIR_BACKWARD "kernels", the default; "chunks": PyTorch ops). KEEP_O (off): a 16-bit forward also keeps O
-for a one-product dWo; G_MEM (off): a 16-bit backward forms G once in memory for two library products (da, db).
-`model.last_backward` names the parts run in kernels. Gradients for msa_repr and every parameter, none for the mask;
-double backward raises.
+fused_small ran with hidden_dim 32 (else recomputes them). On Hopper with hidden_dim 32, pair_dim <= 128, wgmma
+kernels compute dWo and, for pair_dim % 4 == 0, da and db (O, G = (g / denom) Wo per tile on chip; split TF32, or
+16-bit with pair_dim % 8 == 0), and for msa_dim 128 / 256 the LayerNorm part; else PyTorch ops build O and G for
+chunks of rows i (~256 MB). The pair modes run the same kernels on s1 g (PAIR_BACKWARD). Off by default: KEEP_O (a
+16-bit forward keeps O for a one-product dWo), G_MEM (a 16-bit backward forms G once in memory for two library
+products, da and db). `model.last_backward` names the kernel parts; no mask gradient; double backward raises.
 
 Run: `python harness.py outer_product_mean` (`--dtype all --backward`). Build: -O3 -lineinfo for TORCH_CUDA_ARCH_LIST,
 else the visible GPUs', else 9.0 (as sm_90a), ~2.5 min on 2 cores; OPM_VERBOSE=1: nvcc commands, `-Xptxas -v`.
