@@ -7575,16 +7575,13 @@ def _free_storage(*tensors):
             t.untyped_storage().resize_(0)
 
 
-def _converted_together(tensors, dtypes):
-    """tensors[n].to(dtypes[n]): where all dtypes are the same, two or more tensors need converting and all are on one
-    device, contiguous views of one concatenation converted at once (two launches instead of one per tensor: the
-    backward's parameters, used only inside it), each view at a 16-byte aligned offset (every numel but the last a
-    multiple of 8); else each converted on its own. The views share one storage: not for tensors handed out."""
-    todo = [t.dtype != d for t, d in zip(tensors, dtypes)]
-    if (sum(todo) < 2 or len(set(dtypes)) != 1 or any(t.numel() % 8 for t in tensors[:-1])
-            or len({t.device for t in tensors}) != 1):
-        return tuple(t.to(d) for t, d in zip(tensors, dtypes))
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtypes[0])
+def _converted_together(tensors, dtype):
+    """Each tensor .to(dtype): where two or more need converting, contiguous views of one concatenation converted at
+    once (two launches instead of one per tensor), each at a 16-byte aligned offset (every numel but the last a multiple
+    of 8; else converted one by one). The views share one storage: for the backward's own copies of the parameters."""
+    if sum(t.dtype != dtype for t in tensors) < 2 or any(t.numel() % 8 for t in tensors[:-1]):
+        return tuple(t.to(dtype) for t in tensors)
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
     return tuple(v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors))
 
 
@@ -7661,7 +7658,7 @@ def outer_product_mean_backward(msa, mask, ln_w, ln_b, eps, wa, ba, wb, bb, wo, 
     c, c_z = wa.shape[0], wo.shape[0]
     ct = torch.promote_types(msa.dtype, torch.float32)
     dev = msa.device
-    Wo, Wa, Wb, lw, lb, Ba, Bb = _converted_together((wo, wa, wb, ln_w, ln_b, ba, bb), (ct,) * 7)
+    Wo, Wa, Wb, lw, lb, Ba, Bb = _converted_together((wo, wa, wb, ln_w, ln_b, ba, bb), ct)
     itemsize = torch.empty((), dtype=ct).element_size()
     rows_outer, rows_ln = outer_product_mean_rows(B, S, N, c_m, c, c_z, itemsize, chunk_bytes)
 

@@ -692,23 +692,22 @@ def test_opm_backward_g_mem_wiring(kernel_module, monkeypatch, dtype, norm):
 
 
 def test_opm_converted_together(kernel_module):
-    """_converted_together: each tensor converted as t.to(dtype) would (values, shapes, dtypes); where packed (one
-    target dtype, two or more to convert), views of one buffer starting 16-byte aligned; one by one where a numel other
-    than the last is not a multiple of 8, where the targets differ, or where at most one tensor needs converting."""
+    """_converted_together: each tensor converted as t.to(dtype) would (values, shapes, dtypes); where packed (two or
+    more to convert), views of one buffer starting 16-byte aligned; one by one where a numel other than the last is
+    not a multiple of 8 or where at most one tensor needs converting."""
     mod = kernel_module("outer_product_mean.py", "outer_product_mean")
     gen = torch.Generator().manual_seed(57)
     ts = [torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((16, 1024), (32, 24), (24,), (32,), (3,))]
-    got = mod._converted_together(ts, (torch.float32,) * 5)
+    got = mod._converted_together(ts, torch.float32)
     assert all(g.dtype == torch.float32 and g.shape == t.shape and torch.equal(g, t.float()) for g, t in zip(got, ts))
     base = got[0].untyped_storage().data_ptr()
     assert all(g.untyped_storage().data_ptr() == base and g.data_ptr() % 16 == 0 for g in got)  # one buffer
-    back = mod._converted_together(got, (torch.bfloat16,) * 5)
+    back = mod._converted_together(got, torch.bfloat16)
     assert all(torch.equal(b, t) for b, t in zip(back, ts))
-    for tensors, dtypes in (((ts[4], ts[0], ts[1]), (torch.float32,) * 3),           # numel 3 first
-                            (ts[:3], (torch.float32, torch.float16, torch.float32)),  # two targets
-                            ((ts[0], ts[1].float()), (torch.float32,) * 2)):          # one to convert
-        got = mod._converted_together(tensors, dtypes)
-        assert all(torch.equal(g, t.to(d)) and g.dtype == d for g, t, d in zip(got, tensors, dtypes))
+    for tensors in ((ts[4], ts[0], ts[1]),      # numel 3 first
+                    (ts[0], ts[1].float())):    # one to convert
+        got = mod._converted_together(tensors, torch.float32)
+        assert all(torch.equal(g, t.float()) and g.dtype == torch.float32 for g, t in zip(got, tensors))
         assert len({g.untyped_storage().data_ptr() for g in got}) == len(got)
 
 
